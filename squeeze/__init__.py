@@ -1,0 +1,30 @@
+"""squeeze: offline SqueezeLLM compression for Hugging Face causal LMs, with a verifying runtime."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from squeeze.errors import (  # noqa: E402
+    CalibrationError,
+    ConfigError,
+    FormatError,
+    IntegrityError,
+    ModelError,
+    ResourceError,
+    SqueezeError,
+)
+
+from squeeze.api import inspect, verify_model_integrity  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "verify_model_integrity",
+    "inspect",
+    "SqueezeError",
+    "ConfigError",
+    "ModelError",
+    "CalibrationError",
+    "FormatError",
+    "IntegrityError",
+    "ResourceError",
+]

@@ -1,0 +1,100 @@
+"""Shared CLI plumbing: error handling (one line + exit code), consoles, progress bars, JSON output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from squeeze.errors import SqueezeError
+
+#: Human output and progress go to stderr so that stdout carries only data (``--json``) or generated text.
+err_console = Console(stderr=True, highlight=False)
+out_console = Console(highlight=False)
+
+EXIT_INTERRUPTED = 130
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("SQUEEZE_DEBUG", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def cli_errors() -> Iterator[None]:
+    """Turn a SqueezeError into ``Error: ...`` (+ hint) on stderr and its exit code; tracebacks only in debug."""
+    try:
+        yield
+    except SqueezeError as exc:
+        if debug_enabled():
+            raise
+        err_console.print(f"[bold red]Error:[/] {exc.message}", soft_wrap=True)
+        if exc.hint:
+            err_console.print(f"[dim]Hint:[/] {exc.hint}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        err_console.print("[bold red]Error:[/] interrupted")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (typer.Exit, typer.Abort, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must still read as one line, with the way to see more
+        if debug_enabled():
+            raise
+        err_console.print(f"[bold red]Error:[/] internal error: {type(exc).__name__}: {exc}", soft_wrap=True)
+        err_console.print("[dim]Hint:[/] rerun with SQUEEZE_DEBUG=1 for a traceback, and report it")
+        raise typer.Exit(3) from None
+
+
+def print_json(data: Any) -> None:
+    """Write ``data`` as JSON to stdout (and nothing else), for scripts."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def show_progress(enabled: bool) -> bool:
+    """Progress bars only on an interactive stderr, never in ``--json`` mode."""
+    return enabled and err_console.is_terminal
+
+
+BYTE_COLUMNS = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                TimeRemainingColumn())
+STEP_COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+                TimeRemainingColumn())
+
+
+@contextlib.contextmanager
+def progress_bar(
+    description: str, enabled: bool, *, bytes_: bool = False
+) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient rich progress bar on stderr; yields a thread-safe ``progress(done, total)`` or None.
+
+    ``bytes_`` shows sizes and transfer speed (hashing); otherwise N-of-M steps (layers, windows).
+    """
+    if not show_progress(enabled):
+        yield None
+        return
+    columns = BYTE_COLUMNS if bytes_ else STEP_COLUMNS
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update

@@ -1,0 +1,46 @@
+"""``squeeze inspect``: what an artifact holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from squeeze import api
+from squeeze.cli.common import cli_errors, out_console, print_json
+
+
+def inspect(
+    path: Path = typer.Argument(..., help="The artifact directory (or its manifest)."),
+    json_out: bool = typer.Option(False, "--json", help="Print only JSON to stdout."),
+) -> None:
+    """Show files, tensors by role, bits per weight and manifest status (reads headers only)."""
+    with cli_errors():
+        info = api.inspect(path)
+    if json_out:
+        print_json(info.to_dict())
+        return
+    files = Table(title=f"{info.directory}", title_justify="left")
+    files.add_column("file")
+    files.add_column("size", justify="right")
+    files.add_column("in manifest")
+    for entry in info.files:
+        size = "missing" if entry["size"] is None else f"{entry['size']:,}"
+        files.add_row(entry["path"], size, "yes" if entry["listed"] else "[red]no[/]")
+    out_console.print(files)
+    roles = Table(title=f"{info.n_tensors} tensors by role", title_justify="left")
+    roles.add_column("role")
+    roles.add_column("count", justify="right")
+    roles.add_column("bytes", justify="right")
+    for role in info.roles:
+        roles.add_row(role.role, str(role.count), f"{role.bytes:,}")
+    out_console.print(roles)
+    quant = info.quantization or {}
+    if quant:
+        desc = ", ".join(f"{k}={v}" for k, v in quant.items() if k != "modules")
+        out_console.print(f"quantization: {desc}")
+        out_console.print(f"quantized modules: {info.quantized_modules}; bits per weight: {info.bits_per_weight}")
+    else:
+        out_console.print("quantization: none")
+    out_console.print(f"manifest: {info.manifest_status}" + (f"; root digest {info.root_digest}" if info.root_digest else ""))

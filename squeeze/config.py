@@ -1,0 +1,343 @@
+"""Recipes and calibration specs: frozen, versioned dataclasses loaded from YAML; unknown keys are rejected.
+
+A *recipe* says how to compress (weights, KV cache, output); a *calibration spec* says which text to
+calibrate on. Both are resolved from a built-in name (``recipes/NAME.yaml``, ``calibration/NAME.yaml``) or
+a file path, and both hash canonically (``spec_hash``) for the manifest's provenance block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+from squeeze.errors import ConfigError
+
+CONFIG_VERSION = 1
+SUPPORTED_BITS = (2, 3, 4, 8)
+MAX_SPARSE_FRACTION = 0.10
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = _PACKAGE_ROOT / "recipes"
+CALIBRATION_DIR = _PACKAGE_ROOT / "calibration"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """How target linears are quantized."""
+
+    method: Literal["squeeze", "rtn"] = "squeeze"
+    bits: int = 4
+    #: Fraction of weights kept exactly in the sparse part, chosen by sensitivity (Fisher). squeeze only.
+    sensitive_fraction: float = 0.0
+    #: Fraction kept exactly in the sparse part, chosen by magnitude (outliers). squeeze only.
+    outlier_fraction: float = 0.0
+    #: ``fisher``: weight k-means by the diagonal Fisher; ``uniform``: plain k-means (ablation).
+    sensitivity: Literal["fisher", "uniform"] = "fisher"
+    #: RTN only: columns per quantization group; ``None`` = one group per output channel.
+    group_size: int | None = None
+    #: Module-name suffixes of the nn.Linear layers to quantize.
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    #: Module-name substrings never quantized, even when they match a target.
+    ignore: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise ConfigError(
+                f"weights.bits must be one of {list(SUPPORTED_BITS)}, found {self.bits}",
+                hint="use 3 or 4 for SqueezeLLM, 8 for near-lossless",
+            )
+        for name in ("sensitive_fraction", "outlier_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= MAX_SPARSE_FRACTION:
+                raise ConfigError(
+                    f"weights.{name} must be in [0, {MAX_SPARSE_FRACTION}] (0-10%), found {value}",
+                    hint="SqueezeLLM uses 0.0005 sensitive + 0.004 outliers",
+                )
+        if self.sensitive_fraction + self.outlier_fraction > MAX_SPARSE_FRACTION:
+            raise ConfigError(
+                "weights.sensitive_fraction + weights.outlier_fraction must not exceed 0.10, found "
+                f"{self.sensitive_fraction + self.outlier_fraction}"
+            )
+        if self.method == "rtn" and (self.sensitive_fraction or self.outlier_fraction):
+            raise ConfigError(
+                "weights.method rtn has no sparse part, found nonzero sensitive/outlier fractions",
+                hint="set both fractions to 0 or use method: squeeze",
+            )
+        if self.group_size is not None:
+            if self.method != "rtn":
+                raise ConfigError("weights.group_size applies to method rtn only", hint="remove group_size")
+            if self.group_size < 1:
+                raise ConfigError(f"weights.group_size must be >= 1 or null, found {self.group_size}")
+        if not self.targets:
+            raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """KV-cache quantization (calibrated by ``squeeze calibrate-kv``). ``bits: null`` leaves it in fp."""
+
+    bits: int | None = None
+    #: Leading tokens kept in full precision (attention sink).
+    sink_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bits not in (None, 4, 8):
+            raise ConfigError(f"kv_cache.bits must be 4, 8 or null, found {self.bits}")
+        if self.sink_tokens < 0:
+            raise ConfigError(f"kv_cache.sink_tokens must be >= 0, found {self.sink_tokens}")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """How the artifact is written."""
+
+    #: Largest shard, as bytes or a string like "2GB", "500MB" (decimal, as transformers uses).
+    max_shard_size: str = "2GB"
+
+    def __post_init__(self) -> None:
+        parse_size(self.max_shard_size)
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.max_shard_size)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A complete compression recipe."""
+
+    name: str = "custom"
+    version: int = CONFIG_VERSION
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        _check_version(self.version, "recipe")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def spec_hash(self) -> str:
+        return canonical_hash(self.to_dict())
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Which text to calibrate on, and how to cut it into token windows."""
+
+    name: str = "custom"
+    version: int = CONFIG_VERSION
+    #: ``text``: a local UTF-8 text file (``path``); ``hf``: a dataset read with ``datasets`` (``dataset``).
+    source: Literal["text", "hf"] = "text"
+    path: str | None = None
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    field: str = "text"
+    num_samples: int = 32
+    seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_version(self.version, "calibration spec")
+        if self.source == "text" and not self.path:
+            raise ConfigError("calibration source 'text' needs a 'path' to a local text file")
+        if self.source == "hf" and not self.dataset:
+            raise ConfigError("calibration source 'hf' needs a 'dataset' id (e.g. wikitext)")
+        if self.num_samples < 1:
+            raise ConfigError(f"calibration num_samples must be >= 1, found {self.num_samples}")
+        if self.seq_len < 2:
+            raise ConfigError(f"calibration seq_len must be >= 2, found {self.seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+    def spec_hash(self) -> str:
+        return canonical_hash(self.to_dict())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_recipe(name_or_path: str | Path, **overrides: Any) -> Recipe:
+    """Resolve a built-in recipe name (``w4``, ``w3-s045``, ...) or a YAML file into a Recipe.
+
+    ``overrides`` are dotted keys (``weights.bits=3``) applied on top, as CLI flags do.
+    """
+    data = _read_named_yaml(name_or_path, RECIPES_DIR, "recipe")
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        _set_dotted(data, dotted.split("."), value)
+    return from_dict(Recipe, data, "recipe")
+
+
+def load_calibration_spec(name_or_path: str | Path, **overrides: Any) -> CalibrationSpec:
+    """Resolve a built-in spec name, a spec YAML file, or a plain text file into a CalibrationSpec.
+
+    A path to a non-YAML file is taken as calibration text (``source: text``). Relative ``path`` entries
+    inside a spec file resolve against the spec file's directory.
+    """
+    candidate = Path(name_or_path)
+    if candidate.is_file() and candidate.suffix.lower() not in (".yaml", ".yml"):
+        data: dict[str, Any] = {"name": candidate.name, "source": "text", "path": str(candidate.resolve())}
+    else:
+        data = _read_named_yaml(name_or_path, CALIBRATION_DIR, "calibration spec")
+        spec_file = _named_yaml_path(name_or_path, CALIBRATION_DIR)
+        if isinstance(data.get("path"), str) and not Path(data["path"]).is_absolute():
+            data["path"] = str((spec_file.parent / data["path"]).resolve())
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    return from_dict(CalibrationSpec, data, "calibration spec")
+
+
+def builtin_names(directory: Path) -> list[str]:
+    """Names of the built-in YAML files in ``directory`` (recipes or calibration specs)."""
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+def _named_yaml_path(name_or_path: str | Path, directory: Path) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix.lower() in (".yaml", ".yml") or candidate.exists():
+        return candidate
+    return directory / f"{name_or_path}.yaml"
+
+
+def _read_named_yaml(name_or_path: str | Path, directory: Path, what: str) -> dict[str, Any]:
+    path = _named_yaml_path(name_or_path, directory)
+    if not path.is_file():
+        raise ConfigError(
+            f"unknown {what} {str(name_or_path)!r}: no such file and no built-in of that name",
+            hint=f"built-ins: {', '.join(builtin_names(directory)) or '(none)'}; or pass a YAML file path",
+        )
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a YAML mapping, found {type(data).__name__}")
+    return data
+
+
+def _set_dotted(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+
+
+def _check_version(version: int, what: str) -> None:
+    if version != CONFIG_VERSION:
+        raise ConfigError(
+            f"{what} version must be {CONFIG_VERSION}, found {version!r}",
+            hint="this squeeze release reads version 1 files",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generic dict <-> frozen dataclass conversion (strict)
+
+
+def from_dict(cls: type[T], data: Any, where: str) -> T:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types, recursively."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, found {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"{where} has unknown key(s) {', '.join(map(repr, unknown))}",
+            hint=f"allowed keys: {', '.join(sorted(known))}",
+        )
+    kwargs = {key: _coerce(hints[key], value, f"{where}.{key}") for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)  # type: ignore[arg-type]
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where} must be one of {list(allowed)}, found {value!r}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, found {value!r}")
+        return tuple(value)
+    args = get_args(tp)
+    if type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _coerce(inner, value, where)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where} must be of type {getattr(tp, '__name__', tp)}, found {value!r}")
+
+
+def to_plain(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists (for YAML, JSON and hashing)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+def canonical_hash(data: Any) -> str:
+    """SHA-256 of the canonical JSON form (sorted keys, no whitespace) of ``data``."""
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like ``"2GB"``, ``"500MB"``, ``"1GiB"`` (decimal units as transformers)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ConfigError(f"a size must be positive, found {size}")
+        return size
+    match = _SIZE_RE.match(str(size))
+    unit = (match.group(2) or "").upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"cannot read size {size!r}", hint="write it like 2GB, 500MB or 1GiB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"a size must be positive, found {size!r}")
+    return value
+
+
+__all__ = [
+    "CONFIG_VERSION", "SUPPORTED_BITS", "WeightsConfig", "KVCacheConfig", "OutputConfig", "Recipe",
+    "CalibrationSpec", "load_recipe", "load_calibration_spec", "from_dict", "to_plain", "canonical_hash",
+    "parse_size", "replace",
+]

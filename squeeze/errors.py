@@ -1,0 +1,48 @@
+"""The error hierarchy. Every failure a user can cause is a SqueezeError.
+
+Each error carries a one-line message (what was expected, what was found) and an optional hint (how to fix
+it). The CLI prints ``Error: <message>`` then the hint, and exits with ``exit_code``.
+"""
+
+from __future__ import annotations
+
+
+class SqueezeError(Exception):
+    """Base class of all errors squeeze raises on purpose."""
+
+    #: Process exit code the CLI uses for this error: 2 = usage / malformed input, 1 = integrity failure.
+    exit_code: int = 2
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+
+
+class ConfigError(SqueezeError):
+    """A recipe, calibration spec or command-line option is invalid."""
+
+
+class ModelError(SqueezeError):
+    """A model cannot be found, opened, or has nothing to quantize."""
+
+
+class CalibrationError(SqueezeError):
+    """Calibration data is missing, too short, or unreadable."""
+
+
+class FormatError(SqueezeError):
+    """A manifest, index or shard is malformed (cannot even be checked)."""
+
+
+class IntegrityError(SqueezeError):
+    """The artifact's bytes differ from what its manifest signed off (hash, size, missing or extra file)."""
+
+    exit_code = 1
+
+
+class ResourceError(SqueezeError):
+    """Not enough disk or memory for the requested work (checked before it starts)."""

@@ -1,0 +1,112 @@
+"""Streaming SHA-256 of artifact files, in parallel threads, with bounded memory.
+
+Files are opened through ``open_inside`` (never following a symlink, never leaving the artifact) and read
+in fixed-size chunks into one reused buffer per thread; hashlib releases the GIL on large updates, so
+threads hash several files at disk speed. For safetensors files the header bytes are captured from the
+same read, so the header that gets validated is the header that was hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from squeeze.format.paths import open_inside
+from squeeze.format.safetensors_header import MAX_HEADER_BYTES
+
+CHUNK_BYTES = 8 * 2**20
+#: Small files (JSON, tokenizer) are kept in memory after hashing, so they can be parsed from the hashed bytes.
+KEEP_BYTES = 16 * 2**20
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class HashedFile:
+    """The result of reading one file: its size, SHA-256 and, when captured, its leading bytes."""
+
+    path: str
+    size: int
+    sha256: str
+    head: bytes  # the whole file if small (<= KEEP_BYTES), else a safetensors header prefix, else b""
+
+
+def hash_file(root_fd: int, relative: str, on_bytes: Callable[[int], None] | None = None) -> HashedFile:
+    """SHA-256 of ``relative`` under ``root_fd``. Raises OSError / FormatError from ``open_inside``."""
+    fd = open_inside(root_fd, relative)
+    digest = hashlib.sha256()
+    head = bytearray()
+    size = 0
+    want_head = KEEP_BYTES
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    with io.FileIO(fd, "rb", closefd=True) as handle:
+        file_size = os.fstat(fd).st_size
+        keep_all = file_size <= KEEP_BYTES
+        if not keep_all and relative.endswith(".safetensors"):
+            want_head = 8 + MAX_HEADER_BYTES  # trimmed below once the real header length is known
+        elif not keep_all:
+            want_head = 0
+        while True:
+            count = handle.readinto(buffer)
+            if not count:
+                break
+            chunk = view[:count]
+            digest.update(chunk)
+            if len(head) < want_head:
+                head += chunk[: want_head - len(head)]
+                if not keep_all and len(head) >= 8:
+                    want_head = min(want_head, 8 + int.from_bytes(head[:8], "little"))
+                    del head[want_head:]
+            size += count
+            if on_bytes is not None:
+                on_bytes(count)
+    return HashedFile(path=relative, size=size, sha256=digest.hexdigest(), head=bytes(head))
+
+
+class ByteCounter:
+    """Thread-safe running byte count reported to a ``progress(done, total)`` callback."""
+
+    def __init__(self, total: int, progress: ProgressFn | None) -> None:
+        self.total = total
+        self.done = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def __call__(self, count: int) -> None:
+        with self._lock:
+            self.done += count
+            done = self.done
+        if self._progress is not None:
+            self._progress(done, self.total)
+
+
+def default_workers(n_files: int) -> int:
+    return max(1, min(n_files, 8, (os.cpu_count() or 2) * 2))
+
+
+def hash_files(
+    root_fd: int,
+    paths: Iterable[str],
+    total_bytes: int,
+    *,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, HashedFile | BaseException]:
+    """Hash ``paths`` in parallel threads; per path, the HashedFile or the exception that stopped it."""
+    paths = list(paths)
+    counter = ByteCounter(total_bytes, progress)
+
+    def one(path: str) -> HashedFile | BaseException:
+        try:
+            return hash_file(root_fd, path, counter)
+        except Exception as exc:  # noqa: BLE001 - reported against that file; the others still get checked
+            return exc
+
+    with ThreadPoolExecutor(max_workers=workers or default_workers(len(paths))) as pool:
+        return dict(zip(paths, pool.map(one, paths)))

@@ -1,0 +1,246 @@
+"""``squeeze.manifest.json``: what an artifact holds, byte for byte (specified in docs/format.md).
+
+The manifest lists every file of the artifact (relative POSIX path, size, SHA-256), a root digest over
+those entries, the tool that wrote it, and the provenance of the artifact. Parsing is strict: duplicate
+JSON keys, unknown versions, missing or mistyped fields and unsafe paths all raise FormatError.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from squeeze.errors import FormatError
+from squeeze.format.atomic import atomic_write_text
+from squeeze.format.paths import check_relative_path
+
+MANIFEST_NAME = "squeeze.manifest.json"
+MANIFEST_FORMAT = "squeeze.manifest"
+MANIFEST_VERSION = 1
+#: A manifest larger than this is refused unread (a real one is a few KB per thousand files).
+MAX_MANIFEST_BYTES = 64 * 2**20
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_TOP_KEYS = {"format", "format_version", "tool", "created", "files", "root_digest", "provenance"}
+_FILE_KEYS = {"path", "size", "sha256"}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of the artifact as signed off."""
+
+    path: str
+    size: int
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where an artifact came from. Fields are None when not applicable (e.g. an example artifact)."""
+
+    source_model: str | None = None
+    source_digest: str | None = None
+    recipe_hash: str | None = None
+    calibration_hash: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source_model": self.source_model,
+            "source_digest": self.source_digest,
+            "recipe_hash": self.recipe_hash,
+            "calibration_hash": self.calibration_hash,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest."""
+
+    files: tuple[FileEntry, ...]
+    root_digest: str
+    tool_version: str
+    created: str
+    provenance: Provenance = field(default_factory=Provenance)
+    format_version: int = MANIFEST_VERSION
+
+    def entry_map(self) -> dict[str, FileEntry]:
+        return {entry.path: entry for entry in self.files}
+
+    @property
+    def total_size(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "format_version": self.format_version,
+            "tool": {"name": "squeeze", "version": self.tool_version},
+            "created": self.created,
+            "files": [entry.to_dict() for entry in self.files],
+            "root_digest": self.root_digest,
+            "provenance": self.provenance.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=True) + "\n"
+
+
+def root_digest(entries: list[FileEntry] | tuple[FileEntry, ...]) -> str:
+    """SHA-256 over the entries sorted by path: ``path NUL size NUL sha256 LF`` each (UTF-8).
+
+    NUL cannot occur in a valid path, so the encoding is unambiguous.
+    """
+    digest = hashlib.sha256()
+    for entry in sorted(entries, key=lambda e: e.path.encode("utf-8")):
+        digest.update(f"{entry.path}\x00{entry.size}\x00{entry.sha256}\n".encode())
+    return digest.hexdigest()
+
+
+def build_manifest(entries: list[FileEntry], provenance: Provenance | None = None) -> Manifest:
+    """A new manifest over ``entries`` (sorted by path), stamped with this tool's version and the time."""
+    from squeeze import __version__
+
+    ordered = tuple(sorted(entries, key=lambda e: e.path.encode("utf-8")))
+    seen: set[str] = set()
+    for entry in ordered:
+        check_relative_path(entry.path, "manifest entry")
+        if entry.path in seen:
+            raise FormatError(f"manifest entry {entry.path!r} listed twice")
+        seen.add(entry.path)
+    created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return Manifest(
+        files=ordered,
+        root_digest=root_digest(ordered),
+        tool_version=__version__,
+        created=created,
+        provenance=provenance or Provenance(),
+    )
+
+
+def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
+    """Write ``manifest`` atomically as ``directory/squeeze.manifest.json``; returns its path."""
+    path = Path(directory) / MANIFEST_NAME
+    atomic_write_text(path, manifest.to_json())
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Strict parsing
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise FormatError(f"duplicate JSON key {key!r}")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise FormatError(f"non-standard JSON constant {name}")
+
+
+def strict_json_loads(data: bytes | str, what: str) -> Any:
+    """json.loads that rejects duplicate keys, NaN/Infinity and invalid UTF-8, raising FormatError."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
+    except FormatError as exc:
+        raise FormatError(f"{what}: {exc.message}") from None
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise FormatError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise FormatError(f"{where} lacks the field {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise FormatError(f"{where}: field {key!r} must be {expected}, found {type(value).__name__}")
+    return value
+
+
+def parse_manifest(data: bytes | str, name: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate manifest bytes; raises FormatError naming the problem."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{name} is {len(data)} bytes, larger than the {MAX_MANIFEST_BYTES} byte limit")
+    obj = strict_json_loads(data, name)
+    if not isinstance(obj, dict):
+        raise FormatError(f"{name} must hold a JSON object, found {type(obj).__name__}")
+    if obj.get("format") != MANIFEST_FORMAT:
+        raise FormatError(f"{name}: field 'format' must be {MANIFEST_FORMAT!r}, found {obj.get('format')!r}")
+    version = _field(obj, "format_version", int, name)
+    if version != MANIFEST_VERSION:
+        raise FormatError(
+            f"{name}: unknown format_version {version} (this squeeze reads version {MANIFEST_VERSION})",
+            hint="upgrade squeeze to read newer artifacts",
+        )
+    unknown = sorted(set(obj) - _TOP_KEYS)
+    if unknown:
+        raise FormatError(f"{name}: unknown field(s) {', '.join(map(repr, unknown))}")
+    tool = _field(obj, "tool", dict, name)
+    tool_version = _field(tool, "version", str, f"{name} tool")
+    created = _field(obj, "created", str, name)
+    raw_files = _field(obj, "files", list, name)
+    digest = _field(obj, "root_digest", str, name)
+    if not _SHA256_RE.match(digest):
+        raise FormatError(f"{name}: root_digest must be 64 lowercase hex digits, found {digest[:80]!r}")
+    files: list[FileEntry] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_files):
+        where = f"{name} files[{i}]"
+        if not isinstance(raw, dict):
+            raise FormatError(f"{where} must be an object, found {type(raw).__name__}")
+        extra = sorted(set(raw) - _FILE_KEYS)
+        if extra:
+            raise FormatError(f"{where}: unknown field(s) {', '.join(map(repr, extra))}")
+        path = check_relative_path(_field(raw, "path", str, where), where)
+        if path == MANIFEST_NAME:
+            raise FormatError(f"{where}: the manifest cannot list itself")
+        if path in seen:
+            raise FormatError(f"{where}: path {path!r} is listed twice")
+        seen.add(path)
+        size = _field(raw, "size", int, where)
+        if size < 0:
+            raise FormatError(f"{where}: size must be >= 0, found {size}")
+        sha = _field(raw, "sha256", str, where)
+        if not _SHA256_RE.match(sha):
+            raise FormatError(f"{where}: sha256 must be 64 lowercase hex digits, found {sha[:80]!r}")
+        files.append(FileEntry(path, size, sha))
+    prov_raw = _field(obj, "provenance", dict, name)
+    provenance = Provenance(
+        source_model=_optional_str(prov_raw, "source_model", name),
+        source_digest=_optional_str(prov_raw, "source_digest", name),
+        recipe_hash=_optional_str(prov_raw, "recipe_hash", name),
+        calibration_hash=_optional_str(prov_raw, "calibration_hash", name),
+        extra=prov_raw.get("extra", {}) if isinstance(prov_raw.get("extra", {}), dict) else {},
+    )
+    return Manifest(
+        files=tuple(files),
+        root_digest=digest,
+        tool_version=tool_version,
+        created=created,
+        provenance=provenance,
+        format_version=version,
+    )
+
+
+def _optional_str(obj: dict[str, Any], key: str, where: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise FormatError(f"{where}: provenance field {key!r} must be a string or null")
+    return value

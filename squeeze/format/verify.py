@@ -1,0 +1,284 @@
+"""Integrity verification of an artifact against its manifest, and sealing a new artifact with one.
+
+``verify_artifact`` checks, without ever opening a path outside the artifact directory:
+the manifest parses and is self-consistent (root digest); every listed file exists, is a regular file
+(no symlinks), has the listed size and SHA-256; no file is present that the manifest does not list;
+safetensors headers fit their files; the shard index names only listed shards and exactly the tensors
+those shards hold. A malformed manifest raises FormatError; everything else lands in the report.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from squeeze.errors import FormatError, SqueezeError
+from squeeze.format.hashing import HashedFile, ProgressFn, hash_files
+from squeeze.format.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    Provenance,
+    build_manifest,
+    parse_manifest,
+    root_digest,
+    strict_json_loads,
+    write_manifest,
+)
+from squeeze.format.paths import _OPEN_DIR, open_inside, walk_artifact
+from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header
+from squeeze.format.shards import INDEX_NAME
+
+
+@dataclass
+class FileResult:
+    """The verdict on one file (listed, or found on disk without being listed)."""
+
+    path: str
+    ok: bool
+    error: str | None = None
+    size: int | None = None
+    sha256: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "error": self.error, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass
+class VerifyReport:
+    """Everything ``verify_model_integrity`` found. ``ok`` is True only if every check passed."""
+
+    artifact_dir: str
+    manifest_path: str
+    root_digest: str
+    files: list[FileResult] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # artifact-level problems (root digest, index)
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(result.ok for result in self.files)
+
+    @property
+    def failures(self) -> list[FileResult]:
+        return [result for result in self.files if not result.ok]
+
+    def first_error(self) -> str | None:
+        """One line describing the first problem found, for error messages."""
+        if self.problems:
+            return self.problems[0]
+        bad = self.failures
+        return f"{bad[0].path}: {bad[0].error}" if bad else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "artifact_dir": self.artifact_dir,
+            "manifest": self.manifest_path,
+            "root_digest": self.root_digest,
+            "files": [result.to_dict() for result in self.files],
+            "problems": list(self.problems),
+            "bytes_hashed": self.bytes_hashed,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+def resolve_manifest_path(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """(artifact directory, manifest path) from either of them; FormatError when there is no manifest."""
+    path = Path(path)
+    if path.is_dir():
+        directory, manifest = path, path / MANIFEST_NAME
+    else:
+        directory, manifest = path.parent, path
+        if path.name != MANIFEST_NAME and path.exists():
+            raise FormatError(
+                f"{path} is not a squeeze manifest (expected a file named {MANIFEST_NAME})",
+                hint="pass the artifact directory or its squeeze.manifest.json",
+            )
+    if manifest.is_symlink():
+        raise FormatError(f"{manifest} is a symbolic link; the manifest must be a regular file")
+    if not manifest.is_file():
+        raise FormatError(
+            f"no manifest at {manifest}", hint="pass the artifact directory or its squeeze.manifest.json"
+        )
+    return directory, manifest
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Read and parse ``directory/squeeze.manifest.json`` without following symlinks."""
+    root_fd = os.open(directory, _OPEN_DIR)
+    try:
+        fd = open_inside(root_fd, MANIFEST_NAME)
+    except OSError as exc:
+        raise FormatError(f"cannot open {directory / MANIFEST_NAME}: {exc.strerror}") from None
+    finally:
+        os.close(root_fd)
+    with os.fdopen(fd, "rb") as handle:
+        return parse_manifest(handle.read(), str(directory / MANIFEST_NAME))
+
+
+def verify_artifact(
+    path: str | os.PathLike[str], *, workers: int | None = None, progress: ProgressFn | None = None
+) -> VerifyReport:
+    """Verify the artifact at ``path`` (its directory or manifest). Raises FormatError if unreadable."""
+    started = time.perf_counter()
+    directory, manifest_path = resolve_manifest_path(path)
+    manifest = read_manifest(directory)
+    report = VerifyReport(str(directory), str(manifest_path), manifest.root_digest)
+    if root_digest(manifest.files) != manifest.root_digest:
+        report.problems.append(
+            f"{MANIFEST_NAME}: root digest does not match the listed entries (manifest edited after signing)"
+        )
+    expected = manifest.entry_map()
+    on_disk = _scan(directory, report)
+    for path_on_disk in sorted(set(on_disk) - set(expected)):
+        report.files.append(FileResult(path_on_disk, False, "extra file not listed in the manifest"))
+    to_hash: list[str] = []
+    already_failed = {result.path for result in report.files}  # symlinks and special files
+    for entry in manifest.files:
+        info = on_disk.get(entry.path)
+        if info is None and entry.path in already_failed:
+            continue
+        if info is None:
+            report.files.append(FileResult(entry.path, False, "missing"))
+        elif info.st_size != entry.size:
+            word = "truncated" if info.st_size < entry.size else "grown"
+            report.files.append(
+                FileResult(entry.path, False, f"{word}: {info.st_size} bytes, manifest says {entry.size}", info.st_size)
+            )
+        else:
+            to_hash.append(entry.path)
+    hashed = _hash_listed(directory, to_hash, sum(expected[p].size for p in to_hash), workers, progress)
+    headers: dict[str, SafetensorsHeader] = {}
+    for relative in to_hash:
+        outcome = hashed[relative]
+        report.files.append(_judge(expected[relative], outcome, headers))
+        if isinstance(outcome, HashedFile):
+            report.bytes_hashed += outcome.size
+    index = hashed.get(INDEX_NAME)
+    if isinstance(index, HashedFile):
+        _check_index(index, expected, headers, report)
+    report.files.sort(key=lambda r: r.path)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
+    """Regular files under ``directory`` (lstat); symlinks and special files are reported as failures."""
+    found: dict[str, os.stat_result] = {}
+    for relative, info in walk_artifact(directory):
+        if relative == MANIFEST_NAME:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            target = os.readlink(directory / relative)
+            report.files.append(
+                FileResult(relative, False, f"symbolic link to {target!r}; artifacts may not contain links")
+            )
+        elif not stat.S_ISREG(info.st_mode):
+            report.files.append(FileResult(relative, False, "not a regular file"))
+        else:
+            found[relative] = info
+    return found
+
+
+def _hash_listed(
+    directory: Path, paths: list[str], total: int, workers: int | None, progress: ProgressFn | None
+) -> dict[str, HashedFile | BaseException]:
+    root_fd = os.open(directory, _OPEN_DIR)
+    try:
+        return hash_files(root_fd, paths, total, workers=workers, progress=progress)
+    finally:
+        os.close(root_fd)
+
+
+def _judge(entry: FileEntry, outcome: HashedFile | BaseException, headers: dict[str, SafetensorsHeader]) -> FileResult:
+    if isinstance(outcome, BaseException):
+        return FileResult(entry.path, False, _describe_error(outcome))
+    if outcome.size != entry.size:
+        return FileResult(entry.path, False, f"size changed while reading: {outcome.size} bytes, manifest says {entry.size}",
+                          outcome.size, outcome.sha256)
+    if outcome.sha256 != entry.sha256:
+        return FileResult(entry.path, False, f"SHA-256 mismatch: {outcome.sha256[:16]}..., manifest says {entry.sha256[:16]}...",
+                          outcome.size, outcome.sha256)
+    if entry.path.endswith(".safetensors"):
+        try:
+            headers[entry.path] = parse_safetensors_header(outcome.head, outcome.size, entry.path)
+        except FormatError as exc:
+            return FileResult(entry.path, False, exc.message.removeprefix(f"{entry.path}: "), outcome.size, outcome.sha256)
+    return FileResult(entry.path, True, None, outcome.size, outcome.sha256)
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        return "a path component is a symbolic link; artifacts may not contain links"
+    if isinstance(exc, OSError):
+        return f"cannot read: {exc.strerror or exc}"
+    if isinstance(exc, SqueezeError):
+        return exc.message
+    return f"cannot read: {exc}"
+
+
+def _check_index(index: HashedFile, expected: dict[str, FileEntry], headers: dict[str, SafetensorsHeader],
+                 report: VerifyReport) -> None:
+    """The shard index must name listed shards and exactly the tensors each shard holds."""
+    try:
+        body = strict_json_loads(index.head, INDEX_NAME)
+        weight_map = body["weight_map"] if isinstance(body, dict) else None
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{INDEX_NAME} lacks a 'weight_map' object")
+    except (FormatError, KeyError) as exc:
+        report.problems.append(exc.message if isinstance(exc, FormatError) else f"{INDEX_NAME} lacks 'weight_map'")
+        return
+    by_shard: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or shard not in expected:
+            report.problems.append(f"{INDEX_NAME}: tensor {tensor!r} points to {shard!r}, not a file of the manifest")
+            return
+        by_shard.setdefault(shard, set()).add(tensor)
+    for shard, names in sorted(by_shard.items()):
+        header = headers.get(shard)
+        if header is not None and set(header.tensors) != names:
+            missing = sorted(names - set(header.tensors))[:3]
+            extra = sorted(set(header.tensors) - names)[:3]
+            report.problems.append(
+                f"{INDEX_NAME}: shard {shard} does not hold what the index says (missing {missing}, unlisted {extra})"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sealing
+
+
+def seal_artifact(
+    directory: str | os.PathLike[str], provenance: Provenance | None = None, *,
+    workers: int | None = None, progress: ProgressFn | None = None,
+) -> Manifest:
+    """Hash every file under ``directory`` and write its manifest atomically (the artifact's commit point).
+
+    Refuses symlinks, special files and leftover temp files, so a sealed artifact always verifies.
+    """
+    directory = Path(directory)
+    report = VerifyReport(str(directory), "", "")
+    files = _scan(directory, report)
+    if report.files:
+        bad = report.files[0]
+        raise FormatError(f"cannot seal {directory}: {bad.path}: {bad.error}")
+    partial = [p for p in files if p.rsplit("/", 1)[-1].startswith(".") and p.endswith(".partial")]
+    if partial:
+        raise FormatError(f"cannot seal {directory}: unfinished temp file {partial[0]}")
+    hashed = _hash_listed(directory, sorted(files), sum(i.st_size for i in files.values()), workers, progress)
+    entries = []
+    for relative, outcome in sorted(hashed.items()):
+        if isinstance(outcome, BaseException):
+            raise FormatError(f"cannot seal {directory}: {relative}: {_describe_error(outcome)}")
+        entries.append(FileEntry(relative, outcome.size, outcome.sha256))
+    manifest = build_manifest(entries, provenance)
+    write_manifest(directory, manifest)
+    return manifest
+

@@ -1,0 +1,121 @@
+import json
+
+import pytest
+
+from squeeze.errors import FormatError
+from squeeze.format.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Provenance,
+    build_manifest,
+    parse_manifest,
+    root_digest,
+)
+
+SHA = "a" * 64
+
+
+def valid_manifest(**overrides):
+    manifest = build_manifest([FileEntry("b.txt", 3, SHA), FileEntry("a/c.bin", 5, "b" * 64)], Provenance("m"))
+    data = manifest.to_dict()
+    data.update(overrides)
+    return data
+
+
+def test_round_trip_and_sorted_entries():
+    manifest = build_manifest([FileEntry("z", 1, SHA), FileEntry("a", 2, SHA)])
+    again = parse_manifest(manifest.to_json())
+    assert again == manifest
+    assert [e.path for e in again.files] == ["a", "z"]
+    assert again.created.endswith("Z")
+
+
+def test_root_digest_golden():
+    # sha256(b"a\x002\x00" + "a"*64 + b"\n")
+    entries = [FileEntry("a", 2, SHA)]
+    import hashlib
+
+    assert root_digest(entries) == hashlib.sha256(b"a\x002\x00" + SHA.encode() + b"\n").hexdigest()
+    assert root_digest(entries + [FileEntry("b", 0, SHA)]) == root_digest([FileEntry("b", 0, SHA)] + entries)
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("../evil", "'..'"),
+        ("a/../../evil", "'..'"),
+        ("/etc/passwd", "absolute"),
+        ("a\x00b", "NUL"),
+        ("a\\b", "backslash"),
+        ("a//b", "empty"),
+        ("./a", "'.'"),
+        ("", "non-empty"),
+    ],
+)
+def test_unsafe_paths_are_rejected(path, message):
+    data = valid_manifest()
+    data["files"][0]["path"] = path
+    with pytest.raises(FormatError, match=message):
+        parse_manifest(json.dumps(data))
+
+
+def test_name_listed_twice_is_rejected():
+    data = valid_manifest()
+    data["files"][1]["path"] = data["files"][0]["path"]
+    with pytest.raises(FormatError, match="listed twice"):
+        parse_manifest(json.dumps(data))
+
+
+def test_duplicate_json_keys_are_rejected():
+    text = json.dumps(valid_manifest())
+    text = text.replace('"format_version": 1', '"format_version": 1, "format_version": 1', 1)
+    with pytest.raises(FormatError, match="duplicate JSON key 'format_version'"):
+        parse_manifest(text)
+
+
+@pytest.mark.parametrize("blob", [b"not json", b"\xff\xfe", b"[1, 2]", b"", b'{"format": NaN}'])
+def test_not_json_is_rejected(blob):
+    with pytest.raises(FormatError):
+        parse_manifest(blob)
+
+
+def test_unknown_version_is_rejected():
+    with pytest.raises(FormatError, match="unknown format_version 2"):
+        parse_manifest(json.dumps(valid_manifest(format_version=2)))
+
+
+@pytest.mark.parametrize("field", ["format_version", "files", "root_digest", "tool", "provenance", "created"])
+def test_missing_fields_are_rejected(field):
+    data = valid_manifest()
+    del data[field]
+    with pytest.raises(FormatError, match=f"lacks the field '{field}'"):
+        parse_manifest(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["files"][0].update(size=-1), "size must be >= 0"),
+        (lambda d: d["files"][0].update(size="3"), "must be int"),
+        (lambda d: d["files"][0].update(size=True), "must be int"),
+        (lambda d: d["files"][0].update(sha256="XYZ"), "64 lowercase hex"),
+        (lambda d: d["files"][0].update(extra=1), "unknown field"),
+        (lambda d: d.update(surprise=1), "unknown field"),
+        (lambda d: d.update(root_digest="0" * 63), "root_digest"),
+        (lambda d: d.update(format="other"), "field 'format'"),
+        (lambda d: d["files"].append("x"), "must be an object"),
+        (lambda d: d["files"][0].update(path=MANIFEST_NAME), "cannot list itself"),
+    ],
+)
+def test_mistyped_fields_are_rejected(mutate, message):
+    data = valid_manifest()
+    mutate(data)
+    with pytest.raises(FormatError, match=message):
+        parse_manifest(json.dumps(data))
+
+
+def test_oversized_manifest_is_refused_unread():
+    from squeeze.format import manifest as module
+
+    with pytest.raises(FormatError, match="larger than"):
+        parse_manifest(b" " * (module.MAX_MANIFEST_BYTES + 1))
