@@ -5,18 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub are imported
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from squeeze.format import Provenance, seal_artifact, write_shards
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from squeeze.format import Provenance, seal_artifact, write_shards  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("SQUEEZE_SHARED", REPO.parent / "shared"))
 STORIES = SHARED / "models" / "stories260K"
 CORPORA = SHARED / "corpora"
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def require_shared(path: Path) -> Path:
@@ -26,14 +28,52 @@ def require_shared(path: Path) -> Path:
     return path
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
+def _one_torch_thread(request: pytest.FixtureRequest):
+    """Run tiny-model tests on one thread (restored afterwards; slow-marked tests keep all threads).
+
+    stories260K's matmuls take microseconds; with 2 OpenMP threads on a shared, busy machine every op can
+    wait a scheduler tick for a descheduled peer thread (measured: 3.5 s instead of 0.1 s per call).
+    """
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    return require_shared(STORIES)
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"stories260K not found at {STORIES} (../shared is absent)")
+    return STORIES
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
+def stories(stories_dir: Path):
+    """(model, tokenizer) of stories260K, loaded once per session. Tests must not modify it."""
+    from squeeze.models import load_model, resolve_model
+
+    return load_model(resolve_model(str(stories_dir)))
+
+
+@pytest.fixture(scope="session")
 def corpora_dir() -> Path:
     return require_shared(CORPORA)
+
+
+@pytest.fixture(scope="session")
+def tinystories_file() -> Path:
+    return require_shared(CORPORA / "tinystories_sample.txt")
+
+
+@pytest.fixture(scope="session")
+def tinystories_text(tinystories_file: Path) -> str:
+    return tinystories_file.read_text(encoding="utf-8")
 
 
 def make_artifact(directory: Path, max_shard_bytes: int = 3000) -> Path:

@@ -1,0 +1,158 @@
+"""Diagonal Fisher information of target linears: SqueezeLLM's per-weight sensitivity.
+
+F[w] = sum over calibration windows of (dL/dw)^2, where L is the mean next-token cross-entropy of a window.
+Only the target weights require grad, and each gradient is squared into an fp32 accumulator the moment
+autograd produces it (a post-accumulate-grad hook), then dropped: at no point does a second full copy of
+the target gradients exist next to the accumulators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from squeeze.errors import ConfigError
+from squeeze.models.modes import eval_mode, input_device
+
+Progress = Callable[[int, int], None]
+
+
+def fisher_information(
+    model: nn.Module,
+    windows: torch.Tensor,
+    modules: Mapping[str, nn.Linear],
+    *,
+    batch_size: int = 1,
+    accumulator_device: torch.device | str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, torch.Tensor]:
+    """Diagonal Fisher of each target linear's weight over ``windows`` (int64 ``(n, T)``).
+
+    Returns ``{name: F}`` with ``F`` fp32, shaped like ``modules[name].weight`` (``(out, in)``), on
+    ``accumulator_device`` (default: the weight's device). With ``batch_size == 1`` (the default, as
+    SqueezeLLM) ``F = sum_i (dL_i/dW)^2`` over windows ``i``, the per-sample empirical Fisher. With
+    ``batch_size > 1`` each term is the square of the gradient of the batch's mean loss: cheaper, but an
+    approximation (cross terms between windows are included and the scale shrinks roughly by the batch
+    size; only relative values matter downstream).
+
+    The model runs in eval mode (no dropout); its ``training`` flag and every parameter's ``requires_grad``
+    are restored when this returns (or raises), and the target weights are left with ``.grad = None`` (a
+    stale ``.grad`` is cleared first, or it would be summed into the first window's gradient).
+    """
+    if windows.ndim != 2 or windows.dtype != torch.long:
+        raise ConfigError(f"Fisher windows must be an int64 tensor (n, T), found {windows.dtype} "
+                          f"{tuple(windows.shape)}", hint="build them with calibration_windows()")
+    n, seq_len = windows.shape
+    if n < 1 or seq_len < 2:
+        raise ConfigError(f"Fisher needs at least one window of >= 2 tokens, found shape {(n, seq_len)}")
+    if batch_size < 1:
+        raise ConfigError(f"Fisher batch_size must be >= 1, found {batch_size}")
+    if not modules:
+        raise ConfigError("Fisher needs at least one target linear, found none",
+                          hint="pass the result of find_target_linears()")
+    own = {id(p) for p in model.parameters()}
+    foreign = [name for name, mod in modules.items() if id(mod.weight) not in own]
+    if foreign:
+        # A weight that is not a parameter of `model` never receives a gradient: F would silently be 0.
+        raise ConfigError(f"target linear(s) {foreign[:3]} are not part of the model passed to fisher_information",
+                          hint="find the targets on the same model instance")
+
+    weights = {name: mod.weight for name, mod in modules.items()}
+    device = input_device(model)
+    # Leave any caller's inference_mode/no_grad first: accumulators and inputs made inside inference mode
+    # would be inference tensors, which cannot be updated in place or take part in autograd.
+    with torch.inference_mode(False), torch.enable_grad():
+        fisher = {
+            name: torch.zeros(w.shape, dtype=torch.float32,
+                              device=w.device if accumulator_device is None else accumulator_device)
+            for name, w in weights.items()
+        }
+        if windows.is_inference():
+            windows = windows.clone()
+        with _only_targets_require_grad(model, weights.values()), eval_mode(model), \
+                _square_and_drop_hooks(weights, fisher):
+            _run_windows(model, windows, batch_size, device, progress)
+    return fisher
+
+
+def _run_windows(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
+                 progress: Progress | None) -> None:
+    """Forward + backward over int64 ``windows (n, T)`` in batches; the hooks do the accumulation."""
+    n = windows.shape[0]
+    done = 0
+    for start in range(0, n, batch_size):
+        batch = windows[start:start + batch_size].to(device)  # (B, T)
+        _window_loss(model, batch).backward()
+        done += batch.shape[0]
+        if progress is not None:
+            progress(done, n)
+
+
+def _window_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of int64 ``ids (B, T)`` over the ``B * (T - 1)`` predictions."""
+    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+    # Shift by building labels rather than slicing logits: logits[:, :-1] is non-contiguous for B > 1 and
+    # reshaping it would copy the whole (B, T, V) tensor; an ignored last label costs nothing.
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    # Upcast for low-precision models so the log-softmax is computed in fp32 (a no-op for fp32 logits).
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+@contextmanager
+def _only_targets_require_grad(model: nn.Module, targets: Iterable[nn.Parameter]) -> Iterator[None]:
+    # Freezing everything else means autograd computes no weight gradient for embeddings, norms, lm_head
+    # (a large (V, d) matmul saved per window) or untargeted linears; activations' gradients are still
+    # propagated where a target lies below them.
+    saved = [(p, p.requires_grad) for p in model.parameters()]
+    target_ids = {id(w) for w in targets}
+    try:
+        for p, _ in saved:
+            p.requires_grad_(id(p) in target_ids)
+        yield
+    finally:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+
+@contextmanager
+def _square_and_drop_hooks(weights: Mapping[str, nn.Parameter], fisher: Mapping[str, torch.Tensor]
+                           ) -> Iterator[None]:
+    # One hook per distinct parameter: a weight shared by two target names (tied linears) must feed both
+    # accumulators from the same gradient, not have the first hook drop it before the second runs.
+    by_param: dict[int, tuple[nn.Parameter, list[torch.Tensor]]] = {}
+    for name, w in weights.items():
+        by_param.setdefault(id(w), (w, []))[1].append(fisher[name])
+
+    def make_hook(accumulators: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:  # pragma: no cover - autograd calls this hook only after accumulating a grad
+                return
+            for acc in accumulators:
+                g = grad.to(device=acc.device, dtype=torch.float32)  # no-op for fp32 on the same device
+                acc.addcmul_(g, g)  # acc += grad**2 without allocating grad**2
+            # Drop the gradient now, so that its memory is free for the backward of the layers below.
+            param.grad = None
+
+        return hook
+
+    handles = []
+    try:
+        for w, accumulators in by_param.values():
+            # A stale .grad would be summed into the first window's gradient before the hook sees it.
+            w.grad = None
+            handles.append(w.register_post_accumulate_grad_hook(make_hook(accumulators)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for w, _ in by_param.values():
+            w.grad = None
+
+
+__all__ = ["fisher_information"]
