@@ -1,0 +1,128 @@
+import pytest
+
+from squeeze.config import (
+    RECIPES_DIR,
+    CalibrationSpec,
+    Recipe,
+    WeightsConfig,
+    builtin_names,
+    load_calibration_spec,
+    load_recipe,
+    parse_size,
+)
+from squeeze.errors import ConfigError
+
+
+def test_builtin_recipes_all_load():
+    names = builtin_names(RECIPES_DIR)
+    assert {"w4", "w4-s045", "w3", "w3-s045", "rtn-w4", "rtn-w3"} <= set(names)
+    for name in names:
+        recipe = load_recipe(name)
+        assert recipe.name == name
+
+
+def test_w3_s045_matches_squeezellm_defaults():
+    w = load_recipe("w3-s045").weights
+    assert (w.method, w.bits, w.sensitive_fraction, w.outlier_fraction) == ("squeeze", 3, 0.0005, 0.004)
+
+
+def test_overrides_apply_dotted_keys():
+    recipe = load_recipe("w4", **{"weights.bits": 3, "output.max_shard_size": "10MB", "weights.group_size": None})
+    assert recipe.weights.bits == 3 and recipe.output.max_shard_bytes == 10_000_000
+
+
+def test_unknown_keys_are_rejected(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("version: 1\nweights:\n  bits: 4\n  colour: blue\n")
+    with pytest.raises(ConfigError, match="unknown key.*'colour'"):
+        load_recipe(path)
+    path.write_text("version: 1\nextra: 1\n")
+    with pytest.raises(ConfigError, match="unknown key.*'extra'"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("bits", [1, 5, 16])
+def test_unsupported_bits(bits):
+    with pytest.raises(ConfigError, match="weights.bits must be one of"):
+        WeightsConfig(bits=bits)
+
+
+@pytest.mark.parametrize("fraction", [-0.01, 0.11, 1.0])
+def test_sparsity_outside_range(fraction):
+    with pytest.raises(ConfigError, match=r"\[0, 0.1\]"):
+        WeightsConfig(outlier_fraction=fraction)
+
+
+def test_rtn_rejects_sparse_fractions_and_squeeze_rejects_groups():
+    with pytest.raises(ConfigError, match="no sparse part"):
+        WeightsConfig(method="rtn", outlier_fraction=0.01)
+    with pytest.raises(ConfigError, match="group_size applies to method rtn"):
+        WeightsConfig(method="squeeze", group_size=128)
+
+
+def test_wrong_types_and_literals():
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_recipe("w4", **{"weights.method": "gptq"})
+    with pytest.raises(ConfigError, match="must be of type int"):
+        load_recipe("w4", **{"weights.bits": "four"})
+
+
+def test_unknown_recipe_lists_builtins():
+    with pytest.raises(ConfigError) as info:
+        load_recipe("w5")
+    assert "w3-s045" in (info.value.hint or "")
+
+
+def test_recipe_is_frozen_and_hash_is_stable():
+    recipe = load_recipe("w4")
+    with pytest.raises(AttributeError):
+        recipe.name = "x"  # type: ignore[misc]
+    assert recipe.spec_hash() == load_recipe("w4").spec_hash()
+    assert recipe.spec_hash() != load_recipe("w3").spec_hash()
+    assert Recipe().to_dict()["weights"]["targets"][0] == "q_proj"
+
+
+def test_yaml_round_trip(tmp_path):
+    recipe = load_recipe("w3-s045")
+    path = tmp_path / "again.yaml"
+    path.write_text(recipe.to_yaml())
+    assert load_recipe(path) == recipe
+
+
+def test_plain_text_file_becomes_a_text_spec(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello")
+    spec = load_calibration_spec(text, num_samples=4)
+    assert spec.source == "text" and spec.path == str(text.resolve()) and spec.num_samples == 4
+
+
+def test_spec_paths_resolve_against_the_spec_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "spec.yaml"
+    path.write_text("version: 1\nsource: text\npath: ../data.txt\n")
+    assert load_calibration_spec(path).path == str((tmp_path / "data.txt").resolve())
+
+
+def test_builtin_calibration_specs_load():
+    for name in ("sotu", "text", "wikitext2-train", "c4"):
+        assert load_calibration_spec(name).name == name
+
+
+def test_calibration_spec_errors():
+    with pytest.raises(ConfigError, match="needs a 'path'"):
+        CalibrationSpec(source="text")
+    with pytest.raises(ConfigError, match="num_samples must be >= 1"):
+        CalibrationSpec(path="x", num_samples=0)
+    with pytest.raises(ConfigError, match="version must be 1"):
+        CalibrationSpec(path="x", version=2)
+
+
+@pytest.mark.parametrize("text, value", [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30), (1234, 1234), ("10 kb", 10_000)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "big", "-1GB", "0", "3XB"])
+def test_parse_size_errors(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
