@@ -1,0 +1,80 @@
+"""SqueezeLLM quantization of one weight matrix: dense-and-sparse split + sensitivity-weighted LUT.
+
+1. Optionally move the most sensitive (largest Fisher) and largest-magnitude weights to a sparse part that
+   stores them exactly (:func:`squeeze.quant.sparse.select_sparse`).
+2. Per output row, fit ``2**bits`` centroids by 1-D k-means weighted by the Fisher (uniform weights when
+   there is none), with ZERO weight at the sparse positions so outliers do not drag centroids.
+3. Store the centroids as a float16 LUT; every code is the nearest *stored* (float16) centroid.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from squeeze.errors import ConfigError
+from squeeze.quant.kmeans import weighted_kmeans_1d
+from squeeze.quant.packing import SUPPORTED_BITS, pack_codes
+from squeeze.quant.qweight import LUT_DTYPE, LutWeight
+from squeeze.quant.sparse import SparseCSR, select_sparse
+
+
+def quantize_lut(
+    weight: Tensor,
+    fisher: Tensor | None,
+    bits: int,
+    sensitive_fraction: float = 0.0,
+    outlier_fraction: float = 0.0,
+    *,
+    seed: int = 0,
+) -> LutWeight:
+    """Quantize weight (R, N) to a LutWeight.
+
+    Args:
+        weight: float (R, N), any float dtype; clustered in float32, sparse values kept in its own dtype.
+        fisher: float (R, N) nonnegative sensitivities (diagonal Fisher), or None for plain k-means. With
+            None the sensitive part of the split is empty (see :func:`select_sparse`).
+        bits: 2, 3, 4 or 8.
+        sensitive_fraction, outlier_fraction: fractions of all weights kept exactly in the sparse part.
+        seed: passed to the k-means (which is deterministic; kept for API stability).
+
+    Returns:
+        LutWeight with lut float16 (R, 2**bits), packed codes, and the sparse part (None when it is empty).
+    """
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ConfigError(f"bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
+        raise ConfigError(f"weight must be a 2-D floating-point tensor, found {found}")
+    if fisher is not None:
+        if not isinstance(fisher, Tensor) or fisher.shape != weight.shape or not fisher.is_floating_point():
+            found = f"{fisher.dtype} {tuple(fisher.shape)}" if isinstance(fisher, Tensor) else type(fisher).__name__
+            raise ConfigError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
+    weight = weight.detach()
+    w32 = weight.to(torch.float32)
+
+    mask = None
+    if sensitive_fraction > 0 or outlier_fraction > 0:
+        mask = select_sparse(weight, fisher, sensitive_fraction, outlier_fraction)
+    sensitivity = fisher.detach().to(torch.float32) if fisher is not None else torch.ones_like(w32)
+    if mask is not None:
+        sensitivity = sensitivity.masked_fill(mask, 0.0)  # sparse weights are stored exactly: ignore them
+
+    # centroid_dtype: centroids are rounded to float16 before the codes are assigned, so each code is the
+    # nearest entry of the LUT as stored.
+    centroids, codes = weighted_kmeans_1d(
+        w32, sensitivity, 1 << bits, seed=seed, centroid_dtype=LUT_DTYPE, codes_dtype=torch.uint8
+    )
+    sparse = None
+    if mask is not None and bool(mask.any()):
+        sparse = SparseCSR.from_mask(mask, weight)
+    return LutWeight(
+        bits=bits,
+        in_features=int(weight.shape[1]),
+        packed=pack_codes(codes, bits),
+        lut=centroids.to(LUT_DTYPE),
+        sparse=sparse,
+    )
+
+
+__all__ = ["quantize_lut"]

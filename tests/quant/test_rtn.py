@@ -1,0 +1,110 @@
+"""Round-to-nearest baseline: error bound, fp16-consistent round trip, groups, constant rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from squeeze.errors import ConfigError, FormatError
+from squeeze.quant.qweight import RtnWeight
+from squeeze.quant.rtn import rtn_quantize
+
+
+def layer(rows: int = 6, cols: int = 172, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * 0.02
+
+
+def per_column(t: torch.Tensor, group_size: int | None, n: int) -> torch.Tensor:
+    gs = group_size or n
+    return t.float().repeat_interleave(gs, dim=1)[:, :n]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [None, 64, 32, 172, 500])
+def test_error_is_at_most_half_a_step(bits: int, group_size: int | None) -> None:
+    w = layer()
+    q = rtn_quantize(w, bits, group_size)
+    G = 1 if group_size is None else -(-172 // group_size)  # 64 -> 3 groups, the last one partial (44)
+    assert q.scales.shape == (6, G) and q.zeros.shape == (6, G)
+    assert q.scales.dtype == torch.float16 and q.zeros.dtype == torch.float16
+    z = q.zeros.float()
+    assert torch.equal(z, z.round()) and (z >= 0).all() and (z <= 2**bits - 1).all()
+    err = (q.dequantize() - w).abs()
+    bound = per_column(q.scales, group_size, 172) / 2
+    assert bool((err <= bound * (1 + 1e-5) + 1e-12).all())
+
+
+def test_dequantize_uses_the_stored_fp16_scales() -> None:
+    w = layer()
+    q = rtn_quantize(w, 4, 64)
+    codes = q.codes().float()
+    expected = (codes - per_column(q.zeros, 64, 172)) * per_column(q.scales, 64, 172)
+    assert torch.equal(q.dequantize(), expected)
+    assert q.dequantize(torch.float16).dtype == torch.float16
+
+
+def test_constant_and_zero_rows() -> None:
+    w = torch.zeros(4, 10)
+    w[1] = 0.5
+    w[2] = -0.25
+    w[3, :5] = 3.0  # two groups of 5: one constant non-zero, one all zeros
+    q = rtn_quantize(w, 3, 5)
+    deq = q.dequantize()
+    assert torch.equal(deq[0], torch.zeros(10))  # all-zero groups are exact (scale 1, zero 0)
+    assert torch.equal(deq[3, 5:], torch.zeros(5))
+    assert torch.isfinite(q.scales.float()).all() and (q.scales.float() > 0).all()
+    err = (deq - w).abs()
+    assert bool((err <= per_column(q.scales, 5, 10) / 2 * (1 + 1e-5)).all())
+
+
+def test_storage_bits_and_tensor_round_trip() -> None:
+    w = layer(4, 172)
+    q = rtn_quantize(w, 3, 64)
+    assert q.storage_bits() == 4 * 65 * 8 + 2 * (4 * 3 * 16)  # packed + fp16 scales + fp16 zeros
+    tensors = q.to_tensors("model.layers.0.mlp.up_proj")
+    assert sorted(tensors) == [
+        "model.layers.0.mlp.up_proj.weight_packed",
+        "model.layers.0.mlp.up_proj.weight_scales",
+        "model.layers.0.mlp.up_proj.weight_zeros",
+    ]
+    back = RtnWeight.from_tensors(tensors, "model.layers.0.mlp.up_proj", bits=3, in_features=172, group_size=64)
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_from_tensors_rejects_bad_tensors() -> None:
+    q = rtn_quantize(layer(4, 172), 4, 64)
+    good = q.to_tensors("m")
+
+    def load(**changes: torch.Tensor | None) -> RtnWeight:
+        tensors = dict(good)
+        for role, value in changes.items():
+            if value is None:
+                del tensors[f"m.{role}"]
+            else:
+                tensors[f"m.{role}"] = value
+        return RtnWeight.from_tensors(tensors, "m", bits=4, in_features=172, group_size=64)
+
+    with pytest.raises(FormatError, match="missing tensor m.weight_scales"):
+        load(weight_scales=None)
+    with pytest.raises(FormatError, match=r"m.weight_scales: expected torch.float16 \(4, 3\), found torch.float32"):
+        load(weight_scales=q.scales.float())
+    with pytest.raises(FormatError, match=r"m.weight_zeros: expected torch.float16 \(4, 3\), found .* \(4, 2\)"):
+        load(weight_zeros=q.zeros[:, :2])
+    with pytest.raises(FormatError, match="integers"):
+        load(weight_zeros=q.zeros + 0.5)
+    with pytest.raises(FormatError, match="m.weight_packed"):
+        load(weight_packed=q.packed[:, :-1])
+    with pytest.raises(FormatError, match="group_size"):
+        RtnWeight.from_tensors(good, "m", bits=4, in_features=172, group_size=0)
+
+
+def test_bad_arguments_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="bits"):
+        rtn_quantize(layer(), 5)
+    with pytest.raises(ConfigError, match="group_size"):
+        rtn_quantize(layer(), 4, 0)
+    with pytest.raises(ConfigError, match="2-D"):
+        rtn_quantize(torch.zeros(3), 4)
+    with pytest.raises(ConfigError, match="NaN"):
+        rtn_quantize(torch.tensor([[float("nan"), 1.0]]), 4)
