@@ -14,12 +14,15 @@ from squeeze.errors import (  # noqa: E402
     SqueezeError,
 )
 
-from squeeze.api import inspect, verify_model_integrity  # noqa: E402
+from squeeze.api import compress, evaluate, inspect, load, verify_model_integrity  # noqa: E402
 
 __all__ = [
     "__version__",
     "verify_model_integrity",
     "inspect",
+    "compress",
+    "evaluate",
+    "load",
     "SqueezeError",
     "ConfigError",
     "ModelError",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from squeeze import __version__
+from squeeze.cli import compress as compress_cmd
+from squeeze.cli import eval as eval_cmd
 from squeeze.cli import inspect as inspect_cmd
 from squeeze.cli import verify as verify_cmd
 
@@ -28,10 +30,28 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
 ) -> None:
     """Compress Hugging Face LLMs with SqueezeLLM, verify the artifact, and run it."""
+    quiet_third_party_progress()
 
 
+app.command("compress", short_help="Compress a model into a verified artifact (SqueezeLLM or RTN).")(compress_cmd.compress)
+app.command("eval", short_help="Perplexity of a model or artifact, with a baseline side by side.")(eval_cmd.eval_)
 app.command("verify", short_help="Check an artifact against its manifest (exit 0 intact, 1 tampered, 2 malformed).")(verify_cmd.verify)
 app.command("inspect", short_help="Show what an artifact holds.")(inspect_cmd.inspect)
+
+
+def quiet_third_party_progress() -> None:
+    """transformers/datasets draw their own tqdm bars on stderr; squeeze shows its own (or JSON only)."""
+    import os
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # transformers is a dependency; this only guards broken installs of it
+        pass
 
 
 def main() -> None:

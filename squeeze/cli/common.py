@@ -98,3 +98,20 @@ def progress_bar(
             progress.update(task, completed=done, total=total)
 
         yield update
+
+
+@contextlib.contextmanager
+def stage_progress(enabled: bool, labels: dict[str, str]) -> Iterator[Callable[[str, int, int], None] | None]:
+    """One N-of-M bar per pipeline stage, created on the stage's first report; yields ``progress(stage, done, total)``."""
+    if not show_progress(enabled):
+        yield None
+        return
+    with Progress(*STEP_COLUMNS, console=err_console) as progress:
+        tasks: dict[str, Any] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(labels.get(stage, stage), total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        yield update

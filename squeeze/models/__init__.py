@@ -9,6 +9,7 @@ from squeeze.models.source import (
     SourceKind,
     hub_cache_dir,
     load_model,
+    load_tokenizer,
     model_files,
     resolve_model,
     source_digest,
@@ -16,6 +17,6 @@ from squeeze.models.source import (
 from squeeze.models.targets import find_target_linears
 
 __all__ = [
-    "BUILTIN_MODELS", "ModelSource", "SourceKind", "hub_cache_dir", "load_model", "model_files",
+    "BUILTIN_MODELS", "ModelSource", "SourceKind", "hub_cache_dir", "load_model", "load_tokenizer", "model_files",
     "resolve_model", "source_digest", "find_target_linears", "eval_mode", "input_device",
 ]

@@ -249,7 +249,7 @@ def load_model(
 
     GGUF weights are dequantized by transformers (needs the ``gguf`` package) into ``dtype``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, object] = {"local_files_only": True}
     if source.gguf_file is not None:
@@ -269,15 +269,25 @@ def load_model(
             hint="check that the directory is a complete causal-LM checkpoint (config.json + weights) "
                  "that this transformers version supports",
         ) from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **kwargs)
-    except Exception as exc:  # noqa: BLE001
-        raise ModelError(
-            f"cannot load the tokenizer of {where}: {type(exc).__name__}: {_first_line(exc)}",
-            hint="the model directory needs its tokenizer files (tokenizer.json / tokenizer.model)",
-        ) from exc
+    tokenizer = load_tokenizer(source)
     model.eval()
     return model, tokenizer
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, offline (for GGUF, read from the file's metadata)."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, object] = {"local_files_only": True}
+    if source.gguf_file is not None:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(str(source.directory), **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(
+            f"cannot load the tokenizer of {source.path}: {type(exc).__name__}: {_first_line(exc)}",
+            hint="the model directory needs its tokenizer files (tokenizer.json / tokenizer.model)",
+        ) from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -287,5 +297,5 @@ def _first_line(exc: BaseException) -> str:
 
 __all__ = [
     "SourceKind", "ModelSource", "BUILTIN_MODELS", "resolve_model", "hub_cache_dir", "model_files",
-    "source_digest", "load_model",
+    "source_digest", "load_model", "load_tokenizer",
 ]

