@@ -1,0 +1,1 @@
+"""The compress pipeline: preflight checks, then calibration -> Fisher -> quantization -> sealed artifact."""
