@@ -36,6 +36,7 @@ from squeeze.models.targets import find_target_linears
 from squeeze.quant.nuq import quantize_lut
 from squeeze.quant.qweight import QuantizedWeight
 from squeeze.quant.rtn import rtn_quantize
+from squeeze.quant.sparse import select_sparse
 
 FORMAT_VERSION = 1
 #: progress(stage, done, total); stages: "fisher", "quantize".
@@ -160,13 +161,22 @@ def _parent(output: Path) -> Path:
     return parent
 
 
-def quantize_module(weight: torch.Tensor, fisher: torch.Tensor | None, recipe: Recipe, seed: int) -> QuantizedWeight:
-    """Quantize one (out, in) fp32 weight as ``recipe.weights`` says."""
+def quantize_module(
+    weight: torch.Tensor, fisher: torch.Tensor | None, recipe: Recipe, seed: int, timings: dict[str, float] | None = None
+) -> QuantizedWeight:
+    """Quantize one (out, in) fp32 weight as ``recipe.weights`` says; adds "sparse"/"kmeans"/"rtn" seconds to ``timings``."""
     w = recipe.weights
+    timings = {} if timings is None else timings
     if w.method == "rtn":
-        return rtn_quantize(weight, w.bits, w.group_size)
-    return quantize_lut(weight, fisher if w.sensitivity == "fisher" else None, w.bits,
-                        w.sensitive_fraction, w.outlier_fraction, seed=seed)
+        with _stage(timings, "rtn"):
+            return rtn_quantize(weight, w.bits, w.group_size)
+    fisher = fisher if w.sensitivity == "fisher" else None
+    mask = None
+    if w.sensitive_fraction or w.outlier_fraction:
+        with _stage(timings, "sparse"):
+            mask = select_sparse(weight, fisher, w.sensitive_fraction, w.outlier_fraction)
+    with _stage(timings, "kmeans"):
+        return quantize_lut(weight, fisher, w.bits, w.sensitive_fraction, w.outlier_fraction, seed=seed, mask=mask)
 
 
 def _write_tensors(
@@ -179,7 +189,7 @@ def _write_tensors(
     n_weights = storage_bits = 0
     seen: set[int] = set()
     done = 0
-    with ShardWriter(staging, recipe.output.max_shard_bytes, metadata={"squeeze_format_version": str(FORMAT_VERSION)}) as writer:
+    with ShardWriter(staging, recipe.output.max_shard_bytes) as writer:
         for key, tensor in net.state_dict().items():
             if tensor.data_ptr() in seen and tensor.numel():  # tied weights are stored once
                 continue
@@ -189,8 +199,7 @@ def _write_tensors(
                 with _stage(timings, "write"):
                     writer.add(key, tensor)
                 continue
-            with _stage(timings, "quantize"):
-                qweight = quantize_module(tensor.detach().float(), fisher.pop(module_name, None), recipe, seed)
+            qweight = quantize_module(tensor.detach().float(), fisher.pop(module_name, None), recipe, seed, timings)
             with _stage(timings, "write"):
                 for name, part in qweight.to_tensors(module_name).items():
                     writer.add(name, part)

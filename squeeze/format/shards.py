@@ -52,13 +52,16 @@ class ShardWriter:
     On an exception inside the ``with`` block, every temp shard is removed and nothing is renamed.
     """
 
-    def __init__(self, directory: str | Path, max_shard_bytes: int, metadata: dict[str, str] | None = None):
+    def __init__(self, directory: str | Path, max_shard_bytes: int):
         if max_shard_bytes <= 0:
             raise FormatError(f"max shard size must be positive, found {max_shard_bytes}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
-        self.metadata = {**SHARD_METADATA, **(metadata or {})}
+        # Exactly one metadata key: safetensors stores __metadata__ as a hash map whose key order varies
+        # between processes, and shards must be byte-identical for identical inputs. Versions live in
+        # config.json and the manifest instead.
+        self.metadata = dict(SHARD_METADATA)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._temps: list[tuple[Path, list[str]]] = []  # flushed shards: temp path, tensor names
@@ -131,12 +134,9 @@ class ShardWriter:
             self.close()
 
 
-def write_shards(
-    directory: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int,
-    metadata: dict[str, str] | None = None,
-) -> ShardIndex:
+def write_shards(directory: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> ShardIndex:
     """Convenience: write a dict of tensors as shards + index in one call."""
-    with ShardWriter(directory, max_shard_bytes, metadata) as writer:
+    with ShardWriter(directory, max_shard_bytes) as writer:
         for name, tensor in tensors.items():
             writer.add(name, tensor)
         return writer.close()

@@ -27,6 +27,7 @@ def quantize_lut(
     outlier_fraction: float = 0.0,
     *,
     seed: int = 0,
+    mask: Tensor | None = None,
 ) -> LutWeight:
     """Quantize weight (R, N) to a LutWeight.
 
@@ -37,6 +38,8 @@ def quantize_lut(
         bits: 2, 3, 4 or 8.
         sensitive_fraction, outlier_fraction: fractions of all weights kept exactly in the sparse part.
         seed: passed to the k-means (which is deterministic; kept for API stability).
+        mask: bool (R, N), a precomputed ``select_sparse`` result for these fractions (lets callers time
+            or reuse the split); computed here when None.
 
     Returns:
         LutWeight with lut float16 (R, 2**bits), packed codes, and the sparse part (None when it is empty).
@@ -53,9 +56,10 @@ def quantize_lut(
     weight = weight.detach()
     w32 = weight.to(torch.float32)
 
-    mask = None
-    if sensitive_fraction > 0 or outlier_fraction > 0:
+    if mask is None and (sensitive_fraction > 0 or outlier_fraction > 0):
         mask = select_sparse(weight, fisher, sensitive_fraction, outlier_fraction)
+    elif mask is not None and (mask.shape != weight.shape or mask.dtype != torch.bool):
+        raise ConfigError(f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
     sensitivity = fisher.detach().to(torch.float32) if fisher is not None else torch.ones_like(w32)
     if mask is not None:
         sensitivity = sensitivity.masked_fill(mask, 0.0)  # sparse weights are stored exactly: ignore them

@@ -62,7 +62,22 @@ def test_error_inside_the_block_leaves_no_file(tmp_path):
 
 
 def test_metadata_holds_format_pt(tmp_path):
-    write_shards(tmp_path, {"a": torch.zeros(2)}, 100, metadata={"squeeze": "1"})
+    write_shards(tmp_path, {"a": torch.zeros(2)}, 100)
     raw = (tmp_path / shard_name(1, 1)).read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    assert json.loads(raw[8 : 8 + length])["__metadata__"] == {"format": "pt", "squeeze": "1"}
+    assert json.loads(raw[8 : 8 + length])["__metadata__"] == {"format": "pt"}
+
+
+def test_shards_are_byte_identical_across_processes(tmp_path):
+    # safetensors orders __metadata__ keys by a per-process hash: only a single key is reproducible
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from squeeze.format.shards import write_shards; "
+        "write_shards(sys.argv[1], {'b': torch.arange(6.0), 'a': torch.ones(3, dtype=torch.int32)}, 100)"
+    )
+    for name in ("one", "two", "three"):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], check=True)
+    blobs = {(tmp_path / n / shard_name(1, 1)).read_bytes() for n in ("one", "two", "three")}
+    assert len(blobs) == 1

@@ -176,3 +176,19 @@ def test_from_tensors_bad_metadata(good_tensors: dict[str, torch.Tensor]) -> Non
         LutWeight.from_tensors(good_tensors, "m", bits=5, in_features=172)
     with pytest.raises(FormatError, match="in_features"):
         LutWeight.from_tensors(good_tensors, "m", bits=3, in_features=-1)
+
+
+def test_precomputed_mask_gives_the_same_result_and_bad_masks_are_refused():
+    from squeeze.errors import ConfigError
+    from squeeze.quant.sparse import select_sparse
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 40, generator=g)
+    f = torch.rand(8, 40, generator=g)
+    mask = select_sparse(w, f, 0.01, 0.02)
+    direct = quantize_lut(w, f, 3, 0.01, 0.02)
+    given = quantize_lut(w, f, 3, 0.01, 0.02, mask=mask)
+    assert torch.equal(direct.dequantize(), given.dequantize())
+    assert torch.equal(direct.packed, given.packed)
+    with pytest.raises(ConfigError, match="mask must be a bool tensor"):
+        quantize_lut(w, f, 3, 0.01, 0.02, mask=mask[:, :5])
