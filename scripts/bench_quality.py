@@ -35,6 +35,7 @@ from squeeze.quant.rtn import rtn_quantize  # noqa: E402
 
 SQUEEZE = {"w4": (4, 0.0, 0.0), "w4-s045": (4, 0.0005, 0.004), "w3": (3, 0.0, 0.0), "w3-s045": (3, 0.0005, 0.004),
            "w3-uniform": (3, 0.0, 0.0)}
+SQUEEZE.update({f"{name}-lut8": spec for name, spec in list(SQUEEZE.items()) if not name.endswith("uniform")})
 RTN = {"rtn-w4": (4, None), "rtn-w3": (3, None), "rtn-w4-g128": (4, 128), "rtn-w3-g128": (3, 128)}
 HQQ = {"hqq-w4-g128": 4, "hqq-w3-g128": 3}
 DEFAULT_METHODS = "fp32,rtn-w4,rtn-w4-g128,hqq-w4-g128,w4,w4-s045,rtn-w3,rtn-w3-g128,hqq-w3-g128,w3,w3-s045"
@@ -100,7 +101,8 @@ def main() -> None:
                 if method in SQUEEZE:
                     bits, s, o = SQUEEZE[method]
                     f = None if method.endswith("uniform") else fisher[name]
-                    q = quantize_lut(weight, f, bits, s, o, seed=0)
+                    q = quantize_lut(weight, f, bits, s, o, seed=0,
+                                     lut_dtype="int8" if method.endswith("lut8") else "float16")
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:
                     q = rtn_quantize(weight, *RTN[method])

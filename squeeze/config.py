@@ -45,6 +45,9 @@ class WeightsConfig:
     sensitivity: Literal["fisher", "uniform"] = "fisher"
     #: RTN only: columns per quantization group; ``None`` = one group per output channel.
     group_size: int | None = None
+    #: squeeze only: how each row's LUT is stored. ``float16`` (SqueezeLLM) or ``int8`` (8-bit levels on a
+    #: per-row fp16 affine grid: half the LUT bits, ~0.1-0.2 fewer bits per weight at 3-4 bits).
+    lut_dtype: Literal["float16", "int8"] = "float16"
     #: Module-name suffixes of the nn.Linear layers to quantize.
     targets: tuple[str, ...] = DEFAULT_TARGETS
     #: Module-name substrings never quantized, even when they match a target.
@@ -73,6 +76,8 @@ class WeightsConfig:
                 "weights.method rtn has no sparse part, found nonzero sensitive/outlier fractions",
                 hint="set both fractions to 0 or use method: squeeze",
             )
+        if self.method == "rtn" and self.lut_dtype != "float16":
+            raise ConfigError("weights.lut_dtype applies to method squeeze only", hint="remove lut_dtype")
         if self.group_size is not None:
             if self.method != "rtn":
                 raise ConfigError("weights.group_size applies to method rtn only", hint="remove group_size")

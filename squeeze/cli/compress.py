@@ -33,6 +33,7 @@ def compress(
     sensitive_fraction: Optional[float] = typer.Option(None, "--sensitive-fraction", help="Share of weights kept exact by Fisher, e.g. 0.0005."),
     outlier_fraction: Optional[float] = typer.Option(None, "--outlier-fraction", help="Share of weights kept exact by magnitude, e.g. 0.004."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="RTN group size (default: per channel)."),
+    lut_dtype: Optional[str] = typer.Option(None, "--lut-dtype", help="float16 (SqueezeLLM) or int8 (compact LUT, ~0.1-0.2 fewer bits/weight)."),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest shard, e.g. 2GB."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for calibration sampling and k-means (default: the spec's, 0)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory (only once the new artifact is complete)."),
@@ -42,7 +43,7 @@ def compress(
     overrides = {
         "weights.method": method, "weights.bits": bits, "weights.sensitivity": sensitivity,
         "weights.sensitive_fraction": sensitive_fraction, "weights.outlier_fraction": outlier_fraction,
-        "weights.group_size": group_size, "output.max_shard_size": max_shard_size,
+        "weights.group_size": group_size, "weights.lut_dtype": lut_dtype, "output.max_shard_size": max_shard_size,
     }
     with cli_errors():
         target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")

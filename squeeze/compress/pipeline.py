@@ -115,7 +115,8 @@ def run_compress(
             report = (lambda done, total: progress("fisher", done, total)) if progress else None
             fisher = fisher_information(net, windows, targets, progress=report)
 
-    original_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in net.state_dict().values()}.values())
+    unique = {t.data_ptr(): t for t in net.state_dict().values()}  # tied weights share storage: count once
+    original_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=_parent(output)))
     try:
         quantized, n_weights, storage_bits = _write_tensors(
@@ -176,7 +177,8 @@ def quantize_module(
         with _stage(timings, "sparse"):
             mask = select_sparse(weight, fisher, w.sensitive_fraction, w.outlier_fraction)
     with _stage(timings, "kmeans"):
-        return quantize_lut(weight, fisher, w.bits, w.sensitive_fraction, w.outlier_fraction, seed=seed, mask=mask)
+        return quantize_lut(weight, fisher, w.bits, w.sensitive_fraction, w.outlier_fraction, seed=seed, mask=mask,
+                            lut_dtype=w.lut_dtype)
 
 
 def _write_tensors(
@@ -234,6 +236,7 @@ def _write_metadata(
         "outlier_fraction": w.outlier_fraction,
         "sensitivity": w.sensitivity,
         "group_size": w.group_size,
+        "lut_dtype": w.lut_dtype if w.method == "squeeze" else None,
         "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else None,
         "modules": quantized,
     }

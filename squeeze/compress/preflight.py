@@ -84,7 +84,10 @@ def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4) -> Siz
             groups = math.ceil(in_f / (weights.group_size or in_f))
             quantized += out_f * groups * 2 * 2  # fp16 scales + zeros
         else:
-            quantized += out_f * (2**weights.bits) * 2  # fp16 LUT
+            if weights.lut_dtype == "int8":
+                quantized += out_f * ((2**weights.bits) + 2 * 2)  # uint8 levels + fp16 scale and zero
+            else:
+                quantized += out_f * (2**weights.bits) * 2  # fp16 LUT
             nnz = round(weights.sensitive_fraction * out_f * in_f) + round(weights.outlier_fraction * out_f * in_f)
             if nnz:
                 col_bytes = 2 if in_f <= 32767 else 4

@@ -18,7 +18,7 @@ from squeeze.format.safetensors_header import MAX_HEADER_BYTES, parse_safetensor
 
 #: Tensor-name suffixes that make up a quantized weight (see docs/format.md).
 QUANTIZED_ROLES = (
-    "weight_packed", "weight_lut", "weight_scales", "weight_zeros",
+    "weight_packed", "weight_lut", "weight_lut_scale", "weight_lut_zero", "weight_scales", "weight_zeros",
     "weight_sparse_rowptr", "weight_sparse_cols", "weight_sparse_vals",
 )
 

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import ConfigError
-from squeeze.quant.kmeans import weighted_kmeans_1d
+from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import SUPPORTED_BITS, pack_codes
-from squeeze.quant.qweight import LUT_DTYPE, LutWeight
+from squeeze.quant.qweight import LUT_DTYPE, SCALE_DTYPE, LutWeight
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
 
@@ -28,6 +28,7 @@ def quantize_lut(
     *,
     seed: int = 0,
     mask: Tensor | None = None,
+    lut_dtype: str = "float16",
 ) -> LutWeight:
     """Quantize weight (R, N) to a LutWeight.
 
@@ -38,6 +39,9 @@ def quantize_lut(
         bits: 2, 3, 4 or 8.
         sensitive_fraction, outlier_fraction: fractions of all weights kept exactly in the sparse part.
         seed: passed to the k-means (which is deterministic; kept for API stability).
+        lut_dtype: "float16" stores each centroid in 16 bits (SqueezeLLM); "int8" stores 8-bit levels on a
+            per-row affine grid (fp16 scale and zero), halving the LUT's share of the bits; codes are
+            re-assigned to the nearest value of the grid as stored.
         mask: bool (R, N), a precomputed ``select_sparse`` result for these fractions (lets callers time
             or reuse the split); computed here when None.
 
@@ -64,11 +68,18 @@ def quantize_lut(
     if mask is not None:
         sensitivity = sensitivity.masked_fill(mask, 0.0)  # sparse weights are stored exactly: ignore them
 
+    if lut_dtype not in ("float16", "int8"):
+        raise ConfigError(f"lut_dtype must be 'float16' or 'int8', found {lut_dtype!r}")
     # centroid_dtype: centroids are rounded to float16 before the codes are assigned, so each code is the
     # nearest entry of the LUT as stored.
     centroids, codes = weighted_kmeans_1d(
         w32, sensitivity, 1 << bits, seed=seed, centroid_dtype=LUT_DTYPE, codes_dtype=torch.uint8
     )
+    lut, lut_scale, lut_zero = centroids.to(LUT_DTYPE), None, None
+    if lut_dtype == "int8":
+        lut, lut_scale, lut_zero = affine_lut8(centroids)
+        stored = lut.to(torch.float32) * lut_scale.to(torch.float32) + lut_zero.to(torch.float32)  # (R, K)
+        codes = nearest_codes(w32, stored).to(torch.uint8)
     sparse = None
     if mask is not None and bool(mask.any()):
         sparse = SparseCSR.from_mask(mask, weight)
@@ -76,9 +87,27 @@ def quantize_lut(
         bits=bits,
         in_features=int(weight.shape[1]),
         packed=pack_codes(codes, bits),
-        lut=centroids.to(LUT_DTYPE),
+        lut=lut,
         sparse=sparse,
+        lut_scale=lut_scale,
+        lut_zero=lut_zero,
     )
 
 
-__all__ = ["quantize_lut"]
+def affine_lut8(centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Centroids float (R, K) ascending -> (levels uint8 (R, K), scale float16 (R, 1), zero float16 (R, 1)).
+
+    The grid spans each row's [min, max] in 255 steps; scale and zero are rounded to float16 first and the
+    levels computed against the rounded values, so value = level * scale + zero is what gets stored.
+    """
+    c = centroids.to(torch.float32)
+    lo, hi = c.min(dim=1, keepdim=True).values, c.max(dim=1, keepdim=True).values  # (R, 1)
+    zero = lo.to(SCALE_DTYPE)
+    span = (hi - zero.to(torch.float32)).clamp_min(0.0)
+    scale = (span / 255.0).to(SCALE_DTYPE)
+    scale = torch.where(scale.to(torch.float32) > 0, scale, torch.ones_like(scale))  # constant rows
+    levels = ((c - zero.to(torch.float32)) / scale.to(torch.float32)).round().clamp(0, 255).to(torch.uint8)
+    return levels, scale, zero
+
+
+__all__ = ["quantize_lut", "affine_lut8"]

@@ -19,10 +19,13 @@ from squeeze.quant.packing import SUPPORTED_BITS, packed_row_bytes, unpack_codes
 from squeeze.quant.sparse import SparseCSR
 
 LUT_DTYPE = torch.float16
+LUT8_DTYPE = torch.uint8
 SCALE_DTYPE = torch.float16
 
 PACKED = "weight_packed"
 LUT = "weight_lut"
+LUT_SCALE = "weight_lut_scale"
+LUT_ZERO = "weight_lut_zero"
 SPARSE_ROWPTR = "weight_sparse_rowptr"
 SPARSE_COLS = "weight_sparse_cols"
 SPARSE_VALS = "weight_sparse_vals"
@@ -36,7 +39,9 @@ class LutWeight:
 
     bits: code width; in_features: N (codes per row).
     packed uint8 (R, ceil(N * bits / 8)): codes, see :mod:`squeeze.quant.packing`.
-    lut float16 (R, 2**bits): each row's centroids (ascending).
+    lut (R, 2**bits): each row's centroids (ascending), either float16 values, or uint8 levels on a
+    per-row affine grid: value = level * lut_scale + lut_zero, with lut_scale / lut_zero float16 (R, 1)
+    (the compact 8-bit LUT, half the LUT's bits).
     sparse: original weights that replace the dense value at their positions, or None.
     """
 
@@ -45,6 +50,15 @@ class LutWeight:
     packed: Tensor
     lut: Tensor
     sparse: SparseCSR | None = None
+    lut_scale: Tensor | None = None
+    lut_zero: Tensor | None = None
+
+    def lut_values(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(R, 2**bits) centroid values in ``dtype`` (8-bit LUTs are expanded in float32 first)."""
+        if self.lut_scale is None or self.lut_zero is None:
+            return self.lut.to(dtype)
+        values = self.lut.to(torch.float32) * self.lut_scale.to(torch.float32) + self.lut_zero.to(torch.float32)
+        return values.to(dtype)
 
     @property
     def out_features(self) -> int:
@@ -56,19 +70,23 @@ class LutWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """(R, N) in ``dtype``: lut[r, code[r, c]], then the sparse values replace theirs (exact in their dtype)."""
-        dense = self.lut.gather(1, self.codes().to(torch.int64)).to(dtype)  # (R, N)
+        dense = self.lut_values().gather(1, self.codes().to(torch.int64)).to(dtype)  # (R, N)
         if self.sparse is not None:
             self.sparse.scatter_into(dense)
         return dense
 
     def storage_bits(self) -> int:
         """Exact stored size: packed codes + LUT + sparse part (rowptr, cols, vals)."""
-        bits = self.packed.numel() * 8 + self.lut.numel() * self.lut.element_size() * 8
+        lut_parts = [t for t in (self.lut, self.lut_scale, self.lut_zero) if t is not None]
+        bits = self.packed.numel() * 8 + sum(t.numel() * t.element_size() * 8 for t in lut_parts)
         return bits + (self.sparse.storage_bits() if self.sparse is not None else 0)
 
     def to_tensors(self, prefix: str) -> dict[str, Tensor]:
         """The tensors to store, named ``{prefix}.weight_packed`` etc."""
         out = {f"{prefix}.{PACKED}": self.packed, f"{prefix}.{LUT}": self.lut}
+        if self.lut_scale is not None and self.lut_zero is not None:
+            out[f"{prefix}.{LUT_SCALE}"] = self.lut_scale
+            out[f"{prefix}.{LUT_ZERO}"] = self.lut_zero
         if self.sparse is not None:
             out[f"{prefix}.{SPARSE_ROWPTR}"] = self.sparse.rowptr
             out[f"{prefix}.{SPARSE_COLS}"] = self.sparse.cols
@@ -82,9 +100,19 @@ class LutWeight:
         packed = _get(tensors, prefix, PACKED)
         rows = _check_packed(packed, f"{prefix}.{PACKED}", bits, in_features)
         lut = _get(tensors, prefix, LUT)
-        _check(lut, f"{prefix}.{LUT}", LUT_DTYPE, (rows, 1 << bits))
+        scale = zero = None
+        if lut.dtype == LUT8_DTYPE:  # the compact 8-bit LUT carries its per-row affine grid
+            _check(lut, f"{prefix}.{LUT}", LUT8_DTYPE, (rows, 1 << bits))
+            scale, zero = _get(tensors, prefix, LUT_SCALE), _get(tensors, prefix, LUT_ZERO)
+            _check(scale, f"{prefix}.{LUT_SCALE}", SCALE_DTYPE, (rows, 1))
+            _check(zero, f"{prefix}.{LUT_ZERO}", SCALE_DTYPE, (rows, 1))
+            if not bool(torch.isfinite(scale).all() & torch.isfinite(zero).all()):
+                raise FormatError(f"{prefix}.{LUT_SCALE} / {LUT_ZERO} must be finite")
+        else:
+            _check(lut, f"{prefix}.{LUT}", LUT_DTYPE, (rows, 1 << bits))
         sparse = _sparse_from_tensors(tensors, prefix, rows, in_features)
-        return cls(bits=bits, in_features=in_features, packed=packed, lut=lut, sparse=sparse)
+        return cls(bits=bits, in_features=in_features, packed=packed, lut=lut, sparse=sparse, lut_scale=scale,
+                   lut_zero=zero)
 
 
 @dataclass(frozen=True)

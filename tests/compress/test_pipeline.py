@@ -95,6 +95,24 @@ def test_quantize_save_load_dequantize_is_exact(tmp_path, stories_dir):
         assert torch.equal(module.dequantize(), expected), name
 
 
+def test_int8_lut_artifact_round_trips_and_estimate_matches(tmp_path, stories_dir):
+    from squeeze.config import load_recipe
+
+    out = tmp_path / "lut8"
+    result = compress_cli(stories_dir, out, "--recipe", "w3-s045", "--sensitivity", "uniform", "--lut-dtype", "int8")
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    original, _ = load_model(resolve_model(str(stories_dir)))
+    loaded = api.load(out).model
+    linear = find_target_linears(original, ("down_proj",), ())["model.layers.0.mlp.down_proj"]
+    expected = quantize_lut(linear.weight.detach(), None, 3, 0.0005, 0.004, lut_dtype="int8").dequantize()
+    assert torch.equal(loaded.get_submodule("model.layers.0.mlp.down_proj").dequantize(), expected)
+    recipe = load_recipe("w3-s045", **{"weights.lut_dtype": "int8"})
+    estimate = preflight.estimate_size(preflight.meta_model(resolve_model(str(stories_dir))), recipe)
+    shards = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert estimate.total_bytes <= shards <= estimate.total_bytes * 1.05 + 64 * 1024
+
+
 def test_same_inputs_and_seed_give_byte_identical_shards(tmp_path, stories_dir, tinystories_file):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for out, seed in ((a, "0"), (b, "0"), (c, "1")):

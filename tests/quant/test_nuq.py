@@ -192,3 +192,41 @@ def test_precomputed_mask_gives_the_same_result_and_bad_masks_are_refused():
     assert torch.equal(direct.packed, given.packed)
     with pytest.raises(ConfigError, match="mask must be a bool tensor"):
         quantize_lut(w, f, 3, 0.01, 0.02, mask=mask[:, :5])
+
+
+def test_int8_lut_round_trips_exactly_and_costs_half_the_lut_bits():
+    from squeeze.errors import FormatError
+    from squeeze.quant.qweight import LutWeight
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 172, generator=g)
+    f = torch.rand(4, 172, generator=g)
+    q16 = quantize_lut(w, f, 3)
+    q8 = quantize_lut(w, f, 3, lut_dtype="int8")
+    assert q8.lut.dtype == torch.uint8 and q8.lut_scale.shape == (4, 1) and q8.lut_zero.dtype == torch.float16
+    # exact count: codes 4 rows x 65 bytes; LUT 4 x 8 levels x 8 bits + fp16 scale and zero per row
+    assert q8.storage_bits() == 4 * 65 * 8 + 4 * 8 * 8 + 4 * 2 * 16
+    assert q16.storage_bits() - q8.storage_bits() == 4 * 8 * 8 - 4 * 2 * 16
+    again = LutWeight.from_tensors(q8.to_tensors("m"), "m", bits=3, in_features=172)
+    assert torch.equal(again.dequantize(), q8.dequantize())
+    # every dense value is a stored grid value, and the codes pick the nearest one
+    values = q8.lut_values()
+    dense = q8.dequantize()
+    assert torch.equal(dense, values.gather(1, q8.codes().long()))
+    nearest = (w[:, :, None] - values[:, None, :]).abs().argmin(-1)
+    assert torch.equal(values.gather(1, nearest), dense)
+    # the 8-bit grid costs little accuracy against the float16 LUT (Fisher-weighted error)
+    err16 = ((q16.dequantize() - w) ** 2 * f).sum()
+    err8 = ((dense - w) ** 2 * f).sum()
+    assert err8 <= err16 * 1.05
+    tensors = q8.to_tensors("m")
+    del tensors["m.weight_lut_scale"]
+    with pytest.raises(FormatError, match="weight_lut_scale"):
+        LutWeight.from_tensors(tensors, "m", bits=3, in_features=172)
+
+
+def test_unknown_lut_dtype_is_refused():
+    from squeeze.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lut_dtype"):
+        quantize_lut(torch.randn(2, 8), None, 3, lut_dtype="fp8")

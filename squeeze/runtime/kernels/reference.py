@@ -1,0 +1,88 @@
+"""Torch reference ops on a LutWeight: what every LUT kernel is tested against.
+
+* :func:`lut_matmul_reference` - ``x @ W^T (+ bias)`` with ``W = qweight.dequantize()`` (exact, replace
+  semantics for the sparse part), accumulated in float32.
+* :func:`sparse_residual` - the format's sparse part turned ADDITIVE for kernels: the file stores the
+  original weights at the sparse positions (``W[r, c] = vals[k]`` replaces the LUT value), a kernel wants
+  ``W = LUT-dense + S`` so it can add ``x @ S^T`` to its dense result. ``S[r, c] = vals[k] - lut[r, code]``.
+* :func:`csr_spmv_reference` - ``x @ S^T`` for a CSR matrix S, in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from squeeze.errors import ConfigError
+from squeeze.quant.qweight import LutWeight
+
+
+def lut_matmul_reference(x: Tensor, qweight: LutWeight, bias: Tensor | None = None) -> Tensor:
+    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias`` with W the exact dequantized weight.
+
+    W is dequantized in float32 (fp16 LUT values and sparse values are exact there), the product is
+    accumulated in float32 and rounded once to x.dtype at the end.
+    """
+    _check_x(x, qweight.in_features)
+    weight = qweight.dequantize(torch.float32).to(x.device)  # (R, N)
+    y = x.to(torch.float32) @ weight.T  # (..., R)
+    if bias is not None:
+        y = y + bias.to(device=x.device, dtype=torch.float32)
+    return y.to(x.dtype)
+
+
+def dense_lut_values(qweight: LutWeight) -> Tensor:
+    """float32 (R, N): ``lut[r, code[r, c]]`` everywhere, i.e. the dequantized weight WITHOUT the sparse part."""
+    return qweight.lut.gather(1, qweight.codes().to(torch.int64)).to(torch.float32)
+
+
+def sparse_residual(qweight: LutWeight, codes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The sparse part as an additive CSR: (rowptr int32 (R+1,), cols int32 (nnz,), resid float32 (nnz,)).
+
+    ``resid[k] = vals[k] - lut[r, code[r, cols[k]]]`` in float32, so ``dense_lut_values + S`` equals the
+    replace-semantics dequantization up to one float32 rounding per sparse entry (the difference of a
+    float16 LUT value and a float16/bfloat16 weight is exact in float32 unless their exponents are more
+    than ~13 apart). Without a sparse part: rowptr of zeros and empty cols/resid. ``codes`` (uint8 (R, N),
+    optional) saves unpacking again when the caller already has them; the result is on their device.
+    """
+    rows = qweight.out_features
+    device = qweight.packed.device
+    sparse = qweight.sparse
+    if sparse is None:
+        empty_i = torch.zeros(0, dtype=torch.int32, device=device)
+        return torch.zeros(rows + 1, dtype=torch.int32, device=device), empty_i, torch.zeros(0, device=device)
+    if codes is None:
+        codes = qweight.codes()  # (R, N) uint8; whole rows, but this runs once at load time
+    device = codes.device
+    row_idx = sparse.row_indices().to(device)  # (nnz,) int64
+    col_idx = sparse.cols.to(device=device, dtype=torch.int64)  # (nnz,)
+    codes_at = codes[row_idx, col_idx].to(torch.int64)  # (nnz,)
+    lut_at = qweight.lut.to(device)[row_idx, codes_at].to(torch.float32)  # (nnz,)
+    resid = sparse.vals.to(device=device, dtype=torch.float32) - lut_at
+    return sparse.rowptr.to(device=device, dtype=torch.int32).clone(), col_idx.to(torch.int32), resid
+
+
+def csr_spmv_reference(x: Tensor, rowptr: Tensor, cols: Tensor, vals: Tensor) -> Tensor:
+    """float32 (..., R): ``x (..., N) @ S^T`` for S in CSR form (rowptr (R+1,), cols (nnz,), vals (nnz,))."""
+    n_rows = int(rowptr.numel()) - 1
+    if n_rows < 0:
+        raise ConfigError("rowptr must hold at least one element (R + 1 >= 1)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # (M, N)
+    counts = (rowptr[1:] - rowptr[:-1]).to(torch.int64)  # (R,)
+    row_idx = torch.repeat_interleave(torch.arange(n_rows, device=x.device), counts.to(x.device))  # (nnz,)
+    contrib = x2[:, cols.to(device=x.device, dtype=torch.int64)] * vals.to(x.device, torch.float32)  # (M, nnz)
+    y = torch.zeros(x2.shape[0], n_rows, dtype=torch.float32, device=x.device)
+    y.index_add_(1, row_idx, contrib)
+    return y.reshape(*lead, n_rows)
+
+
+def _check_x(x: Tensor, in_features: int) -> None:
+    if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != in_features:
+        found = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ConfigError(f"x must have shape (..., {in_features}), found {found}")
+    if not x.is_floating_point():
+        raise ConfigError(f"x must be floating point, found {x.dtype}")
+
+
+__all__ = ["lut_matmul_reference", "dense_lut_values", "sparse_residual", "csr_spmv_reference"]
