@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from squeeze.format.paths import open_inside
 from squeeze.format.safetensors_header import MAX_HEADER_BYTES
 
@@ -34,29 +36,46 @@ class HashedFile:
     size: int
     sha256: str
     head: bytes  # the whole file if small (<= KEEP_BYTES), else a safetensors header prefix, else b""
+    #: With ``capture``: the whole file as read, uint8 (size,), the very bytes that were hashed.
+    data: torch.Tensor | None = None
 
 
-def hash_file(root_fd: int, relative: str, on_bytes: Callable[[int], None] | None = None) -> HashedFile:
-    """SHA-256 of ``relative`` under ``root_fd``. Raises OSError / FormatError from ``open_inside``."""
+def hash_file(
+    root_fd: int, relative: str, on_bytes: Callable[[int], None] | None = None, *, capture: bool = False
+) -> HashedFile:
+    """SHA-256 of ``relative`` under ``root_fd``. Raises OSError / FormatError from ``open_inside``.
+
+    With ``capture`` the file is read into one private uint8 tensor and hashed from there, so a caller
+    that builds tensors from ``data`` uses exactly the bytes that were hashed, whatever happens to the
+    file afterwards (replaced, rewritten in place).
+    """
     fd = open_inside(root_fd, relative)
     digest = hashlib.sha256()
     head = bytearray()
     size = 0
     want_head = KEEP_BYTES
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
+    file_size = os.fstat(fd).st_size
+    data = torch.empty(file_size, dtype=torch.uint8) if capture else None
+    buffer = bytearray(0 if capture else CHUNK_BYTES)
+    view = memoryview(data.numpy()) if data is not None else memoryview(buffer)
     with io.FileIO(fd, "rb", closefd=True) as handle:
-        file_size = os.fstat(fd).st_size
         keep_all = file_size <= KEEP_BYTES
         if not keep_all and relative.endswith(".safetensors"):
             want_head = 8 + MAX_HEADER_BYTES  # trimmed below once the real header length is known
         elif not keep_all:
             want_head = 0
         while True:
-            count = handle.readinto(buffer)
+            if data is not None:  # read straight into the private copy, chunk by chunk
+                if size >= file_size:
+                    break  # a file that grew since fstat reads as its fstat size; the size check catches it
+                chunk = view[size : min(size + CHUNK_BYTES, file_size)]
+                count = handle.readinto(chunk)
+                chunk = chunk[:count]
+            else:
+                count = handle.readinto(buffer)
+                chunk = view[:count]
             if not count:
                 break
-            chunk = view[:count]
             digest.update(chunk)
             if len(head) < want_head:
                 head += chunk[: want_head - len(head)]
@@ -66,7 +85,9 @@ def hash_file(root_fd: int, relative: str, on_bytes: Callable[[int], None] | Non
             size += count
             if on_bytes is not None:
                 on_bytes(count)
-    return HashedFile(path=relative, size=size, sha256=digest.hexdigest(), head=bytes(head))
+    if data is not None and size != file_size:
+        data = data[:size]  # the file shrank while being read: the size check reports it
+    return HashedFile(path=relative, size=size, sha256=digest.hexdigest(), head=bytes(head), data=data)
 
 
 class ByteCounter:
@@ -97,14 +118,18 @@ def hash_files(
     *,
     workers: int | None = None,
     progress: ProgressFn | None = None,
+    capture: Callable[[str], bool] | None = None,
 ) -> dict[str, HashedFile | BaseException]:
-    """Hash ``paths`` in parallel threads; per path, the HashedFile or the exception that stopped it."""
+    """Hash ``paths`` in parallel threads; per path, the HashedFile or the exception that stopped it.
+
+    ``capture(path)`` selects the files whose bytes are kept (see ``hash_file``).
+    """
     paths = list(paths)
     counter = ByteCounter(total_bytes, progress)
 
     def one(path: str) -> HashedFile | BaseException:
         try:
-            return hash_file(root_fd, path, counter)
+            return hash_file(root_fd, path, counter, capture=bool(capture and capture(path)))
         except Exception as exc:  # noqa: BLE001 - reported against that file; the others still get checked
             return exc
 

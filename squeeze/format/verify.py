@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)  # artifact-level problems (root digest, index)
     bytes_hashed: int = 0
     seconds: float = 0.0
+    #: Files read with ``capture``: their bytes as hashed, and parsed safetensors headers (not serialised).
+    captured: dict[str, HashedFile] = field(default_factory=dict, repr=False)
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -124,9 +128,14 @@ def read_manifest(directory: Path) -> Manifest:
 
 
 def verify_artifact(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: ProgressFn | None = None
+    path: str | os.PathLike[str], *, workers: int | None = None, progress: ProgressFn | None = None,
+    capture: Callable[[str], bool] | None = None,
 ) -> VerifyReport:
-    """Verify the artifact at ``path`` (its directory or manifest). Raises FormatError if unreadable."""
+    """Verify the artifact at ``path`` (its directory or manifest). Raises FormatError if unreadable.
+
+    ``capture(path)`` keeps the bytes of selected files in ``report.captured`` (hash while reading: the
+    loader builds tensors from exactly these bytes).
+    """
     started = time.perf_counter()
     directory, manifest_path = resolve_manifest_path(path)
     manifest = read_manifest(directory)
@@ -154,13 +163,15 @@ def verify_artifact(
             )
         else:
             to_hash.append(entry.path)
-    hashed = _hash_listed(directory, to_hash, sum(expected[p].size for p in to_hash), workers, progress)
-    headers: dict[str, SafetensorsHeader] = {}
+    hashed = _hash_listed(directory, to_hash, sum(expected[p].size for p in to_hash), workers, progress, capture)
+    headers = report.headers
     for relative in to_hash:
         outcome = hashed[relative]
         report.files.append(_judge(expected[relative], outcome, headers))
         if isinstance(outcome, HashedFile):
             report.bytes_hashed += outcome.size
+            if outcome.data is not None:
+                report.captured[relative] = outcome
     index = hashed.get(INDEX_NAME)
     if isinstance(index, HashedFile):
         _check_index(index, expected, headers, report)
@@ -188,11 +199,12 @@ def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
 
 
 def _hash_listed(
-    directory: Path, paths: list[str], total: int, workers: int | None, progress: ProgressFn | None
+    directory: Path, paths: list[str], total: int, workers: int | None, progress: ProgressFn | None,
+    capture: Callable[[str], bool] | None = None,
 ) -> dict[str, HashedFile | BaseException]:
     root_fd = os.open(directory, _OPEN_DIR)
     try:
-        return hash_files(root_fd, paths, total, workers=workers, progress=progress)
+        return hash_files(root_fd, paths, total, workers=workers, progress=progress, capture=capture)
     finally:
         os.close(root_fd)
 

@@ -7,6 +7,7 @@ SqueezeLinear holding its packed codes and LUT (or RTN scales), and every other 
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,14 +37,11 @@ class LoadedModel:
     report: VerifyReport | None
 
 
-def read_config(directory: Path) -> dict[str, Any]:
-    """config.json of an artifact as a dict (strict JSON)."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise FormatError(f"{path} is missing", hint="an artifact needs the config.json written by squeeze compress")
-    config = strict_json_loads(path.read_bytes(), str(path))
+def parse_config(data: bytes, where: str) -> dict[str, Any]:
+    """config.json bytes as a dict (strict JSON)."""
+    config = strict_json_loads(data, where)
     if not isinstance(config, dict):
-        raise FormatError(f"{path} must hold a JSON object")
+        raise FormatError(f"{where} must hold a JSON object")
     return config
 
 
@@ -54,37 +52,50 @@ def is_artifact(path: str | Path) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
 
 
-def _no_init_weights() -> Any:
-    try:  # transformers >= 5
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
-
-
 def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
-    """An uninitialised model of the artifact's architecture (fp32, CPU), without running weight init."""
+    """The artifact's architecture on the meta device: no memory, no weight init (filled in by the loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     plain = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     model_type = plain.pop("model_type", None)
     if not model_type:
         raise FormatError("config.json lacks 'model_type'")
-    config = AutoConfig.for_model(model_type, **plain)
-    with _no_init_weights(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, **{"dtype": torch.float32} if _wants_dtype() else {})
+    try:
+        config = AutoConfig.for_model(model_type, **plain)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - unknown model types and bad configs raise many kinds
+        raise FormatError(f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}") from None
     return model.eval()
 
 
-def _wants_dtype() -> bool:
-    import transformers
-    from packaging.version import Version
+def _torch_dtype(name: str) -> torch.dtype:
+    dtypes = {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    }
+    if name not in dtypes:
+        raise FormatError(f"tensor dtype {name} is not supported by the squeeze loader")
+    return dtypes[name]
 
-    return Version(transformers.__version__).release >= (4, 56)
+
+def tensors_from_captured(report: VerifyReport) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard, as views into the bytes that verification hashed (no second read)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path, header in sorted(report.headers.items()):
+        data = report.captured[path].data
+        if data is None:
+            raise FormatError(f"{path} was verified without keeping its bytes")
+        base = header.data_start
+        for name, info in header.tensors.items():
+            raw = data[base + info.begin : base + info.end]  # uint8 view, shares the hashed buffer
+            tensors[name] = raw.view(_torch_dtype(info.dtype)).reshape(info.shape)
+    return tensors
 
 
-def _read_all_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def _read_unverified(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+    """Tensors and small files read straight from disk (``verify=False``: the caller warned the user)."""
     index_path = directory / INDEX_NAME
     if index_path.is_file():
         index = strict_json_loads(index_path.read_bytes(), str(index_path))
@@ -96,7 +107,9 @@ def _read_all_tensors(directory: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(directory / shard), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensors[name] = handle.get_tensor(name)
-    return tensors
+    files = {p.name: p.read_bytes() for p in directory.iterdir()
+             if p.is_file() and not p.is_symlink() and not p.name.endswith(".safetensors")}
+    return tensors, files
 
 
 def quantized_weight_from(tensors: dict[str, torch.Tensor], name: str, spec: dict[str, Any]) -> QuantizedWeight:
@@ -113,23 +126,33 @@ def quantized_weight_from(tensors: dict[str, torch.Tensor], name: str, spec: dic
 
 
 def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = True) -> LoadedModel:
-    """Verify and load a squeeze artifact (or any HF directory with a manifest) on CPU, fp32."""
-    from transformers import AutoTokenizer
+    """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
 
+    Every file is read once into private memory while it is hashed; tensors are views of those bytes,
+    and the config and tokenizer are read from them too, so a file swapped or rewritten after any earlier
+    ``squeeze verify`` is caught here (IntegrityError) before a single output is produced.
+    """
     directory = Path(path)
     report = None
     if verify:
-        report = verify_artifact(directory)
+        report = verify_artifact(directory, capture=lambda _path: True)
         if not report.ok:
             raise IntegrityError(
                 f"artifact {directory} failed verification: {report.first_error()}",
                 hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
             )
-    config = read_config(directory)
+        tensors = tensors_from_captured(report)
+        files = {p: bytes(h.data.numpy()) for p, h in report.captured.items()
+                 if h.data is not None and not p.endswith(".safetensors")}
+    else:
+        tensors, files = _read_unverified(directory)
+    if "config.json" not in files:
+        raise FormatError(f"{directory / 'config.json'} is missing",
+                          hint="an artifact needs the config.json written by squeeze compress")
+    config = parse_config(files["config.json"], str(directory / "config.json"))
     quant = config.get("quantization_config") or {}
     modules = quant.get("modules", {}) if quant.get("quant_method") == QUANT_METHOD else {}
     model = build_skeleton(config)
-    tensors = _read_all_tensors(directory)
     for name, spec in modules.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -150,9 +173,37 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
         raise FormatError(f"artifact lacks tensors the architecture needs: {sorted(missing)[:3]}")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    _materialise_computed_buffers(model)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    return LoadedModel(model=model, tokenizer=tokenizer, quantization=quant, report=report)
+    return LoadedModel(model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report)
+
+
+def _materialise_computed_buffers(model: nn.Module) -> None:
+    """Buffers computed from the config at init (rotary ``inv_freq``) are still on meta: rebuild them on CPU."""
+    for name, module in model.named_modules():
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        try:
+            fresh = type(module)(config=model.config)
+        except Exception as exc:  # noqa: BLE001
+            raise FormatError(f"cannot rebuild the computed buffers of {name or type(module).__name__}: {exc}") from None
+        for buffer_name, buffer in fresh.named_buffers(recurse=False):
+            persistent = buffer_name not in module._non_persistent_buffers_set
+            module.register_buffer(buffer_name, buffer, persistent=persistent)
+    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if leftovers:
+        raise FormatError(f"artifact lacks tensors the architecture needs: {leftovers[:3]}")
+
+
+def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
+    """The tokenizer, built from the verified bytes (copied to a private temp dir, never re-read in place)."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="squeeze-tokenizer-") as tmp:
+        for name, data in files.items():
+            if "/" not in name:
+                (Path(tmp) / name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
 
 
 def _is_quantized_param(model: nn.Module, key: str) -> bool:
@@ -163,4 +214,4 @@ def _is_quantized_param(model: nn.Module, key: str) -> bool:
         return False
 
 
-__all__ = ["LoadedModel", "load_artifact", "is_artifact", "read_config", "build_skeleton"]
+__all__ = ["LoadedModel", "load_artifact", "is_artifact", "parse_config", "build_skeleton", "tensors_from_captured"]

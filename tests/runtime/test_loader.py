@@ -1,0 +1,96 @@
+"""The verifying loader: bytes loaded are bytes hashed; swaps after verify are caught; no fp32 copy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import squeeze.format.hashing as hashing
+from squeeze import api
+from squeeze.cli.app import app
+from squeeze.errors import IntegrityError
+from squeeze.runtime.linear import SqueezeLinear
+
+runner = CliRunner()
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def build(stories_dir, out, *flags):
+    result = runner.invoke(app, ["compress", str(stories_dir), "-o", str(out), "--recipe", "w4-s045",
+                                 "--sensitivity", "uniform", "--json", *flags])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, stories_dir):
+    root = tmp_path_factory.mktemp("loader")
+    return build(stories_dir, root / "a"), build(stories_dir, root / "b", "--bits", "3")
+
+
+def test_loads_and_runs_without_an_fp32_copy_of_the_linears(artifacts):
+    a, _ = artifacts
+    loaded = api.load(a, dense_cache=False)
+    assert loaded.report is not None and loaded.report.ok
+    model = loaded.model
+    squeezed = [m for m in model.modules() if isinstance(m, SqueezeLinear)]
+    assert len(squeezed) == 35
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+    shards = (a / SHARD).stat().st_size
+    assert held <= shards  # packed codes + LUTs + the rest: nothing dequantized at load
+    logits = model(torch.tensor([[1, 50, 60, 70]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_shard_swapped_after_verify_is_caught_at_load(artifacts, tmp_path):
+    a, b = artifacts
+    target = tmp_path / "a"
+    shutil.copytree(a, target)
+    assert runner.invoke(app, ["verify", str(target)]).exit_code == 0
+    shutil.copyfile(b / SHARD, target / SHARD)  # a valid shard of another artifact
+    with pytest.raises(IntegrityError, match=SHARD):
+        api.load(target)
+
+
+def test_file_rewritten_after_hashing_does_not_reach_the_model(artifacts, tmp_path, monkeypatch):
+    a, _ = artifacts
+    target = tmp_path / "a"
+    shutil.copytree(a, target)
+    reference = api.load(target).model.state_dict()
+    original = hashing.hash_file
+
+    def hash_then_tamper(root_fd, relative, on_bytes=None, *, capture=False):
+        result = original(root_fd, relative, on_bytes, capture=capture)
+        if relative == SHARD:  # an attacker rewrites the file right after it was read and hashed
+            data = bytearray((target / SHARD).read_bytes())
+            data[-1] ^= 0xFF
+            (target / SHARD).write_bytes(bytes(data))
+        return result
+
+    monkeypatch.setattr(hashing, "hash_file", hash_then_tamper)
+    loaded = api.load(target).model.state_dict()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+
+
+def test_no_verify_skips_hashing(artifacts, tmp_path):
+    a, _ = artifacts
+    target = tmp_path / "a"
+    shutil.copytree(a, target)
+    (target / "stray.txt").write_text("not in the manifest")
+    with pytest.raises(IntegrityError):
+        api.load(target)
+    loaded = api.load(target, verify=False)
+    assert loaded.report is None and isinstance(loaded.model.get_submodule("model.layers.0.mlp.up_proj"), SqueezeLinear)
+
+
+def test_loaded_model_matches_the_reference_dequantization(artifacts):
+    a, _ = artifacts
+    cached = api.load(a, dense_cache=True).model
+    lazy = api.load(a, dense_cache=False).model
+    ids = torch.tensor([[1, 20, 30, 40, 50, 60]])
+    assert torch.allclose(cached(ids).logits, lazy(ids).logits, rtol=1e-5, atol=1e-5)
