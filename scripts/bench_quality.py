@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="bench-out/quality.json")
+    parser.add_argument("--fisher-cache", default=None,
+                        help="safetensors file: load the Fisher from it if present, else compute and save it there")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,12 +85,24 @@ def main() -> None:
     fisher: dict[str, torch.Tensor] = {}
     fisher_seconds = 0.0
     if any(m in SQUEEZE for m in methods):
-        calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
-        windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
-        t0 = time.perf_counter()
-        fisher = fisher_information(model, windows, targets)
-        fisher_seconds = time.perf_counter() - t0
-        print(f"Fisher: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True)
+        cache = Path(args.fisher_cache) if args.fisher_cache else None
+        if cache is not None and cache.is_file():
+            from safetensors.torch import load_file
+
+            fisher = load_file(str(cache))  # safetensors: no pickle, safe to reuse across runs
+            print(f"Fisher: loaded from {cache}", flush=True)
+        else:
+            calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
+            windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
+            t0 = time.perf_counter()
+            fisher = fisher_information(model, windows, targets)
+            fisher_seconds = time.perf_counter() - t0
+            print(f"Fisher: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True)
+            if cache is not None:
+                from safetensors.torch import save_file
+
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                save_file({k: v.contiguous() for k, v in fisher.items()}, str(cache))
 
     rows = []
     for method in methods:
