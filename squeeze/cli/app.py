@@ -8,6 +8,7 @@ from squeeze import __version__
 from squeeze.cli import compress as compress_cmd
 from squeeze.cli import eval as eval_cmd
 from squeeze.cli import inspect as inspect_cmd
+from squeeze.cli import run as run_cmd
 from squeeze.cli import verify as verify_cmd
 
 app = typer.Typer(
@@ -37,6 +38,7 @@ app.command("compress", short_help="Compress a model into a verified artifact (S
 app.command("eval", short_help="Perplexity of a model or artifact, with a baseline side by side.")(eval_cmd.eval_)
 app.command("verify", short_help="Check an artifact against its manifest (exit 0 intact, 1 tampered, 2 malformed).")(verify_cmd.verify)
 app.command("inspect", short_help="Show what an artifact holds.")(inspect_cmd.inspect)
+app.command("run", short_help="Generate text from an artifact (verified while loading), streamed.")(run_cmd.run)
 
 
 def quiet_third_party_progress() -> None:
@@ -44,6 +46,7 @@ def quiet_third_party_progress() -> None:
     import os
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF reader uses tqdm directly
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         from transformers.utils import logging as hf_logging
