@@ -14,7 +14,7 @@ from squeeze.errors import (  # noqa: E402
     SqueezeError,
 )
 
-from squeeze.api import compress, evaluate, inspect, load, verify_model_integrity  # noqa: E402
+from squeeze.api import compress, evaluate, generate, inspect, load, verify_model_integrity  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -22,6 +22,7 @@ __all__ = [
     "inspect",
     "compress",
     "evaluate",
+    "generate",
     "load",
     "SqueezeError",
     "ConfigError",

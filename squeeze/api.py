@@ -7,7 +7,7 @@ them, so ``import squeeze`` stays light and verify works without loading transfo
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from squeeze.config import CalibrationSpec, Recipe, load_calibration_spec, load_recipe
@@ -15,8 +15,9 @@ from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.verify import VerifyReport, verify_artifact
 
 if TYPE_CHECKING:
-    from squeeze.compress.pipeline import CompressResult
+    from squeeze.compression.pipeline import CompressResult
     from squeeze.eval.compare import EvalResult
+    from squeeze.runtime.generate import GenerationResult
     from squeeze.runtime.loader import LoadedModel
 
 ProgressFn = Callable[[int, int], None]
@@ -63,7 +64,7 @@ def compress(
     ``output`` must not exist or be empty unless ``overwrite``; the old artifact is replaced only once the
     new one is complete. ``progress(stage, done, total)`` reports the "fisher" and "quantize" stages.
     """
-    from squeeze.compress.pipeline import needs_calibration, run_compress
+    from squeeze.compression.pipeline import needs_calibration, run_compress
 
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, **dict(overrides or {}))
     spec = None
@@ -101,4 +102,48 @@ def load(path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool
     return load_artifact(path, verify=verify, dense_cache=dense_cache)
 
 
-__all__ = ["verify_model_integrity", "inspect", "compress", "evaluate", "load", "VerifyReport", "ArtifactInfo"]
+def generate(
+    model: str | os.PathLike[str] | LoadedModel,
+    prompts: str | Sequence[str],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = False,
+    stream: Callable[[str], None] | None = None,
+    verify: bool = True,
+    low_memory: bool = False,
+    device: str = "cpu",
+) -> GenerationResult:
+    """Load an artifact (verified unless ``verify=False``) and continue the prompts, all in one batch.
+
+    ``model``: an artifact directory, or a LoadedModel from :func:`load` (reused as is: ``low_memory`` and
+    ``verify`` then do not apply). Greedy when ``temperature == 0``; else sampling with ``top_p``, seeded
+    by ``seed``. ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first
+    prompt's text as it is produced. ``low_memory`` dequantizes on the fly in row chunks instead of caching
+    dense weights. ``device``: ``cpu`` or ``cuda[:N]``. Options and the device are checked (ConfigError)
+    before anything loads. Returns texts plus load time, time to first token, tokens/s and peak memory.
+    """
+    import time
+
+    from squeeze.runtime.generate import generate as _generate
+    from squeeze.runtime.generate import resolve_device, validate_options
+
+    prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    target = resolve_device(device)
+    load_seconds = 0.0
+    if isinstance(model, (str, os.PathLike)):
+        start = time.perf_counter()
+        loaded = load(model, verify=verify, dense_cache=not low_memory)
+        load_seconds = time.perf_counter() - start
+    else:
+        loaded = model
+    if target.type != "cpu":
+        loaded.model.to(target)
+    return _generate(loaded, loaded.tokenizer, prompt_list, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, seed=seed, chat=chat, stream=stream, load_seconds=load_seconds)
+
+
+__all__ = ["verify_model_integrity", "inspect", "compress", "evaluate", "load", "generate", "VerifyReport",
+           "ArtifactInfo"]

@@ -24,7 +24,7 @@ from torch import nn
 from squeeze import __version__
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.windows import calibration_windows
-from squeeze.compress.preflight import check_disk, check_output_dir, estimate_size, meta_model
+from squeeze.compression.preflight import check_disk, check_output_dir, estimate_size, meta_model
 from squeeze.config import CalibrationSpec, Recipe
 from squeeze.errors import ConfigError
 from squeeze.format.atomic import atomic_write_text, fsync_directory

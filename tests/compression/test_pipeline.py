@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from squeeze import api
 from squeeze.cli.app import app
-from squeeze.compress import preflight
+from squeeze.compression import preflight
 from squeeze.models import load_model, resolve_model
 from squeeze.models.targets import find_target_linears
 from squeeze.quant.nuq import quantize_lut
@@ -225,7 +225,7 @@ def test_failed_overwrite_keeps_the_old_artifact(tmp_path, stories_dir, tinystor
 def test_not_enough_disk_is_checked_before_any_work(tmp_path, stories_dir, tinystories_file, monkeypatch):
     monkeypatch.setattr(preflight, "free_disk_bytes", lambda path: 1000)
     calls = []
-    import squeeze.compress.pipeline as pipeline
+    import squeeze.compression.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: calls.append(1))
     out = tmp_path / "out"

@@ -1,0 +1,320 @@
+"""Text generation on a loaded model (an artifact's or any transformers causal LM), with run statistics.
+
+One call runs all prompts as ONE left-padded batch through transformers' ``model.generate``. A streamer
+(:class:`_RunStreamer`) sees every decoding step: it timestamps the first new token (time to first token)
+and the last one (the decode phase), and, when asked, hands the first prompt's text to a callback piece by
+piece as it is produced. Greedy when ``temperature == 0``; otherwise sampling with temperature / top-p,
+seeded by ``torch.manual_seed(seed)`` for reproducible runs.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.errors import ConfigError
+
+StreamFn = Callable[[str], None]
+
+
+@dataclass
+class GenerationResult:
+    """What one generation run produced, and how fast.
+
+    texts: the generated continuation of each prompt (the prompt itself excluded, special tokens dropped).
+    prompt_tokens / new_tokens: tokens per prompt (prompt without padding; generated up to and including
+    the first end-of-sequence token). load_seconds: passed in by the caller (0.0 when unknown).
+    ttft_seconds: from the start of generation to the first new token (tokenized prompt -> prefill ->
+    first token). decode_seconds: from the first new token to the last. tokens_per_second: decode-phase
+    throughput, (steps - 1) * batch / decode_seconds, counting every row's step (the work the model did);
+    None when only one step ran. peak_rss_bytes: the process's peak resident set size so far (getrusage;
+    it cannot be reset, so it includes loading). peak_cuda_bytes: torch.cuda.max_memory_allocated during
+    this run, or None off CUDA.
+    """
+
+    texts: list[str]
+    prompt_tokens: list[int]
+    new_tokens: list[int]
+    load_seconds: float
+    ttft_seconds: float
+    decode_seconds: float
+    total_seconds: float
+    tokens_per_second: float | None
+    peak_rss_bytes: int
+    peak_cuda_bytes: int | None
+    device: str
+    do_sample: bool
+
+    @property
+    def text(self) -> str:
+        """The first prompt's continuation."""
+        return self.texts[0]
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Peak CUDA memory when the model ran on CUDA, else the peak RSS."""
+        return self.peak_cuda_bytes if self.peak_cuda_bytes is not None else self.peak_rss_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary: ``text``, ``texts``, timings, token counts (``new_tokens`` is the total)."""
+        data = asdict(self)
+        data["new_tokens_per_prompt"] = data.pop("new_tokens")
+        data["prompt_tokens_per_prompt"] = data.pop("prompt_tokens")
+        return {
+            "text": self.text,
+            **data,
+            "new_tokens": sum(self.new_tokens),
+            "prompt_tokens": sum(self.prompt_tokens),
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+def validate_options(
+    prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float
+) -> list[str]:
+    """Check generation options before anything expensive runs; returns the prompts as a list.
+
+    Raises ConfigError for no prompts, an empty (or whitespace-only) prompt, max_new_tokens <= 0,
+    temperature < 0 or top_p outside (0, 1].
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ConfigError("no prompt given", hint="pass a PROMPT, or --prompts-file with one prompt per line")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
+            raise ConfigError(f"{where} is empty; expected some text to continue", hint="pass a non-empty prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, found {max_new_tokens!r}",
+                          hint="e.g. --max-new-tokens 128")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), found {temperature!r}",
+                          hint="use 0 for greedy decoding, or e.g. 0.7 to sample")
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1], found {top_p!r}", hint="1.0 keeps the whole distribution")
+    return prompts
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch.device; ConfigError when it is unknown or unavailable."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"unknown device {name!r}; expected cpu, cuda or cuda:N", hint="--device cpu") from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"device {name!r} is not supported; expected cpu, cuda or cuda:N", hint="--device cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested, but torch.cuda.is_available() is False on this machine",
+                          hint="use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} requested, but only {torch.cuda.device_count()} CUDA device(s) exist",
+                          hint="--device cuda:0")
+    return device
+
+
+class _RunStreamer:
+    """A transformers streamer (``put``/``end``) that times decoding and streams the first row's text.
+
+    ``generate`` calls ``put(prompt_ids (B, T))`` once, then ``put(next_tokens (B,))`` per step, then
+    ``end()``. Text is emitted like transformers' TextStreamer (decode everything so far, emit the new
+    suffix, hold back a trailing incomplete character), but it accepts batches and stops at row 0's first
+    end-of-sequence token, so the pieces concatenate to exactly the row's final text.
+    """
+
+    def __init__(self, tokenizer: Any, stream: StreamFn | None, eos_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.eos_ids = eos_ids
+        self.seen_prompt = False
+        self.steps = 0
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self._ids: list[int] = []
+        self._printed = 0
+        self._done = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:  # the first call carries the prompt
+            self.seen_prompt = True
+            return
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.steps += 1
+        if self.stream is None or self._done:
+            return
+        token = int(value.reshape(value.shape[0], -1)[0, -1])
+        if token in self.eos_ids:
+            self._done = True
+            return
+        self._ids.append(token)
+        text = self._decode()
+        # a trailing U+FFFD is a multi-byte character whose bytes have not all arrived yet
+        ready = len(text) if not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
+        if ready > self._printed:
+            self.stream(text[self._printed:ready])
+            self._printed = ready
+
+    def end(self) -> None:
+        if self.stream is not None:
+            text = self._decode()
+            if len(text) > self._printed:
+                self.stream(text[self._printed:])
+                self._printed = len(text)
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self._ids, skip_special_tokens=True)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _format_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[str]:
+    if not chat:
+        return prompts
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("chat mode (--chat) needs a chat template, but this model's tokenizer has none",
+                          hint="drop --chat to continue the raw prompt (base models have no template)")
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
+
+
+def generate(
+    loaded_or_model: Any,
+    tokenizer: Any | None,
+    prompts: Sequence[str] | str,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = False,
+    stream: StreamFn | None = None,
+    load_seconds: float = 0.0,
+) -> GenerationResult:
+    """Continue each prompt with ``model.generate``, all prompts as one left-padded batch.
+
+    ``loaded_or_model``: a LoadedModel (its tokenizer is used when ``tokenizer`` is None) or a transformers
+    causal LM, on the device it should run on. Greedy when ``temperature == 0``, else sampling with
+    ``temperature`` and nucleus ``top_p`` (top-k off), after ``torch.manual_seed(seed)`` when a seed is
+    given. ``chat`` wraps each prompt as one user turn with the tokenizer's chat template (ConfigError when
+    it has none). ``stream(piece)`` receives the first prompt's text as it is produced. Raises ConfigError
+    for bad options (see :func:`validate_options`) or a prompt longer than the model's context.
+    """
+    prompts = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    # a LoadedModel wraps the model; an nn.Module is the model (a causal LM's own ``.model`` is its body)
+    model = loaded_or_model if isinstance(loaded_or_model, nn.Module) else getattr(loaded_or_model, "model", None)
+    if not isinstance(model, nn.Module) or not hasattr(model, "generate"):
+        raise ConfigError(f"generate needs a causal LM or a LoadedModel, found {type(loaded_or_model).__name__}")
+    if tokenizer is None:
+        tokenizer = getattr(loaded_or_model, "tokenizer", None)
+    if tokenizer is None:
+        raise ConfigError("generate needs a tokenizer", hint="pass the model's tokenizer, or a LoadedModel")
+    texts_in = _format_prompts(tokenizer, prompts, chat)
+    device = _model_device(model)
+
+    eos_ids = _eos_ids(model, tokenizer)
+    saved = (tokenizer.padding_side, tokenizer.pad_token)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError("the tokenizer has neither a pad nor an eos token; cannot pad a batch",
+                              hint="run one prompt at a time")
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do, eos is always there
+    try:
+        tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
+        # a chat template already writes BOS; adding special tokens again would double it
+        batch = tokenizer(texts_in, return_tensors="pt", padding=True, add_special_tokens=not chat)
+        pad_id = tokenizer.pad_token_id
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = saved
+    input_ids = batch["input_ids"].to(device)
+    attention_mask = batch["attention_mask"].to(device)
+    prompt_tokens = [int(n) for n in attention_mask.sum(dim=1).tolist()]
+    if min(prompt_tokens) == 0:
+        raise ConfigError("a prompt tokenized to zero tokens", hint="pass a prompt with some text")
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and input_ids.shape[1] + max_new_tokens > context:
+        raise ConfigError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {context} tokens", hint=f"use --max-new-tokens {max(1, context - input_ids.shape[1])} or less")
+
+    do_sample = temperature > 0.0
+    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "pad_token_id": pad_id}
+    if do_sample:
+        # top_k=0 switches off transformers' default top-k of 50: only temperature and top_p shape sampling
+        options.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
+        if seed is not None:
+            torch.manual_seed(seed)
+    elif seed is not None:
+        torch.manual_seed(seed)  # harmless for greedy; keeps any stochastic module reproducible
+    streamer = _RunStreamer(tokenizer, stream, eos_ids)
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, streamer=streamer, **options)
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    end = time.perf_counter()
+
+    new = output[:, input_ids.shape[1]:].cpu()
+    texts: list[str] = []
+    new_tokens: list[int] = []
+    for row in new.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))  # through the first eos
+        new_tokens.append(cut)
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+
+    first = streamer.first_token_time if streamer.first_token_time is not None else end
+    last = streamer.last_token_time if streamer.last_token_time is not None else end
+    decode_seconds = max(0.0, last - first)
+    steps = streamer.steps
+    tps = (steps - 1) * len(prompts) / decode_seconds if steps > 1 and decode_seconds > 0 else None
+    return GenerationResult(
+        texts=texts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, load_seconds=float(load_seconds),
+        ttft_seconds=first - start, decode_seconds=decode_seconds, total_seconds=end - start, tokens_per_second=tps,
+        peak_rss_bytes=_peak_rss_bytes(),
+        peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if on_cuda else None,
+        device=str(device), do_sample=do_sample,
+    )
+
+
+__all__ = ["GenerationResult", "generate", "validate_options", "resolve_device"]
