@@ -57,6 +57,12 @@ class SqueezeLinear(nn.Module):
         return kind.from_tensors(tensors, "", bits=self._qweight.bits, in_features=self.in_features, **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in_features)
+        if x.is_cuda:  # Triton LUT kernels (GEMV for decode, tiled GEMM for prefill) when available
+            from squeeze.runtime.kernels.dispatch import lut_forward
+
+            y = lut_forward(x, self)
+            if y is not None:
+                return y
         if not self.dense_cache:
             return self.chunked_forward(x)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:

@@ -139,7 +139,7 @@ def test_csr_spmv_reference_matches_dense() -> None:
 def test_prepare_contents() -> None:
     q = make_weight(5, 33, 3, 0.1)
     p = prepare(q, "cpu")
-    assert p.codes.shape == (5, 1, 3, 64) and p.lut.dtype == torch.float32 and p.has_sparse
+    assert p.codes.shape == (5, 1, 3, 128) and p.lut.dtype == torch.float32 and p.has_sparse
     assert p.nnz == q.sparse.nnz and p.cols.dtype == torch.int32
     assert not prepare(make_weight(5, 33, 4), "cpu").has_sparse
     empty = SparseCSR.from_mask(torch.zeros(5, 33, dtype=torch.bool), torch.zeros(5, 33))
@@ -191,15 +191,17 @@ def test_lut_linear_other_widths(bits: int) -> None:
 
 @needs_triton
 def test_gemv_configs_agree() -> None:
-    """Split-K (atomics), the register-LUT gather, several sparse steps and other tiles: same result."""
+    """Split-K (atomics), elementwise and tensor-core accumulation, prefetch depths, Triton's pipeliner,
+    several sparse steps and other tiles: the same result."""
     q = make_weight(33, 300, 3, 0.1, seed=3)  # rows hold ~30 sparse entries: several steps of sparse_block 4
-    x = torch.randn(4, 300)
     bias = torch.randn(33)
-    ref = lut_matmul_reference(x, q, bias)
-    for tile in (16, 128):
+    for tile, m in ((16, 4), (128, 1), (32, 8)):
+        x = torch.randn(m, 300)
+        ref = lut_matmul_reference(x, q, bias)
         p = prepare(q, "cpu", tile=tile)
-        for cfg in (GemvConfig(block_r=4, split_k=3, lut_gather=True, sparse_block=4),
-                    GemvConfig(block_r=32, num_warps=2, lut_gather=False, sparse_block=32)):
+        for cfg in (GemvConfig(block_r=4, split_k=3, sparse_block=4, mma=False, prefetch=1),
+                    GemvConfig(block_r=32, num_warps=2, sparse_block=32, prefetch=0, num_stages=2),
+                    GemvConfig(block_r=16, split_k=2)):
             assert rel_err(lut_linear(x, p, bias, gemv=cfg), ref) < 1e-5, (tile, cfg)
 
 
@@ -219,6 +221,7 @@ def test_gemm_config_and_dense_sparse_row() -> None:
         y = lut_linear(x, p, bias, gemm=cfg)
         assert y.shape == (2, 9, 20) and rel_err(y, ref) < 1e-5
     assert rel_err(lut_linear(x[0, :3], p, bias), ref[0, :3]) < 1e-5  # GEMV
+    assert rel_err(lut_linear(x, p, bias, prefill="dequant"), ref) < 1e-5  # dequantize + matmul
     x_strided = torch.randn(50, 3).T  # non-contiguous rows
     assert rel_err(lut_linear(x_strided, p), lut_matmul_reference(x_strided, q)) < 1e-5
 

@@ -3,7 +3,8 @@
 * :mod:`.reference` - exact torch ops every kernel is tested against, and the additive sparse residual.
 * :mod:`.layout` - :func:`prepare`: a LutWeight -> :class:`PreparedLut` (tile-permuted codes, float32
   LUT, additive CSR residual) on one device, derived once at load time.
-* :mod:`.triton_lut` - :func:`lut_linear` (GEMV for <= 8 rows of x, GEMM above) and :func:`lut_dequantize`.
+* :mod:`.triton_lut` - :func:`lut_linear` (GEMV for <= 8 rows of x, GEMM or dequantize + matmul above)
+  and :func:`lut_dequantize`; :mod:`.configs` holds their tiling; :mod:`._triton_kernels` the kernels.
 * :mod:`.dispatch` - :func:`lut_forward`, the hook SqueezeLinear.forward calls.
 
 Triton is optional: this package imports without it, :func:`triton_available` says whether the kernels
@@ -22,7 +23,8 @@ from squeeze.runtime.kernels.reference import (
     lut_matmul_reference,
     sparse_residual,
 )
-from squeeze.runtime.kernels.triton_lut import GemmConfig, GemvConfig, lut_dequantize, lut_linear
+from squeeze.runtime.kernels.configs import GemmConfig, GemvConfig
+from squeeze.runtime.kernels.triton_lut import lut_dequantize, lut_linear
 
 
 @functools.cache

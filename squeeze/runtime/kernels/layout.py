@@ -7,7 +7,7 @@ codes again. Since a dot product does not care about the order of its terms, the
 TILE-PERMUTED layout in which every load is contiguous:
 
 * A row is cut into tiles of ``CPG * T`` columns (CPG = codes per whole-byte group: 4, 8, 2, 1 for
-  2, 3, 4, 8 bits; T = ``tile``, default 64). The last tile is padded with code 0.
+  2, 3, 4, 8 bits; T = ``tile``, DEFAULT_TILE below). The last tile is padded with code 0.
 * In tile k, "group" t (0 <= t < T) holds the CPG codes of columns ``k*CPG*T + s*T + t`` for
   s = 0 .. CPG-1, code s at bits [s*bits, (s+1)*bits) of a little-endian word of BPG bytes
   (BPG = 1, 3, 1, 1 bytes for 2, 3, 4, 8 bits).
@@ -16,7 +16,7 @@ TILE-PERMUTED layout in which every load is contiguous:
 So for slot s the T codes of a tile (one byte plane load per plane, T contiguous bytes) and the T
 activations they multiply (``x[k*CPG*T + s*T : ... + T]``) are both contiguous. The layout costs exactly
 ``bits`` bits per code plus the padding of the last tile of each row (none when ``in_features`` is a
-multiple of ``CPG * T``: 128 columns at 4 bits, 512 at 3 bits, with T = 64).
+multiple of ``CPG * T``: 512 columns at 4 bits, 1024 at 3 bits with the default tiles).
 """
 
 from __future__ import annotations
@@ -34,14 +34,18 @@ from squeeze.runtime.kernels.reference import sparse_residual
 #: bits -> (codes per group CPG, bytes per group BPG): the smallest whole-byte group of codes.
 GROUPS: dict[int, tuple[int, int]] = {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}
 
-#: Default tile width T (groups per tile). 64 keeps each slot's code load at 64 contiguous bytes and gives
-#: the prefill GEMM tl.dot calls with K = 64.
-DEFAULT_TILE = 64
+#: Default tile width T (groups per tile) by bits: tiles of 512 columns at 2 and 4 bits, 1024 at 3 bits,
+#: 256 at 8 bits. Wide tiles give the decode GEMV 32-48 bytes of codes per thread per tile, so that enough
+#: bytes are in flight to stream at full bandwidth; wider ones would pad odd row lengths more (at most one
+#: tile per row: +2.3 % for 11008 columns at 3 and 4 bits).
+DEFAULT_TILE: dict[int, int] = {2: 128, 3: 128, 4: 256, 8: 256}
 
 
-def tile_pack(codes: Tensor, bits: int, tile: int = DEFAULT_TILE) -> Tensor:
-    """uint8 (R, N) codes -> uint8 (R, NT, BPG, T) in the tile-permuted layout (module docstring)."""
+def tile_pack(codes: Tensor, bits: int, tile: int | None = None) -> Tensor:
+    """uint8 (R, N) codes -> uint8 (R, NT, BPG, T) in the tile-permuted layout (module docstring);
+    ``tile`` (T) defaults to DEFAULT_TILE[bits]."""
     cpg, bpg = _group(bits)
+    tile = DEFAULT_TILE[bits] if tile is None else tile
     _check_tile(tile)
     if codes.dtype != torch.uint8 or codes.dim() != 2:
         raise ConfigError(f"codes must be a 2-D uint8 tensor, found {codes.dtype} {tuple(codes.shape)}")
@@ -113,7 +117,10 @@ class PreparedLut:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, empty
         counts = (self.rowptr[1:] - self.rowptr[:-1]).to(torch.int64)  # (R,)
-        rows = torch.repeat_interleave(torch.arange(self.out_features, device=self.device), counts)
+        # output_size: no device -> host sync to learn the length (this may run inside a forward)
+        rows = torch.repeat_interleave(
+            torch.arange(self.out_features, device=self.device), counts, output_size=self.cols.numel()
+        )
         return rows, self.cols.to(torch.int64)
 
     def codes_at(self, rows: Tensor, cols: Tensor) -> Tensor:
@@ -132,12 +139,14 @@ class PreparedLut:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def prepare(qweight: LutWeight, device: torch.device | str, tile: int = DEFAULT_TILE) -> PreparedLut:
-    """Derive what the kernels need from ``qweight``, once, on ``device``: tile-permuted codes, a float32
-    LUT and the additive sparse residual (float32, int32 columns). Runs in plain torch."""
+def prepare(qweight: LutWeight, device: torch.device | str, tile: int | None = None) -> PreparedLut:
+    """Derive what the kernels need from ``qweight``, once, on ``device``: tile-permuted codes (tile T,
+    default DEFAULT_TILE[bits]), a float32 LUT and the additive sparse residual (float32, int32 columns).
+    Runs in plain torch."""
     if not isinstance(qweight, LutWeight):
         raise ConfigError(f"prepare needs a LutWeight, found {type(qweight).__name__}")
     _group(qweight.bits)
+    tile = DEFAULT_TILE[qweight.bits] if tile is None else tile
     _check_tile(tile)
     device = torch.device(device)
     plain = unpack_codes(qweight.packed.to(device), qweight.bits, qweight.in_features)  # (R, N) uint8

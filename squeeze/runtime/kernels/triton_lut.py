@@ -1,100 +1,46 @@
-"""Launchers for the Triton LUT kernels: ``lut_linear`` (GEMV for M <= 8, else GEMM) and ``lut_dequantize``.
+"""Launchers for the Triton LUT kernels: ``lut_linear`` and ``lut_dequantize``.
 
 Importing this module does not import triton; the first launch does (``ImportError`` if it is missing,
 see :func:`squeeze.runtime.kernels.triton_available`). With ``TRITON_INTERPRET=1`` in the environment
 before that first launch, the kernels run in Triton's interpreter on CPU tensors (the tests do this).
 
-Tiling (defaults below; ``scripts/gpu_check.py`` sweeps alternatives on a GPU and reports the best):
-* GEMV: each program owns BLOCK_R output rows and loops over the code tiles (CPG*T columns each) with
-  a (BLOCK_M, BLOCK_R, T) float32 accumulator; BLOCK_R shrinks as M grows to keep it in registers.
-  Split-K (several programs per row block, float32 atomics) only when there are too few row blocks to
-  fill the GPU.
-* GEMM: BLOCK_M x BLOCK_N output tiles; per K step CPG tl.dot calls with K = T.
+Paths of ``lut_linear`` by M, the number of activation rows:
+* M <= 8 (decode): one fused GEMV launch: LUT codes, additive sparse residual and bias. Each program owns
+  BLOCK_R output rows and loops over the code tiles, the codes of the next tiles prefetched in registers;
+  one activation row accumulates elementwise in float32, several on the tensor cores (tl.dot, rows
+  padded to 16); split-K (float32 atomics into a zeroed buffer, then a cast) only when the layer has too
+  few row blocks to fill the GPU.
+* 8 < M < DEQUANT_MIN_M ("fused"): a Triton CSR SpMM writes the sparse part (float32, from x^T so its
+  gathers are contiguous) and the LUT GEMM (tl.dot on tiles decoded in registers) adds it and the bias
+  before its single rounding.
+* M >= DEQUANT_MIN_M ("dequant"): the weight is dequantized exactly into a temporary (R, N) tensor of x's
+  dtype (Triton), sparse values replacing theirs, then torch's matmul (cuBLAS) runs at full speed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from squeeze.errors import ConfigError
 from squeeze.quant.qweight import LutWeight
+from squeeze.runtime.kernels.configs import (
+    DEQUANT_MIN_M,
+    GEMV_MAX_M,
+    GemmConfig,
+    GemvConfig,
+    default_gemm_config,
+    default_gemv_config,
+    pow2_at_least,
+)
 from squeeze.runtime.kernels.layout import GROUPS, PreparedLut, prepare
 
-#: Largest batch (rows of x) that takes the GEMV path.
-GEMV_MAX_M = 8
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Decode GEMV tiling: rows per program, warps, K splits, LUT lookup from registers (tl.gather) or
-    from the L1-cached LUT rows (tl.load), sparse entries per row per step."""
-
-    block_r: int = 16
-    num_warps: int = 4
-    split_k: int = 1
-    lut_gather: bool = False
-    sparse_block: int = 16
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Prefill GEMM tiling: output tile, groups per tl.dot (a power of two, at most the layout's tile T),
-    warps, pipelining depth, grouped ordering, sparse entries per step."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 32
-    num_warps: int = 8
-    num_stages: int = 2
-    group_m: int = 8
-    sparse_block: int = 8
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4  # the interpreter: any small number
-
-
-def default_gemv_config(prepared: PreparedLut, m: int) -> GemvConfig:
-    """Heuristic GEMV tiling for ``m`` (<= 8) activation rows."""
-    block_m = _pow2_at_least(m)
-    sms = _sm_count(prepared.device)
-    # the (BLOCK_M, BLOCK_R, T) accumulator: at most ~32 float32 registers per thread at 4 warps
-    limit = max(2, min(32, 4096 // (block_m * prepared.tile)))
-    # at least ~2 row blocks per SM where the rows allow it (down to 8 rows per block) ...
-    block_r = 8
-    while block_r * 2 <= limit and prepared.out_features // (block_r * 2) >= 2 * sms:
-        block_r *= 2
-    block_r = min(block_r, limit)
-    # ... and split K when there are still too few (narrow layers such as GQA's k/v projections)
-    blocks = _cdiv(prepared.out_features, block_r)
-    split_k = 1
-    while blocks * split_k < 2 * sms and split_k < 8 and prepared.n_tiles >= 8 * split_k:
-        split_k *= 2
-    return GemvConfig(block_r=block_r, split_k=split_k)
-
-
-def default_gemm_config(prepared: PreparedLut, m: int, dtype: torch.dtype) -> GemmConfig:
-    """Heuristic GEMM tiling for ``m`` (> 8) activation rows."""
-    block_m = max(16, min(128, _pow2_at_least(m)))
-    if dtype == torch.float32:  # float32 tiles take twice the registers
-        return GemmConfig(block_m=min(block_m, 64), block_n=64, num_warps=4)
-    return GemmConfig(block_m=block_m, block_n=128 if block_m >= 64 else 64, num_warps=8 if block_m >= 64 else 4)
+Prefill = Literal["auto", "fused", "dequant"]
 
 
 def lut_linear(
@@ -104,12 +50,13 @@ def lut_linear(
     *,
     gemv: GemvConfig | None = None,
     gemm: GemmConfig | None = None,
+    prefill: Prefill = "auto",
 ) -> Tensor:
     """(..., R) in x.dtype: ``x (..., N) @ W^T + bias`` by the Triton LUT kernels.
 
     ``weight``: a PreparedLut on x's device (from :func:`~squeeze.runtime.kernels.layout.prepare`, once
     per weight), or a LutWeight, prepared on every call (convenient, slow). x: float16, bfloat16 or
-    float32; accumulation is float32. M = prod(x.shape[:-1]) <= 8 runs the GEMV, larger M the GEMM.
+    float32; accumulation is float32. ``prefill`` picks the path for M > 8 (module docstring).
     """
     prepared = weight if isinstance(weight, PreparedLut) else prepare(weight, x.device)
     n, r = prepared.in_features, prepared.out_features
@@ -119,6 +66,8 @@ def lut_linear(
         raise ConfigError(f"x must be float16, bfloat16 or float32, found {x.dtype}")
     if x.device != prepared.device:
         raise ConfigError(f"x is on {x.device} but the prepared weight is on {prepared.device}")
+    if prefill not in ("auto", "fused", "dequant"):
+        raise ConfigError(f"prefill must be 'auto', 'fused' or 'dequant', found {prefill!r}")
     if bias is not None:
         if bias.shape != (r,):
             raise ConfigError(f"bias must have shape ({r},), found {tuple(bias.shape)}")
@@ -135,6 +84,8 @@ def lut_linear(
         return out.reshape(*lead, r)
     if m <= GEMV_MAX_M:
         out = _launch_gemv(x2, prepared, bias, gemv or default_gemv_config(prepared, m))
+    elif prefill == "dequant" or (prefill == "auto" and m >= DEQUANT_MIN_M):
+        out = F.linear(x2, lut_dequantize(prepared, x2.dtype), bias)
     else:
         out = _launch_gemm(x2, prepared, bias, gemm or default_gemm_config(prepared, m, x.dtype))
     return out.reshape(*lead, r)
@@ -142,17 +93,16 @@ def lut_linear(
 
 def lut_dequantize(prepared: PreparedLut, dtype: torch.dtype = torch.float16, block_r: int = 16) -> Tensor:
     """(R, N) in ``dtype``: the exact dequantized weight (LUT values by a Triton kernel, then the sparse
-    values REPLACE theirs, as the format says), for a dense fallback such as dequantize + cuBLAS."""
+    values REPLACE theirs, as the format says), e.g. for dequantize + cuBLAS."""
     from squeeze.runtime.kernels import _triton_kernels as K
 
     r, n = prepared.out_features, prepared.in_features
     out = torch.empty(r, n, dtype=dtype, device=prepared.device)
     if r and n:
-        cpg, bpg = GROUPS[prepared.bits]
         grid = (_cdiv(r, block_r), prepared.n_tiles)
         K._lut_dequant_kernel[grid](
             prepared.codes, prepared.lut, out, r, n, prepared.n_tiles, out.stride(0),
-            BITS=prepared.bits, CPG=cpg, BPG=bpg, T=prepared.tile, L=1 << prepared.bits, BLOCK_R=block_r,
+            BLOCK_R=block_r, **_common_meta(prepared),
         )
     if prepared.resid is not None:
         # additive residual -> replaced value: float32 lut + (v - lut), then ONE rounding to dtype (adding
@@ -163,11 +113,8 @@ def lut_dequantize(prepared: PreparedLut, dtype: torch.dtype = torch.float16, bl
     return out
 
 
-def _sparse_args(prepared: PreparedLut) -> tuple[Tensor, Tensor, Tensor]:
-    if prepared.resid is None:
-        # never read (HAS_SPARSE=False), but the kernel signature needs tensors
-        return prepared.lut, prepared.lut, prepared.lut
-    return prepared.rowptr, prepared.cols, prepared.resid  # type: ignore[return-value]
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _common_meta(prepared: PreparedLut) -> dict[str, Any]:
@@ -175,9 +122,17 @@ def _common_meta(prepared: PreparedLut) -> dict[str, Any]:
     return {"BITS": prepared.bits, "CPG": cpg, "BPG": bpg, "T": prepared.tile, "L": 1 << prepared.bits}
 
 
+def _dot_meta(x2: Tensor) -> dict[str, bool]:
+    # CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot cannot take bfloat16
+    return {"FP32_DOT": x2.dtype == torch.float32,
+            "DOT_UPCAST": x2.device.type == "cpu" and x2.dtype == torch.bfloat16}
+
+
 def _launch_gemv(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: GemvConfig) -> Tensor:
     from squeeze.runtime.kernels import _triton_kernels as K
 
+    if cfg.prefetch not in (0, 1, 2):
+        raise ConfigError(f"GemvConfig.prefetch must be 0, 1 or 2, found {cfg.prefetch}")
     m, r = x2.shape[0], prepared.out_features
     split_k = max(1, min(cfg.split_k, prepared.n_tiles))
     tiles_per_split = _cdiv(prepared.n_tiles, split_k)
@@ -186,13 +141,21 @@ def _launch_gemv(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: Ge
     # split-K partials meet in a zeroed float32 buffer (atomics); otherwise store x's dtype directly
     out = torch.zeros(m, r, dtype=torch.float32, device=x2.device) if atomic else torch.empty(
         m, r, dtype=x2.dtype, device=x2.device)
-    rowptr, cols, resid = _sparse_args(prepared)
-    grid = (_cdiv(r, cfg.block_r), split_k)
+    dummy = prepared.lut  # stands in for absent tensors: never read (HAS_SPARSE / HAS_BIAS False)
+    # accumulation: elementwise for one row; for several, tensor cores (tl.dot needs 16 x 16 tiles: the
+    # activation rows are padded to 16 by repeating the last one) or elementwise in 3-D
+    mode = 0 if m == 1 else 2 if cfg.mma else 1
+    block_m = 1 if m == 1 else max(16, pow2_at_least(m)) if mode == 2 else pow2_at_least(m)
+    block_r = max(16, cfg.block_r) if mode == 2 else cfg.block_r
+    grid = (_cdiv(r, block_r), split_k)
     K._lut_gemv_kernel[grid](
-        x2, prepared.codes, prepared.lut, rowptr, cols, resid, bias if bias is not None else prepared.lut, out,
+        x2, prepared.codes, prepared.lut, prepared.rowptr if prepared.has_sparse else dummy,
+        prepared.cols if prepared.has_sparse else dummy, prepared.resid if prepared.has_sparse else dummy,
+        bias if bias is not None else dummy, out,
         m, r, prepared.in_features, prepared.n_tiles, tiles_per_split, x2.stride(0), out.stride(0),
-        BLOCK_M=_pow2_at_least(m), BLOCK_R=cfg.block_r, SP=cfg.sparse_block,
-        HAS_SPARSE=prepared.has_sparse, HAS_BIAS=bias is not None, ATOMIC=atomic, LUT_GATHER=cfg.lut_gather,
+        BLOCK_M=block_m, BLOCK_R=block_r, SP=cfg.sparse_block,
+        HAS_SPARSE=prepared.has_sparse, HAS_BIAS=bias is not None, ATOMIC=atomic,
+        PREFETCH=cfg.prefetch, NUM_STAGES=cfg.num_stages, MODE=mode, **_dot_meta(x2),
         num_warps=cfg.num_warps, **_common_meta(prepared),
     )
     return out.to(x2.dtype) if atomic else out
@@ -202,23 +165,26 @@ def _launch_gemm(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: Ge
     from squeeze.runtime.kernels import _triton_kernels as K
 
     m, r = x2.shape[0], prepared.out_features
+    dummy = prepared.lut  # stands in for absent tensors: never read
+    sparse = dummy
+    if prepared.has_sparse:
+        xt = x2.t().contiguous()  # (N, M): each sparse entry then gathers one contiguous column of x
+        sparse = torch.empty(m, r, dtype=torch.float32, device=x2.device)
+        grid_s = (_cdiv(r, cfg.spmm_block_r), _cdiv(m, cfg.spmm_block_m))
+        K._csr_spmm_kernel[grid_s](
+            xt, prepared.rowptr, prepared.cols, prepared.resid, sparse, m, r,
+            BLOCK_R=cfg.spmm_block_r, BLOCK_M=cfg.spmm_block_m, SP=cfg.sparse_block, num_warps=4,
+        )
     out = torch.empty(m, r, dtype=x2.dtype, device=x2.device)
-    rowptr, cols, resid = _sparse_args(prepared)
     grid = (_cdiv(m, cfg.block_m) * _cdiv(r, cfg.block_n),)
     K._lut_gemm_kernel[grid](
-        x2, prepared.codes, prepared.lut, rowptr, cols, resid, bias if bias is not None else prepared.lut, out,
+        x2, prepared.codes, prepared.lut, sparse, bias if bias is not None else dummy, out,
         m, r, prepared.in_features, prepared.n_tiles, x2.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=min(cfg.block_k, prepared.tile), GROUP_M=cfg.group_m,
-        SP=cfg.sparse_block,
-        HAS_SPARSE=prepared.has_sparse, HAS_BIAS=bias is not None, FP32_DOT=x2.dtype == torch.float32,
-        # CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot cannot take bfloat16
-        DOT_UPCAST=x2.device.type == "cpu" and x2.dtype == torch.bfloat16,
+        HAS_SPARSE=prepared.has_sparse, HAS_BIAS=bias is not None, **_dot_meta(x2),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_common_meta(prepared),
     )
     return out
 
 
-__all__ = [
-    "GEMV_MAX_M", "GemvConfig", "GemmConfig", "default_gemv_config", "default_gemm_config",
-    "lut_linear", "lut_dequantize",
-]
+__all__ = ["lut_linear", "lut_dequantize", "Prefill"]
