@@ -279,3 +279,16 @@ def _interpreted_kernels():
         if not isinstance(mod._lut_gemv_kernel, InterpretedFunction):
             importlib.reload(mod)
     yield
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 16])
+def test_lut_linear_with_an_8bit_lut(m: int) -> None:
+    from squeeze.quant.nuq import quantize_lut
+
+    g = torch.Generator().manual_seed(11)
+    q = quantize_lut(torch.randn(33, 172, generator=g), None, 3, 0.004, 0.01, lut_dtype="int8")
+    x = torch.randn(m, 172, generator=g)
+    assert torch.equal(dense_lut_values(q), q.lut_values().gather(1, q.codes().long()))
+    y = lut_linear(x, prepare(q, "cpu"))
+    assert rel_err(y, lut_matmul_reference(x, q)) < 1e-5

@@ -151,7 +151,7 @@ def prepare(qweight: LutWeight, device: torch.device | str, tile: int | None = N
     device = torch.device(device)
     plain = unpack_codes(qweight.packed.to(device), qweight.bits, qweight.in_features)  # (R, N) uint8
     codes = tile_pack(plain, qweight.bits, tile)
-    lut = qweight.lut.to(device=device, dtype=torch.float32).contiguous()
+    lut = qweight.lut_values(torch.float32).to(device=device).contiguous()  # 8-bit LUTs expanded once
     rowptr = cols = resid = None
     if qweight.sparse is not None and qweight.sparse.nnz > 0:
         rowptr, cols, resid = (t.contiguous() for t in sparse_residual(qweight, codes=plain))

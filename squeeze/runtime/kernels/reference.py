@@ -33,7 +33,7 @@ def lut_matmul_reference(x: Tensor, qweight: LutWeight, bias: Tensor | None = No
 
 def dense_lut_values(qweight: LutWeight) -> Tensor:
     """float32 (R, N): ``lut[r, code[r, c]]`` everywhere, i.e. the dequantized weight WITHOUT the sparse part."""
-    return qweight.lut.gather(1, qweight.codes().to(torch.int64)).to(torch.float32)
+    return qweight.lut_values().gather(1, qweight.codes().to(torch.int64)).to(torch.float32)
 
 
 def sparse_residual(qweight: LutWeight, codes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -57,7 +57,7 @@ def sparse_residual(qweight: LutWeight, codes: Tensor | None = None) -> tuple[Te
     row_idx = sparse.row_indices().to(device)  # (nnz,) int64
     col_idx = sparse.cols.to(device=device, dtype=torch.int64)  # (nnz,)
     codes_at = codes[row_idx, col_idx].to(torch.int64)  # (nnz,)
-    lut_at = qweight.lut.to(device)[row_idx, codes_at].to(torch.float32)  # (nnz,)
+    lut_at = qweight.lut_values().to(device)[row_idx, codes_at]  # (nnz,)
     resid = sparse.vals.to(device=device, dtype=torch.float32) - lut_at
     return sparse.rowptr.to(device=device, dtype=torch.int32).clone(), col_idx.to(torch.int32), resid
 
