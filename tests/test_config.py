@@ -15,7 +15,7 @@ from squeeze.errors import ConfigError
 
 def test_builtin_recipes_all_load():
     names = builtin_names(RECIPES_DIR)
-    assert {"w4", "w4-s045", "w3", "w3-s045", "rtn-w4", "rtn-w3"} <= set(names)
+    assert {"w4", "w4-s045", "w3", "w3-s045", "rtn-w4", "rtn-w3", "w4-lut8", "w3-s045-lut8"} <= set(names)
     for name in names:
         recipe = load_recipe(name)
         assert recipe.name == name
@@ -24,6 +24,14 @@ def test_builtin_recipes_all_load():
 def test_w3_s045_matches_squeezellm_defaults():
     w = load_recipe("w3-s045").weights
     assert (w.method, w.bits, w.sensitive_fraction, w.outlier_fraction) == ("squeeze", 3, 0.0005, 0.004)
+
+
+def test_lut8_recipes_differ_from_their_twins_only_in_the_lut():
+    for name in ("w4", "w4-s045", "w3", "w3-s045"):
+        plain, compact = load_recipe(name).to_dict(), load_recipe(f"{name}-lut8").to_dict()
+        assert compact["weights"].pop("lut_dtype") == "int8" and plain["weights"].pop("lut_dtype") == "float16"
+        assert compact.pop("name") == f"{name}-lut8" and plain.pop("name") == name
+        assert compact == plain
 
 
 def test_overrides_apply_dotted_keys():
