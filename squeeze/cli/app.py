@@ -46,7 +46,6 @@ def quiet_third_party_progress() -> None:
     import os
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF reader uses tqdm directly
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         from transformers.utils import logging as hf_logging
