@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from squeeze.config import CalibrationSpec
-from squeeze.errors import CalibrationError
+from squeeze.errors import CalibrationError, SqueezeError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -26,25 +27,29 @@ def load_calibration_text(spec: CalibrationSpec) -> str:
 
 
 def _read_text_file(spec: CalibrationSpec) -> str:
-    path = Path(spec.path or "").expanduser()
+    return read_text_file(spec.path or "", "calibration text file", CalibrationError)
+
+
+def read_text_file(path: str | os.PathLike[str], what: str, error: type[SqueezeError]) -> str:
+    """A UTF-8 text file's content; a missing, unreadable, non-UTF-8 or empty file raises ``error``."""
+    path = Path(path).expanduser()
     if not path.is_file():
-        raise CalibrationError(
-            f"calibration text file {str(path)!r} does not exist"
-            + (" (it is a directory)" if path.is_dir() else ""),
-            hint="pass an existing UTF-8 text file, or a calibration spec YAML naming one",
+        raise error(
+            f"{what} {str(path)!r} does not exist" + (" (it is a directory)" if path.is_dir() else ""),
+            hint="pass an existing UTF-8 text file" + (", or a calibration spec YAML naming one"
+                                                       if error is CalibrationError else ""),
         )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise CalibrationError(
-            f"calibration text file {str(path)!r} is not valid UTF-8 (bad byte at offset {exc.start})",
+        raise error(
+            f"{what} {str(path)!r} is not valid UTF-8 (bad byte at offset {exc.start})",
             hint="convert it to UTF-8 (e.g. iconv -t utf-8)",
         ) from exc
     except OSError as exc:
-        raise CalibrationError(f"cannot read calibration text file {str(path)!r}: {exc.strerror or exc}") from exc
+        raise error(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from exc
     if not text.strip():
-        raise CalibrationError(f"calibration text file {str(path)!r} is empty",
-                               hint="use a file with at least a few thousand words of prose")
+        raise error(f"{what} {str(path)!r} is empty", hint="use a file with at least a few thousand words of prose")
     return text
 
 

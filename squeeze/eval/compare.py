@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from squeeze.calibrate.windows import read_text_file
 from squeeze.errors import ConfigError
 from squeeze.eval.perplexity import PerplexityResult, perplexity
 
@@ -53,16 +53,6 @@ def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     return load_model(resolve_model(str(spec)))
 
 
-def read_eval_text(path: str | os.PathLike[str]) -> str:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"evaluation text {file} does not exist", hint="pass --text with a UTF-8 text file")
-    try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"evaluation text {file} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-
-
 def evaluate(
     model: str | os.PathLike[str],
     text_file: str | os.PathLike[str],
@@ -73,7 +63,7 @@ def evaluate(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalResult:
     """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate."""
-    text = read_eval_text(text_file)
+    text = read_text_file(text_file, "evaluation text", ConfigError)
 
     def measure(spec: str | os.PathLike[str], label: str) -> PerplexityResult:
         net, tokenizer = open_for_eval(spec)
