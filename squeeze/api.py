@@ -50,6 +50,9 @@ def compress(
     *,
     seed: int | None = None,
     overwrite: bool = False,
+    resume: bool = False,
+    restart: bool = False,
+    force: bool = False,
     overrides: Mapping[str, Any] | None = None,
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
@@ -63,6 +66,14 @@ def compress(
     the calibration sampling seed and seeds k-means: the same inputs and seed give byte-identical shards.
     ``output`` must not exist or be empty unless ``overwrite``; the old artifact is replaced only once the
     new one is complete. ``progress(stage, done, total)`` reports the "fisher" and "quantize" stages.
+
+    Interruptions: the Fisher information and each quantized layer group are checkpointed in
+    ``output/.squeeze-work``; calling again with the same arguments resumes after the last committed group
+    and gives the same bytes as an uninterrupted run. ``resume`` insists on an existing work area
+    (ResumeError if there is none); a work area made with other inputs is refused (ResumeError listing the
+    differences) unless ``restart``, which discards it. SIGINT/SIGTERM raise Interrupted (exit code 130/143)
+    after the last commit. A concurrent run into the same output raises LockError. Estimated peak memory
+    and disk are checked first (ResourceError); ``force`` skips those two refusals.
     """
     from squeeze.compression.pipeline import needs_calibration, run_compress
 
@@ -72,7 +83,8 @@ def compress(
         extra = {**dict(calibration_overrides or {}), **({"seed": seed} if seed is not None else {})}
         spec = calibration if isinstance(calibration, CalibrationSpec) else load_calibration_spec(calibration, **extra)
     effective_seed = seed if seed is not None else (spec.seed if spec is not None else 0)
-    return run_compress(model, output, resolved, spec, seed=effective_seed, overwrite=overwrite, progress=progress)
+    return run_compress(model, output, resolved, spec, seed=effective_seed, overwrite=overwrite, resume=resume,
+                        restart=restart, force=force, progress=progress)
 
 
 def evaluate(

@@ -46,3 +46,21 @@ class IntegrityError(SqueezeError):
 
 class ResourceError(SqueezeError):
     """Not enough disk or memory for the requested work (checked before it starts)."""
+
+
+class LockError(SqueezeError):
+    """Another process holds the output directory (a concurrent ``squeeze compress`` into it)."""
+
+
+class ResumeError(SqueezeError):
+    """A work area cannot be resumed: its fingerprint differs from this run, or there is nothing to resume."""
+
+
+class Interrupted(SqueezeError):
+    """A run stopped on SIGINT or SIGTERM after committing its completed work; exit code 128 + signal."""
+
+    def __init__(self, message: str, hint: str | None = None, *, signum: int = 2, work_dir: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.signum = signum
+        self.exit_code = 128 + signum  # 130 for SIGINT, 143 for SIGTERM: what shells report for such deaths
+        self.work_dir = work_dir

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from squeeze import api
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
+from squeeze.errors import Interrupted
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -37,9 +39,16 @@ def compress(
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest shard, e.g. 2GB."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for calibration sampling and k-means (default: the spec's, 0)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory (only once the new artifact is complete)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run into --output (fails if there is nothing to resume). Rerunning the same command resumes too."),
+    restart: bool = typer.Option(False, "--restart", help="Discard the interrupted run's checkpoints in --output and start over."),
+    force: bool = typer.Option(False, "--force", help="Run even when the estimated peak memory or disk exceeds what is available."),
     json_out: bool = typer.Option(False, "--json", help="Print only a JSON summary to stdout."),
 ) -> None:
-    """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact."""
+    """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact.
+
+    Progress is checkpointed per layer group in OUTPUT/.squeeze-work: after Ctrl-C (exit 130), SIGTERM
+    (exit 143) or a crash, rerun the same command to continue.
+    """
     overrides = {
         "weights.method": method, "weights.bits": bits, "weights.sensitivity": sensitivity,
         "weights.sensitive_fraction": sensitive_fraction, "weights.outlier_fraction": outlier_fraction,
@@ -48,11 +57,21 @@ def compress(
     with cli_errors():
         target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
         labels = {"fisher": "Fisher sensitivity (windows)", "quantize": "Quantizing (layers)"}
-        with stage_progress(not json_out, labels) as progress:
-            result = api.compress(
-                model, target, recipe, calibration, seed=seed, overwrite=overwrite, overrides=overrides,
-                calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
-            )
+        try:
+            with stage_progress(not json_out, labels) as progress:
+                result = api.compress(
+                    model, target, recipe, calibration, seed=seed, overwrite=overwrite, resume=resume,
+                    restart=restart, force=force, overrides=overrides,
+                    calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
+                )
+        except Interrupted as exc:
+            options: dict[str, Any] = {
+                "--output": target, "--recipe": recipe, "--calibration": calibration, "--num-samples": num_samples,
+                "--seq-len": seq_len, "--seed": seed, **{f"--{key.split('.')[-1].replace('_', '-')}": value
+                                                         for key, value in overrides.items()},
+            }
+            exc.hint = f"resume with: {resume_command(model, options, overwrite=overwrite)}"
+            raise
     if json_out:
         print_json(result.to_dict())
         return
@@ -67,3 +86,14 @@ def compress(
     )
     err_console.print(f"[dim]stages: {stages}[/]")
     err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")
+
+
+def resume_command(model: str, options: dict[str, Any], *, overwrite: bool) -> str:
+    """The shell command that continues an interrupted run: same inputs, plus --resume (never --restart)."""
+    args = ["squeeze", "compress", model]
+    for flag, value in options.items():
+        if value is not None:
+            args += [flag, str(value)]
+    if overwrite:
+        args.append("--overwrite")
+    return shlex.join(args + ["--resume"])

@@ -1,17 +1,20 @@
-"""The compress pipeline: checkpoint -> calibration -> Fisher -> per-layer quantization -> sealed artifact.
+"""The compress pipeline: preflight -> lock -> calibration -> Fisher -> per-layer-group quantization -> sealed artifact.
 
-Work happens in a hidden staging directory next to the output; the output appears (or replaces the old
-one, with ``overwrite``) by rename only once the artifact is complete and sealed, so a failed or killed
-run never leaves a half artifact under the output's name, and never destroys the previous one.
+Work happens in the resumable work area ``<output>/.squeeze-work`` (see workarea.py): the Fisher information
+and each quantized layer group are committed there as checkpoints, so a rerun of an interrupted job skips
+what is done. The artifact is assembled and sealed in the work area and moved into the output only when
+complete (manifest last); with ``overwrite`` the old artifact is removed only at that point.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
-import tempfile
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,11 +27,22 @@ from torch import nn
 from squeeze import __version__
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.windows import calibration_windows
-from squeeze.compression.preflight import check_disk, check_output_dir, estimate_size, meta_model
+from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences
+from squeeze.compression.lock import OutputLock
+from squeeze.compression.preflight import (
+    check_disk,
+    check_memory,
+    check_output_dir,
+    estimate_peak_memory,
+    estimate_size,
+    meta_model,
+)
+from squeeze.compression.signals import SignalGuard
+from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.config import CalibrationSpec, Recipe
-from squeeze.errors import ConfigError
+from squeeze.errors import ConfigError, Interrupted, ResourceError, ResumeError
 from squeeze.format.atomic import atomic_write_text, fsync_directory
-from squeeze.format.manifest import Provenance
+from squeeze.format.manifest import MANIFEST_NAME, Provenance
 from squeeze.format.shards import ShardWriter
 from squeeze.format.verify import seal_artifact
 from squeeze.models.source import ModelSource, load_model, load_tokenizer, resolve_model, source_digest
@@ -82,69 +96,204 @@ def run_compress(
     *,
     seed: int = 0,
     overwrite: bool = False,
+    resume: bool = False,
+    restart: bool = False,
+    force: bool = False,
     progress: StageProgress | None = None,
 ) -> CompressResult:
     """Compress ``model`` with ``recipe`` into the artifact directory ``output``. See squeeze.api.compress."""
     started = time.perf_counter()
     timings: dict[str, float] = {}
     output = Path(output)
-    # -- preflight: nothing expensive happens before every check below has passed
+    if resume and restart:
+        raise ConfigError("--resume and --restart contradict each other", hint="pass at most one of them")
+    # -- preflight: nothing expensive happens, and nothing is written, before every check below has passed
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    check_output_dir(output, overwrite)
-    skeleton = meta_model(source)
-    estimate = estimate_size(skeleton, recipe)  # also raises ModelError when there is no target linear
-    check_disk(output, estimate)
-    del skeleton
-    if needs_calibration(recipe) and calibration is None:
+    work = WorkArea(output)
+    if not work.is_publishing():  # a publish cut short has already moved some new files into the output
+        check_output_dir(output, overwrite, ignore=(WORK_NAME,))
+    if resume and not work.root.is_dir():
+        raise ResumeError(f"nothing to resume: {output} has no work area ({WORK_NAME})",
+                          hint="run the command without --resume to start a new compression")
+    calibrating = needs_calibration(recipe)
+    if calibrating and calibration is None:
         raise ConfigError(
             "no calibration text given, and this recipe weights k-means by Fisher sensitivity",
             hint="pass a text file or spec (e.g. --calibration my_corpus.txt, or wikitext2-train), "
                  "or use --sensitivity uniform",
         )
+    calibration = calibration if calibrating else None
+    skeleton = meta_model(source)
+    estimate = estimate_size(skeleton, recipe)  # also raises ModelError when there is no target linear
+    checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibrating else 0)
+    already = work.disk_bytes() if work.root.is_dir() and not restart else 0
+    check_disk(output, estimate, checkpoint_bytes - already, force)
+    check_memory(estimate_peak_memory(skeleton, recipe, calibration.seq_len if calibration else None), force)
+    del skeleton
+
+    created_output = not output.exists()
+    created_work = work.create()
+    lock = OutputLock(work.root).acquire()  # a concurrent run into this output is refused here, at once
+    guard = SignalGuard()
+    try:
+        with guard:
+            return _run_locked(source, work, recipe, calibration, seed, overwrite, restart, guard, timings,
+                               started, progress)
+    except BaseException as exc:
+        if created_work and not work.has_checkpoints():  # nothing worth resuming: leave no trace
+            work.remove()
+            if created_output:
+                with contextlib.suppress(OSError):
+                    output.rmdir()
+        if guard.received is not None:
+            raise _interrupted(guard.received, work) from None
+        if _is_disk_full(exc):
+            raise ResourceError(
+                f"no space left on the device while writing into {output}; {_committed(work)}",
+                hint=f"free some disk space (the artifact alone needs about {estimate.total_bytes / 1e9:.2f} GB) and "
+                     "rerun the same command: it resumes from the last committed layer group; the source model "
+                     "was only read, never written",
+            ) from exc
+        raise
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    source: ModelSource, work: WorkArea, recipe: Recipe, calibration: CalibrationSpec | None, seed: int,
+    overwrite: bool, restart: bool, guard: SignalGuard, timings: dict[str, float], started: float,
+    progress: StageProgress | None,
+) -> CompressResult:
+    """Everything after the lock: fingerprint, (resumed) Fisher and layer groups, assembly, publish."""
+    if restart:
+        work.reset()
+    work.clean_temps()
+    with _stage(timings, "fingerprint"):
+        digest = source_digest(source)
+        fingerprint = build_fingerprint(
+            source_model=source.model_id, source_digest=digest, recipe=recipe, calibration=calibration, seed=seed,
+            squeeze_version=__version__, format_version=FORMAT_VERSION,
+        )
+    _check_fingerprint(work, fingerprint)
+    summary = work.publishing()
+    if summary is not None:  # killed while publishing: the artifact is complete in the work area
+        with guard.deferred():
+            _publish(work, clear_old=False)
+        return _result(summary, started, timings)
+
     windows = None
-    if needs_calibration(recipe) and calibration is not None:
+    if calibration is not None and not work.has_fisher():
         with _stage(timings, "calibration_data"):  # before the model loads: a too-short text fails fast
             windows = calibration_windows(calibration, load_tokenizer(source))  # (n, T)
-
     with _stage(timings, "load"):
         net, tokenizer = load_model(source, dtype=torch.float32)
         targets = find_target_linears(net, recipe.weights.targets, recipe.weights.ignore)
     fisher: dict[str, torch.Tensor] = {}
-    if windows is not None:
-        with _stage(timings, "fisher"):
-            report = (lambda done, total: progress("fisher", done, total)) if progress else None
-            fisher = fisher_information(net, windows, targets, progress=report)
+    if calibration is not None:
+        with _stage(timings, "checkpoint"):
+            loaded = work.load_fisher(list(targets))
+        if loaded is not None:
+            fisher = loaded
+        else:
+            if windows is None:  # the saved Fisher was unreadable
+                windows = calibration_windows(calibration, load_tokenizer(source))
+            with _stage(timings, "fisher"):
+                report = (lambda done, total: progress("fisher", done, total)) if progress else None
+                fisher = fisher_information(net, windows, targets, progress=report)
+            with _stage(timings, "checkpoint"):
+                work.save_fisher(fisher)
+        del windows
 
+    groups = layer_groups(net, targets)
+    _quantize_groups(net, targets, groups, fisher, recipe, work, seed, timings, progress)
+    del fisher
     unique = {t.data_ptr(): t for t in net.state_dict().values()}  # tied weights share storage: count once
     original_bytes = sum(t.numel() * t.element_size() for t in unique.values())
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=_parent(output)))
-    try:
-        quantized, n_weights, storage_bits = _write_tensors(
-            net, targets, fisher, recipe, staging, seed, timings, progress
-        )
-        with _stage(timings, "write_metadata"):
-            _write_metadata(net, tokenizer, recipe, quantized, storage_bits, n_weights, staging)
-        provenance = Provenance(
-            source_model=source.model_id,
-            source_digest=source_digest(source),
-            recipe_hash=recipe.spec_hash(),
-            calibration_hash=calibration.spec_hash() if needs_calibration(recipe) and calibration else None,
-            extra={"recipe": recipe.name, "seed": seed,
-                   "calibration": calibration.name if needs_calibration(recipe) and calibration else None},
-        )
-        with _stage(timings, "seal"):
-            manifest = seal_artifact(staging, provenance)
-        _publish(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return CompressResult(
-        output=str(output), model=source.model_id, recipe=recipe.name,
-        bits_per_weight=round(storage_bits / n_weights, 4) if n_weights else 0.0,
-        seconds=time.perf_counter() - started, timings=timings,
-        quantized_modules=len(quantized), quantized_weights=n_weights,
-        artifact_bytes=manifest.total_size, original_bytes=original_bytes, root_digest=manifest.root_digest,
+
+    staging = work.staging
+    if staging.exists():
+        shutil.rmtree(staging)  # a previous run's half-assembled artifact; rebuilt from the checkpoints
+    quantized, n_weights, storage_bits = _assemble(net, targets, groups, recipe, work, staging, timings)
+    with _stage(timings, "write_metadata"):
+        _write_metadata(net, tokenizer, recipe, quantized, storage_bits, n_weights, staging)
+    provenance = Provenance(
+        source_model=source.model_id,
+        source_digest=digest,
+        recipe_hash=recipe.spec_hash(),
+        calibration_hash=calibration.spec_hash() if calibration else None,
+        extra={"recipe": recipe.name, "seed": seed, "calibration": calibration.name if calibration else None},
     )
+    with _stage(timings, "seal"):
+        manifest = seal_artifact(staging, provenance)
+    summary = {
+        "output": str(work.output), "model": source.model_id, "recipe": recipe.name,
+        "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else 0.0,
+        "quantized_modules": len(quantized), "quantized_weights": n_weights,
+        "artifact_bytes": manifest.total_size, "original_bytes": original_bytes, "root_digest": manifest.root_digest,
+    }
+    with guard.deferred(), _stage(timings, "publish"):
+        if overwrite:
+            _clear_old_artifact(work)
+        work.mark_publishing(summary)
+        _publish(work, clear_old=False)
+    return _result(summary, started, timings)
+
+
+def _result(summary: dict[str, Any], started: float, timings: dict[str, float]) -> CompressResult:
+    return CompressResult(**summary, seconds=time.perf_counter() - started, timings=timings)
+
+
+def _check_fingerprint(work: WorkArea, fingerprint: dict[str, Any]) -> None:
+    """Write the fingerprint of a new job, or refuse to resume a work area made by a different one."""
+    saved = work.read_fingerprint()
+    if saved is None:
+        if work.has_checkpoints():
+            raise ResumeError(f"the work area {work.root} has checkpoints but no fingerprint, so it cannot be resumed",
+                              hint="pass --restart to discard it and start over")
+        work.write_fingerprint(fingerprint)
+        return
+    differences = fingerprint_differences(saved, fingerprint)
+    if differences:
+        more = f"; and {len(differences) - 6} more" if len(differences) > 6 else ""
+        raise ResumeError(
+            f"cannot resume the work area in {work.output}: it was made by a different job ("
+            + "; ".join(differences[:6]) + more + ")",
+            hint="rerun with the original model, recipe, calibration and seed, or pass --restart to discard "
+                 "the work area and start over",
+        )
+
+
+def _committed(work: WorkArea) -> str:
+    groups = work.committed_groups()
+    parts = [f"{groups} layer group(s)"] if groups else []
+    if work.has_fisher():
+        parts.append("the Fisher information")
+    if not parts:
+        return "nothing was committed yet"
+    return f"{' and '.join(parts)} committed in {work.root}"
+
+
+def _interrupted(signum: int, work: WorkArea) -> Interrupted:
+    name = signal.Signals(signum).name
+    return Interrupted(
+        f"interrupted by {name}; {_committed(work)}",
+        hint="rerun the same command (or add --resume) to continue from the last committed layer group",
+        signum=signum, work_dir=str(work.root),
+    )
+
+
+def _is_disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC / EDQUOT anywhere in the chain; safetensors' Rust writer reports it only as text."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "StorageFull" in text or "Disk quota exceeded" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 @contextlib.contextmanager
@@ -154,12 +303,6 @@ def _stage(timings: dict[str, float], name: str):  # type: ignore[no-untyped-def
         yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
-
-
-def _parent(output: Path) -> Path:
-    parent = output.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    return parent
 
 
 def quantize_module(
@@ -181,40 +324,92 @@ def quantize_module(
                             lut_dtype=w.lut_dtype)
 
 
-def _write_tensors(
-    net: nn.Module, targets: dict[str, nn.Linear], fisher: dict[str, torch.Tensor], recipe: Recipe,
-    staging: Path, seed: int, timings: dict[str, float], progress: StageProgress | None,
+def layer_groups(net: nn.Module, targets: dict[str, nn.Linear]) -> list[list[str]]:
+    """Target linears grouped by decoder block (``...layers.<i>``), in model order: the checkpoint unit."""
+    order = [key.removesuffix(".weight") for key in net.state_dict() if key.removesuffix(".weight") in targets]
+    groups: dict[str, list[str]] = {}
+    for name in dict.fromkeys(order):
+        match = _BLOCK_RE.match(name)
+        groups.setdefault(match.group(1) if match else name, []).append(name)
+    return list(groups.values())
+
+
+_BLOCK_RE = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
+
+
+def _quantize_groups(
+    net: nn.Module, targets: dict[str, nn.Linear], groups: list[list[str]], fisher: dict[str, torch.Tensor],
+    recipe: Recipe, work: WorkArea, seed: int, timings: dict[str, float], progress: StageProgress | None,
+) -> None:
+    """Quantize every group without a committed checkpoint, committing each as soon as it is done."""
+    done = 0
+    for index, names in enumerate(groups):
+        if work.group_path(index).is_file():  # validated when the artifact is assembled
+            for name in names:
+                fisher.pop(name, None)
+        else:
+            tensors: dict[str, torch.Tensor] = {}
+            meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}}
+            for name in names:
+                weight = targets[name].weight.detach().float()
+                qweight = quantize_module(weight, fisher.pop(name, None), recipe, seed, timings)
+                parts = qweight.to_tensors(name)
+                tensors.update(parts)
+                meta["tensors"][name] = list(parts)
+                meta["storage_bits"][name] = qweight.storage_bits()
+            with _stage(timings, "checkpoint"):
+                work.save_group(index, tensors, meta)
+        done += len(names)
+        if progress:
+            progress("quantize", done, len(targets))
+
+
+def _assemble(
+    net: nn.Module, targets: dict[str, nn.Linear], groups: list[list[str]], recipe: Recipe, work: WorkArea,
+    staging: Path, timings: dict[str, float],
 ) -> tuple[dict[str, dict[str, Any]], int, int]:
-    """Stream every tensor of ``net`` into shards, quantizing target weights on the way (in model order)."""
-    by_weight = {f"{name}.weight": name for name in targets}
+    """Stream every tensor of ``net`` into shards in model order, quantized weights read from the checkpoints.
+
+    Uninterrupted and resumed runs both take this path, so their shards are byte-identical by construction.
+    """
+    group_of = {name: index for index, names in enumerate(groups) for name in names}
+    remaining = {index: len(names) for index, names in enumerate(groups)}
+    loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
     quantized: dict[str, dict[str, Any]] = {}
     n_weights = storage_bits = 0
     seen: set[int] = set()
-    done = 0
     with ShardWriter(staging, recipe.output.max_shard_bytes) as writer:
         for key, tensor in net.state_dict().items():
             if tensor.data_ptr() in seen and tensor.numel():  # tied weights are stored once
                 continue
             seen.add(tensor.data_ptr())
-            module_name = by_weight.get(key)
-            if module_name is None:
+            module_name = key.removesuffix(".weight") if key.endswith(".weight") else None
+            if module_name not in group_of:
                 with _stage(timings, "write"):
                     writer.add(key, tensor)
                 continue
-            qweight = quantize_module(tensor.detach().float(), fisher.pop(module_name, None), recipe, seed, timings)
+            index = group_of[module_name]
+            if index not in loaded:
+                with _stage(timings, "checkpoint"):
+                    group = work.load_group(index, groups[index])
+                if group is None:  # removed or corrupted since it was committed: the run must start that group over
+                    raise ResumeError(f"layer group checkpoint {work.group_path(index)} is missing or unreadable",
+                                      hint="rerun the same command: the group is quantized again")
+                loaded[index] = group
+            parts, meta = loaded[index]
             with _stage(timings, "write"):
-                for name, part in qweight.to_tensors(module_name).items():
-                    writer.add(name, part)
+                for name in meta["tensors"][module_name]:
+                    writer.add(name, parts[name])
+            remaining[index] -= 1
+            if not remaining[index]:
+                del loaded[index]
             out_f, in_f = tensor.shape
             quantized[module_name] = {"method": recipe.weights.method, "bits": recipe.weights.bits,
                                       "in_features": in_f, "out_features": out_f}
             if recipe.weights.method == "rtn":
                 quantized[module_name]["group_size"] = recipe.weights.group_size or in_f
             n_weights += out_f * in_f
-            storage_bits += qweight.storage_bits()
-            done += 1
-            if progress:
-                progress("quantize", done, len(targets))
+            storage_bits += int(meta["storage_bits"][module_name])
         with _stage(timings, "write"):
             writer.close()
     return quantized, n_weights, storage_bits
@@ -248,13 +443,40 @@ def _write_metadata(
     tokenizer.save_pretrained(str(staging))
 
 
-def _publish(staging: Path, output: Path) -> None:
-    """Move the finished staging dir to ``output``; an old output is removed only after the swap."""
-    old: Path | None = None
-    if output.exists():
-        old = output.with_name(f".{output.name}.old-{os.getpid()}")
-        os.replace(output, old)
-    os.replace(staging, output)
-    fsync_directory(output.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _clear_old_artifact(work: WorkArea) -> None:
+    """Remove what ``--overwrite`` replaces; its manifest goes first, so it stops verifying before anything else changes."""
+    manifest = work.output / MANIFEST_NAME
+    manifest.unlink(missing_ok=True)
+    for entry in sorted(work.output.iterdir()):
+        if entry.name == WORK_NAME:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    fsync_directory(work.output)
+
+
+def _publish(work: WorkArea, clear_old: bool) -> None:
+    """Move the sealed artifact from the work area into the output, manifest last, then drop the work area.
+
+    Each move is a rename within one filesystem, so no file is ever partial under its final name; the
+    manifest (the artifact's commit point) arrives last. A run killed half-way finishes this on rerun.
+    """
+    if clear_old:
+        _clear_old_artifact(work)
+    staging, output = work.staging, work.output
+    if staging.is_dir():
+        for entry in sorted(staging.iterdir()):
+            if entry.name == MANIFEST_NAME:
+                continue
+            target = output / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        fsync_directory(output)
+        if (staging / MANIFEST_NAME).is_file():
+            os.replace(staging / MANIFEST_NAME, output / MANIFEST_NAME)
+        fsync_directory(output)
+    work.remove()
+    fsync_directory(output)

@@ -1,4 +1,4 @@
-"""Checks that run before any expensive work: output directory, model architecture, size, free disk.
+"""Checks that run before any expensive work: output directory, model architecture, size, free disk, memory.
 
 Everything here is cheap: the model is built on the meta device from its config (no weights read), which
 finds the target linears and gives an exact estimate of the artifact's size.
@@ -40,11 +40,14 @@ class SizeEstimate:
         return self.quantized_bytes + self.other_bytes
 
 
-def check_output_dir(output: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty output (unless ``overwrite``), or a path that is a file."""
+def check_output_dir(output: Path, overwrite: bool, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse an existing non-empty output (unless ``overwrite``), or a path that is a file.
+
+    Entries named in ``ignore`` (the resumable work area) do not make the output non-empty.
+    """
     if output.exists() and not output.is_dir():
         raise ConfigError(f"output {output} exists and is not a directory", hint="choose another --output")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
+    if output.is_dir() and any(p.name not in ignore for p in output.iterdir()) and not overwrite:
         raise ConfigError(
             f"output directory {output} exists and is not empty",
             hint="choose another --output, or pass --overwrite to replace it (the old one stays until the new one is complete)",
@@ -110,17 +113,77 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
-def check_disk(output: Path, estimate: SizeEstimate) -> int:
-    """Raise ResourceError if the artifact will not fit; returns the bytes needed."""
-    needed = int(estimate.total_bytes * (1 + DISK_MARGIN_FRACTION)) + DISK_MARGIN_BYTES
+def check_disk(output: Path, estimate: SizeEstimate, extra_bytes: int = 0, force: bool = False) -> int:
+    """Raise ResourceError (unless ``force``) if the artifact plus ``extra_bytes`` will not fit; returns the bytes needed.
+
+    ``extra_bytes``: what else the run still has to write next to the artifact (checkpoints).
+    """
+    needed = int(estimate.total_bytes * (1 + DISK_MARGIN_FRACTION)) + DISK_MARGIN_BYTES + max(extra_bytes, 0)
     free = free_disk_bytes(output)
-    if free < needed:
+    if free < needed and not force:
         raise ResourceError(
-            f"not enough free disk for {output}: the artifact needs about {needed / 1e9:.2f} GB, "
+            f"not enough free disk for {output}: the artifact and its checkpoints need about {needed / 1e9:.2f} GB, "
             f"{free / 1e9:.2f} GB are free",
-            hint="free some space or choose an --output on another filesystem",
+            hint="free some space, choose an --output on another filesystem, or pass --force to try anyway",
         )
     return needed
 
 
-__all__ = ["SizeEstimate", "check_output_dir", "meta_model", "estimate_size", "free_disk_bytes", "check_disk"]
+#: Python, torch and transformers themselves, before any tensor is allocated.
+BASE_PROCESS_BYTES = 600 * 2**20
+
+
+def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: int | None) -> int:
+    """Rough peak resident bytes of a compress run of ``model`` (meta) with ``recipe``; None seq_len: no Fisher.
+
+    fp32 weights stay loaded throughout; loading briefly holds a second copy (GGUF dequantization, state
+    dict); Fisher adds one fp32 accumulator per target weight plus one window's activations (logits,
+    their gradient and the saved activations of every layer).
+    """
+    seen: set[int] = set()
+    params = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            params += tensor.numel() * 4
+    targets = find_target_linears(model, recipe.weights.targets, recipe.weights.ignore)
+    largest = max((m.weight.numel() for m in targets.values()), default=0) * 4
+    working = largest * 8  # k-means / sparse selection scratch on one layer
+    if calibration_seq_len is not None:
+        config = getattr(model, "config", None)
+        vocab = int(getattr(config, "vocab_size", 0) or 0)
+        hidden = int(getattr(config, "hidden_size", 0) or 0)
+        inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+        layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+        fisher = sum(m.weight.numel() for m in targets.values()) * 4
+        activations = calibration_seq_len * 4 * (3 * vocab + layers * (12 * hidden + 4 * inter))
+        working = max(working, fisher + activations)
+    return BASE_PROCESS_BYTES + params + max(params, working)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(needed: int, force: bool = False) -> int | None:
+    """Raise ResourceError (unless ``force``) when ``needed`` bytes exceed the available memory; returns it."""
+    available = available_memory_bytes()
+    if available is not None and needed > available and not force:
+        raise ResourceError(
+            f"not enough memory: compressing this model needs about {needed / 1e9:.2f} GB at its peak, "
+            f"{available / 1e9:.2f} GB are available",
+            hint="close other programs, use a machine with more memory, lower --seq-len, or pass --force to try anyway",
+        )
+    return available
+
+
+__all__ = ["SizeEstimate", "check_output_dir", "meta_model", "estimate_size", "free_disk_bytes", "check_disk",
+           "estimate_peak_memory", "available_memory_bytes", "check_memory"]

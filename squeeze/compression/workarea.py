@@ -1,0 +1,187 @@
+"""The resumable work area of a compress run: ``<output>/.squeeze-work/``.
+
+It holds the lock, the run's fingerprint, the Fisher information once computed, one checkpoint per
+quantized layer group, and the staging directory where the final artifact is assembled. Every checkpoint
+is a safetensors file committed atomically (temp file, fsync, rename), so a run killed at any moment
+leaves only complete checkpoints under final names; leftover temp files are removed on the next run.
+Checkpoints are caches of derived data: one that cannot be read is recomputed, never trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from squeeze.errors import FormatError, ResumeError
+from squeeze.format.atomic import PARTIAL_SUFFIX, atomic_write_text, commit_file, temp_path_for
+from squeeze.format.manifest import strict_json_loads
+
+WORK_NAME = ".squeeze-work"
+_FINGERPRINT = "fingerprint.json"
+_FISHER = "fisher.safetensors"
+_GROUPS = "groups"
+_STAGING = "artifact"
+_PUBLISHING = "publishing.json"
+_META_KEY = "squeeze"
+
+
+class WorkArea:
+    """Paths and checkpoint I/O of ``output/.squeeze-work``."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = Path(output)
+        self.root = self.output / WORK_NAME
+
+    @property
+    def staging(self) -> Path:
+        return self.root / _STAGING
+
+    # -- life cycle
+
+    def create(self) -> bool:
+        """Make the work area (and the output directory); returns True if it did not exist."""
+        existed = self.root.is_dir()
+        (self.root / _GROUPS).mkdir(parents=True, exist_ok=True)
+        return not existed
+
+    def clean_temps(self) -> None:
+        """Remove temp files a killed run left behind (never a committed checkpoint)."""
+        for directory in (self.root, self.root / _GROUPS):
+            if directory.is_dir():
+                for path in directory.iterdir():
+                    if path.name.startswith(".") and path.name.endswith(PARTIAL_SUFFIX):
+                        path.unlink(missing_ok=True)
+
+    def reset(self, keep: tuple[str, ...] = ("lock",)) -> None:
+        """Forget every checkpoint (``--restart``); the lock file stays, it is held."""
+        for path in self.root.iterdir():
+            if path.name in keep:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        (self.root / _GROUPS).mkdir(exist_ok=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def has_checkpoints(self) -> bool:
+        """True once anything worth resuming is committed (Fisher, a layer group, or a publish in progress)."""
+        return (self.root / _FISHER).is_file() or (self.root / _PUBLISHING).is_file() or self.committed_groups() > 0
+
+    def disk_bytes(self) -> int:
+        """Bytes the work area holds now (subtracted from what a resumed run still needs)."""
+        total = 0
+        for path in self.root.rglob("*"):
+            with contextlib.suppress(OSError):
+                if path.is_file() and not path.is_symlink():
+                    total += path.stat().st_size
+        return total
+
+    # -- fingerprint
+
+    def read_fingerprint(self) -> dict[str, Any] | None:
+        path = self.root / _FINGERPRINT
+        if not path.is_file():
+            return None
+        try:
+            value = strict_json_loads(path.read_bytes(), str(path))
+        except FormatError as exc:
+            raise ResumeError(f"the work area's fingerprint is unreadable: {exc.message}",
+                              hint="pass --restart to discard the work area and start over") from None
+        if not isinstance(value, dict):
+            raise ResumeError(f"{path} does not hold a JSON object", hint="pass --restart to start over")
+        return value
+
+    def write_fingerprint(self, fingerprint: dict[str, Any]) -> None:
+        atomic_write_text(self.root / _FINGERPRINT, json.dumps(fingerprint, indent=2, sort_keys=True) + "\n")
+
+    # -- Fisher
+
+    def has_fisher(self) -> bool:
+        return (self.root / _FISHER).is_file()
+
+    def save_fisher(self, fisher: dict[str, torch.Tensor]) -> None:
+        _save_atomic(self.root / _FISHER, fisher, {})
+
+    def load_fisher(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """The saved Fisher if it exists, reads back, and covers exactly ``names``; else None."""
+        path = self.root / _FISHER
+        if not path.is_file():
+            return None
+        try:
+            fisher = load_file(str(path))
+        except Exception:  # noqa: BLE001 - an unreadable cache is recomputed, whatever safetensors raised
+            path.unlink(missing_ok=True)
+            return None
+        return fisher if sorted(fisher) == sorted(names) else None
+
+    # -- layer groups
+
+    def group_path(self, index: int) -> Path:
+        return self.root / _GROUPS / f"{index:05d}.safetensors"
+
+    def committed_groups(self) -> int:
+        directory = self.root / _GROUPS
+        if not directory.is_dir():
+            return 0
+        return sum(1 for p in directory.iterdir() if p.suffix == ".safetensors" and not p.name.startswith("."))
+
+    def save_group(self, index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Commit one layer group's quantized tensors; ``meta`` (JSON) rides in the safetensors header."""
+        _save_atomic(self.group_path(index), tensors, {_META_KEY: json.dumps(meta, sort_keys=True)})
+
+    def load_group(self, index: int, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """A committed group covering exactly ``modules``, or None (absent, or unreadable: it is removed)."""
+        path = self.group_path(index)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = json.loads((handle.metadata() or {})[_META_KEY])
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+            if sorted(meta["modules"]) != sorted(modules):
+                raise ValueError("the group covers other modules")
+        except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
+            path.unlink(missing_ok=True)
+            return None
+        return tensors, meta
+
+    # -- publishing
+
+    def is_publishing(self) -> bool:
+        return (self.root / _PUBLISHING).is_file()
+
+    def publishing(self) -> dict[str, Any] | None:
+        """The saved result summary once publishing has begun, else None."""
+        path = self.root / _PUBLISHING
+        if not path.is_file():
+            return None
+        value = json.loads(path.read_text(encoding="utf-8"))
+        return value if isinstance(value, dict) else None
+
+    def mark_publishing(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(self.root / _PUBLISHING, json.dumps(summary, sort_keys=True) + "\n")
+
+
+def _save_atomic(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    temp = temp_path_for(final)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(temp), metadata=metadata or None)
+        commit_file(temp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+
+
+__all__ = ["WORK_NAME", "WorkArea"]
