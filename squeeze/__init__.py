@@ -15,6 +15,11 @@ from squeeze.errors import (  # noqa: E402
 )
 
 from squeeze.api import compress, evaluate, generate, inspect, load, verify_model_integrity  # noqa: E402
+from squeeze.runtime import hf_hook as _hf_hook  # noqa: E402
+
+# `AutoModelForCausalLM.from_pretrained(artifact_dir)` after `import squeeze`: registers the "squeeze"
+# quantization method with transformers once its quantizer registry is imported (not before: seconds).
+_hf_hook.install()
 
 __all__ = [
     "__version__",

@@ -49,12 +49,22 @@ class SqueezeLinear(nn.Module):
         """The weight (out_features, in_features) in ``dtype``, by the exact torch reference path."""
         return self._current_qweight().dequantize(dtype)
 
-    def _current_qweight(self) -> QuantizedWeight:
+    def rebind(self, name: str = "") -> None:
+        """Rebuild the quantized weight from the live buffers, with every format check (FormatError).
+
+        For loaders that fill the buffers in place after construction (transformers' ``from_pretrained``
+        builds this module with meta buffers, then assigns the checkpoint's tensors by name). ``name``:
+        the module's name, so errors name the tensor (``{name}.weight_lut: expected ...``).
+        """
+        self._qweight = self._current_qweight(name)
+        self._dense = None
+
+    def _current_qweight(self, prefix: str = "") -> QuantizedWeight:
         # buffers may have moved (``.to(device)``): rebuild the container from the live buffers
-        tensors = {f".{name}": buf for name, buf in self.named_buffers(recurse=False)}
+        tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
         kind = LutWeight if isinstance(self._qweight, LutWeight) else RtnWeight
         extra = {"group_size": self._qweight.group_size} if isinstance(self._qweight, RtnWeight) else {}
-        return kind.from_tensors(tensors, "", bits=self._qweight.bits, in_features=self.in_features, **extra)
+        return kind.from_tensors(tensors, prefix, bits=self._qweight.bits, in_features=self.in_features, **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in_features)
         if x.is_cuda:  # Triton LUT kernels (GEMV for decode, tiled GEMM for prefill) when available

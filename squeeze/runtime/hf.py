@@ -1,0 +1,176 @@
+"""transformers integration: ``AutoModelForCausalLM.from_pretrained(artifact_dir)`` loads a squeeze artifact.
+
+``import squeeze`` registers the "squeeze" quantization method (config class and quantizer) with
+transformers' quantizer registry (see :mod:`squeeze.runtime.hf_hook` for when). transformers then reads
+``config.json``, finds ``quantization_config.quant_method == "squeeze"`` and hands the model skeleton to
+:class:`SqueezeHfQuantizer`, which
+
+1. verifies the whole artifact against its manifest (size and SHA-256 of every file; IntegrityError on any
+   mismatch) before a single weight is read;
+2. replaces each quantized ``nn.Linear`` named in ``quantization_config.modules`` by a :class:`SqueezeLinear`
+   whose buffers (``weight_packed``, ``weight_lut``, ...) have the shapes and dtypes of the artifact's
+   tensors, read from the verified safetensors headers, so transformers' ordinary state-dict loading fills
+   them by name;
+3. after loading, rebuilds every module's quantized weight from its filled buffers with the full format
+   checks (FormatError on malformed data).
+
+This path *verifies, then loads*: transformers re-reads (memory-maps) the files after they were hashed, so
+a file rewritten in between would not be caught. :func:`squeeze.load` instead builds tensors from exactly
+the bytes it hashed; prefer it when that guarantee matters.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from squeeze.errors import FormatError, IntegrityError
+from squeeze.format.safetensors_header import TensorInfo
+from squeeze.format.verify import verify_artifact
+from squeeze.quant import qweight as q
+from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
+from squeeze.quant.sparse import SparseCSR
+from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.loader import QUANT_METHOD, _torch_dtype
+
+FORMAT_VERSION = 1
+
+
+class SqueezeQuantConfig(QuantizationConfigMixin):
+    """``config.json``'s ``quantization_config`` of a squeeze artifact, kept verbatim (``to_dict`` round-trips).
+
+    Only pre-quantized artifacts load this way: squeeze compresses offline (``squeeze compress``).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        version = kwargs.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise FormatError(f"quantization_config.format_version is {version!r}; this squeeze reads {FORMAT_VERSION}",
+                              hint="upgrade squeeze, or re-create the artifact with this version")
+        modules = kwargs.get("modules", {})
+        if not isinstance(modules, dict) or not all(isinstance(v, dict) for v in modules.values()):
+            raise FormatError("quantization_config.modules must map module names to objects")
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self.quant_method = QUANT_METHOD
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.__dict__)
+
+
+class SqueezeHfQuantizer(HfQuantizer):
+    """Loads squeeze artifacts through ``from_pretrained``: verify, swap in SqueezeLinear, fill, validate."""
+
+    requires_calibration = True  # pre-quantized only: there is no on-the-fly "quantize while loading"
+    quantization_config: SqueezeQuantConfig
+
+    def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: list[str] | None = None,
+                                             **kwargs: Any) -> nn.Module:
+        directory = _artifact_directory(checkpoint_files)
+        report = verify_artifact(directory)
+        if not report.ok:
+            raise IntegrityError(
+                f"artifact {directory} failed verification: {report.first_error()}",
+                hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
+            )
+        infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
+        for name, spec in self.quantization_config.modules.items():
+            _swap_in_squeeze_linear(model, name, spec, infos)
+        return model
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        for name, module in model.named_modules():
+            if not isinstance(module, SqueezeLinear):
+                continue
+            if any(t.is_meta for t in list(module.buffers()) + list(module.parameters())):
+                raise FormatError(f"artifact lacks tensors of the quantized linear {name!r}")
+            module.rebind(name)  # the full dtype / shape / value checks of the format, on the loaded tensors
+        return model
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return False  # an artifact is written (and sealed with its manifest) only by `squeeze compress`
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def _artifact_directory(checkpoint_files: list[str] | None) -> Path:
+    """The one directory holding every checkpoint file: the artifact root, whose manifest gets verified."""
+    parents = {Path(f).resolve().parent for f in checkpoint_files or []}
+    if len(parents) != 1:
+        raise FormatError(f"a squeeze artifact's shards live in one directory, found {sorted(map(str, parents))}",
+                          hint="load the artifact directory written by `squeeze compress`")
+    return parents.pop()
+
+
+def _meta(infos: dict[str, TensorInfo], name: str, *, required: bool = True) -> torch.Tensor | None:
+    info = infos.get(name)
+    if info is None:
+        if required:
+            raise FormatError(f"missing tensor {name}")
+        return None
+    return torch.empty(info.shape, dtype=_torch_dtype(info.dtype), device="meta")
+
+
+def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> QuantizedWeight:
+    """One module's quantized weight with meta tensors shaped like the artifact's (checked after loading)."""
+    method, bits, in_features = spec.get("method"), spec.get("bits"), spec.get("in_features")
+    if not isinstance(bits, int) or not isinstance(in_features, int):
+        raise FormatError(f"quantization_config.modules[{name!r}] lacks integer 'bits' / 'in_features'")
+    packed = _meta(infos, f"{name}.{q.PACKED}")
+    if method == "rtn":
+        return RtnWeight(bits=bits, in_features=in_features, group_size=spec.get("group_size") or in_features,
+                         packed=packed, scales=_meta(infos, f"{name}.{q.SCALES}"),
+                         zeros=_meta(infos, f"{name}.{q.ZEROS}"))
+    if method != "squeeze":
+        raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {method!r}")
+    sparse = None
+    rowptr = _meta(infos, f"{name}.{q.SPARSE_ROWPTR}", required=False)
+    if rowptr is not None:
+        sparse = SparseCSR(rowptr=rowptr, cols=_meta(infos, f"{name}.{q.SPARSE_COLS}"),
+                           vals=_meta(infos, f"{name}.{q.SPARSE_VALS}"), shape=(packed.shape[0], in_features))
+    return LutWeight(bits=bits, in_features=in_features, packed=packed, lut=_meta(infos, f"{name}.{q.LUT}"),
+                     sparse=sparse, lut_scale=_meta(infos, f"{name}.{q.LUT_SCALE}", required=False),
+                     lut_zero=_meta(infos, f"{name}.{q.LUT_ZERO}", required=False))
+
+
+def _swap_in_squeeze_linear(model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> None:
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name) if parent_name else model
+    except AttributeError:
+        parent = None
+    old = getattr(parent, child, None) if parent is not None else None
+    if not isinstance(old, nn.Linear):
+        raise FormatError(f"quantization_config names {name!r}, which is not a linear layer of this architecture")
+    bias = _meta(infos, f"{name}.bias", required=False)
+    setattr(parent, child, SqueezeLinear(meta_qweight(name, spec, infos), bias))
+
+
+def register() -> None:
+    """Register the "squeeze" method with transformers (idempotent; ``import squeeze`` arranges the call)."""
+    # the registry refuses a second registration of a name: drop a stale one (this module re-imported) first
+    if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not SqueezeQuantConfig:
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)
+        register_quantization_config(QUANT_METHOD)(SqueezeQuantConfig)
+    if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not SqueezeHfQuantizer:
+        AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
+        register_quantizer(QUANT_METHOD)(SqueezeHfQuantizer)
+
+
+register()  # importing the integration registers it (also when this import is what loaded transformers)
+
+__all__ = ["SqueezeQuantConfig", "SqueezeHfQuantizer", "register", "meta_qweight"]
