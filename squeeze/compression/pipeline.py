@@ -213,9 +213,6 @@ def _run_locked(
     staging = work.staging
     if staging.exists():
         shutil.rmtree(staging)  # a previous run's half-assembled artifact; rebuilt from the checkpoints
-    quantized, n_weights, storage_bits = _assemble(net, targets, groups, recipe, work, staging, timings)
-    with _stage(timings, "write_metadata"):
-        _write_metadata(net, tokenizer, recipe, quantized, storage_bits, n_weights, staging)
     provenance = Provenance(
         source_model=source.model_id,
         source_digest=digest,
@@ -223,8 +220,15 @@ def _run_locked(
         calibration_hash=calibration.spec_hash() if calibration else None,
         extra={"recipe": recipe.name, "seed": seed, "calibration": calibration.name if calibration else None},
     )
-    with _stage(timings, "seal"):
-        manifest = seal_artifact(staging, provenance)
+    try:
+        quantized, n_weights, storage_bits = _assemble(net, targets, groups, recipe, work, staging, timings)
+        with _stage(timings, "write_metadata"):
+            _write_metadata(net, tokenizer, recipe, quantized, storage_bits, n_weights, staging)
+        with _stage(timings, "seal"):
+            manifest = seal_artifact(staging, provenance)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # rebuilt from the checkpoints in seconds; frees its disk now
+        raise
     summary = {
         "output": str(work.output), "model": source.model_id, "recipe": recipe.name,
         "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else 0.0,
