@@ -107,11 +107,18 @@ def evaluate(
     return _evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows, progress=progress)
 
 
-def load(path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool = True) -> LoadedModel:
-    """Verify an artifact against its manifest and load it (CPU, reference dequantization path)."""
+def load(path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool = True,
+         check_memory: bool = True) -> LoadedModel:
+    """Verify an artifact against its manifest and load it (CPU, reference dequantization path).
+
+    ``dense_cache=False`` dequantizes in row slices on every call instead of caching dense weights.
+    Before reading any weight, the memory the load will hold is estimated from the manifest and config
+    (artifact bytes + dense cache + a fixed overhead) and a ResourceError is raised when it exceeds the
+    available memory (MemAvailable); ``check_memory=False`` skips that refusal.
+    """
     from squeeze.runtime.loader import load_artifact
 
-    return load_artifact(path, verify=verify, dense_cache=dense_cache)
+    return load_artifact(path, verify=verify, dense_cache=dense_cache, check_memory=check_memory)
 
 
 def generate(
@@ -134,8 +141,9 @@ def generate(
     ``verify`` then do not apply). Greedy when ``temperature == 0``; else sampling with ``top_p``, seeded
     by ``seed``. ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first
     prompt's text as it is produced. ``low_memory`` dequantizes on the fly in row chunks instead of caching
-    dense weights. ``device``: ``cpu`` or ``cuda[:N]``. Options and the device are checked (ConfigError)
-    before anything loads. Returns texts plus load time, time to first token, tokens/s and peak memory.
+    dense weights. ``device``: ``cpu`` or ``cuda[:N]``. Options and the device are checked (ConfigError),
+    then whether the load fits in memory (ResourceError, see :func:`load`), before anything loads.
+    Returns texts plus load time, time to first token, tokens/s and peak memory.
     """
     import time
 
@@ -147,7 +155,11 @@ def generate(
     load_seconds = 0.0
     if isinstance(model, (str, os.PathLike)):
         start = time.perf_counter()
-        loaded = load(model, verify=verify, dense_cache=not low_memory)
+        if target.type != "cpu":  # host memory: the dense cache (if any) is built on the device, not here
+            from squeeze.runtime.memory import check_load_memory
+
+            check_load_memory(model, dense_cache=False)
+        loaded = load(model, verify=verify, dense_cache=not low_memory, check_memory=target.type == "cpu")
         load_seconds = time.perf_counter() - start
     else:
         loaded = model

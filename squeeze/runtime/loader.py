@@ -23,6 +23,7 @@ from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
 from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.memory import check_load_memory
 
 QUANT_METHOD = "squeeze"
 
@@ -125,14 +126,19 @@ def quantized_weight_from(tensors: dict[str, torch.Tensor], name: str, spec: dic
     raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {method!r}")
 
 
-def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = True) -> LoadedModel:
+def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = True,
+                  check_memory: bool = True) -> LoadedModel:
     """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
 
     Every file is read once into private memory while it is hashed; tensors are views of those bytes,
     and the config and tokenizer are read from them too, so a file swapped or rewritten after any earlier
     ``squeeze verify`` is caught here (IntegrityError) before a single output is produced.
+    ``check_memory``: first estimate the memory the load will hold (artifact bytes, plus the dense cache
+    when ``dense_cache``) from the manifest and config, and raise ResourceError if it is not available.
     """
     directory = Path(path)
+    if check_memory:
+        check_load_memory(directory, dense_cache=dense_cache)
     report = None
     if verify:
         report = verify_artifact(directory, capture=lambda _path: True)

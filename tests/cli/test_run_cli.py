@@ -134,3 +134,15 @@ def test_empty_prompts_file_is_an_error(rtn_artifact: Path, tmp_path: Path) -> N
     empty = tmp_path / "blank.txt"
     empty.write_text("\n  \n", encoding="utf-8")
     _bad(run("-m", str(rtn_artifact), "--prompts-file", str(empty)), 2, "holds no prompt")
+
+
+def test_model_too_large_for_memory_is_one_error_before_reading(rtn_artifact: Path, monkeypatch) -> None:
+    import squeeze.format.hashing as hashing
+    import squeeze.runtime.memory as memory
+
+    estimate = memory.estimate_load(rtn_artifact)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: estimate.total(dense_cache=True) - 1)
+    monkeypatch.setattr(hashing, "hash_file", lambda *a, **k: pytest.fail("read before the memory check"))
+    result = run(PROMPT, "-m", str(rtn_artifact), "-n", "4")
+    _bad(result, 2, "not enough memory to load")
+    assert "--low-memory" in result.stderr and len(result.stderr.strip().splitlines()) == 2  # error + hint

@@ -1,0 +1,94 @@
+"""The memory check before a load: the estimate is right, and a load that cannot fit fails before reading."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import squeeze.format.hashing as hashing
+import squeeze.runtime.memory as memory
+from squeeze import api
+from squeeze.errors import ResourceError
+from squeeze.runtime.linear import SqueezeLinear
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("memory") / "w4"
+    api.compress(str(stories_dir), out, recipe="w4-s045", overrides={"weights.sensitivity": "uniform"})
+    return out
+
+
+def _available(monkeypatch: pytest.MonkeyPatch, n: int | None) -> None:
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: n)
+
+
+def _no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("an artifact file was read before the memory check refused the load")
+
+    monkeypatch.setattr(hashing, "hash_file", refuse)
+
+
+def test_estimate_matches_what_the_load_holds(artifact: Path) -> None:
+    estimate = memory.estimate_load(artifact)
+    assert estimate is not None
+    assert estimate.artifact_bytes == sum(p.stat().st_size for p in artifact.iterdir() if p.is_file()
+                                          and p.name != "squeeze.manifest.json")
+    loaded = api.load(artifact)
+    assert sum(h.data.numel() for h in loaded.report.captured.values()) == estimate.artifact_bytes
+    loaded.model(torch.tensor([[1, 20, 30]]))  # builds every dense cache
+    dense = [m._dense for m in loaded.model.modules() if isinstance(m, SqueezeLinear)]
+    assert estimate.dense_cache_bytes == sum(d.numel() * d.element_size() for d in dense)
+    assert estimate.low_memory_bytes == max(d.numel() * d.element_size() for d in dense)  # < 1024 rows each
+
+
+def test_load_that_does_not_fit_fails_before_reading_with_a_low_memory_hint(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    estimate = memory.estimate_load(artifact)
+    _available(monkeypatch, estimate.total(dense_cache=True) - 1)  # the low-memory load still fits
+    _no_reads(monkeypatch)
+    with pytest.raises(ResourceError, match="not enough memory to load") as info:
+        api.load(artifact)
+    assert "--low-memory" in info.value.hint and "dense weight cache" in info.value.message
+    with pytest.raises(ResourceError):
+        api.generate(str(artifact), "Once", max_new_tokens=2)
+    monkeypatch.undo()
+    _available(monkeypatch, estimate.total(dense_cache=True) - 1)
+    assert api.load(artifact, dense_cache=False).report.ok  # the hint is right: it fits
+    assert api.load(artifact, check_memory=False).report.ok  # the refusal can be skipped
+
+
+def test_nothing_fits_hints_at_freeing_memory(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _available(monkeypatch, 1000)
+    with pytest.raises(ResourceError) as info:
+        api.load(artifact, dense_cache=False)
+    assert "free memory" in info.value.hint and "dense weight cache" not in info.value.message
+
+
+def test_the_memory_check_comes_before_verification(artifact: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "a"
+    shutil.copytree(artifact, target)
+    (target / "stray.txt").write_text("not in the manifest")
+    _available(monkeypatch, 1000)
+    with pytest.raises(ResourceError):
+        api.load(target)
+
+
+def test_unknown_available_memory_does_not_block(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _available(monkeypatch, None)
+    assert api.load(artifact).report.ok
+
+
+def test_available_memory_reads_proc_meminfo() -> None:
+    n = memory.available_memory_bytes()
+    if Path("/proc/meminfo").is_file():
+        assert n is not None and n > 0
+    else:
+        assert n is None
+
