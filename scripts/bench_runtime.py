@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_runtime.py [--model smollm2-135m] [--artifact DIR] [--new-tokens 64]
         [--repeats 3] [--cold-repeats 2] [--low-memory-repeats 1] [--out bench-out/runtime.json]
+        [--ppl-text FILE] [--ppl-seq-len 256] [--ppl-windows 4] [--skip-decode]
 
 Set-up (once, reused when the directories exist): the artifact is compressed with
 ``squeeze compress MODEL --recipe w4 --sensitivity uniform`` (no Fisher, ~2 min), and the original model
@@ -11,13 +12,19 @@ a plain ``from_pretrained`` of the same kind of files.
 (a) Cold start, page cache warm (every file read once, untimed, before timing):
     - in a fresh process (imports included): ``squeeze.load`` (verification included) vs ``from_pretrained``
       (+ tokenizer) of the original;
-    - in this process (imports warm): the same two, ``squeeze.load(verify=False)``, and the page-cache read
-      floor: reading every byte of the artifact once (and of the original checkpoint).
+    - in this process (imports warm): the same two, ``squeeze.load(verify=False)``, ``squeeze.load`` plus
+      a one-token forward (the dense caches are built on first use), ``from_pretrained`` of the artifact
+      (after ``import squeeze``), and the page-cache read floor: reading every byte of the artifact once
+      (and of the original checkpoint).
 (b) CPU decode, greedy, the same prompt, exactly ``--new-tokens`` new tokens (EOS suppressed by
     min_new_tokens): tokens/s of the decode phase for the dense-cache artifact, the low-memory artifact and
     the original fp32 model, interleaved (A B C A B C ...) so machine noise hits all three alike; medians
     (the low-memory path, seconds per token, runs --low-memory-repeats times without a warm-up).
-Prints a table of ratios and writes JSON. Goal: dense-cache decode / original >= 0.9.
+(c) Perplexity of the artifact through `squeeze eval`'s path, squeeze.load (dense cache and low-memory) and
+    ``from_pretrained`` after ``import squeeze``, on --ppl-windows x --ppl-seq-len tokens of --ppl-text:
+    all must agree within 1e-3 relative.
+Prints a table of ratios and writes JSON. Goals: dense-cache decode / original >= 0.9; verified load /
+page-cache read floor <= 2.
 """
 
 from __future__ import annotations
@@ -164,6 +171,31 @@ def decode_rates(args: argparse.Namespace, artifact: Path, original: Path) -> di
     }
 
 
+def perplexity_paths(args: argparse.Namespace, artifact: Path) -> dict[str, Any]:
+    """Perplexity of the artifact through `squeeze eval`'s path and every runtime path (goal: 1e-3 relative)."""
+    from transformers import AutoModelForCausalLM
+
+    from squeeze import api
+    from squeeze.eval.compare import evaluate
+    from squeeze.eval.perplexity import perplexity
+
+    text = Path(args.ppl_text).read_text(encoding="utf-8")
+    reference = evaluate(artifact, args.ppl_text, seq_len=args.ppl_seq_len, max_windows=args.ppl_windows).result
+    dense = api.load(artifact)
+
+    def ppl(model: Any) -> float:
+        return perplexity(model, dense.tokenizer, text, seq_len=args.ppl_seq_len,
+                          max_windows=args.ppl_windows).perplexity
+
+    values = {"squeeze eval": reference.perplexity, "squeeze.load dense cache": ppl(dense.model)}
+    del dense
+    values["squeeze.load low-memory"] = ppl(api.load(artifact, dense_cache=False).model)
+    values["from_pretrained (import squeeze)"] = ppl(AutoModelForCausalLM.from_pretrained(artifact))
+    worst = max(abs(v - reference.perplexity) / reference.perplexity for v in values.values())
+    return {"text": args.ppl_text, "seq_len": args.ppl_seq_len, "windows": reference.n_windows,
+            "perplexity": values, "max_relative_difference": worst, "within_1e-3": worst <= 1e-3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -174,6 +206,11 @@ def main() -> None:
     parser.add_argument("--cold-repeats", type=int, default=2)
     parser.add_argument("--low-memory-repeats", type=int, default=1, help="decode runs of the low-memory path")
     parser.add_argument("--out", default="bench-out/runtime.json")
+    parser.add_argument("--ppl-text", default=str(REPO.parent / "shared" / "corpora" / "wikitext2_raw_test.txt"),
+                        help="text for the perplexity consistency check ('' to skip it)")
+    parser.add_argument("--ppl-seq-len", type=int, default=256)
+    parser.add_argument("--ppl-windows", type=int, default=4)
+    parser.add_argument("--skip-decode", action="store_true", help="skip (b), the decode-speed comparison")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     work = Path(args.work)
@@ -191,37 +228,64 @@ def main() -> None:
     cold = {"artifact squeeze.load": cold_start("artifact", artifact, args.cold_repeats),
             "original from_pretrained": cold_start("original", original, args.cold_repeats)}
     print("load (this process, imports warm) ...", flush=True)
+    one_token = torch.tensor([[1]])
+
+    def load_and_forward() -> None:  # the dense caches are built on first use: count them here
+        with torch.inference_mode():
+            api.load(artifact).model(one_token)
+
     warm = {
         "artifact squeeze.load (verified)": median_time(lambda: api.load(artifact), args.repeats),
         "artifact squeeze.load (no verify)": median_time(lambda: api.load(artifact, verify=False), args.repeats),
+        "artifact squeeze.load + first forward (dense caches built)": median_time(load_and_forward, args.repeats),
+        "artifact from_pretrained (import squeeze; verify, then load)": median_time(
+            lambda: AutoModelForCausalLM.from_pretrained(artifact), args.repeats),
         "original from_pretrained": median_time(
             lambda: (AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval(),
                      AutoTokenizer.from_pretrained(original)), args.repeats),
         "artifact read floor (page cache)": median_time(lambda: read_all(artifact), args.repeats),
         "original read floor (page cache)": median_time(lambda: read_all(original), args.repeats),
     }
-
-    # (b) decode
-    print(f"decode: {args.new_tokens} new tokens, greedy, {torch.get_num_threads()} threads ...", flush=True)
-    decode = decode_rates(args, artifact, original)
-    tps = decode["tokens_per_second"]
+    floor = warm["artifact read floor (page cache)"]
     ratios = {
         "cold start: artifact / original (fresh process)": cold["artifact squeeze.load"] / cold["original from_pretrained"],
         "load: artifact verified / original": warm["artifact squeeze.load (verified)"] / warm["original from_pretrained"],
-        "load: artifact verified / artifact read floor": warm["artifact squeeze.load (verified)"]
-        / warm["artifact read floor (page cache)"],
-        "decode: dense-cache / original (goal >= 0.9)": tps["artifact dense-cache"] / tps["original fp32"],
-        "decode: low-memory / original": tps["artifact low-memory"] / tps["original fp32"],
+        "load: artifact verified / artifact read floor (goal <= 2)": warm["artifact squeeze.load (verified)"] / floor,
+        "load + first forward / artifact read floor": warm["artifact squeeze.load + first forward (dense caches built)"]
+        / floor,
     }
+
+    # (b) decode
+    decode: dict[str, Any] = {}
+    if not args.skip_decode:
+        print(f"decode: {args.new_tokens} new tokens, greedy, {torch.get_num_threads()} threads ...", flush=True)
+        decode = decode_rates(args, artifact, original)
+        tps = decode["tokens_per_second"]
+        ratios["decode: dense-cache / original (goal >= 0.9)"] = tps["artifact dense-cache"] / tps["original fp32"]
+        ratios["decode: low-memory / original"] = tps["artifact low-memory"] / tps["original fp32"]
+
+    # (c) perplexity: every runtime path against `squeeze eval`'s
+    consistency: dict[str, Any] = {}
+    if args.ppl_text:
+        print(f"perplexity consistency ({args.ppl_windows} x {args.ppl_seq_len} tokens) ...", flush=True)
+        consistency = perplexity_paths(args, artifact)
 
     print(f"\nartifact {artifact}: {artifact_bytes / 1e6:.1f} MB; original fp32 {original}: {original_bytes / 1e6:.1f} MB")
     print(f"{'seconds':>10s}  what")
     for name, seconds in {**{f"cold {k}": v for k, v in cold.items()}, **warm}.items():
         print(f"{seconds:10.3f}  {name}")
-    print(f"\n{'tok/s':>10s}  {'ttft s':>8s}  decode ({args.new_tokens} tokens, median of {args.repeats}; "
-          f"low-memory: {args.low_memory_repeats})")
-    for name, rate in tps.items():
-        print(f"{rate:10.1f}  {decode['ttft_seconds'][name]:8.3f}  {name}")
+    if decode:
+        print(f"\n{'tok/s':>10s}  {'ttft s':>8s}  decode ({args.new_tokens} tokens, median of {args.repeats}; "
+              f"low-memory: {args.low_memory_repeats})")
+        for name, rate in decode["tokens_per_second"].items():
+            print(f"{rate:10.1f}  {decode['ttft_seconds'][name]:8.3f}  {name}")
+    if consistency:
+        print(f"\n{'perplexity':>10s}  path ({consistency['windows']} x {consistency['seq_len']} tokens of "
+              f"{Path(consistency['text']).name})")
+        for name, value in consistency["perplexity"].items():
+            print(f"{value:10.4f}  {name}")
+        print(f"max relative difference to squeeze eval: {consistency['max_relative_difference']:.2e} "
+              f"({'within' if consistency['within_1e-3'] else 'NOT within'} 1e-3)")
     print(f"\n{'ratio':>10s}  what")
     for name, ratio in ratios.items():
         print(f"{ratio:10.3f}  {name}")
@@ -231,7 +295,7 @@ def main() -> None:
         "original_fp32_bytes": original_bytes, "new_tokens": args.new_tokens, "prompt": PROMPT,
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "platform": platform.platform(),
         "torch": torch.__version__, "cold_start_seconds": cold, "load_seconds": warm, "decode": decode,
-        "ratios": ratios,
+        "perplexity_consistency": consistency, "ratios": ratios,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

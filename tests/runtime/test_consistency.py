@@ -1,0 +1,68 @@
+"""Perplexity through every runtime path equals `squeeze eval`'s within 1e-3 relative (issue 4).
+
+Paths: `squeeze eval` (squeeze.eval.compare.evaluate), squeeze.load with the dense cache, the low-memory
+row-chunked forward, transformers' from_pretrained after `import squeeze`, and an independent reference
+that swaps every SqueezeLinear for a plain nn.Linear holding ``qweight.dequantize()`` (the format's
+reference arithmetic, no SqueezeLinear forward at all).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from squeeze import api
+from squeeze.eval.compare import evaluate
+from squeeze.eval.perplexity import perplexity
+from squeeze.runtime.linear import SqueezeLinear
+
+SEQ_LEN, WINDOWS = 128, 4
+RTOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=["w3-s045", "rtn-w4"])
+def artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("consistency") / request.param
+    overrides = {} if request.param.startswith("rtn") else {"weights.sensitivity": "uniform"}
+    api.compress(str(stories_dir), out, recipe=request.param, overrides=overrides)
+    return out
+
+
+def dequantized_reference(model: nn.Module) -> nn.Module:
+    """``model`` with each SqueezeLinear replaced by an nn.Linear of its reference-dequantized weight."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SqueezeLinear):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight = nn.Parameter(module.qweight.dequantize(), requires_grad=False)
+            if module.bias is not None:
+                linear.bias = module.bias
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, linear)
+    return model
+
+
+def test_runtime_perplexity_equals_squeeze_eval(artifact: Path, tinystories_file: Path) -> None:
+    reference = evaluate(artifact, tinystories_file, seq_len=SEQ_LEN, max_windows=WINDOWS).result.perplexity
+    text = tinystories_file.read_text(encoding="utf-8")
+
+    def ppl(model: nn.Module, tokenizer) -> float:
+        return perplexity(model, tokenizer, text, seq_len=SEQ_LEN, max_windows=WINDOWS).perplexity
+
+    dense = api.load(artifact)
+    tokenizer = dense.tokenizer
+    low = api.load(artifact, dense_cache=False)
+    for module in low.model.modules():
+        if isinstance(module, SqueezeLinear):
+            module.chunk_rows = 50  # several slices per matrix (up to 172 rows here), not one
+    paths = {
+        "squeeze.load dense cache": ppl(dense.model, tokenizer),
+        "squeeze.load low-memory": ppl(low.model, tokenizer),
+        "from_pretrained": ppl(AutoModelForCausalLM.from_pretrained(artifact), tokenizer),
+        "dequantized nn.Linear": ppl(dequantized_reference(api.load(artifact).model), tokenizer),
+    }
+    assert 1.0 < reference < 1e4
+    for name, value in paths.items():
+        assert abs(value - reference) <= RTOL * reference, (name, value, reference)
