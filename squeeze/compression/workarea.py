@@ -49,7 +49,7 @@ class WorkArea:
     def create(self) -> bool:
         """Make the work area (and the output directory); returns True if it did not exist."""
         existed = self.root.is_dir()
-        (self.root / _GROUPS).mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)  # only the lock goes here before the lock is held
         return not existed
 
     def clean_temps(self) -> None:
@@ -69,7 +69,6 @@ class WorkArea:
                 shutil.rmtree(path)
             else:
                 path.unlink()
-        (self.root / _GROUPS).mkdir(exist_ok=True)
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -138,6 +137,7 @@ class WorkArea:
 
     def save_group(self, index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Commit one layer group's quantized tensors; ``meta`` (JSON) rides in the safetensors header."""
+        (self.root / _GROUPS).mkdir(exist_ok=True)
         _save_atomic(self.group_path(index), tensors, {_META_KEY: json.dumps(meta, sort_keys=True)})
 
     def load_group(self, index: int, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
