@@ -348,7 +348,9 @@ def _quantize_groups(
     """Quantize every group without a committed checkpoint, committing each as soon as it is done."""
     done = 0
     for index, names in enumerate(groups):
-        if work.group_path(index).is_file():  # validated when the artifact is assembled
+        with _stage(timings, "checkpoint"):
+            committed = work.has_group(index, names)
+        if committed:
             for name in names:
                 fisher.pop(name, None)
         else:

@@ -140,6 +140,21 @@ class WorkArea:
         (self.root / _GROUPS).mkdir(exist_ok=True)
         _save_atomic(self.group_path(index), tensors, {_META_KEY: json.dumps(meta, sort_keys=True)})
 
+    def has_group(self, index: int, modules: list[str]) -> bool:
+        """True if group ``index`` is committed for exactly ``modules`` (header only); a bad one is removed."""
+        path = self.group_path(index)
+        if not path.is_file():
+            return False
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = json.loads((handle.metadata() or {})[_META_KEY])
+            if sorted(meta["modules"]) != sorted(modules):
+                raise ValueError("the group covers other modules")
+        except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
+            path.unlink(missing_ok=True)
+            return False
+        return True
+
     def load_group(self, index: int, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """A committed group covering exactly ``modules``, or None (absent, or unreadable: it is removed)."""
         path = self.group_path(index)

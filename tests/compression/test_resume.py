@@ -253,3 +253,18 @@ def test_a_different_job_refuses_to_resume_and_restart_starts_over(tmp_path, sto
     result = compress(stories_dir, tinystories_file, out, overrides={"weights.bits": 4}, seed=1, restart=True)
     assert result.recipe == "w3" and api.verify_model_integrity(out).ok
     assert not (out / WORK_NAME).exists()
+
+
+def test_a_corrupt_checkpoint_is_recomputed_not_trusted(tmp_path, stories_dir, tinystories_file, reference):
+    out = tmp_path / "out"
+
+    def stop(stage, done, total):
+        if stage == "quantize" and done == 21:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Interrupted):
+        compress(stories_dir, tinystories_file, out, progress=stop)
+    group = out / WORK_NAME / "groups" / "00001.safetensors"
+    group.write_bytes(group.read_bytes()[:100])  # damaged on disk after its commit
+    compress(stories_dir, tinystories_file, out)
+    assert_same_artifact(out, reference)
