@@ -18,12 +18,15 @@ from torch import nn
 
 from squeeze.calibrate.windows import tokenize_text
 from squeeze.errors import ConfigError
-from squeeze.models.modes import eval_mode, input_device
+from squeeze.models.modes import cache_kwarg, eval_mode, input_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+    from transformers.cache_utils import Cache
 
 Progress = Callable[[int, int], None]
+#: Makes a fresh KV cache (e.g. a SqueezeKVCache) for one batch of windows; None scores without a cache.
+CacheFactory = Callable[[], "Cache"]
 
 # Cross-entropy is computed over this many positions at a time, so the fp32 log-softmax workspace stays at
 # (B, 256, V) instead of a second (B, T, V) tensor next to the logits (V = 49152 for SmolLM2).
@@ -57,11 +60,16 @@ def perplexity(
     max_windows: int | None = None,
     batch_size: int = 1,
     progress: Progress | None = None,
+    kv_cache: CacheFactory | None = None,
 ) -> PerplexityResult:
-    """Perplexity of ``model`` on ``text`` with the paper protocol (see the module docstring)."""
+    """Perplexity of ``model`` on ``text`` with the paper protocol (see the module docstring).
+
+    ``kv_cache``: score every window through a fresh cache from this factory (a quantized KV cache sees
+    its error on every attention call, prefill included).
+    """
     ids = tokenize_text(text, tokenizer)[None, :]  # (1, N)
     return perplexity_from_ids(model, ids, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size,
-                               tokenizer=tokenizer, progress=progress)
+                               tokenizer=tokenizer, progress=progress, kv_cache=kv_cache)
 
 
 def perplexity_from_ids(
@@ -73,6 +81,7 @@ def perplexity_from_ids(
     batch_size: int = 1,
     tokenizer: PreTrainedTokenizerBase | None = None,
     progress: Progress | None = None,
+    kv_cache: CacheFactory | None = None,
 ) -> PerplexityResult:
     """Perplexity on pre-tokenized int64 ``ids (1, N)`` (or ``(N,)``): tokenize once, score several models.
 
@@ -89,7 +98,7 @@ def perplexity_from_ids(
     with torch.inference_mode(), eval_mode(model):
         for start in range(0, n, batch_size):
             batch = windows[start:start + batch_size].to(device)  # (B, T)
-            total_nll += float(_sum_nll(model, batch))
+            total_nll += float(_sum_nll(model, batch, kv_cache))
             if progress is not None:
                 progress(min(start + batch_size, n), n)
     n_tokens = n * (seq_len - 1)
@@ -138,9 +147,12 @@ def _check_context_length(model: nn.Module, seq_len: int) -> None:
                           hint=f"use seq_len <= {limit}")
 
 
-def _sum_nll(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _sum_nll(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None = None) -> torch.Tensor:
     """Summed next-token NLL (fp64 scalar) of int64 ``ids (B, T)``: ``B * (T - 1)`` predictions."""
-    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+    if kv_cache is None:
+        logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+    else:
+        logits = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): kv_cache()}).logits  # (B, T, V)
     t = ids.shape[1]
     total = torch.zeros((), dtype=torch.float64, device=logits.device)
     for s in range(0, t - 1, _CE_CHUNK):

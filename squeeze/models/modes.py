@@ -29,4 +29,17 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
-__all__ = ["input_device", "eval_mode"]
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword a model's forward / generate takes a KV cache under: ``cache`` in transformers >= 5.2x
+    (where ``past_key_values`` still works but warns), ``past_key_values`` before."""
+    import inspect
+
+    forward = getattr(model, "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        parameters = {}
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+__all__ = ["input_device", "eval_mode", "cache_kwarg"]

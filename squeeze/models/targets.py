@@ -66,4 +66,19 @@ def _short_names(names: list[str], limit: int = 8) -> list[str]:
     return shown
 
 
-__all__ = ["find_target_linears"]
+def attention_modules(model: nn.Module) -> tuple[str, ...]:
+    """Names of the attention modules in cache order (their ``layer_idx``): ModelError if there are none."""
+    found: dict[int, str] = {}
+    for name, module in model.named_modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and name.endswith("attn") and hasattr(module, "k_proj") and idx not in found:
+            found[idx] = name
+    if not found or sorted(found) != list(range(len(found))):
+        raise ModelError(
+            f"found no attention modules with a layer_idx and k_proj in {type(model).__name__}",
+            hint="calibrate-kv supports decoder-only transformers models with self_attn.k_proj (Llama, Mistral, Qwen...)",
+        )
+    return tuple(found[i] for i in range(len(found)))
+
+
+__all__ = ["find_target_linears", "attention_modules"]

@@ -1,0 +1,288 @@
+"""A quantized KV cache (int8 / packed int4) that transformers' ``generate`` and plain forwards accept.
+
+Per layer, the first ``sink_tokens`` tokens (the attention sink) are kept as given; every later token is
+stored as codes on a per-token grid: keys after a per-channel normalisation calibrated by ``squeeze
+calibrate-kv`` (none in the uncalibrated baseline), values with a calibrated clipping ratio (see
+squeeze.quant.kv). The history is never kept in floating point: ``update`` dequantizes it into a fresh tensor that lives
+only for the attention call of that layer, so at most one layer's float K/V exists at a time.
+
+Keys arrive post-RoPE: since transformers 5, attention modules hand the cache rotated keys and no position
+embeddings, so calibration and quantization both work on post-RoPE keys (see docs/guide.md).
+
+All new tokens are returned dequantized too, prefill included, so perplexity measured through this cache
+sees exactly the error that generation sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+from squeeze.errors import ConfigError
+from squeeze.quant.kv import KV_BITS, PARAM_BYTES, KVSpec, LayerKV, pack_int4, quantize, symmetric_zero, token_params
+
+_PARAM_DTYPE = torch.float16  # per-token scales / zeros, as counted in KVSpec.bytes_per_token
+
+
+class QuantizedStream:
+    """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling.
+
+    Every token gets its own fp16 scale (and zero when not ``symmetric``) from its range times ``clip`` (a
+    float or a per-head (H,) tensor). ``channel``: an optional per-channel normaliser (scale, centre) fp32
+    (H, D) applied before the per-token grid (calibrated keys).
+    """
+
+    def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool):
+        self.bits = bits
+        self.channel = channel
+        self.clip = clip
+        self.symmetric = symmetric
+        self.length = 0
+        self.codes: Tensor | None = None  # (B, H, cap, D or D/2) uint8
+        self.scale: Tensor | None = None  # (B, H, cap, 1) fp16
+        self.zero: Tensor | None = None  # (B, H, cap, 1) fp16, asymmetric grids only
+        self._channel_cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+    def _channel(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The normaliser as (1, H, 1, D) tensors on ``device`` in ``dtype`` (converted once)."""
+        assert self.channel is not None
+        key = (device, dtype)
+        if key not in self._channel_cache:
+            self._channel_cache[key] = tuple(t.to(device, dtype)[None, :, None, :] for t in self.channel)  # type: ignore[assignment]
+        return self._channel_cache[key]
+
+    def append(self, x: Tensor) -> None:
+        """Quantize ``x (B, H, n, D)`` and append it."""
+        n = x.shape[-2]
+        if n == 0:
+            return
+        xf = x.float()
+        if self.channel is not None:
+            scale_c, center = self._channel(x.device, torch.float32)
+            xf = (xf - center) / scale_c  # (B, H, n, D) normalised
+        clip = self.clip.to(x.device)[None, :, None, None] if isinstance(self.clip, Tensor) else self.clip
+        scale, zero = token_params(xf, self.bits, clip, self.symmetric)  # (B, H, n, 1) each
+        codes = quantize(xf, scale, zero, self.bits)  # (B, H, n, D)
+        if self.bits == 4:
+            codes = pack_int4(codes)
+        self._reserve(x, self.length + n)
+        assert self.codes is not None and self.scale is not None
+        end = self.length + n
+        self.codes[:, :, self.length:end] = codes
+        self.scale[:, :, self.length:end] = scale
+        if self.zero is not None:
+            self.zero[:, :, self.length:end] = zero
+        self.length = end
+
+    def dequantize_into(self, out: Tensor) -> None:
+        """Write the dequantized history into ``out (B, H, length, D)`` (any float dtype, may be a view).
+
+        The same arithmetic, in the same order, as the reference (quant.kv.dequantize, fake_quantize_keys).
+        """
+        if self.length == 0:
+            return
+        assert self.codes is not None and self.scale is not None
+        codes = self.codes[:, :, : self.length]
+        if self.bits == 4:
+            pairs = out.unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2) view of out
+            pairs[..., 0].copy_(codes & 0x0F)
+            pairs[..., 1].copy_(codes >> 4)
+        else:
+            out.copy_(codes)
+        if self.zero is not None:
+            out.sub_(self.zero[:, :, : self.length])
+        else:
+            out.sub_(symmetric_zero(self.bits))
+        out.mul_(self.scale[:, :, : self.length])
+        if self.channel is not None:
+            scale_c, center = self._channel(out.device, out.dtype)
+            out.mul_(scale_c).add_(center)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored history (codes and per-token params of ``length`` tokens, not spare capacity)."""
+        if self.codes is None:
+            return 0
+        b, h, _, d = self.codes.shape
+        params = 1 if self.zero is None else 2
+        return b * h * self.length * (d + params * PARAM_BYTES)
+
+    def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Apply ``fn`` (e.g. index_select over dim 0) to every per-batch buffer."""
+        for name in ("codes", "scale", "zero"):
+            buffer = getattr(self, name)
+            if buffer is not None:
+                setattr(self, name, fn(buffer))
+
+    def _reserve(self, like: Tensor, needed: int) -> None:
+        capacity = 0 if self.codes is None else self.codes.shape[2]
+        if needed <= capacity:
+            return
+        b, h, _, d = like.shape
+        new_capacity = max(needed, 2 * capacity, 64)
+        width = d // 2 if self.bits == 4 else d
+
+        def grow(old: Tensor | None, last: int, dtype: torch.dtype) -> Tensor:
+            fresh = torch.empty((b, h, new_capacity, last), dtype=dtype, device=like.device)
+            if old is not None:
+                fresh[:, :, : self.length] = old[:, :, : self.length]
+            return fresh
+
+        self.codes = grow(self.codes, width, torch.uint8)
+        self.scale = grow(self.scale, 1, _PARAM_DTYPE)
+        if not self.symmetric:
+            self.zero = grow(self.zero, 1, _PARAM_DTYPE)
+
+
+class SqueezeKVLayer(DynamicLayer):
+    """One attention layer's quantized cache: a full-precision sink plus quantized keys and values."""
+
+    is_croppable = False
+
+    def __init__(self, bits: int, layer: LayerKV | None, sink_tokens: int):
+        super().__init__()
+        self.bits = bits
+        self.spec = layer
+        self.sink_tokens = sink_tokens
+        self.cumulative_length = 0
+        self._reset_storage()
+
+    def _reset_storage(self) -> None:
+        layer = self.spec
+        if layer is None:  # uncalibrated baseline: per-token absmax for keys and values
+            self.k_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
+            self.v_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
+        else:
+            self.k_stream = QuantizedStream(self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True)
+            self.v_stream = QuantizedStream(self.bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric)
+        self.sink_keys: Tensor | None = None  # (B, H, <= sink_tokens, D), as given
+        self.sink_values: Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        # transformers reads .keys / .values for device and dtype; the history itself lives in the streams
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.sink_keys = key_states[..., :0, :].clone()
+        self.sink_values = value_states[..., :0, :].clone()
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+        """Store new ``key_states`` / ``value_states (B, H, n, D)``; return the whole history, dequantized."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.sink_keys is not None and self.sink_values is not None
+        room = self.sink_tokens - self.sink_keys.shape[-2]
+        if room > 0:
+            self.sink_keys = torch.cat([self.sink_keys, key_states[..., :room, :]], dim=-2)
+            self.sink_values = torch.cat([self.sink_values, value_states[..., :room, :]], dim=-2)
+            key_states, value_states = key_states[..., room:, :], value_states[..., room:, :]
+        self.k_stream.append(key_states)
+        self.v_stream.append(value_states)
+        self.cumulative_length = self.sink_keys.shape[-2] + self.k_stream.length
+        return self._history(self.sink_keys, self.k_stream), self._history(self.sink_values, self.v_stream)
+
+    def _history(self, sink: Tensor, stream: QuantizedStream) -> Tensor:
+        b, h, s, d = sink.shape
+        out = torch.empty((b, h, s + stream.length, d), dtype=self.dtype, device=self.device)  # (B, H, T, D)
+        out[:, :, :s] = sink
+        stream.dequantize_into(out[:, :, s:])
+        return out
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds: sink tensors plus quantized codes and per-token params."""
+        sink = sum(t.numel() * t.element_size() for t in (self.sink_keys, self.sink_values) if t is not None)
+        return sink + self.k_stream.nbytes() + self.v_stream.nbytes()
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._reset_storage()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the squeeze quantized KV cache cannot be cropped (assisted decoding)")
+
+    def _map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
+        if not self.is_initialized:
+            return
+        self.sink_keys = fn(self.sink_keys)  # type: ignore[arg-type]
+        self.sink_values = fn(self.sink_values)  # type: ignore[arg-type]
+        self.keys, self.values = fn(self.keys), fn(self.values)  # type: ignore[arg-type]
+        self.k_stream.map_batch(fn)
+        self.v_stream.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+
+class SqueezeKVCache(Cache):
+    """A transformers Cache whose layers store int8 / int4 codes (see the module docstring).
+
+    ``spec`` comes from an artifact calibrated by ``squeeze calibrate-kv`` (:func:`kv_spec_from_artifact`)
+    or is :meth:`KVSpec.dynamic` for the uncalibrated per-token baseline. Create a fresh cache per
+    sequence batch (as with DynamicCache).
+    """
+
+    def __init__(self, spec: KVSpec):
+        super().__init__(layers=[SqueezeKVLayer(spec.bits, layer, spec.sink_tokens) for layer in spec.layers])
+        self.spec = spec
+
+    def nbytes(self) -> int:
+        """Bytes of the whole cache as held now (all layers)."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, SqueezeKVLayer))
+
+
+
+
+#: ``kv_bits`` value meaning "do not quantize the cache".
+FULL_PRECISION_BITS = 16
+
+
+def select_kv_spec(
+    calibrated: KVSpec | None, names: tuple[str, ...], kv_bits: int | None, *, dynamic: bool = False,
+    sink_tokens: int = 1,
+) -> KVSpec | None:
+    """Which KV cache to run with; None means an ordinary full-precision cache.
+
+    ``kv_bits`` None: the artifact's calibrated spec if it has one (else full precision). 4 or 8: the
+    calibrated spec of that width, or with ``dynamic`` the uncalibrated per-token baseline. 16: full precision.
+    """
+    if kv_bits is None and not dynamic:
+        return calibrated
+    if kv_bits == FULL_PRECISION_BITS:
+        return None
+    if kv_bits is None:
+        raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
+    if kv_bits not in KV_BITS or isinstance(kv_bits, bool):
+        raise ConfigError(f"--kv-bits must be 4, 8 or 16 (no KV quantization), found {kv_bits!r}")
+    if dynamic:
+        return KVSpec.dynamic(kv_bits, names, sink_tokens)
+    if calibrated is None:
+        raise ConfigError(
+            f"--kv-bits {kv_bits} needs calibrated KV scales, and this model has none",
+            hint=f"run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}` first, or add --kv-dynamic for "
+                 "uncalibrated per-token scales",
+        )
+    if calibrated.bits != kv_bits:
+        raise ConfigError(
+            f"--kv-bits {kv_bits} asked, but the artifact's KV scales were calibrated for int{calibrated.bits}",
+            hint=f"use --kv-bits {calibrated.bits}, re-run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}`, "
+                 "or add --kv-dynamic",
+        )
+    return calibrated
+
+
+__all__ = ["QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "select_kv_spec"]

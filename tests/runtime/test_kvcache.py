@@ -1,0 +1,132 @@
+"""The quantized KV cache: exact against the quantization reference, real memory savings, generate and perplexity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from squeeze.calibrate.kv import calibrate_kv
+from squeeze.calibrate.windows import sample_windows, tokenize_text
+from squeeze.errors import ConfigError
+from squeeze.eval.perplexity import perplexity
+from squeeze.models.targets import attention_modules
+from squeeze.quant.kv import KVSpec, LayerKV, dequantize, fake_quantize_keys, quantize, token_params
+from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, select_kv_spec
+
+H, D = 2, 8
+
+
+def _layer_spec(bits: int, v_symmetric: bool) -> LayerKV:
+    gen = torch.Generator().manual_seed(bits)
+    scale = torch.rand(H, D, generator=gen) * 3 + 0.1
+    zero = torch.randn(H, D, generator=gen)
+    return LayerKV(scale, zero, torch.tensor([0.9, 1.0]), k_symmetric=False, v_symmetric=v_symmetric)
+
+
+def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, keys: bool) -> torch.Tensor:
+    """What the cache must return for ``x (B, H, T, D)`` fed in any chunking: sink exact, the rest fake-quantized."""
+    rest = x[:, :, sink:]
+    if layer is None:
+        scale, zero = token_params(rest, bits, 1.0, True)
+    elif keys:
+        fake = fake_quantize_keys(rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits)
+        return torch.cat([x[:, :, :sink], fake], dim=2)
+    else:
+        scale, zero = token_params(rest, bits, layer.v_clip[None, :, None, None], layer.v_symmetric)
+    return torch.cat([x[:, :, :sink], dequantize(quantize(rest, scale, zero, bits), scale, zero)], dim=2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", ["calibrated-sym", "calibrated-asym", "dynamic"])
+def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) -> None:
+    layer = None if kind == "dynamic" else _layer_spec(bits, v_symmetric=kind == "calibrated-sym")
+    cache_layer = SqueezeKVLayer(bits, layer, sink_tokens=2)
+    k, v = torch.randn(3, H, 70, D), torch.randn(3, H, 70, D) * 2
+    # prefill of 5, then single tokens, then a chunk crossing the 64-token capacity boundary
+    for start, stop in [(0, 5), (5, 6), (6, 7), (7, 70)]:
+        keys, values = cache_layer.update(k[:, :, start:stop], v[:, :, start:stop])
+    assert keys.shape == (3, H, 70, D) and cache_layer.get_seq_length() == 70
+    assert torch.equal(keys, _reference(k, layer, bits, 2, keys=True))
+    assert torch.equal(values, _reference(v, layer, bits, 2, keys=False))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_history_is_stored_as_codes_not_floats(bits: int) -> None:
+    spec = KVSpec(bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True)))
+    cache = SqueezeKVCache(spec)
+    for idx in range(2):
+        cache.update(torch.randn(1, H, 100, D), torch.randn(1, H, 100, D), idx)
+    layer = cache.layers[0]
+    assert isinstance(layer, SqueezeKVLayer)
+    assert layer.k_stream.codes is not None and layer.k_stream.codes.dtype == torch.uint8
+    assert layer.k_stream.codes.shape[-1] == (D // 2 if bits == 4 else D)  # int4: two codes per byte
+    float_history = [t for t in (layer.keys, layer.values) if t is not None and t.numel()]
+    assert not float_history  # only the sink token stays in floating point
+    per_token = spec.bytes_per_token(H, D)
+    sink = 2 * 2 * H * D * 4  # 2 layers x (K, V) x one fp32 token
+    assert cache.nbytes() == 99 * per_token + sink
+    assert cache.get_seq_length() == 100
+
+
+def test_select_kv_spec_rules() -> None:
+    names = ("a",)
+    calibrated = KVSpec(8, 1, names, (_layer_spec(8, True),))
+    assert select_kv_spec(calibrated, names, None) is calibrated  # default: what the artifact was calibrated for
+    assert select_kv_spec(None, names, None) is None
+    assert select_kv_spec(calibrated, names, 16) is None
+    dynamic = select_kv_spec(None, names, 4, dynamic=True)
+    assert dynamic is not None and dynamic.bits == 4 and not dynamic.calibrated
+    with pytest.raises(ConfigError, match="calibrate-kv") as info:
+        select_kv_spec(None, names, 4)
+    assert "--kv-dynamic" in (info.value.hint or "")
+    with pytest.raises(ConfigError, match="calibrated for int8"):
+        select_kv_spec(calibrated, names, 4)
+    with pytest.raises(ConfigError, match="4, 8 or 16"):
+        select_kv_spec(calibrated, names, 3)
+
+
+@pytest.fixture(scope="module")
+def stories_kv(stories, tinystories_text):
+    """stories260K with int8 and int4 KV specs calibrated on the first half of the sample text."""
+    model, tokenizer = stories
+    ids = tokenize_text(tinystories_text, tokenizer)
+    windows = sample_windows(ids[: ids.numel() // 2], 4, 128, seed=0)
+    return model, tokenizer, {bits: calibrate_kv(model, windows, bits).spec for bits in (8, 4)}
+
+
+def test_calibrated_spec_covers_every_attention_layer(stories_kv) -> None:
+    model, _, specs = stories_kv
+    spec = specs[4]
+    assert spec.names == attention_modules(model) and spec.calibrated
+    assert spec.layers[0] is not None and spec.layers[0].k_scale.shape == (4, 8)  # 4 KV heads of 8 channels
+
+
+def test_perplexity_through_the_cache(stories_kv, tinystories_text) -> None:
+    model, tokenizer, specs = stories_kv
+    text = tinystories_text[len(tinystories_text) // 2:]  # not the calibration half
+
+    def ppl(factory):  # noqa: ANN001, ANN202
+        return perplexity(model, tokenizer, text, seq_len=128, kv_cache=factory).perplexity
+
+    full = ppl(None)
+    assert ppl(lambda: DynamicCache(config=model.config)) == pytest.approx(full, rel=1e-5)
+    int8 = ppl(lambda: SqueezeKVCache(specs[8]))
+    int4 = ppl(lambda: SqueezeKVCache(specs[4]))
+    assert int8 == pytest.approx(full, rel=0.01)
+    assert full < int4 < full * 1.5  # the error is real, and bounded
+    assert int8 != full
+
+
+def test_generate_with_the_quantized_cache(stories_kv) -> None:
+    model, tokenizer, specs = stories_kv
+    ids = tokenizer("Once upon a time", return_tensors="pt")
+    with torch.inference_mode():
+        plain = model.generate(**ids, max_new_tokens=12, do_sample=False)
+        cache = SqueezeKVCache(specs[8])
+        quantized = model.generate(**ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        beams = model.generate(**ids, max_new_tokens=6, num_beams=2, do_sample=False,
+                               past_key_values=SqueezeKVCache(specs[4]))
+    assert torch.equal(quantized, plain)  # int8 KV does not change this greedy continuation
+    assert cache.get_seq_length() == quantized.shape[1] - 1
+    assert beams.shape[1] == ids["input_ids"].shape[1] + 6
