@@ -74,6 +74,15 @@ def test_dequantize_rows_is_a_bit_exact_slice_of_the_reference(kind: str) -> Non
         assert torch.equal(module.dequantize_rows(start, stop), full[start:stop]), (start, stop)
 
 
+@pytest.mark.parametrize("kind", sorted(QWEIGHTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_cache_is_the_reference_dequantization_bit_for_bit(kind: str, dtype: torch.dtype) -> None:
+    module = SqueezeLinear(QWEIGHTS[kind](_weight()), dense_cache=True)
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    module(x)  # builds the cache by the fast unpacking path
+    assert module._dense.dtype == dtype and torch.equal(module._dense, module.dequantize(dtype))
+
+
 def test_low_memory_forward_never_builds_the_full_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     module = SqueezeLinear(QWEIGHTS["lut-sparse"](_weight()), dense_cache=False)
     module.chunk_rows = 8
