@@ -182,10 +182,10 @@ def perplexity_paths(args: argparse.Namespace, artifact: Path) -> dict[str, Any]
     text = Path(args.ppl_text).read_text(encoding="utf-8")
     reference = evaluate(artifact, args.ppl_text, seq_len=args.ppl_seq_len, max_windows=args.ppl_windows).result
     dense = api.load(artifact)
+    tokenizer = dense.tokenizer
 
     def ppl(model: Any) -> float:
-        return perplexity(model, dense.tokenizer, text, seq_len=args.ppl_seq_len,
-                          max_windows=args.ppl_windows).perplexity
+        return perplexity(model, tokenizer, text, seq_len=args.ppl_seq_len, max_windows=args.ppl_windows).perplexity
 
     values = {"squeeze eval": reference.perplexity, "squeeze.load dense cache": ppl(dense.model)}
     del dense
@@ -219,9 +219,11 @@ def main() -> None:
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from squeeze import api
 
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every from_pretrained
     # (a) cold start, page cache warm
     artifact_bytes, original_bytes = read_all(artifact), read_all(original)  # warm the page cache
     print("cold start (fresh process, page cache warm) ...", flush=True)
