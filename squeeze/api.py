@@ -15,6 +15,7 @@ from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.verify import VerifyReport, verify_artifact
 
 if TYPE_CHECKING:
+    from squeeze.compression.calibrate_kv import CalibrateKVResult
     from squeeze.compression.pipeline import CompressResult
     from squeeze.eval.compare import EvalResult
     from squeeze.runtime.generate import GenerationResult
@@ -36,8 +37,22 @@ def verify_model_integrity(
 
 
 def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
-    """Summarise an artifact (files, tensors by role, bits per weight, manifest status) from headers only."""
-    return inspect_artifact(path)
+    """Summarise an artifact (files, tensors by role, bits per weight, KV bytes per token, manifest status).
+
+    Reads headers and config.json only.
+    """
+    import json
+
+    from squeeze.quant.kv import kv_bytes_table
+
+    info = inspect_artifact(path)
+    config_path = os.path.join(info.directory, "config.json")
+    try:
+        with open(config_path, "rb") as handle:
+            info.kv_bytes_per_token = kv_bytes_table(json.loads(handle.read()))
+    except (OSError, ValueError, TypeError, AttributeError):  # no decoder config: nothing to size
+        info.kv_bytes_per_token = None
+    return info
 
 
 
@@ -87,6 +102,35 @@ def compress(
                         restart=restart, force=force, progress=progress)
 
 
+def calibrate_kv(
+    target: str | os.PathLike[str],
+    calibration: str | os.PathLike[str] | CalibrationSpec | None = None,
+    *,
+    bits: int = 8,
+    output: str | os.PathLike[str] | None = None,
+    sink_tokens: int = 1,
+    overwrite: bool = False,
+    calibration_overrides: Mapping[str, Any] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> CalibrateKVResult:
+    """Calibrate int8 / int4 KV-cache scales and write them into an artifact.
+
+    ``target``: an artifact (verified first; updated in place, or copied to ``output``) or any model
+    :func:`compress` accepts (then ``output`` is required: an artifact with the original weights and the
+    calibrated KV is written). ``calibration``: a built-in spec name, a spec YAML or a plain text file;
+    default: the spec the artifact was compressed with, when it is a built-in one. The first
+    ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time. The artifact
+    is replaced only once the new one is complete and sealed: a failure leaves it exactly as it was.
+    """
+    from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
+
+    spec_arg = calibration if calibration is not None else default_calibration(target)
+    overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
+    spec = spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(spec_arg, **overrides)
+    return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, overwrite=overwrite,
+                            progress=progress)
+
+
 def evaluate(
     model: str | os.PathLike[str],
     text: str | os.PathLike[str],
@@ -95,16 +139,21 @@ def evaluate(
     seq_len: int = 512,
     max_windows: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    kv_bits: int | None = None,
+    kv_dynamic: bool = False,
 ) -> EvalResult:
     """Perplexity of a model or artifact on a text file (paper protocol), with an optional baseline.
 
     Joins the text, tokenizes it once, cuts non-overlapping windows of ``seq_len`` tokens (the first
     ``max_windows``), and reports exp(mean NLL) plus lm-eval-style word perplexity. Artifacts are verified
-    and loaded through the reference dequantizing path.
+    and loaded through the reference dequantizing path. The model (not the baseline) runs through the
+    quantized KV cache the artifact was calibrated for; ``kv_bits`` 8 / 4 picks it explicitly (ConfigError
+    when not calibrated, unless ``kv_dynamic`` asks for uncalibrated per-token scales), 16 turns it off.
     """
     from squeeze.eval.compare import evaluate as _evaluate
 
-    return _evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows, progress=progress)
+    return _evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows, progress=progress,
+                     kv_bits=kv_bits, kv_dynamic=kv_dynamic)
 
 
 def load(path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool = True,
@@ -134,6 +183,8 @@ def generate(
     verify: bool = True,
     low_memory: bool = False,
     device: str = "cpu",
+    kv_bits: int | None = None,
+    kv_dynamic: bool = False,
 ) -> GenerationResult:
     """Load an artifact (verified unless ``verify=False``) and continue the prompts, all in one batch.
 
@@ -143,14 +194,18 @@ def generate(
     prompt's text as it is produced. ``low_memory`` dequantizes on the fly in row chunks instead of caching
     dense weights. ``device``: ``cpu`` or ``cuda[:N]``. Options and the device are checked (ConfigError),
     then whether the load fits in memory (ResourceError, see :func:`load`), before anything loads.
-    Returns texts plus load time, time to first token, tokens/s and peak memory.
+    ``kv_bits``: the KV cache, as in :func:`evaluate` (default: what the artifact was calibrated for).
+    Returns texts plus load time, time to first token, tokens/s, peak memory and KV-cache bytes.
     """
     import time
 
+    from squeeze.models.targets import attention_modules
     from squeeze.runtime.generate import generate as _generate
     from squeeze.runtime.generate import resolve_device, validate_options
+    from squeeze.runtime.kvcache import check_kv_options, select_kv_spec
 
     prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    check_kv_options(kv_bits, kv_dynamic)
     target = resolve_device(device)
     load_seconds = 0.0
     if isinstance(model, (str, os.PathLike)):
@@ -165,9 +220,12 @@ def generate(
         loaded = model
     if target.type != "cpu":
         loaded.model.to(target)
+    calibrated = loaded.kv_spec
+    names = calibrated.names if calibrated is not None else attention_modules(loaded.model)
+    kv_spec = select_kv_spec(calibrated, names, kv_bits, dynamic=kv_dynamic)
     return _generate(loaded, loaded.tokenizer, prompt_list, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, seed=seed, chat=chat, stream=stream, load_seconds=load_seconds)
+                     top_p=top_p, seed=seed, chat=chat, stream=stream, load_seconds=load_seconds, kv_spec=kv_spec)
 
 
-__all__ = ["verify_model_integrity", "inspect", "compress", "evaluate", "load", "generate", "VerifyReport",
+__all__ = ["verify_model_integrity", "inspect", "compress", "calibrate_kv", "evaluate", "load", "generate", "VerifyReport",
            "ArtifactInfo"]

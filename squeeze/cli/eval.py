@@ -18,20 +18,25 @@ def eval_(
     baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="A second model or artifact, measured on the same windows."),
     seq_len: int = typer.Option(512, "--seq-len", min=2, help="Window length in tokens."),
     max_windows: Optional[int] = typer.Option(None, "--max-windows", min=1, help="Evaluate only the first N windows."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="KV cache for the model: 8 or 4 (calibrated; default: what the artifact was calibrated for), 16 = full precision."),
+    kv_dynamic: bool = typer.Option(False, "--kv-dynamic", help="With --kv-bits: uncalibrated per-token absmax scales."),
     json_out: bool = typer.Option(False, "--json", help="Print only JSON to stdout."),
 ) -> None:
     """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity."""
     with cli_errors():
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
         with stage_progress(not json_out, labels) as progress:
-            result = api.evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows, progress=progress)
+            result = api.evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows,
+                                  progress=progress, kv_bits=kv_bits, kv_dynamic=kv_dynamic)
     if json_out:
         print_json(result.to_dict())
         return
     table = Table(title=f"{text.name}: {result.result.n_windows} windows x {seq_len} tokens", title_justify="left")
     for column in ("model", "perplexity", "word perplexity"):
         table.add_column(column, justify="left" if column == "model" else "right")
-    table.add_row(result.model, f"{result.result.perplexity:.3f}", f"{result.result.word_perplexity:.3f}")
+    kv = result.kv or {}
+    kv_label = "" if kv.get("kv_bits", 16) == 16 else f" (int{kv['kv_bits']} KV{', dynamic' if kv.get('kv_dynamic') else ''})"
+    table.add_row(result.model + kv_label, f"{result.result.perplexity:.3f}", f"{result.result.word_perplexity:.3f}")
     if result.baseline_result is not None:
         table.add_row(f"{result.baseline} (baseline)", f"{result.baseline_result.perplexity:.3f}",
                       f"{result.baseline_result.word_perplexity:.3f}")

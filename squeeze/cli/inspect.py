@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
+from squeeze.cli.calibrate_kv import kv_bytes_line
 from squeeze.cli.common import cli_errors, out_console, print_json
 
 
@@ -43,4 +44,8 @@ def inspect(
         out_console.print(f"quantized modules: {info.quantized_modules}; bits per weight: {info.bits_per_weight}")
     else:
         out_console.print("quantization: none")
+    if info.kv_bytes_per_token:
+        kv = (info.quantization or {}).get("kv_cache")
+        calibrated = f"calibrated for int{kv['bits']}" if isinstance(kv, dict) and "bits" in kv else "not calibrated"
+        out_console.print(f"KV cache: {calibrated}; " + kv_bytes_line(info.kv_bytes_per_token))
     out_console.print(f"manifest: {info.manifest_status}" + (f"; root digest {info.root_digest}" if info.root_digest else ""))

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from squeeze import api
+from squeeze.cli.calibrate_kv import kv_bytes_line
 from squeeze.cli.common import cli_errors, err_console, print_json
 from squeeze.errors import ConfigError
 
@@ -48,6 +49,8 @@ def run(
     low_memory: bool = typer.Option(False, "--low-memory", help="Dequantize on the fly in row chunks instead of caching dense weights."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip checking the artifact against its manifest (not recommended)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="KV cache: 8 or 4 (default: what the artifact was calibrated for, else full precision), 16 = full precision."),
+    kv_dynamic: bool = typer.Option(False, "--kv-dynamic", help="With --kv-bits: uncalibrated per-token absmax scales (no calibrate-kv needed)."),
     json_out: bool = typer.Option(False, "--json", help="Print only JSON to stdout (no streaming)."),
 ) -> None:
     """Generate text from an artifact: tokens stream to stdout; timings and peak memory go to stderr.
@@ -56,6 +59,7 @@ def run(
     """
     with cli_errors():
         from squeeze.runtime.generate import resolve_device, validate_options
+        from squeeze.runtime.kvcache import check_kv_options
 
         prompts = [prompt] if prompt is not None else []
         if prompts_file is not None:
@@ -63,12 +67,13 @@ def run(
         # everything cheap is checked before the model loads, so a bad option costs nothing and prints nothing
         prompts = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         resolve_device(device)
+        check_kv_options(kv_bits, kv_dynamic)
         if no_verify:
             err_console.print("Warning: loading without verification: the artifact's bytes are NOT checked "
                               "against its manifest", style="yellow", soft_wrap=True, markup=False)
         result = api.generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               seed=seed, chat=chat, stream=None if json_out else _write, verify=not no_verify,
-                              low_memory=low_memory, device=device)
+                              low_memory=low_memory, device=device, kv_bits=kv_bits, kv_dynamic=kv_dynamic)
     if json_out:
         print_json({**result.to_dict(), "model": str(model), "verified": not no_verify, "low_memory": low_memory})
         return
@@ -77,9 +82,14 @@ def run(
         _write(f"\n--- prompt {i} ---\n{text}\n")
     tps = f"{result.tokens_per_second:.1f} tok/s" if result.tokens_per_second is not None else "- tok/s"
     memory = (f"peak CUDA {result.peak_cuda_bytes / MIB:.0f} MiB, " if result.peak_cuda_bytes is not None else "")
+    if result.kv_bytes_per_token:  # before the stats line, which stays the last one
+        err_console.print(kv_bytes_line(result.kv_bytes_per_token), style="dim", soft_wrap=True, markup=False,
+                          highlight=False)
     err_console.print(
         f"load {result.load_seconds:.2f} s ({'verified' if not no_verify else 'NOT verified'}) | "
         f"first token {result.ttft_seconds:.3f} s | {tps} | {sum(result.new_tokens)} new tokens | "
-        f"{memory}peak RSS {result.peak_rss_bytes / MIB:.0f} MiB",
+        f"{memory}peak RSS {result.peak_rss_bytes / MIB:.0f} MiB | "
+        f"KV cache {result.kv_cache} {result.kv_cache_bytes / MIB:.2f} MiB",
         style="dim", soft_wrap=True, markup=False, highlight=False,
     )
+

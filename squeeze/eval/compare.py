@@ -11,7 +11,8 @@ from torch import nn
 
 from squeeze.calibrate.windows import read_text_file
 from squeeze.errors import ConfigError
-from squeeze.eval.perplexity import PerplexityResult, perplexity
+from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
+from squeeze.quant.kv import KVSpec
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class EvalResult:
     result: PerplexityResult
     baseline: str | None = None
     baseline_result: PerplexityResult | None = None
+    #: The model's KV cache: {"kv_bits": 16 (full precision) | 8 | 4, "kv_dynamic": bool}.
+    kv: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -31,6 +34,7 @@ class EvalResult:
             "nll": self.result.nll,
             "windows": self.result.n_windows,
             "tokens": self.result.n_tokens,
+            **(self.kv or {}),
         }
         if self.baseline_result is not None:
             out.update(
@@ -44,13 +48,35 @@ class EvalResult:
 
 def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     """(model, tokenizer) from an artifact directory (verified, reference dequant path) or a model spec."""
+    model, tokenizer, _ = _open(spec)
+    return model, tokenizer
+
+
+def _open(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any, KVSpec | None]:
+    """(model, tokenizer, the artifact's calibrated KV spec or None)."""
     from squeeze.models.source import load_model, resolve_model
     from squeeze.runtime.loader import is_artifact, load_artifact
 
     if is_artifact(spec):
         loaded = load_artifact(spec, verify=True)
-        return loaded.model, loaded.tokenizer
-    return load_model(resolve_model(str(spec)))
+        return loaded.model, loaded.tokenizer, loaded.kv_spec
+    model, tokenizer = load_model(resolve_model(str(spec)))
+    return model, tokenizer, None
+
+
+def kv_cache_factory(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None,
+                     dynamic: bool) -> tuple[CacheFactory | None, KVSpec | None]:
+    """The cache every window is scored through (None: no cache), per squeeze.runtime.kvcache.select_kv_spec."""
+    from squeeze.models.targets import attention_modules
+    from squeeze.runtime.kvcache import SqueezeKVCache, select_kv_spec
+
+    if kv_bits is None and not dynamic and calibrated is None:
+        return None, None
+    names = calibrated.names if calibrated is not None else attention_modules(model)
+    spec = select_kv_spec(calibrated, names, kv_bits, dynamic=dynamic)
+    if spec is None:
+        return None, None
+    return (lambda: SqueezeKVCache(spec)), spec
 
 
 def evaluate(
@@ -61,16 +87,31 @@ def evaluate(
     seq_len: int = 512,
     max_windows: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    kv_bits: int | None = None,
+    kv_dynamic: bool = False,
 ) -> EvalResult:
-    """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate."""
+    """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate.
+
+    The KV options apply to ``model`` only; the baseline always runs with a full-precision cache-free pass.
+    """
+    from squeeze.runtime.kvcache import check_kv_options
+
+    check_kv_options(kv_bits, kv_dynamic)
     text = read_text_file(text_file, "evaluation text", ConfigError)
+    kv_used: list[int] = []
 
-    def measure(spec: str | os.PathLike[str], label: str) -> PerplexityResult:
-        net, tokenizer = open_for_eval(spec)
+    def measure(spec: str | os.PathLike[str], label: str, with_kv: bool) -> PerplexityResult:
+        net, tokenizer, calibrated = _open(spec)
+        factory = None
+        if with_kv:
+            factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)
+            kv_used.append(chosen.bits if chosen is not None else 16)
         report = (lambda done, total: progress(label, done, total)) if progress else None
-        return perplexity(net, tokenizer, text, seq_len=seq_len, max_windows=max_windows, progress=report)
+        return perplexity(net, tokenizer, text, seq_len=seq_len, max_windows=max_windows, progress=report,
+                          kv_cache=factory)
 
-    result = measure(model, "model")
+    result = measure(model, "model", True)
+    kv = {"kv_bits": kv_used[0], "kv_dynamic": kv_dynamic}
     if baseline is None:
-        return EvalResult(str(model), result)
-    return EvalResult(str(model), result, str(baseline), measure(baseline, "baseline"))
+        return EvalResult(str(model), result, kv=kv)
+    return EvalResult(str(model), result, str(baseline), measure(baseline, "baseline", False), kv=kv)

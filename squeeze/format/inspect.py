@@ -46,6 +46,8 @@ class ArtifactInfo:
     manifest_status: str = "absent"
     root_digest: str | None = None
     provenance: dict[str, Any] | None = None
+    #: KV-cache bytes per token over all layers {"fp16", "int8", "int4"} (filled in by squeeze.api.inspect).
+    kv_bytes_per_token: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         quant = dict(self.quantization or {})
@@ -60,6 +62,7 @@ class ArtifactInfo:
             "bits_per_weight": self.bits_per_weight,
             "manifest": {"status": self.manifest_status, "root_digest": self.root_digest},
             "provenance": self.provenance,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
         }
 
 

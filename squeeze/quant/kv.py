@@ -31,11 +31,19 @@ KV_BITS = (4, 8)
 KV_FILE = "kv_cache.safetensors"
 #: Clipping ratios tried for per-token value grids (range shrunk to ``ratio * range``); 1.0 = plain min-max.
 CLIP_GRID = tuple(round(0.5 + 0.025 * i, 3) for i in range(21))
-#: Asymmetric value grids store a zero point per token (+2 bytes per head): chosen only when they cut the
-#: calibration error to below this share of the symmetric grid's.
-ASYMMETRIC_VALUE_GAIN = 0.8
+
 #: Per-token params are stored in fp16: 2 bytes per scale / zero.
 PARAM_BYTES = 2
+
+
+def asymmetric_gain_needed(head_dim: int) -> float:
+    """Error ratio an asymmetric value grid must beat to pay for its per-token zero point.
+
+    The zero point adds 16 bits per head, i.e. 16 / head_dim bits per value; one more bit per value cuts
+    the squared error of a uniform grid by 4x, so the zero point is worth it only when it cuts the error
+    by more than 4 ** (16 / head_dim) (1.41x for head_dim 64): a rate-distortion rule, the same at 8 and 4 bits.
+    """
+    return float(4.0 ** (-PARAM_BYTES * 8 / head_dim))
 
 
 def check_kv_bits(bits: object) -> int:
@@ -160,7 +168,8 @@ def fit_values(samples: Tensor, bits: int) -> ValueFit:
     """Fit the per-head clipping ratio of per-token value scales on ``samples (N, H, D)`` fp32.
 
     Asymmetric grids (a zero point per token too, counted in the cache's bytes per token) are chosen per
-    layer only when their total squared error is below ASYMMETRIC_VALUE_GAIN times the symmetric grid's.
+    layer only when their total squared error is below :func:`asymmetric_gain_needed` times the
+    symmetric grid's.
     """
     fits = []
     for symmetric in (True, False):
@@ -174,7 +183,8 @@ def fit_values(samples: Tensor, bits: int) -> ValueFit:
             best_clip = torch.where(better, torch.full_like(best_clip, clip), best_clip)
         fits.append(ValueFit(best_clip, symmetric, float(best_err.sum())))
     symmetric_fit, asymmetric_fit = fits
-    return asymmetric_fit if asymmetric_fit.sse < ASYMMETRIC_VALUE_GAIN * symmetric_fit.sse else symmetric_fit
+    needed = asymmetric_gain_needed(samples.shape[-1])
+    return asymmetric_fit if asymmetric_fit.sse < needed * symmetric_fit.sse else symmetric_fit
 
 
 def dynamic_error(samples: Tensor, bits: int) -> float:
@@ -298,8 +308,39 @@ def fp_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, element_byte
     return 2 * n_layers * kv_heads * head_dim * element_bytes
 
 
+def kv_bytes_table(model_config: object) -> dict[str, int]:
+    """KV bytes per token over all layers: fp16, int8 and int4 (codes plus per-token scales / zeros).
+
+    ``model_config``: a transformers config or its dict. When its quantization_config has a calibrated
+    ``kv_cache``, that layout (which layers keep asymmetric value grids) is counted at both widths; else
+    symmetric values.
+    """
+    layers, kv_heads, head_dim = kv_geometry(model_config)
+    quant = model_config.get("quantization_config") if isinstance(model_config, dict) else \
+        getattr(model_config, "quantization_config", None)
+    kv = quant.get("kv_cache") if isinstance(quant, dict) else None
+    entries = kv.get("layers") if isinstance(kv, dict) else None
+    asymmetric = sum(1 for e in entries if isinstance(e, dict) and e.get("v_symmetric") is False) \
+        if isinstance(entries, list) else 0
+    table = {"fp16": fp_bytes_per_token(layers, kv_heads, head_dim)}
+    for bits in (8, 4):
+        table[f"int{bits}"] = (layers - asymmetric) * layer_bytes_per_token(kv_heads, head_dim, bits) + \
+            asymmetric * layer_bytes_per_token(kv_heads, head_dim, bits, asymmetric_values=True)
+    return table
+
+
+def kv_geometry(model_config: object) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config (object or dict)."""
+    get = model_config.get if isinstance(model_config, dict) else (lambda k, d=None: getattr(model_config, k, d))
+    layers = int(get("num_hidden_layers"))
+    heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads") or heads)
+    head_dim = get("head_dim") or int(get("hidden_size")) // heads
+    return layers, kv_heads, int(head_dim)
+
+
 __all__ = [
     "KV_BITS", "KV_FILE", "CLIP_GRID", "PARAM_BYTES", "check_kv_bits", "levels", "symmetric_zero", "quantize", "dequantize",
-    "pack_int4", "unpack_int4", "token_params", "key_channel_params", "fake_quantize_keys", "ASYMMETRIC_VALUE_GAIN", "KeyFit", "ValueFit", "fit_keys", "fit_values",
-    "dynamic_error", "LayerKV", "KVSpec", "fp_bytes_per_token", "layer_bytes_per_token",
+    "pack_int4", "unpack_int4", "token_params", "key_channel_params", "fake_quantize_keys", "asymmetric_gain_needed", "KeyFit", "ValueFit", "fit_keys", "fit_values",
+    "dynamic_error", "LayerKV", "KVSpec", "fp_bytes_per_token", "layer_bytes_per_token", "kv_bytes_table", "kv_geometry",
 ]

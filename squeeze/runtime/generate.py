@@ -18,8 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from squeeze.errors import ConfigError
+from squeeze.models.modes import cache_kwarg
+from squeeze.quant.kv import KVSpec, kv_bytes_table
+from squeeze.runtime.kvcache import SqueezeKVCache
 
 StreamFn = Callable[[str], None]
 
@@ -51,6 +55,12 @@ class GenerationResult:
     peak_cuda_bytes: int | None
     device: str
     do_sample: bool
+    #: The KV cache generation ran with: "int8" / "int4" (squeeze's quantized cache) or the model's dtype.
+    kv_cache: str = "float32"
+    #: Bytes that cache held at the end (all layers, scales and the full-precision sink included).
+    kv_cache_bytes: int = 0
+    #: KV bytes per token over all layers: {"fp16": ..., "int8": ..., "int4": ...}, scales included.
+    kv_bytes_per_token: dict[str, int] | None = None
 
     @property
     def text(self) -> str:
@@ -226,6 +236,7 @@ def generate(
     chat: bool = False,
     stream: StreamFn | None = None,
     load_seconds: float = 0.0,
+    kv_spec: KVSpec | None = None,
 ) -> GenerationResult:
     """Continue each prompt with ``model.generate``, all prompts as one left-padded batch.
 
@@ -233,7 +244,8 @@ def generate(
     causal LM, on the device it should run on. Greedy when ``temperature == 0``, else sampling with
     ``temperature`` and nucleus ``top_p`` (top-k off), after ``torch.manual_seed(seed)`` when a seed is
     given. ``chat`` wraps each prompt as one user turn with the tokenizer's chat template (ConfigError when
-    it has none). ``stream(piece)`` receives the first prompt's text as it is produced. Raises ConfigError
+    it has none). ``stream(piece)`` receives the first prompt's text as it is produced. ``kv_spec``: run
+    with squeeze's quantized KV cache (else transformers' DynamicCache). Raises ConfigError
     for bad options (see :func:`validate_options`) or a prompt longer than the model's context.
     """
     prompts = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -288,6 +300,8 @@ def generate(
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
 
+    cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=model.config)
+    options[cache_kwarg(model)] = cache
     start = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, streamer=streamer, **options)
@@ -314,7 +328,27 @@ def generate(
         peak_rss_bytes=_peak_rss_bytes(),
         peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if on_cuda else None,
         device=str(device), do_sample=do_sample,
+        kv_cache=f"int{kv_spec.bits}" if kv_spec is not None else str(model.dtype).removeprefix("torch."),
+        kv_cache_bytes=_cache_bytes(cache), kv_bytes_per_token=_kv_table(model, kv_spec),
     )
+
+
+def _cache_bytes(cache: Any) -> int:
+    if isinstance(cache, SqueezeKVCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
+def _kv_table(model: nn.Module, kv_spec: KVSpec | None) -> dict[str, int] | None:
+    """Bytes per token at each width, counting the calibrated layout (asymmetric value layers) when there is one."""
+    try:
+        config = model.config.to_dict()  # type: ignore[operator, union-attr]
+        if kv_spec is not None and kv_spec.calibrated:
+            config["quantization_config"] = {"kv_cache": kv_spec.to_config()}
+        return kv_bytes_table(config)
+    except (TypeError, ValueError, AttributeError):  # a config without the usual decoder fields
+        return None
 
 
 __all__ = ["GenerationResult", "generate", "validate_options", "resolve_device"]

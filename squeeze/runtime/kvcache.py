@@ -251,6 +251,14 @@ class SqueezeKVCache(Cache):
 FULL_PRECISION_BITS = 16
 
 
+def check_kv_options(kv_bits: int | None, dynamic: bool) -> None:
+    """ConfigError for KV options that are wrong whatever the model (checked before anything loads)."""
+    if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in (*KV_BITS, FULL_PRECISION_BITS)):
+        raise ConfigError(f"--kv-bits must be 4, 8 or 16 (no KV quantization), found {kv_bits!r}")
+    if dynamic and kv_bits not in KV_BITS:
+        raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
+
+
 def select_kv_spec(
     calibrated: KVSpec | None, names: tuple[str, ...], kv_bits: int | None, *, dynamic: bool = False,
     sink_tokens: int = 1,
@@ -260,14 +268,11 @@ def select_kv_spec(
     ``kv_bits`` None: the artifact's calibrated spec if it has one (else full precision). 4 or 8: the
     calibrated spec of that width, or with ``dynamic`` the uncalibrated per-token baseline. 16: full precision.
     """
-    if kv_bits is None and not dynamic:
+    check_kv_options(kv_bits, dynamic)
+    if kv_bits is None:
         return calibrated
     if kv_bits == FULL_PRECISION_BITS:
         return None
-    if kv_bits is None:
-        raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
-    if kv_bits not in KV_BITS or isinstance(kv_bits, bool):
-        raise ConfigError(f"--kv-bits must be 4, 8 or 16 (no KV quantization), found {kv_bits!r}")
     if dynamic:
         return KVSpec.dynamic(kv_bits, names, sink_tokens)
     if calibrated is None:
@@ -285,4 +290,4 @@ def select_kv_spec(
     return calibrated
 
 
-__all__ = ["QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "select_kv_spec"]
+__all__ = ["QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "check_kv_options", "select_kv_spec"]

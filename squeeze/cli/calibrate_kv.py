@@ -1,0 +1,64 @@
+"""``squeeze calibrate-kv``: fit int8 / int4 KV-cache scales and add them to an artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from squeeze import api
+from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
+
+
+def calibrate_kv(
+    target: str = typer.Argument(..., help="An artifact directory (updated in place unless --output), or a model (then --output is required)."),
+    bits: int = typer.Option(8, "--bits", help="KV-cache bits: 8 or 4."),
+    calibration: Optional[str] = typer.Option(
+        None, "--calibration", "-c",
+        help="Calibration text file, spec YAML or built-in spec (default: the artifact's own built-in spec).",
+    ),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write a new artifact here instead of updating TARGET."),
+    sink_tokens: int = typer.Option(1, "--sink-tokens", help="Leading tokens kept in full precision (attention sink)."),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print only a JSON summary to stdout."),
+) -> None:
+    """Capture keys and values on calibration text, fit their scales, and add them to the artifact.
+
+    Keys: per-channel normaliser (post-RoPE) then a per-token grid; values: per-token grid with a calibrated
+    clipping ratio per head; the first --sink-tokens tokens stay in full precision. The artifact is swapped
+    for the new one only when it is complete and sealed; a failed run leaves it as it was.
+    """
+    with cli_errors():
+        with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:
+            result = api.calibrate_kv(
+                target, calibration, bits=bits, output=output, sink_tokens=sink_tokens, overwrite=overwrite,
+                calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
+            )
+    if json_out:
+        print_json(result.to_dict())
+        return
+    fit = result.calibration
+    out_console.print(
+        f"[bold green]wrote[/] int{result.bits} KV scales to {result.output} "
+        f"({fit['tokens']} calibration tokens per layer, {result.sink_tokens} sink token(s) kept exact)"
+    )
+    table = Table(title="calibration error (sum of squares) vs dynamic per-token absmax", title_justify="left")
+    for column in ("", "calibrated", "dynamic", "ratio"):
+        table.add_column(column, justify="right" if column else "left")
+    for part in ("key", "value"):
+        calibrated, dynamic = fit[f"{part}_error"], fit[f"dynamic_{part}_error"]
+        table.add_row(f"{part}s", f"{calibrated:.4g}", f"{dynamic:.4g}", f"{calibrated / max(dynamic, 1e-30):.3f}")
+    out_console.print(table)
+    out_console.print(kv_bytes_line(result.bytes_per_token))
+    err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")
+
+
+def kv_bytes_line(table: dict[str, int]) -> str:
+    """``KV bytes/token: fp16 23040, int8 11880 (0.516x), int4 6120 (0.266x)``."""
+    fp16 = table["fp16"]
+    parts = [f"fp16 {fp16}"] + [f"{k} {v} ({v / fp16:.3f}x)" for k, v in table.items() if k != "fp16"]
+    return "KV bytes/token (all layers, scales included): " + ", ".join(parts)

@@ -1,0 +1,210 @@
+"""``squeeze calibrate-kv`` on stories260K: scales into the artifact, run/eval/inspect through them, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from squeeze import api
+from squeeze.cli.app import app
+from squeeze.compression import calibrate_kv as calibrate_kv_module
+from squeeze.quant.kv import KV_FILE
+from squeeze.runtime.kvcache import SqueezeKVCache
+
+runner = CliRunner()
+CALIB = ["--num-samples", "4", "--seq-len", "64"]
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("kv") / "stories-rtn-w4"
+    api.compress(str(stories_dir), out, recipe="rtn-w4")
+    return out
+
+
+@pytest.fixture(scope="module")
+def kv4_artifact(tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("kv4") / "stories-rtn-w4-kv4"
+    shutil.copytree(rtn_artifact, out)
+    result = runner.invoke(app, ["calibrate-kv", str(out), "--bits", "4", "-c", str(tinystories_file), *CALIB, "--json"])
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
+def test_calibrate_kv_adds_scales_and_keeps_the_shards(kv4_artifact, rtn_artifact: Path) -> None:
+    out, summary = kv4_artifact
+    assert summary["bits"] == 4 and summary["output"] == str(out)
+    assert summary["calibration"]["key_error"] < summary["calibration"]["dynamic_key_error"]
+    before, after = tree_digest(rtn_artifact), tree_digest(out)
+    changed = {p for p in before if before[p] != after.get(p)}
+    assert changed == {"config.json", "squeeze.manifest.json"}  # the model shards are untouched
+    assert set(after) - set(before) == {KV_FILE}
+    config = json.loads((out / "config.json").read_text())
+    kv = config["quantization_config"]["kv_cache"]
+    assert kv["bits"] == 4 and kv["sink_tokens"] == 1 and len(kv["layers"]) == 5
+    assert api.verify_model_integrity(out).ok
+
+
+def test_loaded_artifact_runs_with_its_calibrated_cache(kv4_artifact) -> None:
+    out, summary = kv4_artifact
+    loaded = api.load(out)
+    assert loaded.kv_spec is not None and loaded.kv_spec.bits == 4 and loaded.kv_spec.calibrated
+    result = api.generate(loaded, "Once upon a time", max_new_tokens=8)
+    assert result.kv_cache == "int4"
+    assert result.kv_bytes_per_token == summary["kv_bytes_per_token"]
+    tokens = result.prompt_tokens[0] + sum(result.new_tokens) - 1  # the last token is never fed back
+    per_token = result.kv_bytes_per_token["int4"]
+    sink = 2 * 5 * 4 * 8 * 4  # K and V of one fp32 token, 5 layers x 4 heads x 8 channels
+    assert result.kv_cache_bytes == (tokens - 1) * per_token + sink
+    fp = api.generate(loaded, "Once upon a time", max_new_tokens=8, kv_bits=16)
+    assert fp.kv_cache == "float32" and fp.kv_cache_bytes == tokens * result.kv_bytes_per_token["fp16"] * 2
+
+
+def test_run_cli_shows_kv_bytes_and_uses_the_calibrated_cache(kv4_artifact) -> None:
+    out, _ = kv4_artifact
+    result = runner.invoke(app, ["run", "Once upon a time", "-m", str(out), "-n", "6"])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert "KV bytes/token" in lines[-2] and "int4" in lines[-2]
+    assert "KV cache int4" in lines[-1]
+    as_json = json.loads(runner.invoke(app, ["run", "Once upon a time", "-m", str(out), "-n", "4", "--json"]).stdout)
+    assert as_json["kv_cache"] == "int4" and as_json["kv_bytes_per_token"]["int4"] < as_json["kv_bytes_per_token"]["fp16"]
+
+
+def test_eval_through_the_cache(kv4_artifact, rtn_artifact: Path, tinystories_file: Path) -> None:
+    out, _ = kv4_artifact
+    args = ["eval", str(out), "--text", str(tinystories_file), "--seq-len", "128", "--json"]
+    calibrated = json.loads(runner.invoke(app, args).stdout)
+    full = json.loads(runner.invoke(app, [*args, "--kv-bits", "16"]).stdout)
+    dynamic = json.loads(runner.invoke(app, [*args, "--kv-bits", "4", "--kv-dynamic"]).stdout)
+    assert (calibrated["kv_bits"], full["kv_bits"], dynamic["kv_bits"]) == (4, 16, 4)
+    assert full["perplexity"] < calibrated["perplexity"] < full["perplexity"] * 1.5
+    assert calibrated["perplexity"] != dynamic["perplexity"]
+    # the plain artifact with dynamic scales works without any calibration
+    plain = runner.invoke(app, ["eval", str(rtn_artifact), "--text", str(tinystories_file), "--seq-len", "128",
+                                "--kv-bits", "8", "--kv-dynamic", "--json"])
+    assert plain.exit_code == 0, plain.output
+
+
+def test_inspect_shows_kv_bytes_per_token(kv4_artifact, rtn_artifact: Path) -> None:
+    out, summary = kv4_artifact
+    info = api.inspect(out)
+    assert info.kv_bytes_per_token == summary["kv_bytes_per_token"]
+    kv = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache"]
+    asymmetric = sum(not layer["v_symmetric"] for layer in kv["layers"])
+    # 5 layers x 4 heads x 8 channels: codes for K and V, an fp16 scale per head for K and V, a zero for asym V
+    assert info.kv_bytes_per_token == {
+        "fp16": 2 * 5 * 4 * 8 * 2,
+        "int8": 5 * (2 * 4 * 8 + 2 * 4 * 2) + asymmetric * 4 * 2,
+        "int4": 5 * (2 * 4 * 4 + 2 * 4 * 2) + asymmetric * 4 * 2,
+    }
+    assert api.inspect(rtn_artifact).kv_bytes_per_token["fp16"] == 640
+    text = runner.invoke(app, ["inspect", str(out)]).stdout
+    assert "KV cache: calibrated for int4" in text and "KV bytes/token" in text
+    assert "not calibrated" in runner.invoke(app, ["inspect", str(rtn_artifact)]).stdout
+
+
+def test_a_plain_model_becomes_an_artifact_with_calibrated_kv(tmp_path: Path, stories_dir: Path,
+                                                              tinystories_file: Path, stories) -> None:
+    out = tmp_path / "stories-kv8"
+    result = runner.invoke(app, ["calibrate-kv", str(stories_dir), "--bits", "8", "-c", str(tinystories_file),
+                                 *CALIB, "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert api.verify_model_integrity(out).ok
+    loaded = api.load(out)
+    assert loaded.kv_spec is not None and loaded.kv_spec.bits == 8
+    model, _ = stories
+    ids = torch.tensor([[1, 200, 300, 400, 55]])
+    with torch.inference_mode():  # the weights are the original ones, exactly
+        assert torch.equal(loaded.model(ids).logits, model(ids).logits)
+        quantized = loaded.model(ids, use_cache=True, cache=SqueezeKVCache(loaded.kv_spec)).logits
+        difference = float((quantized - model(ids).logits).abs().max())
+    assert 0 < difference < 0.2  # int8 KV: a real but small change of the logits (which span ~25)
+
+
+def test_calibrated_default_is_the_artifacts_own_builtin_spec(rtn_artifact: Path) -> None:
+    result = runner.invoke(app, ["calibrate-kv", str(rtn_artifact), "--bits", "8"])
+    assert result.exit_code == 2
+    assert "no calibration text given" in result.stderr and "--calibration" in result.stderr
+
+
+def _refused(args: list[str], message: str, artifact: Path | None = None) -> None:
+    before = tree_digest(artifact) if artifact is not None else None
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0, result.output
+    assert result.stderr.startswith("Error: ") and message in result.stderr, result.stderr
+    assert result.stdout == ""
+    if artifact is not None:
+        assert tree_digest(artifact) == before  # exactly as it was
+        assert api.verify_model_integrity(artifact).ok
+
+
+@pytest.mark.parametrize("bits", ["2", "16", "3"])
+def test_bits_not_4_or_8(rtn_artifact: Path, tinystories_file: Path, bits: str) -> None:
+    _refused(["calibrate-kv", str(rtn_artifact), "--bits", bits, "-c", str(tinystories_file)], "must be 4 or 8",
+             rtn_artifact)
+
+
+def test_windows_not_longer_than_the_sink(rtn_artifact: Path, tinystories_file: Path) -> None:
+    _refused(["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), "--seq-len", "4", "--sink-tokens", "4"],
+             "sink", rtn_artifact)
+
+
+def test_model_without_output(stories_dir: Path, tinystories_file: Path) -> None:
+    _refused(["calibrate-kv", str(stories_dir), "-c", str(tinystories_file)], "--output")
+
+
+def test_kv_bits_on_an_artifact_without_scales(rtn_artifact: Path, tinystories_file: Path) -> None:
+    result = runner.invoke(app, ["run", "Once", "-m", str(rtn_artifact), "--kv-bits", "4"])
+    assert result.exit_code == 2 and "needs calibrated KV scales" in result.stderr
+    assert "calibrate-kv" in result.stderr and "--kv-dynamic" in result.stderr and result.stdout == ""
+    result = runner.invoke(app, ["eval", str(rtn_artifact), "--text", str(tinystories_file), "--kv-bits", "4"])
+    assert result.exit_code == 2 and "needs calibrated KV scales" in result.stderr
+
+
+def test_kv_width_mismatch_and_bad_kv_bits(kv4_artifact) -> None:
+    out, _ = kv4_artifact
+    result = runner.invoke(app, ["run", "Once", "-m", str(out), "--kv-bits", "8"])
+    assert result.exit_code == 2 and "calibrated for int4" in result.stderr
+    result = runner.invoke(app, ["run", "Once", "-m", str(out), "--kv-bits", "5"])
+    assert result.exit_code == 2 and "4, 8 or 16" in result.stderr
+
+
+def test_tampered_artifact_is_refused_before_any_work(rtn_artifact: Path, tmp_path: Path, tinystories_file: Path) -> None:
+    copy = tmp_path / "tampered"
+    shutil.copytree(rtn_artifact, copy)
+    shard = next(copy.glob("model*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    result = runner.invoke(app, ["calibrate-kv", str(copy), "-c", str(tinystories_file), *CALIB])
+    assert result.exit_code == 1 and "failed verification" in result.stderr
+    assert not (copy / KV_FILE).exists()
+
+
+def test_a_failure_while_writing_leaves_the_artifact_as_it_was(rtn_artifact: Path, tmp_path: Path,
+                                                               tinystories_file: Path, monkeypatch) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(rtn_artifact, copy)
+    before = tree_digest(copy)
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibrate_kv_module, "seal_artifact", boom)
+    with pytest.raises(OSError):
+        api.calibrate_kv(copy, tinystories_file, bits=8, calibration_overrides={"num_samples": 2, "seq_len": 64})
+    assert tree_digest(copy) == before
+    assert api.verify_model_integrity(copy).ok
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging dir left behind
