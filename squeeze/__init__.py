@@ -14,7 +14,15 @@ from squeeze.errors import (  # noqa: E402
     SqueezeError,
 )
 
-from squeeze.api import compress, evaluate, generate, inspect, load, verify_model_integrity  # noqa: E402
+from squeeze.api import (  # noqa: E402
+    calibrate_kv,
+    compress,
+    evaluate,
+    generate,
+    inspect,
+    load,
+    verify_model_integrity,
+)
 from squeeze.runtime import hf_hook as _hf_hook  # noqa: E402
 
 # `AutoModelForCausalLM.from_pretrained(artifact_dir)` after `import squeeze`: registers the "squeeze"
@@ -26,6 +34,7 @@ __all__ = [
     "verify_model_integrity",
     "inspect",
     "compress",
+    "calibrate_kv",
     "evaluate",
     "generate",
     "load",

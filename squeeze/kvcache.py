@@ -1,0 +1,11 @@
+"""The quantized KV cache, under its public name.
+
+``SqueezeKVCache(spec)`` is a transformers ``Cache`` storing int8 / packed int4 codes; ``spec`` is an
+artifact's calibrated :class:`KVSpec` (``squeeze.load(path).kv_spec``) or ``KVSpec.dynamic(bits, names)``.
+The implementation lives in squeeze.runtime.kvcache and squeeze.quant.kv.
+"""
+
+from squeeze.quant.kv import KVSpec, kv_bytes_table
+from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, select_kv_spec
+
+__all__ = ["SqueezeKVCache", "SqueezeKVLayer", "KVSpec", "select_kv_spec", "kv_bytes_table"]
