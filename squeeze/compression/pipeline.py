@@ -30,6 +30,7 @@ from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences
 from squeeze.compression.lock import OutputLock
 from squeeze.compression.preflight import (
+    SizeEstimate,
     check_disk,
     check_memory,
     check_output_dir,
@@ -107,7 +108,7 @@ def run_compress(
     output = Path(output)
     if resume and restart:
         raise ConfigError("--resume and --restart contradict each other", hint="pass at most one of them")
-    # -- preflight: nothing expensive happens, and nothing is written, before every check below has passed
+    # -- preflight: nothing expensive happens before every check below has passed; only the lock is written
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     work = WorkArea(output)
     if not work.is_publishing():  # a publish cut short has already moved some new files into the output
@@ -123,19 +124,20 @@ def run_compress(
                  "or use --sensitivity uniform",
         )
     calibration = calibration if calibrating else None
-    skeleton = meta_model(source)
-    estimate = estimate_size(skeleton, recipe)  # also raises ModelError when there is no target linear
-    checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibrating else 0)
-    already = work.disk_bytes() if work.root.is_dir() and not restart else 0
-    check_disk(output, estimate, checkpoint_bytes - already, force)
-    check_memory(estimate_peak_memory(skeleton, recipe, calibration.seq_len if calibration else None), force)
-    del skeleton
 
     created_output = not output.exists()
     created_work = work.create()
     lock = OutputLock(work.root).acquire()  # a concurrent run into this output is refused here, at once
     guard = SignalGuard()
+    estimate: SizeEstimate | None = None
     try:
+        skeleton = meta_model(source)
+        estimate = estimate_size(skeleton, recipe)  # also raises ModelError when there is no target linear
+        checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibrating else 0)
+        already = 0 if restart else work.disk_bytes()
+        check_disk(output, estimate, checkpoint_bytes - already, force)
+        check_memory(estimate_peak_memory(skeleton, recipe, calibration.seq_len if calibration else None), force)
+        del skeleton
         with guard:
             return _run_locked(source, work, recipe, calibration, seed, overwrite, restart, guard, timings,
                                started, progress)
@@ -148,11 +150,11 @@ def run_compress(
         if guard.received is not None:
             raise _interrupted(guard.received, work) from None
         if _is_disk_full(exc):
+            size = f" (the artifact alone needs about {estimate.total_bytes / 1e9:.2f} GB)" if estimate else ""
             raise ResourceError(
                 f"no space left on the device while writing into {output}; {_committed(work)}",
-                hint=f"free some disk space (the artifact alone needs about {estimate.total_bytes / 1e9:.2f} GB) and "
-                     "rerun the same command: it resumes from the last committed layer group; the source model "
-                     "was only read, never written",
+                hint=f"free some disk space{size} and rerun the same command: it resumes from the last committed "
+                     "layer group; the source model was only read, never written",
             ) from exc
         raise
     finally:
