@@ -24,8 +24,10 @@ import squeeze
 from squeeze import api
 from squeeze.errors import FormatError, IntegrityError
 from squeeze.format import seal_artifact
-from squeeze.runtime.hf import SqueezeHfQuantizer, SqueezeQuantConfig
 from squeeze.runtime.linear import SqueezeLinear
+
+# squeeze.runtime.hf is imported inside the tests: it imports transformers' quantizer registry, which
+# imports triton, and test_kernels.py must set TRITON_INTERPRET before triton is first imported
 
 PROMPT = "Once upon a time"
 IDS = torch.tensor([[1, 20, 30, 40, 50, 60, 70]])
@@ -62,6 +64,8 @@ def from_pretrained(path: Path) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", sorted(RECIPES))
 def test_from_pretrained_computes_what_squeeze_load_computes(artifacts: dict[str, Path], kind: str) -> None:
+    from squeeze.runtime.hf import SqueezeHfQuantizer, SqueezeQuantConfig
+
     path = artifacts[kind]
     model = from_pretrained(path)
     reference = api.load(path).model
@@ -156,6 +160,7 @@ def test_registration_is_idempotent_in_process() -> None:
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
     from squeeze.runtime import hf_hook
+    from squeeze.runtime.hf import SqueezeHfQuantizer
 
     hf_hook.install()  # the registry is imported here: registers (again) at once, no hook left behind
     squeeze.runtime.hf.register()
