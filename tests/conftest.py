@@ -8,6 +8,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub are imported
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# tests/runtime/test_kernels.py runs the Triton kernels in Triton's CPU interpreter, which must be on before
+# triton is first imported (triton.language's own @jit helpers are built then); transformers' cache and
+# quantizer modules import triton, and other test modules import those at collection, before test_kernels
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
