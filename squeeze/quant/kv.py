@@ -1,20 +1,21 @@
-"""KV-cache quantization math: int8 / int4 codes, affine dequantization, int4 packing, scale fitting.
+"""KV-cache quantization math: int8 / int4 codes on per-token grids, int4 packing, scale fitting.
 
-Every quantized K/V element is stored as an unsigned code ``c`` in ``[0, 2**bits - 1]`` of a per-token grid
-``(c - zero) * scale`` (one fp16 ``scale``, and ``zero`` when asymmetric, per batch row, head and token).
+Every quantized K/V element is a code ``q`` on a per-token grid (one fp16 ``scale`` per batch row, head and
+token): symmetric grids read back ``q * scale`` with int8 codes in [-qmax, qmax]; asymmetric ones
+``offset + q * scale`` with uint8 codes in [0, 2**bits - 1] and an fp16 ``offset`` per token too.
 
 - Values: the token's own range, shrunk by a clipping ratio per head calibrated offline (KVQuant: values
   per token).
 - Keys: keys have a few channels far larger than the rest (KVQuant), so they are first normalised per
   channel with a calibrated ``k_scale`` and centre ``k_zero`` (H, D), ``(k - k_zero) / k_scale``, and the
-  normalised vector gets a per-token grid. A purely static per-channel grid (KVQuant without its sparse
-  outliers) clamps any key outside the calibrated range: on stories260K one such key was off by 18 (of 24)
-  and perplexity on other text dropped by the hundreds of percent; the per-token grid on normalised keys
-  keeps the calibrated channel balance and still adapts to every token.
-- The uncalibrated baseline: per-token absmax for keys and values, no normalisation.
+  normalised vector gets a symmetric per-token grid. A purely static per-channel grid (KVQuant without its
+  sparse outliers) clamps every key outside the calibrated range: on stories260K, calibrated on 500 tokens,
+  one key of another text came back off by 18 (its range is +-24). Normalising per channel and then scaling
+  per token keeps the calibrated channel balance and adapts to every token.
+- The uncalibrated baseline: symmetric per-token absmax grids for keys and values, no normalisation.
 
-Symmetric grids use ``zero = 2**(bits-1)`` and codes ``[1, 2**bits - 1]`` (so +-qmax, no lone -qmax - 1).
-int4 codes are packed two per byte along the head dimension, the even channel in the low nibble.
+int4 codes are packed two per byte along the head dimension (their low 4 bits, two's complement for
+signed codes), the even channel in the low nibble.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ KV_FILE = "kv_cache.safetensors"
 #: Clipping ratios tried for per-token value grids (range shrunk to ``ratio * range``); 1.0 = plain min-max.
 CLIP_GRID = tuple(round(0.5 + 0.025 * i, 3) for i in range(21))
 
-#: Per-token params are stored in fp16: 2 bytes per scale / zero.
+#: Per-token grid parameters are stored in fp16: 2 bytes per scale / offset.
 PARAM_BYTES = 2
 
 
 def asymmetric_gain_needed(head_dim: int) -> float:
-    """Error ratio an asymmetric value grid must beat to pay for its per-token zero point.
+    """Error ratio an asymmetric value grid must beat to pay for its per-token offset.
 
-    The zero point adds 16 bits per head, i.e. 16 / head_dim bits per value; one more bit per value cuts
-    the squared error of a uniform grid by 4x, so the zero point is worth it only when it cuts the error
+    The offset adds 16 bits per head, i.e. 16 / head_dim bits per value; one more bit per value cuts
+    the squared error of a uniform grid by 4x, so the offset is worth it only when it cuts the error
     by more than 4 ** (16 / head_dim) (1.41x for head_dim 64): a rate-distortion rule, the same at 8 and 4 bits.
     """
     return float(4.0 ** (-PARAM_BYTES * 8 / head_dim))
@@ -54,58 +55,72 @@ def check_kv_bits(bits: object) -> int:
 
 
 def levels(bits: int) -> int:
-    """Largest code: 2**bits - 1."""
+    """Largest unsigned code: 2**bits - 1."""
     return (1 << bits) - 1
 
 
-def symmetric_zero(bits: int) -> float:
-    """The zero point of a symmetric grid: 2**(bits-1) (128 for int8, 8 for int4)."""
-    return float(1 << (bits - 1))
+def qmax(bits: int) -> int:
+    """Largest magnitude of a symmetric code: 2**(bits-1) - 1 (127, 7); codes span [-qmax, qmax]."""
+    return (1 << (bits - 1)) - 1
 
 
-def quantize(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
-    """Codes uint8 (same shape as ``x``) of ``x`` on the grid ``(c - zero) * scale``; ``scale`` broadcasts."""
-    codes = torch.round(x / scale + zero).clamp_(0, levels(bits))
-    return codes.to(torch.uint8)
+def token_grid(x: Tensor, bits: int, clip: Tensor | float, symmetric: bool) -> tuple[Tensor, Tensor | None]:
+    """Per-token grid (scale, offset) of ``x (..., D)`` over its last dim, range shrunk by ``clip``: (..., 1).
 
-
-def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, *, out: Tensor | None = None) -> Tensor:
-    """``(codes - zero) * scale`` in ``scale``'s dtype (or into ``out``); int4 codes must be unpacked first."""
-    if out is None:
-        return (codes.to(scale.dtype) - zero) * scale
-    torch.sub(codes.to(out.dtype), zero, out=out)
-    return out.mul_(scale)
-
-
-def pack_int4(codes: Tensor) -> Tensor:
-    """uint8 codes (..., D) < 16, D even -> uint8 (..., D/2): channel 2i in the low nibble, 2i+1 in the high."""
-    if codes.shape[-1] % 2:
-        raise ConfigError(f"int4 KV packing needs an even head dimension, found {codes.shape[-1]}")
-    pairs = codes.unflatten(-1, (-1, 2))  # (..., D/2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    """Inverse of :func:`pack_int4`: uint8 (..., D/2) -> uint8 (..., D)."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
-def token_params(x: Tensor, bits: int, clip: Tensor | float, symmetric: bool) -> tuple[Tensor, Tensor]:
-    """Per-token (scale, zero) of ``x (..., D)`` over its last dim, range shrunk by ``clip``: each (..., 1).
-
-    ``clip`` broadcasts against ``x[..., :1]`` (e.g. a per-head (H, 1, 1) tensor). Scales are rounded to
-    fp16 before use, as they are stored, so quantize and dequantize agree exactly.
+    Symmetric: ``x ~ q * scale``, q in [-qmax, qmax], offset None. Asymmetric: ``x ~ offset + q * scale``,
+    q in [0, 2**bits - 1], offset the (clipped) minimum. ``clip`` broadcasts against ``x[..., :1]`` (e.g. a
+    per-head (H, 1, 1) tensor). Scale and offset are rounded to fp16 first, as they are stored, so
+    quantization and dequantization agree exactly.
     """
     tiny = torch.finfo(torch.float16).tiny
     if symmetric:
-        absmax = x.abs().amax(dim=-1, keepdim=True) * clip
-        scale = (absmax / (levels(bits) // 2)).clamp_(min=tiny).half().float()
-        return scale, torch.full_like(scale, symmetric_zero(bits))
-    lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+        factor = clip / qmax(bits)
+        absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)  # one op, not abs + amax
+        return (absmax * factor).clamp_(min=tiny).half().float(), None
+    lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
     mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
     scale = (2 * half / levels(bits)).clamp_(min=tiny).half().float()
-    zero = (-(mid - half) / scale).half().float()
-    return scale, zero
+    return scale, (mid - half).half().float()
+
+
+def quantize(x: Tensor, scale: Tensor, offset: Tensor | None, bits: int) -> Tensor:
+    """Codes of ``x`` on a grid (see :func:`token_grid`): int8 in [-qmax, qmax] when ``offset`` is None
+    (symmetric), else uint8 in [0, 2**bits - 1]. ``scale`` / ``offset`` broadcast against ``x``."""
+    if offset is None:
+        return torch.round(x / scale).clamp_(-qmax(bits), qmax(bits)).to(torch.int8)
+    return torch.round((x - offset) / scale).clamp_(0, levels(bits)).to(torch.uint8)
+
+
+def dequantize(codes: Tensor, scale: Tensor, offset: Tensor | None, *, out: Tensor | None = None) -> Tensor:
+    """``codes * scale (+ offset)`` in ``scale``'s dtype, or written into ``out`` (may be a strided view).
+
+    One pass converts and scales (torch's mixed-dtype mul); int4 codes must be unpacked first.
+    """
+    result = torch.mul(codes, scale) if out is None else torch.mul(codes, scale, out=out)
+    return result if offset is None else result.add_(offset)
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """int8 / uint8 codes (..., D) in [-8, 15], D even -> uint8 (..., D/2): each code's low 4 bits (two's
+    complement for signed codes), channel 2i in the low nibble, 2i+1 in the high one."""
+    if codes.shape[-1] % 2:
+        raise ConfigError(f"int4 KV packing needs an even head dimension, found {codes.shape[-1]}")
+    pairs = (codes.view(torch.uint8) & 0x0F).unflatten(-1, (-1, 2))  # (..., D/2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_int4(packed: Tensor, *, signed: bool) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`pack_int4`, as (even channels, odd channels), each (..., D/2): int8 sign-extended
+    when ``signed``, else uint8."""
+    if signed:
+        as_int8 = packed.view(torch.int8)
+        return (as_int8 << 4) >> 4, as_int8 >> 4  # arithmetic shifts sign-extend the nibbles
+    return packed & 0x0F, packed >> 4
+
+
+def interleave(even: Tensor, odd: Tensor) -> Tensor:
+    """(..., D/2) x 2 -> (..., D) with channel 2i from ``even`` and 2i+1 from ``odd``."""
+    return torch.stack((even, odd), dim=-1).flatten(-2)
 
 
 def key_channel_params(lo: Tensor, hi: Tensor, symmetric: bool) -> tuple[Tensor, Tensor]:
@@ -119,14 +134,24 @@ def key_channel_params(lo: Tensor, hi: Tensor, symmetric: bool) -> tuple[Tensor,
     return scale, center
 
 
+def normalize_keys(keys: Tensor, scale: Tensor, center: Tensor) -> Tensor:
+    """``(keys - center) / scale``: what the per-token key grid quantizes."""
+    return (keys - center) / scale
+
+
+def denormalize_keys_(values: Tensor, scale: Tensor, center: Tensor) -> Tensor:
+    """In place: ``values * scale + center`` (one fused pass)."""
+    return torch.addcmul(center, values, scale, out=values)
+
+
 def fake_quantize_keys(keys: Tensor, scale: Tensor, center: Tensor, bits: int) -> Tensor:
     """The reference of the runtime key path: normalise per channel, per-token grid, back. Shape of ``keys``.
 
     ``keys (..., H, T, D)`` or ``(N, H, D)`` with ``scale`` / ``center`` broadcast to it.
     """
-    normalized = (keys - center) / scale
-    t_scale, t_zero = token_params(normalized, bits, 1.0, True)
-    return dequantize(quantize(normalized, t_scale, t_zero, bits), t_scale, t_zero) * scale + center
+    normalized = normalize_keys(keys, scale, center)
+    t_scale, _ = token_grid(normalized, bits, 1.0, True)
+    return denormalize_keys_(dequantize(quantize(normalized, t_scale, None, bits), t_scale, None), scale, center)
 
 
 @dataclass(frozen=True)
@@ -167,7 +192,7 @@ def fit_keys(samples: Tensor, bits: int) -> KeyFit:
 def fit_values(samples: Tensor, bits: int) -> ValueFit:
     """Fit the per-head clipping ratio of per-token value scales on ``samples (N, H, D)`` fp32.
 
-    Asymmetric grids (a zero point per token too, counted in the cache's bytes per token) are chosen per
+    Asymmetric grids (an offset per token too, counted in the cache's bytes per token) are chosen per
     layer only when their total squared error is below :func:`asymmetric_gain_needed` times the
     symmetric grid's.
     """
@@ -176,8 +201,8 @@ def fit_values(samples: Tensor, bits: int) -> ValueFit:
         best_err = torch.full((samples.shape[1],), float("inf"))
         best_clip = torch.ones(samples.shape[1])
         for clip in CLIP_GRID:
-            scale, zero = token_params(samples, bits, clip, symmetric)
-            err = (dequantize(quantize(samples, scale, zero, bits), scale, zero) - samples).square().sum(dim=(0, 2))
+            scale, offset = token_grid(samples, bits, clip, symmetric)
+            err = (dequantize(quantize(samples, scale, offset, bits), scale, offset) - samples).square().sum(dim=(0, 2))
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_clip = torch.where(better, torch.full_like(best_clip, clip), best_clip)
@@ -189,8 +214,8 @@ def fit_values(samples: Tensor, bits: int) -> ValueFit:
 
 def dynamic_error(samples: Tensor, bits: int) -> float:
     """Squared error of plain per-token absmax quantization (the uncalibrated baseline) on ``samples``."""
-    scale, zero = token_params(samples, bits, 1.0, True)
-    return float((dequantize(quantize(samples, scale, zero, bits), scale, zero) - samples).square().sum())
+    scale, _ = token_grid(samples, bits, 1.0, True)
+    return float((dequantize(quantize(samples, scale, None, bits), scale, None) - samples).square().sum())
 
 
 
@@ -297,7 +322,7 @@ class KVSpec:
 
 def layer_bytes_per_token(kv_heads: int, head_dim: int, bits: int, *, asymmetric_values: bool = False) -> int:
     """Bytes one token adds to one quantized layer: key and value codes plus fp16 per-token scales (and
-    value zero points when asymmetric). Per-channel key normalisers are per layer, not per token."""
+    value offsets when asymmetric). Per-channel key normalisers are per layer, not per token."""
     codes = 2 * kv_heads * head_dim * bits // 8
     params = kv_heads * PARAM_BYTES * (3 if asymmetric_values else 2)
     return codes + params
@@ -340,7 +365,7 @@ def kv_geometry(model_config: object) -> tuple[int, int, int]:
 
 
 __all__ = [
-    "KV_BITS", "KV_FILE", "CLIP_GRID", "PARAM_BYTES", "check_kv_bits", "levels", "symmetric_zero", "quantize", "dequantize",
-    "pack_int4", "unpack_int4", "token_params", "key_channel_params", "fake_quantize_keys", "asymmetric_gain_needed", "KeyFit", "ValueFit", "fit_keys", "fit_values",
+    "KV_BITS", "KV_FILE", "CLIP_GRID", "PARAM_BYTES", "check_kv_bits", "levels", "qmax", "quantize", "dequantize", "interleave",
+    "pack_int4", "unpack_int4", "token_grid", "key_channel_params", "normalize_keys", "denormalize_keys_", "fake_quantize_keys", "asymmetric_gain_needed", "KeyFit", "ValueFit", "fit_keys", "fit_values",
     "dynamic_error", "LayerKV", "KVSpec", "fp_bytes_per_token", "layer_bytes_per_token", "kv_bytes_table", "kv_geometry",
 ]

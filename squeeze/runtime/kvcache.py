@@ -22,7 +22,19 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from squeeze.errors import ConfigError
-from squeeze.quant.kv import KV_BITS, PARAM_BYTES, KVSpec, LayerKV, pack_int4, quantize, symmetric_zero, token_params
+from squeeze.quant.kv import (
+    KV_BITS,
+    PARAM_BYTES,
+    KVSpec,
+    LayerKV,
+    dequantize,
+    denormalize_keys_,
+    normalize_keys,
+    pack_int4,
+    quantize,
+    token_grid,
+    unpack_int4,
+)
 
 _PARAM_DTYPE = torch.float16  # per-token scales / zeros, as counted in KVSpec.bytes_per_token
 
@@ -30,9 +42,10 @@ _PARAM_DTYPE = torch.float16  # per-token scales / zeros, as counted in KVSpec.b
 class QuantizedStream:
     """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling.
 
-    Every token gets its own fp16 scale (and zero when not ``symmetric``) from its range times ``clip`` (a
-    float or a per-head (H,) tensor). ``channel``: an optional per-channel normaliser (scale, centre) fp32
-    (H, D) applied before the per-token grid (calibrated keys).
+    Every token gets its own fp16 grid (squeeze.quant.kv.token_grid) from its range times ``clip`` (a float
+    or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else uint8 codes, a scale and an
+    offset. ``channel``: an optional per-channel normaliser (scale, centre) fp32 (H, D) applied first
+    (calibrated keys; their grid is symmetric).
     """
 
     def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool):
@@ -41,9 +54,9 @@ class QuantizedStream:
         self.clip = clip
         self.symmetric = symmetric
         self.length = 0
-        self.codes: Tensor | None = None  # (B, H, cap, D or D/2) uint8
+        self.codes: Tensor | None = None  # (B, H, cap, D) int8 / uint8, or (B, H, cap, D/2) uint8 packed int4
         self.scale: Tensor | None = None  # (B, H, cap, 1) fp16
-        self.zero: Tensor | None = None  # (B, H, cap, 1) fp16, asymmetric grids only
+        self.offset: Tensor | None = None  # (B, H, cap, 1) fp16, asymmetric grids only
         self._channel_cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def _channel(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -51,8 +64,17 @@ class QuantizedStream:
         assert self.channel is not None
         key = (device, dtype)
         if key not in self._channel_cache:
-            self._channel_cache[key] = tuple(t.to(device, dtype)[None, :, None, :] for t in self.channel)  # type: ignore[assignment]
+            scale, center = (t.to(device, dtype)[None, :, None, :] for t in self.channel)
+            self._channel_cache[key] = (scale, center)
         return self._channel_cache[key]
+
+    def _clip(self, device: torch.device) -> Tensor | float:
+        """``clip`` as a (1, H, 1, 1) tensor on ``device`` (converted once), or the float."""
+        if not isinstance(self.clip, Tensor):
+            return self.clip
+        if self.clip.device != device or self.clip.dim() != 4:
+            self.clip = self.clip.reshape(1, -1, 1, 1).to(device)
+        return self.clip
 
     def append(self, x: Tensor) -> None:
         """Quantize ``x (B, H, n, D)`` and append it."""
@@ -61,62 +83,58 @@ class QuantizedStream:
             return
         xf = x.float()
         if self.channel is not None:
-            scale_c, center = self._channel(x.device, torch.float32)
-            xf = (xf - center) / scale_c  # (B, H, n, D) normalised
-        clip = self.clip.to(x.device)[None, :, None, None] if isinstance(self.clip, Tensor) else self.clip
-        scale, zero = token_params(xf, self.bits, clip, self.symmetric)  # (B, H, n, 1) each
-        codes = quantize(xf, scale, zero, self.bits)  # (B, H, n, D)
+            xf = normalize_keys(xf, *self._channel(x.device, torch.float32))  # (B, H, n, D)
+        scale, offset = token_grid(xf, self.bits, self._clip(x.device), self.symmetric)  # (B, H, n, 1) each
+        codes = quantize(xf, scale, offset, self.bits)  # (B, H, n, D)
         if self.bits == 4:
             codes = pack_int4(codes)
-        self._reserve(x, self.length + n)
+        self._reserve(x, self.length + n, codes.dtype)
         assert self.codes is not None and self.scale is not None
         end = self.length + n
         self.codes[:, :, self.length:end] = codes
         self.scale[:, :, self.length:end] = scale
-        if self.zero is not None:
-            self.zero[:, :, self.length:end] = zero
+        if self.offset is not None and offset is not None:
+            self.offset[:, :, self.length:end] = offset
         self.length = end
 
     def dequantize_into(self, out: Tensor) -> None:
         """Write the dequantized history into ``out (B, H, length, D)`` (any float dtype, may be a view).
 
-        The same arithmetic, in the same order, as the reference (quant.kv.dequantize, fake_quantize_keys).
+        The same operations as the reference (quant.kv.dequantize, fake_quantize_keys): one pass that
+        converts and scales the codes, plus one for the key normaliser.
         """
         if self.length == 0:
             return
         assert self.codes is not None and self.scale is not None
         codes = self.codes[:, :, : self.length]
+        scale = self.scale[:, :, : self.length].to(out.dtype)  # (B, H, T, 1): T numbers, not T x D
+        offset = self.offset[:, :, : self.length].to(out.dtype) if self.offset is not None else None
         if self.bits == 4:
+            even, odd = unpack_int4(codes, signed=self.symmetric)
             pairs = out.unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2) view of out
-            pairs[..., 0].copy_(codes & 0x0F)
-            pairs[..., 1].copy_(codes >> 4)
+            dequantize(even, scale, offset, out=pairs[..., 0])
+            dequantize(odd, scale, offset, out=pairs[..., 1])
         else:
-            out.copy_(codes)
-        if self.zero is not None:
-            out.sub_(self.zero[:, :, : self.length])
-        else:
-            out.sub_(symmetric_zero(self.bits))
-        out.mul_(self.scale[:, :, : self.length])
+            dequantize(codes, scale, offset, out=out)
         if self.channel is not None:
-            scale_c, center = self._channel(out.device, out.dtype)
-            out.mul_(scale_c).add_(center)
+            denormalize_keys_(out, *self._channel(out.device, out.dtype))
 
     def nbytes(self) -> int:
         """Bytes of the stored history (codes and per-token params of ``length`` tokens, not spare capacity)."""
         if self.codes is None:
             return 0
         b, h, _, d = self.codes.shape
-        params = 1 if self.zero is None else 2
+        params = 1 if self.offset is None else 2
         return b * h * self.length * (d + params * PARAM_BYTES)
 
     def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
         """Apply ``fn`` (e.g. index_select over dim 0) to every per-batch buffer."""
-        for name in ("codes", "scale", "zero"):
+        for name in ("codes", "scale", "offset"):
             buffer = getattr(self, name)
             if buffer is not None:
                 setattr(self, name, fn(buffer))
 
-    def _reserve(self, like: Tensor, needed: int) -> None:
+    def _reserve(self, like: Tensor, needed: int, code_dtype: torch.dtype) -> None:
         capacity = 0 if self.codes is None else self.codes.shape[2]
         if needed <= capacity:
             return
@@ -130,10 +148,10 @@ class QuantizedStream:
                 fresh[:, :, : self.length] = old[:, :, : self.length]
             return fresh
 
-        self.codes = grow(self.codes, width, torch.uint8)
+        self.codes = grow(self.codes, width, code_dtype)
         self.scale = grow(self.scale, 1, _PARAM_DTYPE)
         if not self.symmetric:
-            self.zero = grow(self.zero, 1, _PARAM_DTYPE)
+            self.offset = grow(self.offset, 1, _PARAM_DTYPE)
 
 
 class SqueezeKVLayer(DynamicLayer):

@@ -11,7 +11,7 @@ from squeeze.calibrate.windows import sample_windows, tokenize_text
 from squeeze.errors import ConfigError
 from squeeze.eval.perplexity import perplexity
 from squeeze.models.targets import attention_modules
-from squeeze.quant.kv import KVSpec, LayerKV, dequantize, fake_quantize_keys, quantize, token_params
+from squeeze.quant.kv import KVSpec, LayerKV, dequantize, fake_quantize_keys, quantize, token_grid
 from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, select_kv_spec
 
 H, D = 2, 8
@@ -28,13 +28,13 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
     """What the cache must return for ``x (B, H, T, D)`` fed in any chunking: sink exact, the rest fake-quantized."""
     rest = x[:, :, sink:]
     if layer is None:
-        scale, zero = token_params(rest, bits, 1.0, True)
+        scale, offset = token_grid(rest, bits, 1.0, True)
     elif keys:
         fake = fake_quantize_keys(rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits)
         return torch.cat([x[:, :, :sink], fake], dim=2)
     else:
-        scale, zero = token_params(rest, bits, layer.v_clip[None, :, None, None], layer.v_symmetric)
-    return torch.cat([x[:, :, :sink], dequantize(quantize(rest, scale, zero, bits), scale, zero)], dim=2)
+        scale, offset = token_grid(rest, bits, layer.v_clip[None, :, None, None], layer.v_symmetric)
+    return torch.cat([x[:, :, :sink], dequantize(quantize(rest, scale, offset, bits), scale, offset)], dim=2)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -59,7 +59,9 @@ def test_history_is_stored_as_codes_not_floats(bits: int) -> None:
         cache.update(torch.randn(1, H, 100, D), torch.randn(1, H, 100, D), idx)
     layer = cache.layers[0]
     assert isinstance(layer, SqueezeKVLayer)
-    assert layer.k_stream.codes is not None and layer.k_stream.codes.dtype == torch.uint8
+    assert layer.k_stream.codes is not None
+    assert layer.k_stream.codes.dtype == (torch.uint8 if bits == 4 else torch.int8)  # packed / signed codes
+    assert layer.v_stream.codes is not None and layer.v_stream.codes.element_size() == 1
     assert layer.k_stream.codes.shape[-1] == (D // 2 if bits == 4 else D)  # int4: two codes per byte
     float_history = [t for t in (layer.keys, layer.values) if t is not None and t.numel()]
     assert not float_history  # only the sink token stays in floating point
@@ -124,9 +126,9 @@ def test_generate_with_the_quantized_cache(stories_kv) -> None:
     with torch.inference_mode():
         plain = model.generate(**ids, max_new_tokens=12, do_sample=False)
         cache = SqueezeKVCache(specs[8])
-        quantized = model.generate(**ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+        quantized = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=cache)
         beams = model.generate(**ids, max_new_tokens=6, num_beams=2, do_sample=False,
-                               past_key_values=SqueezeKVCache(specs[4]))
+                               cache=SqueezeKVCache(specs[4]))
     assert torch.equal(quantized, plain)  # int8 KV does not change this greedy continuation
     assert cache.get_seq_length() == quantized.shape[1] - 1
     assert beams.shape[1] == ids["input_ids"].shape[1] + 6
