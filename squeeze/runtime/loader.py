@@ -25,6 +25,7 @@ from squeeze.format.manifest import strict_json_loads
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.paths import open_inside
 from squeeze.format.verify import VerifyReport, read_manifest, verify_artifact
+from squeeze.quant.kv import KV_FILE, KVSpec
 from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.memory import check_load_memory
@@ -40,6 +41,8 @@ class LoadedModel:
     tokenizer: Any
     quantization: dict[str, Any]
     report: VerifyReport | None
+    #: The calibrated KV-cache quantizers (``squeeze calibrate-kv``), or None when the artifact has none.
+    kv_spec: KVSpec | None = None
 
 
 def parse_config(data: bytes, where: str) -> dict[str, Any]:
@@ -115,7 +118,7 @@ def _read_unverified(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str
     index_path = directory / INDEX_NAME
     if index_path.is_file():
         index = strict_json_loads(index_path.read_bytes(), str(index_path))
-        shards = sorted(set(index.get("weight_map", {}).values()))
+        shards = sorted(set(index.get("weight_map", {}).values()) | ({KV_FILE} if (directory / KV_FILE).is_file() else set()))
     else:
         shards = sorted(p.name for p in directory.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
@@ -170,6 +173,7 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
     else:
         tensors, files = _read_unverified(directory)
         early = None
+    kv_tensors = {k: tensors.pop(k) for k in _kv_tensor_names(report, directory) if k in tensors}
     if "config.json" not in files:
         raise FormatError(f"{directory / 'config.json'} is missing",
                           hint="an artifact needs the config.json written by squeeze compress")
@@ -199,7 +203,20 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
         model.tie_weights()
     _materialise_computed_buffers(model)
     model.eval()
-    return LoadedModel(model=model, tokenizer=_tokenizer_for(files, early), quantization=quant, report=report)
+    kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
+    return LoadedModel(model=model, tokenizer=_tokenizer_for(files, early), quantization=quant, report=report,
+                       kv_spec=kv_spec)
+
+
+def _kv_tensor_names(report: VerifyReport | None, directory: Path) -> list[str]:
+    """Names of the tensors in the KV-scales file (kept out of the model's state dict)."""
+    if report is not None:
+        header = report.headers.get(KV_FILE)
+        return list(header.tensors) if header is not None else []
+    if not (directory / KV_FILE).is_file():
+        return []
+    with safe_open(str(directory / KV_FILE), framework="pt") as handle:
+        return list(handle.keys())
 
 
 #: Small files are read a second time (privately) to build the skeleton and tokenizer early; above this
