@@ -14,8 +14,9 @@ a plain ``from_pretrained`` of the same kind of files.
       (+ tokenizer) of the original;
     - in this process (imports warm): the same two, ``squeeze.load(verify=False)``, ``squeeze.load`` plus
       a one-token forward (the dense caches are built on first use), ``from_pretrained`` of the artifact
-      (after ``import squeeze``), and the page-cache read floor: reading every byte of the artifact once
-      (and of the original checkpoint).
+      (after ``import squeeze``), the page-cache read floor: reading every byte of the artifact once
+      (and of the original checkpoint), and the hashing floor: SHA-256 of every artifact file, which a
+      verified load cannot beat.
 (b) CPU decode, greedy, the same prompt, exactly ``--new-tokens`` new tokens (EOS suppressed by
     min_new_tokens): tokens/s of the decode phase for the dense-cache artifact, the low-memory artifact and
     the original fp32 model, interleaved (A B C A B C ...) so machine noise hits all three alike; medians
@@ -56,6 +57,24 @@ def read_all(directory: Path) -> int:
                 while n := handle.readinto(view):
                     total += n
     return total
+
+
+def hash_all(directory: Path) -> int:
+    """SHA-256 of every regular file under ``directory``, one thread per file as verification does."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path: Path) -> int:
+        digest, buffer = hashlib.sha256(), bytearray(8 << 20)
+        view = memoryview(buffer)
+        with open(path, "rb", buffering=0) as handle:
+            while n := handle.readinto(view):
+                digest.update(view[:n])
+        return path.stat().st_size
+
+    files = [p for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink()]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), 8))) as pool:
+        return sum(pool.map(one, files))
 
 
 def timed(fn: Any) -> tuple[float, Any]:
@@ -247,6 +266,8 @@ def main() -> None:
                      AutoTokenizer.from_pretrained(original)), args.repeats),
         "artifact read floor (page cache)": median_time(lambda: read_all(artifact), args.repeats),
         "original read floor (page cache)": median_time(lambda: read_all(original), args.repeats),
+        "artifact SHA-256 floor (page cache, one thread per file)": median_time(lambda: hash_all(artifact),
+                                                                                args.repeats),
     }
     floor = warm["artifact read floor (page cache)"]
     ratios = {
@@ -255,6 +276,8 @@ def main() -> None:
         "load: artifact verified / artifact read floor (goal <= 2)": warm["artifact squeeze.load (verified)"] / floor,
         "load + first forward / artifact read floor": warm["artifact squeeze.load + first forward (dense caches built)"]
         / floor,
+        "load: artifact verified / artifact SHA-256 floor": warm["artifact squeeze.load (verified)"]
+        / warm["artifact SHA-256 floor (page cache, one thread per file)"],
     }
 
     # (b) decode
