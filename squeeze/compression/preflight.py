@@ -20,6 +20,7 @@ from squeeze.errors import ConfigError, ModelError, ResourceError
 from squeeze.models.source import ModelSource
 from squeeze.models.targets import find_target_linears
 from squeeze.quant.packing import packed_row_bytes
+from squeeze.system import available_memory_bytes
 
 #: Head-room on top of the estimate: tokenizer files, config, manifest, filesystem slack.
 DISK_MARGIN_BYTES = 64 * 2**20
@@ -160,17 +161,6 @@ def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: 
         working = max(working, fisher + activations)
     return BASE_PROCESS_BYTES + params + max(params, working)
 
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_memory(needed: int, force: bool = False) -> int | None:

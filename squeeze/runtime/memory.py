@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from squeeze.errors import ResourceError
+from squeeze.system import available_memory_bytes
 
 #: transformers' modules, the tokenizer, activations and KV cache of a short generation: the peak RSS of
 #: `squeeze.generate` on SmolLM2-135M (32 new tokens) exceeds the artifact + dense cache by 355-384 MB over
@@ -37,17 +38,6 @@ class LoadEstimate:
         working = self.dense_cache_bytes if dense_cache else self.low_memory_bytes
         return self.artifact_bytes + working + self.overhead_bytes
 
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def estimate_load(directory: str | os.PathLike[str], chunk_rows: int = 1024) -> LoadEstimate | None:
