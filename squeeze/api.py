@@ -109,6 +109,7 @@ def calibrate_kv(
     bits: int = 8,
     output: str | os.PathLike[str] | None = None,
     sink_tokens: int = 1,
+    value_group: int | None = None,
     overwrite: bool = False,
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
@@ -119,7 +120,8 @@ def calibrate_kv(
     :func:`compress` accepts (then ``output`` is required: an artifact with the original weights and the
     calibrated KV is written). ``calibration``: a built-in spec name, a spec YAML or a plain text file;
     default: the spec the artifact was compressed with, when it is a built-in one. The first
-    ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time. The artifact
+    ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time.
+    ``value_group``: channels per value grid (default: 32 at int4, the whole head at int8). The artifact
     is replaced only once the new one is complete and sealed: a failure leaves it exactly as it was.
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
@@ -127,8 +129,8 @@ def calibrate_kv(
     spec_arg = calibration if calibration is not None else default_calibration(target)
     overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
     spec = spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(spec_arg, **overrides)
-    return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, overwrite=overwrite,
-                            progress=progress)
+    return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, value_group=value_group,
+                            overwrite=overwrite, progress=progress)
 
 
 def evaluate(

@@ -84,6 +84,7 @@ def run_calibrate_kv(
     *,
     output: str | os.PathLike[str] | None = None,
     sink_tokens: int = 1,
+    value_group: int | None = None,
     overwrite: bool = False,
     progress: StageProgress | None = None,
 ) -> CalibrateKVResult:
@@ -125,7 +126,7 @@ def run_calibrate_kv(
     t = time.perf_counter()
     windows = calibration_windows(calibration, tokenizer)  # (n, T)
     report = (lambda done, total: progress("kv", done, total)) if progress else None
-    result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, progress=report)
+    result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, value_group=value_group, progress=report)
     timings["calibrate"] = time.perf_counter() - t
 
     t = time.perf_counter()

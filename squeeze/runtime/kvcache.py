@@ -42,21 +42,23 @@ _PARAM_DTYPE = torch.float16  # per-token scales / zeros, as counted in KVSpec.b
 class QuantizedStream:
     """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling.
 
-    Every token gets its own fp16 grid (squeeze.quant.kv.token_grid) from its range times ``clip`` (a float
-    or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else uint8 codes, a scale and an
-    offset. ``channel``: an optional per-channel normaliser (scale, centre) fp32 (H, D) applied first
+    Every token gets its own fp16 grid per ``group`` channels (squeeze.quant.kv.token_grid) from its range
+    times ``clip`` (a float or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else
+    uint8 codes, a scale and an offset. ``channel``: an optional per-channel normaliser (scale, centre) fp32 (H, D) applied first
     (calibrated keys; their grid is symmetric).
     """
 
-    def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool):
+    def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool,
+                 group: int | None = None):
         self.bits = bits
+        self.group = group  # channels per grid; None: the whole head
         self.channel = channel
         self.clip = clip
         self.symmetric = symmetric
         self.length = 0
         self.codes: Tensor | None = None  # (B, H, cap, D) int8 / uint8, or (B, H, cap, D/2) uint8 packed int4
-        self.scale: Tensor | None = None  # (B, H, cap, 1) fp16
-        self.offset: Tensor | None = None  # (B, H, cap, 1) fp16, asymmetric grids only
+        self.scale: Tensor | None = None  # (B, H, cap, G) fp16, G grids per token
+        self.offset: Tensor | None = None  # (B, H, cap, G) fp16, asymmetric grids only
         self._channel_cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def _channel(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -69,11 +71,11 @@ class QuantizedStream:
         return self._channel_cache[key]
 
     def _clip(self, device: torch.device) -> Tensor | float:
-        """``clip`` as a (1, H, 1, 1) tensor on ``device`` (converted once), or the float."""
+        """``clip`` as a (1, H, 1, 1, 1) tensor on ``device`` (converted once), or the float."""
         if not isinstance(self.clip, Tensor):
             return self.clip
-        if self.clip.device != device or self.clip.dim() != 4:
-            self.clip = self.clip.reshape(1, -1, 1, 1).to(device)
+        if self.clip.device != device or self.clip.dim() != 5:
+            self.clip = self.clip.reshape(1, -1, 1, 1, 1).to(device)
         return self.clip
 
     def append(self, x: Tensor) -> None:
@@ -84,17 +86,18 @@ class QuantizedStream:
         xf = x.float()
         if self.channel is not None:
             xf = normalize_keys(xf, *self._channel(x.device, torch.float32))  # (B, H, n, D)
-        scale, offset = token_grid(xf, self.bits, self._clip(x.device), self.symmetric)  # (B, H, n, 1) each
-        codes = quantize(xf, scale, offset, self.bits)  # (B, H, n, D)
+        grouped = xf.unflatten(-1, (-1, self.group or xf.shape[-1]))  # (B, H, n, G, g)
+        scale, offset = token_grid(grouped, self.bits, self._clip(x.device), self.symmetric)  # (B, H, n, G, 1) each
+        codes = quantize(grouped, scale, offset, self.bits).flatten(-2)  # (B, H, n, D)
         if self.bits == 4:
             codes = pack_int4(codes)
-        self._reserve(x, self.length + n, codes.dtype)
+        self._reserve(x, self.length + n, codes.dtype, groups=scale.shape[-2])
         assert self.codes is not None and self.scale is not None
         end = self.length + n
         self.codes[:, :, self.length:end] = codes
-        self.scale[:, :, self.length:end] = scale
+        self.scale[:, :, self.length:end] = scale[..., 0]
         if self.offset is not None and offset is not None:
-            self.offset[:, :, self.length:end] = offset
+            self.offset[:, :, self.length:end] = offset[..., 0]
         self.length = end
 
     def dequantize_into(self, out: Tensor) -> None:
@@ -107,15 +110,16 @@ class QuantizedStream:
             return
         assert self.codes is not None and self.scale is not None
         codes = self.codes[:, :, : self.length]
-        scale = self.scale[:, :, : self.length].to(out.dtype)  # (B, H, T, 1): T numbers, not T x D
-        offset = self.offset[:, :, : self.length].to(out.dtype) if self.offset is not None else None
+        groups = self.scale.shape[-1]
+        scale = self.scale[:, :, : self.length, :, None].to(out.dtype)  # (B, H, T, G, 1): T*G numbers
+        offset = self.offset[:, :, : self.length, :, None].to(out.dtype) if self.offset is not None else None
         if self.bits == 4:
-            even, odd = unpack_int4(codes, signed=self.symmetric)
+            even, odd = unpack_int4(codes, signed=self.symmetric)  # (B, H, T, D/2) each
             pairs = out.unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2) view of out
-            dequantize(even, scale, offset, out=pairs[..., 0])
-            dequantize(odd, scale, offset, out=pairs[..., 1])
+            for half, target in ((even, pairs[..., 0]), (odd, pairs[..., 1])):
+                dequantize(half.unflatten(-1, (groups, -1)), scale, offset, out=target.unflatten(-1, (groups, -1)))
         else:
-            dequantize(codes, scale, offset, out=out)
+            dequantize(codes.unflatten(-1, (groups, -1)), scale, offset, out=out.unflatten(-1, (groups, -1)))
         if self.channel is not None:
             denormalize_keys_(out, *self._channel(out.device, out.dtype))
 
@@ -124,7 +128,7 @@ class QuantizedStream:
         if self.codes is None:
             return 0
         b, h, _, d = self.codes.shape
-        params = 1 if self.offset is None else 2
+        params = self.scale.shape[-1] * (1 if self.offset is None else 2) if self.scale is not None else 0
         return b * h * self.length * (d + params * PARAM_BYTES)
 
     def map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
@@ -134,7 +138,7 @@ class QuantizedStream:
             if buffer is not None:
                 setattr(self, name, fn(buffer))
 
-    def _reserve(self, like: Tensor, needed: int, code_dtype: torch.dtype) -> None:
+    def _reserve(self, like: Tensor, needed: int, code_dtype: torch.dtype, *, groups: int) -> None:
         capacity = 0 if self.codes is None else self.codes.shape[2]
         if needed <= capacity:
             return
@@ -149,9 +153,9 @@ class QuantizedStream:
             return fresh
 
         self.codes = grow(self.codes, width, code_dtype)
-        self.scale = grow(self.scale, 1, _PARAM_DTYPE)
+        self.scale = grow(self.scale, groups, _PARAM_DTYPE)
         if not self.symmetric:
-            self.offset = grow(self.offset, 1, _PARAM_DTYPE)
+            self.offset = grow(self.offset, groups, _PARAM_DTYPE)
 
 
 class SqueezeKVLayer(DynamicLayer):
@@ -174,7 +178,8 @@ class SqueezeKVLayer(DynamicLayer):
             self.v_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
         else:
             self.k_stream = QuantizedStream(self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True)
-            self.v_stream = QuantizedStream(self.bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric)
+            self.v_stream = QuantizedStream(self.bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric,
+                                            group=layer.v_group)
         self.sink_keys: Tensor | None = None  # (B, H, <= sink_tokens, D), as given
         self.sink_values: Tensor | None = None
 

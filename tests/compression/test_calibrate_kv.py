@@ -103,10 +103,11 @@ def test_inspect_shows_kv_bytes_per_token(kv4_artifact, rtn_artifact: Path) -> N
     assert info.kv_bytes_per_token == summary["kv_bytes_per_token"]
     kv = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache"]
     asymmetric = sum(not layer["v_symmetric"] for layer in kv["layers"])
-    # 5 layers x 4 heads x 8 channels: codes for K and V, an fp16 scale per head for K and V, a zero for asym V
+    # 5 layers x 4 heads x 8 channels: codes for K and V, an fp16 scale per head for K and V, an offset for
+    # asymmetric V layers; int4 as calibrated, int8 (not calibrated) with the default symmetric layout
     assert info.kv_bytes_per_token == {
         "fp16": 2 * 5 * 4 * 8 * 2,
-        "int8": 5 * (2 * 4 * 8 + 2 * 4 * 2) + asymmetric * 4 * 2,
+        "int8": 5 * (2 * 4 * 8 + 2 * 4 * 2),
         "int4": 5 * (2 * 4 * 4 + 2 * 4 * 2) + asymmetric * 4 * 2,
     }
     assert api.inspect(rtn_artifact).kv_bytes_per_token["fp16"] == 640
@@ -208,3 +209,8 @@ def test_a_failure_while_writing_leaves_the_artifact_as_it_was(rtn_artifact: Pat
     assert tree_digest(copy) == before
     assert api.verify_model_integrity(copy).ok
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging dir left behind
+
+
+def test_value_group_size_must_divide_the_head(rtn_artifact: Path, tinystories_file: Path) -> None:
+    _refused(["calibrate-kv", str(rtn_artifact), "--bits", "4", "-c", str(tinystories_file), *CALIB,
+              "--value-group-size", "3"], "even divisor", rtn_artifact)

@@ -19,7 +19,9 @@ from squeeze.quant.kv import (
     fit_values,
     fp_bytes_per_token,
     layer_bytes_per_token,
+    default_value_group,
     interleave,
+    kv_bytes_table,
     pack_int4,
     quantize,
     token_grid,
@@ -119,8 +121,8 @@ def test_fit_values_picks_the_best_clip_per_head(bits: int) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(512, 3, 16, generator=gen) * torch.tensor([1.0, 3.0, 0.2])[None, :, None]
     x[::7, 1, 0] *= 6  # occasional outliers in head 1
-    fit = fit_values(x, bits)
-    assert fit.clip.shape == (3,)
+    fit = fit_values(x, bits, group=16)
+    assert fit.clip.shape == (3,) and fit.group == 16
     assert all(min(abs(c - g) for g in CLIP_GRID) < 1e-6 for c in fit.clip.tolist())
 
     def head_error(clip: float, head: int) -> float:
@@ -140,13 +142,14 @@ def test_check_kv_bits() -> None:
             check_kv_bits(bad)
 
 
-def _spec(v_symmetric: bool = True) -> KVSpec:
-    layer = LayerKV(torch.rand(2, 8) + 0.1, torch.full((2, 8), 8.0), torch.tensor([0.9, 1.0]), False, v_symmetric)
+def _spec(v_symmetric: bool = True, v_group: int | None = None) -> KVSpec:
+    layer = LayerKV(torch.rand(2, 8) + 0.1, torch.full((2, 8), 8.0), torch.tensor([0.9, 1.0]), False, v_symmetric,
+                    v_group)
     return KVSpec(4, 1, ("model.layers.0.self_attn", "model.layers.1.self_attn"), (layer, layer))
 
 
 def test_spec_round_trips_through_config_and_tensors() -> None:
-    spec = _spec(v_symmetric=False)
+    spec = _spec(v_symmetric=False, v_group=4)
     tensors = spec.to_tensors()
     assert sorted(tensors) == sorted(f"model.layers.{i}.self_attn.{r}" for i in (0, 1) for r in ("k_scale", "k_zero", "v_clip"))
     back = KVSpec.from_config(spec.to_config(), tensors)
@@ -154,7 +157,7 @@ def test_spec_round_trips_through_config_and_tensors() -> None:
     for a, b in zip(back.layers, spec.layers):
         assert a is not None and b is not None
         assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_clip, b.v_clip)
-        assert (a.k_symmetric, a.v_symmetric) == (b.k_symmetric, b.v_symmetric)
+        assert (a.k_symmetric, a.v_symmetric, a.value_group) == (b.k_symmetric, b.v_symmetric, 4)
 
 
 def test_spec_from_bad_config_is_a_format_error() -> None:
@@ -169,6 +172,10 @@ def test_spec_from_bad_config_is_a_format_error() -> None:
         KVSpec.from_config(spec.to_config(), tensors)
     with pytest.raises(FormatError):
         KVSpec.from_config([], {})
+    bad_group = spec.to_config()
+    bad_group["layers"][0]["v_group"] = 3  # type: ignore[index]
+    with pytest.raises(FormatError, match="even divisor"):
+        KVSpec.from_config(bad_group, spec.to_tensors())
 
 
 def test_bytes_per_token_smollm2_geometry_meets_the_ratios() -> None:
@@ -176,11 +183,17 @@ def test_bytes_per_token_smollm2_geometry_meets_the_ratios() -> None:
     fp16 = fp_bytes_per_token(30, 3, 64)
     assert fp16 == 23040
     names = tuple(str(i) for i in range(30))
-    calibrated = KVSpec(8, 1, names, tuple(_spec().layers[0] for _ in names))
-    assert calibrated.bytes_per_token(3, 64) == 30 * (2 * 3 * 64 + 2 * 3 * 2)  # codes + key and value scales
-    assert calibrated.bytes_per_token(3, 64) / fp16 <= 0.52
-    assert calibrated.bytes_per_token(3, 64, bits=4) / fp16 <= 0.28
-    asym = layer_bytes_per_token(3, 64, 4, asymmetric_values=True)
-    assert asym == 2 * 3 * 32 + 3 * 2 * 3  # codes + key scale + value scale and zero
-    dynamic = KVSpec.dynamic(4, names)
-    assert dynamic.bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 * 2)
+    layer = LayerKV(torch.rand(3, 64), torch.zeros(3, 64), torch.ones(3), False, True)
+    int8 = KVSpec(8, 1, names, tuple(layer for _ in names))
+    assert int8.bytes_per_token(3, 64) == 30 * (2 * 3 * 64 + 2 * 3 * 2)  # codes + key and value scales
+    assert int8.bytes_per_token(3, 64) / fp16 <= 0.52
+    grouped = LayerKV(torch.rand(3, 64), torch.zeros(3, 64), torch.ones(3), False, True, 32)
+    int4 = KVSpec(4, 1, names, tuple(grouped for _ in names))
+    assert int4.bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 + 2 * 3 * 2)  # two value grids per head
+    assert int4.bytes_per_token(3, 64) / fp16 <= 0.28
+    assert layer_bytes_per_token(3, 64, 4, asymmetric_values=True) == 2 * 3 * 32 + 3 * 2 + 3 * 2 * 2
+    assert KVSpec.dynamic(4, names).bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 * 2)
+    table = kv_bytes_table({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                            "hidden_size": 576})
+    assert table == {"fp16": 23040, "int8": int8.bytes_per_token(3, 64), "int4": int4.bytes_per_token(3, 64)}
+    assert default_value_group(4, 64) == 32 and default_value_group(8, 64) == 64 and default_value_group(4, 8) == 8

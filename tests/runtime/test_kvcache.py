@@ -17,11 +17,11 @@ from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, select_kv_sp
 H, D = 2, 8
 
 
-def _layer_spec(bits: int, v_symmetric: bool) -> LayerKV:
+def _layer_spec(bits: int, v_symmetric: bool, v_group: int | None = None) -> LayerKV:
     gen = torch.Generator().manual_seed(bits)
     scale = torch.rand(H, D, generator=gen) * 3 + 0.1
     zero = torch.randn(H, D, generator=gen)
-    return LayerKV(scale, zero, torch.tensor([0.9, 1.0]), k_symmetric=False, v_symmetric=v_symmetric)
+    return LayerKV(scale, zero, torch.tensor([0.9, 1.0]), k_symmetric=False, v_symmetric=v_symmetric, v_group=v_group)
 
 
 def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, keys: bool) -> torch.Tensor:
@@ -33,14 +33,19 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
         fake = fake_quantize_keys(rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits)
         return torch.cat([x[:, :, :sink], fake], dim=2)
     else:
-        scale, offset = token_grid(rest, bits, layer.v_clip[None, :, None, None], layer.v_symmetric)
+        grouped = rest.unflatten(-1, (-1, layer.value_group))  # (B, H, T, G, g)
+        scale, offset = token_grid(grouped, bits, layer.v_clip[None, :, None, None, None], layer.v_symmetric)
+        fake = dequantize(quantize(grouped, scale, offset, bits), scale, offset).flatten(-2)
+        return torch.cat([x[:, :, :sink], fake], dim=2)
     return torch.cat([x[:, :, :sink], dequantize(quantize(rest, scale, offset, bits), scale, offset)], dim=2)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("kind", ["calibrated-sym", "calibrated-asym", "dynamic"])
+@pytest.mark.parametrize("kind", ["calibrated-sym", "calibrated-asym", "grouped-sym", "grouped-asym", "dynamic"])
 def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) -> None:
-    layer = None if kind == "dynamic" else _layer_spec(bits, v_symmetric=kind == "calibrated-sym")
+    group = 4 if kind.startswith("grouped") else None  # two value grids per 8-channel head
+    layer = None if kind == "dynamic" else _layer_spec(bits, v_symmetric=kind.endswith("sym") and "asym" not in kind,
+                                                       v_group=group)
     cache_layer = SqueezeKVLayer(bits, layer, sink_tokens=2)
     k, v = torch.randn(3, H, 70, D), torch.randn(3, H, 70, D) * 2
     # prefill of 5, then single tokens, then a chunk crossing the 64-token capacity boundary
@@ -53,7 +58,7 @@ def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_history_is_stored_as_codes_not_floats(bits: int) -> None:
-    spec = KVSpec(bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True)))
+    spec = KVSpec(bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True, v_group=4)))
     cache = SqueezeKVCache(spec)
     for idx in range(2):
         cache.update(torch.randn(1, H, 100, D), torch.randn(1, H, 100, D), idx)
