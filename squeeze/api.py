@@ -121,7 +121,7 @@ def calibrate_kv(
     calibrated KV is written). ``calibration``: a built-in spec name, a spec YAML or a plain text file;
     default: the spec the artifact was compressed with, when it is a built-in one. The first
     ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time.
-    ``value_group``: channels per value grid (default: 32 at int4, the whole head at int8). The artifact
+    ``value_group``: channels per value grid (default: the whole head; e.g. 32 for two grids per head). The artifact
     is replaced only once the new one is complete and sealed: a failure leaves it exactly as it was.
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv

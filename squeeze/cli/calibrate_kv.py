@@ -21,7 +21,7 @@ def calibrate_kv(
     ),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write a new artifact here instead of updating TARGET."),
     sink_tokens: int = typer.Option(1, "--sink-tokens", help="Leading tokens kept in full precision (attention sink)."),
-    value_group: Optional[int] = typer.Option(None, "--value-group-size", help="Channels per value grid (default: 32 at int4, the whole head at int8)."),
+    value_group: Optional[int] = typer.Option(None, "--value-group-size", help="Channels per value grid (default: the whole head)."),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output directory."),
@@ -29,9 +29,9 @@ def calibrate_kv(
 ) -> None:
     """Capture keys and values on calibration text, fit their scales, and add them to the artifact.
 
-    Keys: per-channel normaliser (post-RoPE) then a per-token grid; values: per-token grids (per 32 channels
-    at int4) with a calibrated clipping ratio per head; the first --sink-tokens tokens stay in full precision. The artifact is swapped
-    for the new one only when it is complete and sealed; a failed run leaves it as it was.
+    Keys: per-channel normaliser (post-RoPE) then a per-token grid; values: per-token grids with a
+    calibrated clipping ratio per head; the first --sink-tokens tokens stay in full precision. The artifact
+    is swapped for the new one only when it is complete and sealed; a failed run leaves it as it was.
     """
     with cli_errors():
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:

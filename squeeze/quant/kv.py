@@ -49,14 +49,13 @@ def asymmetric_gain_needed(group: int) -> float:
 
 
 def default_value_group(bits: int, head_dim: int) -> int:
-    """Channels per value grid: 32 at int4 (when the head splits evenly), the whole head at int8.
+    """Channels per value grid by default: the whole head, at both widths.
 
-    Measured on SmolLM2-135M (docs/benchmarks.md): at int4, two grids per 64-channel head cut the
-    perplexity cost of the cache by about a third for 3% more bytes; at int8 the value error is already
-    negligible and a second scale would cost 1.5% of the cache.
+    Measured on SmolLM2-135M (docs/benchmarks.md): grids of 32 channels at int4 helped symmetric-only
+    grids (+4.1% -> +3.1% perplexity on 10 windows) but not the calibrated layout, whose asymmetric
+    layers then no longer pay for their offsets (+3.81% per head vs +3.98% per 32 channels on 40
+    windows, at 0.270 vs 0.274 of fp16 bytes). ``--value-group-size 32`` keeps the option.
     """
-    if bits == 4 and head_dim > 32 and head_dim % 32 == 0:
-        return 32
     return head_dim
 
 

@@ -195,5 +195,6 @@ def test_bytes_per_token_smollm2_geometry_meets_the_ratios() -> None:
     assert KVSpec.dynamic(4, names).bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 * 2)
     table = kv_bytes_table({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                             "hidden_size": 576})
-    assert table == {"fp16": 23040, "int8": int8.bytes_per_token(3, 64), "int4": int4.bytes_per_token(3, 64)}
-    assert default_value_group(4, 64) == 32 and default_value_group(8, 64) == 64 and default_value_group(4, 8) == 8
+    per_head = KVSpec(4, 1, names, tuple(layer for _ in names))
+    assert table == {"fp16": 23040, "int8": int8.bytes_per_token(3, 64), "int4": per_head.bytes_per_token(3, 64)}
+    assert default_value_group(4, 64) == 64 and default_value_group(8, 64) == 64
