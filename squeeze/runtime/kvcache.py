@@ -36,7 +36,7 @@ from squeeze.quant.kv import (
     unpack_int4,
 )
 
-_PARAM_DTYPE = torch.float16  # per-token scales / zeros, as counted in KVSpec.bytes_per_token
+_PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec.bytes_per_token
 
 
 class QuantizedStream:
@@ -44,8 +44,8 @@ class QuantizedStream:
 
     Every token gets its own fp16 grid per ``group`` channels (squeeze.quant.kv.token_grid) from its range
     times ``clip`` (a float or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else
-    uint8 codes, a scale and an offset. ``channel``: an optional per-channel normaliser (scale, centre) fp32 (H, D) applied first
-    (calibrated keys; their grid is symmetric).
+    uint8 codes, a scale and an offset. ``channel``: an optional per-channel normaliser (scale, centre)
+    fp32 (H, D) applied first (calibrated keys; their grid is symmetric).
     """
 
     def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool,
@@ -186,11 +186,13 @@ class SqueezeKVLayer(DynamicLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
-        # transformers reads .keys / .values for device and dtype; the history itself lives in the streams
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self.sink_keys = key_states[..., :0, :].clone()
-        self.sink_values = value_states[..., :0, :].clone()
+        # transformers reads .keys / .values for device and dtype; the history itself lives in the streams.
+        # Fresh empty tensors, not [..., :0, :] views, which would keep the whole prefill's storage alive.
+        empty = (*key_states.shape[:-2], 0, key_states.shape[-1])
+        self.keys = key_states.new_empty(empty)
+        self.values = value_states.new_empty(empty)
+        self.sink_keys = key_states.new_empty(empty)
+        self.sink_values = value_states.new_empty(empty)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:

@@ -70,6 +70,9 @@ def test_history_is_stored_as_codes_not_floats(bits: int) -> None:
     assert layer.k_stream.codes.shape[-1] == (D // 2 if bits == 4 else D)  # int4: two codes per byte
     float_history = [t for t in (layer.keys, layer.values) if t is not None and t.numel()]
     assert not float_history  # only the sink token stays in floating point
+    # and no empty view keeps the prefill's float storage alive
+    held = [t.untyped_storage().nbytes() for t in (layer.keys, layer.values, layer.sink_keys, layer.sink_values)]
+    assert held[:2] == [0, 0] and max(held[2:]) == H * D * 4
     per_token = spec.bytes_per_token(H, D)
     sink = 2 * 2 * H * D * 4  # 2 layers x (K, V) x one fp32 token
     assert cache.nbytes() == 99 * per_token + sink
