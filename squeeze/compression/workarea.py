@@ -57,7 +57,9 @@ class WorkArea:
         for directory in (self.root, self.root / _GROUPS):
             if directory.is_dir():
                 for path in directory.iterdir():
-                    if path.name.startswith(".") and path.name.endswith(PARTIAL_SUFFIX):
+                    # ours (.NAME.*.partial), and the .tmpXXXXXX safetensors >= 0.8 writes before its rename
+                    ours = path.name.startswith(".") and path.name.endswith(PARTIAL_SUFFIX)
+                    if (ours or path.name.startswith(".tmp")) and path.is_file():
                         path.unlink(missing_ok=True)
 
     def reset(self, keep: tuple[str, ...] = ("lock",)) -> None:
