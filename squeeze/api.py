@@ -201,10 +201,9 @@ def generate(
     """
     import time
 
-    from squeeze.models.targets import attention_modules
     from squeeze.runtime.generate import generate as _generate
     from squeeze.runtime.generate import resolve_device, validate_options
-    from squeeze.runtime.kvcache import check_kv_options, select_kv_spec
+    from squeeze.runtime.kvcache import check_kv_options, kv_spec_for
 
     prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     check_kv_options(kv_bits, kv_dynamic)
@@ -222,9 +221,7 @@ def generate(
         loaded = model
     if target.type != "cpu":
         loaded.model.to(target)
-    calibrated = loaded.kv_spec
-    names = calibrated.names if calibrated is not None else attention_modules(loaded.model)
-    kv_spec = select_kv_spec(calibrated, names, kv_bits, dynamic=kv_dynamic)
+    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, kv_bits, dynamic=kv_dynamic)
     return _generate(loaded, loaded.tokenizer, prompt_list, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, seed=seed, chat=chat, stream=stream, load_seconds=load_seconds, kv_spec=kv_spec)
 

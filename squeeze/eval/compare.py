@@ -67,13 +67,9 @@ def _open(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any, KVSpec | None]:
 def kv_cache_factory(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None,
                      dynamic: bool) -> tuple[CacheFactory | None, KVSpec | None]:
     """The cache every window is scored through (None: no cache), per squeeze.runtime.kvcache.select_kv_spec."""
-    from squeeze.models.targets import attention_modules
-    from squeeze.runtime.kvcache import SqueezeKVCache, select_kv_spec
+    from squeeze.runtime.kvcache import SqueezeKVCache, kv_spec_for
 
-    if kv_bits is None and not dynamic and calibrated is None:
-        return None, None
-    names = calibrated.names if calibrated is not None else attention_modules(model)
-    spec = select_kv_spec(calibrated, names, kv_bits, dynamic=dynamic)
+    spec = kv_spec_for(model, calibrated, kv_bits, dynamic=dynamic)
     if spec is None:
         return None, None
     return (lambda: SqueezeKVCache(spec)), spec

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from squeeze.errors import ConfigError
@@ -284,6 +284,21 @@ def check_kv_options(kv_bits: int | None, dynamic: bool) -> None:
         raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
 
 
+def kv_spec_for(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, *,
+                dynamic: bool = False) -> KVSpec | None:
+    """:func:`select_kv_spec` for ``model``: its attention modules are looked up only for a dynamic spec
+    without calibration, so a plain full-precision run never depends on recognising the architecture."""
+    from squeeze.models.targets import attention_modules
+
+    if calibrated is not None:
+        names = calibrated.names
+    elif dynamic:
+        names = attention_modules(model)
+    else:
+        names = ()
+    return select_kv_spec(calibrated, names, kv_bits, dynamic=dynamic)
+
+
 def select_kv_spec(
     calibrated: KVSpec | None, names: tuple[str, ...], kv_bits: int | None, *, dynamic: bool = False,
     sink_tokens: int = 1,
@@ -315,4 +330,4 @@ def select_kv_spec(
     return calibrated
 
 
-__all__ = ["QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "check_kv_options", "select_kv_spec"]
+__all__ = ["QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "check_kv_options", "kv_spec_for", "select_kv_spec"]

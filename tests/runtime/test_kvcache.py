@@ -8,11 +8,11 @@ from transformers import DynamicCache
 
 from squeeze.calibrate.kv import calibrate_kv
 from squeeze.calibrate.windows import sample_windows, tokenize_text
-from squeeze.errors import ConfigError
+from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import perplexity
 from squeeze.models.targets import attention_modules
 from squeeze.quant.kv import KVSpec, LayerKV, dequantize, fake_quantize_keys, quantize, token_grid
-from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, select_kv_spec
+from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
 
 H, D = 2, 8
 
@@ -94,6 +94,16 @@ def test_select_kv_spec_rules() -> None:
         select_kv_spec(calibrated, names, 4)
     with pytest.raises(ConfigError, match="4, 8 or 16"):
         select_kv_spec(calibrated, names, 3)
+
+
+def test_kv_spec_for_needs_attention_modules_only_for_dynamic_scales() -> None:
+    plain = torch.nn.Linear(2, 2)  # no attention modules at all
+    assert kv_spec_for(plain, None, None) is None
+    assert kv_spec_for(plain, None, 16) is None
+    calibrated = KVSpec(8, 1, ("a",), (_layer_spec(8, True),))
+    assert kv_spec_for(plain, calibrated, 8) is calibrated
+    with pytest.raises(ModelError, match="attention modules"):
+        kv_spec_for(plain, None, 4, dynamic=True)
 
 
 @pytest.fixture(scope="module")
