@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from transformers import DynamicCache  # noqa: E402
 
 from squeeze.calibrate.kv import calibrate_kv  # noqa: E402
+from squeeze.config import DEFAULT_SINK_TOKENS  # noqa: E402
 from squeeze.calibrate.windows import read_text_file, sample_windows, tokenize_text  # noqa: E402
 from squeeze.errors import ConfigError  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--calib-windows", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=40)
-    parser.add_argument("--sink-tokens", type=int, default=1)
+    parser.add_argument("--sink-tokens", type=int, default=DEFAULT_SINK_TOKENS)
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens before the timed decode")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

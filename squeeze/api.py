@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from squeeze.config import CalibrationSpec, Recipe, load_calibration_spec, load_recipe
+from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec, Recipe, load_calibration_spec, load_recipe
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.verify import VerifyReport, verify_artifact
 
@@ -108,7 +108,8 @@ def calibrate_kv(
     *,
     bits: int = 8,
     output: str | os.PathLike[str] | None = None,
-    sink_tokens: int = 1,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    key_group: int | None = None,
     value_group: int | None = None,
     overwrite: bool = False,
     calibration_overrides: Mapping[str, Any] | None = None,
@@ -121,16 +122,17 @@ def calibrate_kv(
     calibrated KV is written). ``calibration``: a built-in spec name, a spec YAML or a plain text file;
     default: the spec the artifact was compressed with, when it is a built-in one. The first
     ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time.
-    ``value_group``: channels per value grid (default: the whole head; e.g. 32 for two grids per head). The artifact
-    is replaced only once the new one is complete and sealed: a failure leaves it exactly as it was.
+    ``key_group`` / ``value_group``: channels per key / value grid (default: 32 for int4 keys, else the
+    whole head; e.g. 32 for two grids per head). At int4 values are indices into a calibrated codebook of 16
+    levels per layer, at int8 uniform grids with a calibrated clipping ratio. The artifact is replaced only once the new one is complete and sealed: a failure leaves it exactly as it was.
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
 
     spec_arg = calibration if calibration is not None else default_calibration(target)
     overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
     spec = spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(spec_arg, **overrides)
-    return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, value_group=value_group,
-                            overwrite=overwrite, progress=progress)
+    return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, key_group=key_group,
+                            value_group=value_group, overwrite=overwrite, progress=progress)
 
 
 def evaluate(

@@ -13,10 +13,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.errors import CalibrationError, ModelError
 from squeeze.models.targets import attention_modules
 from squeeze.models.modes import cache_kwarg, eval_mode, input_device
-from squeeze.quant.kv import KVSpec, LayerKV, check_kv_bits, dynamic_error, fit_keys, fit_values, kv_geometry
+from squeeze.quant.kv import (
+    KVSpec,
+    LayerKV,
+    check_group,
+    check_kv_bits,
+    default_key_group,
+    dynamic_error,
+    fit_keys,
+    fit_value_codebook,
+    fit_values,
+    kv_geometry,
+)
 
 Progress = Callable[[int, int], None]
 
@@ -43,7 +55,9 @@ class KVCalibration:
             "dynamic_key_error": sum(self.dynamic_key_error), "dynamic_value_error": sum(self.dynamic_value_error),
             "asymmetric_key_layers": sum(1 for x in self.spec.layers if x is not None and not x.k_symmetric),
             "asymmetric_value_layers": sum(1 for x in self.spec.layers if x is not None and not x.v_symmetric),
+            "key_group": next((x.key_group for x in self.spec.layers if x is not None), None),
             "value_group": next((x.value_group for x in self.spec.layers if x is not None), None),
+            "value_codebook": any(x is not None and x.v_levels is not None for x in self.spec.layers),
         }
 
 
@@ -87,28 +101,32 @@ def _strided(samples: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate_kv(
-    model: nn.Module, windows: torch.Tensor, bits: int, *, sink_tokens: int = 1, value_group: int | None = None,
-    progress: Progress | None = None,
+    model: nn.Module, windows: torch.Tensor, bits: int, *, sink_tokens: int = DEFAULT_SINK_TOKENS, key_group: int | None = None,
+    value_group: int | None = None, progress: Progress | None = None,
 ) -> KVCalibration:
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
 
-    ``value_group``: channels per value grid (default: squeeze.quant.kv.default_value_group).
+    ``key_group`` / ``value_group``: channels per key / value grid (default:
+    squeeze.quant.kv.default_key_group / default_value_group). At int4 values get a calibrated codebook
+    (squeeze.quant.kv.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
     """
     bits = check_kv_bits(bits)
     if sink_tokens < 0:
         raise CalibrationError(f"sink_tokens must be >= 0, found {sink_tokens}")
     names = attention_modules(model)
     _, _, head_dim = kv_geometry(model.config)
-    if value_group is not None and (value_group < 2 or value_group % 2 or head_dim % value_group):
-        raise CalibrationError(f"value grids must span an even divisor of the head dimension {head_dim}, "
-                               f"found {value_group}", hint=f"e.g. {head_dim // 2} or {head_dim}")
+    key_group = default_key_group(bits, head_dim) if key_group is None else \
+        check_group(key_group, head_dim, "key", CalibrationError)
+    if value_group is not None:
+        check_group(value_group, head_dim, "value", CalibrationError)
     keys, values = capture_kv(model, windows, sink_tokens, progress)
     if len(keys) != len(names):
         raise ModelError(f"the model filled {len(keys)} cache layers but has {len(names)} attention modules")
     layers, k_err, v_err, k_dyn, v_dyn = [], [], [], [], []
     for k, v in zip(keys, values):
-        kf, vf = fit_keys(k, bits), fit_values(v, bits, value_group)
-        layers.append(LayerKV(kf.scale, kf.zero, vf.clip, kf.symmetric, vf.symmetric, vf.group))
+        kf = fit_keys(k, bits, key_group)
+        vf = fit_value_codebook(v, bits, value_group) if bits == 4 else fit_values(v, bits, value_group)
+        layers.append(LayerKV(kf.scale, kf.zero, vf.clip, kf.symmetric, vf.symmetric, vf.group, key_group, vf.levels))
         k_err.append(kf.sse)
         v_err.append(vf.sse)
         k_dyn.append(dynamic_error(k, bits))

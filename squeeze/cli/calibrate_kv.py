@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
+from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
 
 
@@ -20,7 +21,8 @@ def calibrate_kv(
         help="Calibration text file, spec YAML or built-in spec (default: the artifact's own built-in spec).",
     ),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write a new artifact here instead of updating TARGET."),
-    sink_tokens: int = typer.Option(1, "--sink-tokens", help="Leading tokens kept in full precision (attention sink)."),
+    sink_tokens: int = typer.Option(DEFAULT_SINK_TOKENS, "--sink-tokens", help="Leading tokens kept in full precision (attention sink)."),
+    key_group: Optional[int] = typer.Option(None, "--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head)."),
     value_group: Optional[int] = typer.Option(None, "--value-group-size", help="Channels per value grid (default: the whole head)."),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
@@ -29,15 +31,16 @@ def calibrate_kv(
 ) -> None:
     """Capture keys and values on calibration text, fit their scales, and add them to the artifact.
 
-    Keys: per-channel normaliser (post-RoPE) then a per-token grid; values: per-token grids with a
-    calibrated clipping ratio per head; the first --sink-tokens tokens stay in full precision. The artifact
+    Keys: per-channel normaliser (post-RoPE) then per-token grids; values: per-token grids with a
+    calibrated clipping ratio per head (int8) or a calibrated 16-level codebook per layer (int4); the first
+    --sink-tokens tokens stay in full precision. The artifact
     is swapped for the new one only when it is complete and sealed; a failed run leaves it as it was.
     """
     with cli_errors():
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:
             result = api.calibrate_kv(
-                target, calibration, bits=bits, output=output, sink_tokens=sink_tokens, value_group=value_group,
-                overwrite=overwrite,
+                target, calibration, bits=bits, output=output, sink_tokens=sink_tokens, key_group=key_group,
+                value_group=value_group, overwrite=overwrite,
                 calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
             )
     if json_out:

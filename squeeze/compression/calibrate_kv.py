@@ -25,7 +25,7 @@ from safetensors.torch import save as safetensors_save
 from squeeze import __version__
 from squeeze.calibrate.kv import KVCalibration, calibrate_kv
 from squeeze.calibrate.windows import calibration_windows
-from squeeze.config import CalibrationSpec
+from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec
 from squeeze.errors import ConfigError, IntegrityError, SqueezeError
 from squeeze.format.atomic import atomic_write_bytes, atomic_write_text, fsync_directory
 from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
@@ -83,7 +83,8 @@ def run_calibrate_kv(
     bits: int,
     *,
     output: str | os.PathLike[str] | None = None,
-    sink_tokens: int = 1,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    key_group: int | None = None,
     value_group: int | None = None,
     overwrite: bool = False,
     progress: StageProgress | None = None,
@@ -126,7 +127,8 @@ def run_calibrate_kv(
     t = time.perf_counter()
     windows = calibration_windows(calibration, tokenizer)  # (n, T)
     report = (lambda done, total: progress("kv", done, total)) if progress else None
-    result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, value_group=value_group, progress=report)
+    result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, key_group=key_group, value_group=value_group,
+                          progress=report)
     timings["calibrate"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -4,18 +4,20 @@ Every quantized K/V element is a code ``q`` on a per-token grid (one fp16 ``scal
 token): symmetric grids read back ``q * scale`` with int8 codes in [-qmax - 1, qmax]; asymmetric ones
 ``offset + q * scale`` with uint8 codes in [0, 2**bits - 1] and an fp16 ``offset`` per token too.
 
-- Values: the token's own range, shrunk by a clipping ratio per head calibrated offline (KVQuant: values
-  per token).
+- Values, int8: the token's own range, shrunk by a clipping ratio per head calibrated offline (KVQuant:
+  values per token). Values, int4: a calibrated codebook of 16 levels per layer (KVQuant's non-uniform
+  "nuq" datatype) on the token's absmax-scaled values, ``levels[code] * scale``: the levels are a weighted
+  1-D k-means of the calibration values, so they sit where values are dense instead of evenly spaced.
 - Keys: keys have a few channels far larger than the rest (KVQuant), so they are first normalised per
   channel with a calibrated ``k_scale`` and centre ``k_zero`` (H, D), ``(k - k_zero) / k_scale``, and the
-  normalised vector gets a symmetric per-token grid. A purely static per-channel grid (KVQuant without its
+  normalised vector gets a symmetric per-token grid (one per ``k_group`` channels: 32 at int4). A purely static per-channel grid (KVQuant without its
   sparse outliers) clamps every key outside the calibrated range: on stories260K, calibrated on 500 tokens,
   one key of another text came back off by 18 (its range is +-24). Normalising per channel and then scaling
   per token keeps the calibrated channel balance and adapts to every token.
 - The uncalibrated baseline: symmetric per-token absmax grids for keys and values, no normalisation.
 
 int4 codes are packed two per byte along the head dimension (their low 4 bits, two's complement for
-signed codes), the even channel in the low nibble.
+signed codes; codebook indices unsigned), the even channel in the low nibble.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.config import DEFAULT_SINK_TOKENS
+from squeeze.errors import ConfigError, FormatError, SqueezeError
+from squeeze.quant.kmeans import weighted_kmeans_1d
 
 KV_BITS = (4, 8)
-#: The artifact file holding the calibrated scales ({attn}.k_scale / .k_zero / .v_clip), beside the shards.
+#: The artifact file holding the calibrated scales ({attn}.k_scale / .k_zero, and .v_clip or .v_levels), beside
+#: the shards.
 KV_FILE = "kv_cache.safetensors"
 #: Clipping ratios tried for per-token value grids (range shrunk to ``ratio * range``); 1.0 = plain min-max.
 CLIP_GRID = tuple(round(0.5 + 0.025 * i, 3) for i in range(21))
@@ -57,6 +62,25 @@ def default_value_group(bits: int, head_dim: int) -> int:
     windows, at 0.270 vs 0.274 of fp16 bytes). ``--value-group-size 32`` keeps the option.
     """
     return head_dim
+
+
+def default_key_group(bits: int, head_dim: int) -> int:
+    """Channels per key grid by default: 32 at int4 (heads of 64 channels or more), else the whole head.
+
+    Measured on SmolLM2-135M (docs/benchmarks.md, 10 windows): int4 keys alone cost +2.37% perplexity with
+    one grid per head and +1.22% with grids of 32 channels; the second fp16 scale per head costs 1/64 of
+    fp16's bytes at head_dim 64 (0.273 of fp16 in all). At int8 the error is already negligible and the
+    bytes budget tight (0.52), so keys keep one grid per head.
+    """
+    return 32 if bits == 4 and head_dim >= 64 and head_dim % 32 == 0 else head_dim
+
+
+def check_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
+    """``group`` if it is an even divisor of ``head_dim`` (channels per grid), else ``error``."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2 or head_dim % group:
+        raise error(f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
+                          hint=f"e.g. {head_dim // 2} or {head_dim}")
+    return group
 
 
 def check_kv_bits(bits: object) -> int:
@@ -161,14 +185,39 @@ def denormalize_keys_(values: Tensor, scale: Tensor, center: Tensor) -> Tensor:
     return torch.addcmul(center, values, scale, out=values)
 
 
-def fake_quantize_keys(keys: Tensor, scale: Tensor, center: Tensor, bits: int) -> Tensor:
-    """The reference of the runtime key path: normalise per channel, per-token grid, back. Shape of ``keys``.
+def fake_quantize_keys(keys: Tensor, scale: Tensor, center: Tensor, bits: int, group: int | None = None) -> Tensor:
+    """The reference of the runtime key path: normalise per channel, per-token grids of ``group`` channels
+    (default: the whole head), back. Shape of ``keys``.
 
     ``keys (..., H, T, D)`` or ``(N, H, D)`` with ``scale`` / ``center`` broadcast to it.
     """
-    normalized = normalize_keys(keys, scale, center)
+    normalized = normalize_keys(keys, scale, center).unflatten(-1, (-1, group or keys.shape[-1]))  # (..., G, g)
     t_scale, _ = token_grid(normalized, bits, 1.0, True)
-    return denormalize_keys_(dequantize(quantize(normalized, t_scale, None, bits), t_scale, None), scale, center)
+    fake = dequantize(quantize(normalized, t_scale, None, bits), t_scale, None).flatten(-2)
+    return denormalize_keys_(fake, scale, center)
+
+
+def codebook_scale(x: Tensor) -> Tensor:
+    """Per-token scale of a codebook grid: the absmax of ``x (..., g)`` over its last dim, as fp16 (..., 1)."""
+    absmax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)
+    return absmax.clamp_(min=torch.finfo(torch.float16).tiny).half().float()
+
+
+def quantize_codebook(x: Tensor, scale: Tensor, levels: Tensor) -> Tensor:
+    """uint8 index of the level nearest to ``x / scale`` (ties: the lower one); ``levels`` (K,) ascending.
+
+    Midpoints are formed in float64, where the mean of two float32 levels is exact (as in
+    squeeze.quant.kmeans.nearest_codes).
+    """
+    c = levels.to(device=x.device, dtype=torch.float64)
+    mids = (c[:-1] + c[1:]) * 0.5  # (K-1,)
+    return torch.bucketize((x / scale).double(), mids).to(torch.uint8)
+
+
+def dequantize_codebook(codes: Tensor, scale: Tensor, levels: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``levels[codes] * scale`` in ``scale``'s dtype, or written into ``out`` (may be a strided view)."""
+    looked_up = levels.to(device=codes.device, dtype=scale.dtype)[codes.int()]
+    return torch.mul(looked_up, scale) if out is None else torch.mul(looked_up, scale, out=out)
 
 
 @dataclass(frozen=True)
@@ -183,16 +232,19 @@ class KeyFit:
 
 @dataclass(frozen=True)
 class ValueFit:
-    """Per-token value quantizer of one layer: a clipping ratio per head, fp32 (H,), grids of ``group`` channels."""
+    """Per-token value quantizer of one layer, grids of ``group`` channels: a clipping ratio per head, fp32
+    (H,), or a codebook ``levels`` fp32 (2**bits,) (then ``clip`` is all ones and ``symmetric`` True)."""
 
     clip: Tensor
     symmetric: bool
     sse: float
     group: int
+    levels: Tensor | None = None
 
 
-def fit_keys(samples: Tensor, bits: int) -> KeyFit:
-    """Fit the per-channel key normaliser on ``samples (N, H, D)`` fp32 (N calibration tokens, sink excluded).
+def fit_keys(samples: Tensor, bits: int, group: int | None = None) -> KeyFit:
+    """Fit the per-channel key normaliser on ``samples (N, H, D)`` fp32 (N calibration tokens, sink excluded),
+    for per-token grids of ``group`` channels (default: the whole head).
 
     Centred (asymmetric) vs not is chosen per layer by the total squared error of :func:`fake_quantize_keys`.
     """
@@ -200,11 +252,30 @@ def fit_keys(samples: Tensor, bits: int) -> KeyFit:
     best: KeyFit | None = None
     for symmetric in (True, False):
         scale, center = key_channel_params(lo, hi, symmetric)
-        sse = float((fake_quantize_keys(samples, scale, center, bits) - samples).square().sum())
+        sse = float((fake_quantize_keys(samples, scale, center, bits, group) - samples).square().sum())
         if best is None or sse < best.sse:
             best = KeyFit(scale, center, symmetric, sse)
     assert best is not None  # the loop runs twice
     return best
+
+
+def fit_value_codebook(samples: Tensor, bits: int, group: int | None = None) -> ValueFit:
+    """Fit a codebook of ``2**bits`` levels for the values of one layer, ``samples (N, H, D)`` fp32.
+
+    Every grid of ``group`` channels (default: the whole head) is scaled by its absmax (:func:`codebook_scale`)
+    into [-1, 1]; the levels are the k-means of those scaled values weighted by scale**2, i.e. they minimise
+    the squared error in value units (squeeze.quant.kmeans, the same solver as the weights' LUTs).
+    """
+    group = group or samples.shape[-1]
+    grouped = samples.unflatten(-1, (-1, group))  # (N, H, G, group)
+    scale = codebook_scale(grouped)  # (N, H, G, 1)
+    scaled = (grouped / scale).reshape(1, -1)
+    weights = scale.square().expand_as(grouped).reshape(1, -1)
+    levels, _ = weighted_kmeans_1d(scaled, weights, 1 << bits)
+    levels = levels[0]  # (K,) ascending
+    fake = dequantize_codebook(quantize_codebook(grouped, scale, levels), scale, levels)
+    sse = float((fake - grouped).square().sum())
+    return ValueFit(torch.ones(samples.shape[1]), True, sse, group, levels)
 
 
 def fit_values(samples: Tensor, bits: int, group: int | None = None) -> ValueFit:
@@ -245,8 +316,9 @@ class LayerKV:
     """Calibrated quantizers of one attention layer's cache.
 
     ``k_scale`` / ``k_zero``: fp32 (H, D), the per-channel key normaliser (scale and centre, in key units).
-    ``v_clip``: fp32 (H,), the clipping ratio of the per-token value grids per head. ``v_group``: channels
-    per value grid (None: the whole head).
+    ``v_clip``: fp32 (H,), the clipping ratio of the per-token value grids per head. ``v_levels``: fp32
+    (2**bits,) ascending, the value codebook, or None for uniform grids (then ``v_clip`` applies).
+    ``k_group`` / ``v_group``: channels per key / value grid (None: the whole head).
     """
 
     k_scale: Tensor
@@ -255,11 +327,18 @@ class LayerKV:
     k_symmetric: bool
     v_symmetric: bool
     v_group: int | None = None
+    k_group: int | None = None
+    v_levels: Tensor | None = None
 
     @property
     def value_group(self) -> int:
         """Channels per value grid."""
         return self.v_group or int(self.k_scale.shape[-1])
+
+    @property
+    def key_group(self) -> int:
+        """Channels per key grid."""
+        return self.k_group or int(self.k_scale.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -280,18 +359,22 @@ class KVSpec:
         return all(layer is not None for layer in self.layers)
 
     @classmethod
-    def dynamic(cls, bits: int, names: tuple[str, ...], sink_tokens: int = 1) -> KVSpec:
+    def dynamic(cls, bits: int, names: tuple[str, ...], sink_tokens: int = DEFAULT_SINK_TOKENS) -> KVSpec:
         """The uncalibrated baseline: per-token absmax keys and values, symmetric."""
         return cls(check_kv_bits(bits), sink_tokens, names, tuple(None for _ in names))
 
     def to_tensors(self) -> dict[str, Tensor]:
-        """``{attn}.k_scale`` / ``.k_zero`` (H, D) and ``{attn}.v_clip`` (H,), fp32, for the artifact."""
+        """``{attn}.k_scale`` / ``.k_zero`` (H, D), and ``{attn}.v_clip`` (H,) or ``{attn}.v_levels`` (2**bits,),
+        fp32, for the artifact."""
         out: dict[str, Tensor] = {}
         for name, layer in zip(self.names, self.layers):
             if layer is not None:
                 out[f"{name}.k_scale"] = layer.k_scale.float().contiguous()
                 out[f"{name}.k_zero"] = layer.k_zero.float().contiguous()
-                out[f"{name}.v_clip"] = layer.v_clip.float().contiguous()
+                if layer.v_levels is None:
+                    out[f"{name}.v_clip"] = layer.v_clip.float().contiguous()
+                else:
+                    out[f"{name}.v_levels"] = layer.v_levels.float().contiguous()
         return out
 
     def to_config(self) -> dict[str, object]:
@@ -299,10 +382,12 @@ class KVSpec:
         return {
             "bits": self.bits,
             "sink_tokens": self.sink_tokens,
-            "keys": "per-channel normaliser (k_scale, k_zero) then per-token grid, post-RoPE",
-            "values": "per-token grids of v_group channels, calibrated clipping ratio per head",
-            "layers": [{"module": name, "k_symmetric": layer.k_symmetric, "v_symmetric": layer.v_symmetric,
-                        "v_group": layer.value_group}
+            "keys": "per-channel normaliser (k_scale, k_zero) then per-token grids of k_group channels, post-RoPE",
+            "values": "per-token grids of v_group channels: a calibrated clipping ratio per head (v_clip), or a "
+                      "codebook of levels scaled by the grid's absmax (v_levels, when v_codebook)",
+            "layers": [{"module": name, "k_symmetric": layer.k_symmetric, "k_group": layer.key_group,
+                        "v_symmetric": layer.v_symmetric, "v_group": layer.value_group,
+                        "v_codebook": layer.v_levels is not None}
                        for name, layer in zip(self.names, self.layers) if layer is not None],
         }
 
@@ -323,22 +408,32 @@ class KVSpec:
             if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
                 raise FormatError(f"{where}: every kv_cache.layers entry needs a 'module' name")
             name = entry["module"]
-            parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", "v_clip")]
+            codebook = entry.get("v_codebook", False)
+            if not isinstance(codebook, bool):
+                raise FormatError(f"{where}: kv_cache v_codebook of {name} must be true or false, found {codebook!r}")
+            value_role = "v_levels" if codebook else "v_clip"
+            parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
             if any(p is None for p in parts):
-                raise FormatError(f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .v_clip)",
+                raise FormatError(f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
                                   hint="re-run squeeze calibrate-kv on the artifact")
-            k_scale, k_zero, v_clip = (p.float() for p in parts if p is not None)
-            if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_clip.shape != k_scale.shape[:1]:
+            k_scale, k_zero, v_part = (p.float() for p in parts if p is not None)
+            v_shape = (1 << int(bits),) if codebook else k_scale.shape[:1]
+            if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_part.shape != v_shape:
                 raise FormatError(f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
-                                  f"k_zero {tuple(k_zero.shape)}, v_clip {tuple(v_clip.shape)}")
+                                  f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}")
+            if codebook and not (bool(torch.isfinite(v_part).all()) and bool((v_part[1:] >= v_part[:-1]).all())):
+                raise FormatError(f"KV value codebook {name}.v_levels must be finite and ascending",
+                                  hint="re-run squeeze calibrate-kv on the artifact")
             head_dim = int(k_scale.shape[-1])
-            group = entry.get("v_group", head_dim)
-            if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2 or head_dim % group:
-                raise FormatError(f"{where}: kv_cache v_group of {name} must be an even divisor of {head_dim}, "
-                                  f"found {group!r}")
+            groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
+            for key, group in zip(("k_group", "v_group"), groups):
+                if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2 or head_dim % group:
+                    raise FormatError(f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, "
+                                      f"found {group!r}")
             names.append(name)
-            layers.append(LayerKV(k_scale, k_zero, v_clip, bool(entry.get("k_symmetric")),
-                                  bool(entry.get("v_symmetric")), group))
+            layers.append(LayerKV(k_scale, k_zero, torch.ones(k_scale.shape[0]) if codebook else v_part,
+                                  bool(entry.get("k_symmetric")), bool(entry.get("v_symmetric")) or codebook,
+                                  groups[1], groups[0], v_part if codebook else None))
         return cls(int(bits), sink, tuple(names), tuple(layers))
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> int:
@@ -346,17 +441,18 @@ class KVSpec:
         return sum(
             layer_bytes_per_token(kv_heads, head_dim, self.bits) if layer is None else
             layer_bytes_per_token(kv_heads, head_dim, self.bits, asymmetric_values=not layer.v_symmetric,
-                                  value_groups=head_dim // layer.value_group)
+                                  value_groups=head_dim // layer.value_group, key_groups=head_dim // layer.key_group)
             for layer in self.layers
         )
 
 
 def layer_bytes_per_token(kv_heads: int, head_dim: int, bits: int, *, asymmetric_values: bool = False,
-                          value_groups: int = 1) -> int:
-    """Bytes one token adds to one quantized layer: key and value codes, an fp16 key scale per head, and
-    an fp16 scale (plus an offset when asymmetric) per value grid. Key normalisers are per layer."""
+                          value_groups: int = 1, key_groups: int = 1) -> int:
+    """Bytes one token adds to one quantized layer: key and value codes, an fp16 scale per key grid, and
+    an fp16 scale (plus an offset when asymmetric) per value grid. Key normalisers and value codebooks are
+    per layer."""
     codes = 2 * kv_heads * head_dim * bits // 8
-    key_params = kv_heads * PARAM_BYTES
+    key_params = kv_heads * key_groups * PARAM_BYTES
     value_params = kv_heads * value_groups * PARAM_BYTES * (2 if asymmetric_values else 1)
     return codes + key_params + value_params
 
@@ -370,8 +466,8 @@ def kv_bytes_table(model_config: object) -> dict[str, int]:
     """KV bytes per token over all layers: fp16, int8 and int4 (codes plus per-token scales / offsets).
 
     ``model_config``: a transformers config or its dict. The width its quantization_config's ``kv_cache``
-    was calibrated for is counted with that layout (asymmetric layers, value grid sizes); other widths with
-    the default one (symmetric values, :func:`default_value_group`).
+    was calibrated for is counted with that layout (asymmetric layers, grid sizes); other widths with the
+    default one (symmetric values, :func:`default_key_group`, :func:`default_value_group`).
     """
     layers, kv_heads, head_dim = kv_geometry(model_config)
     quant = model_config.get("quantization_config") if isinstance(model_config, dict) else \
@@ -381,11 +477,13 @@ def kv_bytes_table(model_config: object) -> dict[str, int]:
     table = {"fp16": fp_bytes_per_token(layers, kv_heads, head_dim)}
     for bits in (8, 4):
         default = layer_bytes_per_token(kv_heads, head_dim, bits,
-                                        value_groups=head_dim // default_value_group(bits, head_dim))
+                                        value_groups=head_dim // default_value_group(bits, head_dim),
+                                        key_groups=head_dim // default_key_group(bits, head_dim))
         if isinstance(kv, dict) and kv.get("bits") == bits and isinstance(entries, list) and len(entries) == layers:
             table[f"int{bits}"] = sum(
                 layer_bytes_per_token(kv_heads, head_dim, bits, asymmetric_values=e.get("v_symmetric") is False,
-                                      value_groups=head_dim // int(e.get("v_group") or head_dim))
+                                      value_groups=head_dim // int(e.get("v_group") or head_dim),
+                                      key_groups=head_dim // int(e.get("k_group") or head_dim))
                 if isinstance(e, dict) else default for e in entries)
         else:
             table[f"int{bits}"] = layers * default
@@ -404,6 +502,7 @@ def kv_geometry(model_config: object) -> tuple[int, int, int]:
 
 __all__ = [
     "KV_BITS", "KV_FILE", "CLIP_GRID", "PARAM_BYTES", "check_kv_bits", "levels", "qmax", "quantize", "dequantize", "interleave",
-    "pack_int4", "unpack_int4", "token_grid", "key_channel_params", "normalize_keys", "denormalize_keys_", "fake_quantize_keys", "asymmetric_gain_needed", "default_value_group", "KeyFit", "ValueFit", "fit_keys", "fit_values",
+    "pack_int4", "unpack_int4", "token_grid", "codebook_scale", "quantize_codebook", "dequantize_codebook",
+    "fit_value_codebook", "default_key_group", "check_group", "key_channel_params", "normalize_keys", "denormalize_keys_", "fake_quantize_keys", "asymmetric_gain_needed", "default_value_group", "KeyFit", "ValueFit", "fit_keys", "fit_values",
     "dynamic_error", "LayerKV", "KVSpec", "fp_bytes_per_token", "layer_bytes_per_token", "kv_bytes_table", "kv_geometry",
 ]

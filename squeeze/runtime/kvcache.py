@@ -2,8 +2,8 @@
 
 Per layer, the first ``sink_tokens`` tokens (the attention sink) are kept as given; every later token is
 stored as codes on a per-token grid: keys after a per-channel normalisation calibrated by ``squeeze
-calibrate-kv`` (none in the uncalibrated baseline), values with a calibrated clipping ratio (see
-squeeze.quant.kv). The history is never kept in floating point: ``update`` dequantizes it into a fresh tensor that lives
+calibrate-kv`` (none in the uncalibrated baseline), values with a calibrated clipping ratio or, at int4, as
+indices into a calibrated codebook (see squeeze.quant.kv). The history is never kept in floating point: ``update`` dequantizes it into a fresh tensor that lives
 only for the attention call of that layer, so at most one layer's float K/V exists at a time.
 
 Keys arrive post-RoPE: since transformers 5, attention modules hand the cache rotated keys and no position
@@ -21,17 +21,21 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.errors import ConfigError
 from squeeze.quant.kv import (
     KV_BITS,
     PARAM_BYTES,
     KVSpec,
     LayerKV,
+    codebook_scale,
     dequantize,
+    dequantize_codebook,
     denormalize_keys_,
     normalize_keys,
     pack_int4,
     quantize,
+    quantize_codebook,
     token_grid,
     unpack_int4,
 )
@@ -44,22 +48,25 @@ class QuantizedStream:
 
     Every token gets its own fp16 grid per ``group`` channels (squeeze.quant.kv.token_grid) from its range
     times ``clip`` (a float or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else
-    uint8 codes, a scale and an offset. ``channel``: an optional per-channel normaliser (scale, centre)
-    fp32 (H, D) applied first (calibrated keys; their grid is symmetric).
+    uint8 codes, a scale and an offset. With a codebook ``levels`` fp32 (2**bits,), codes are uint8 level
+    indices and the scale is the grid's absmax (``clip`` unused). ``channel``: an optional per-channel
+    normaliser (scale, centre) fp32 (H, D) applied first (calibrated keys; their grid is symmetric).
     """
 
     def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool,
-                 group: int | None = None):
+                 group: int | None = None, levels: Tensor | None = None):
         self.bits = bits
         self.group = group  # channels per grid; None: the whole head
         self.channel = channel
         self.clip = clip
-        self.symmetric = symmetric
+        self.levels = levels
+        self.symmetric = symmetric or levels is not None
         self.length = 0
         self.codes: Tensor | None = None  # (B, H, cap, D) int8 / uint8, or (B, H, cap, D/2) uint8 packed int4
         self.scale: Tensor | None = None  # (B, H, cap, G) fp16, G grids per token
         self.offset: Tensor | None = None  # (B, H, cap, G) fp16, asymmetric grids only
         self._channel_cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        self._table_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def _channel(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The normaliser as (1, H, 1, D) tensors on ``device`` in ``dtype`` (converted once)."""
@@ -69,6 +76,18 @@ class QuantizedStream:
             scale, center = (t.to(device, dtype)[None, :, None, :] for t in self.channel)
             self._channel_cache[key] = (scale, center)
         return self._channel_cache[key]
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The codebook by stored byte, in ``dtype`` on ``device`` (built once): at int4 (256, 2), the levels
+        of a packed byte's low and high nibble, so one lookup unpacks and decodes; at int8 (256,)."""
+        assert self.levels is not None
+        key = (device, dtype)
+        if key not in self._table_cache:
+            levels = self.levels.to(device, dtype)
+            byte = torch.arange(256, device=device)
+            self._table_cache[key] = (torch.stack((levels[byte & 0x0F], levels[byte >> 4]), dim=-1)
+                                      if self.bits == 4 else levels[byte])
+        return self._table_cache[key]
 
     def _clip(self, device: torch.device) -> Tensor | float:
         """``clip`` as a (1, H, 1, 1, 1) tensor on ``device`` (converted once), or the float."""
@@ -87,8 +106,12 @@ class QuantizedStream:
         if self.channel is not None:
             xf = normalize_keys(xf, *self._channel(x.device, torch.float32))  # (B, H, n, D)
         grouped = xf.unflatten(-1, (-1, self.group or xf.shape[-1]))  # (B, H, n, G, g)
-        scale, offset = token_grid(grouped, self.bits, self._clip(x.device), self.symmetric)  # (B, H, n, G, 1) each
-        codes = quantize(grouped, scale, offset, self.bits).flatten(-2)  # (B, H, n, D)
+        if self.levels is not None:
+            scale, offset = codebook_scale(grouped), None  # (B, H, n, G, 1)
+            codes = quantize_codebook(grouped, scale, self.levels).flatten(-2)  # (B, H, n, D) uint8
+        else:
+            scale, offset = token_grid(grouped, self.bits, self._clip(x.device), self.symmetric)  # (B, H, n, G, 1)
+            codes = quantize(grouped, scale, offset, self.bits).flatten(-2)  # (B, H, n, D)
         if self.bits == 4:
             codes = pack_int4(codes)
         self._reserve(x, self.length + n, codes.dtype, groups=scale.shape[-2])
@@ -103,8 +126,8 @@ class QuantizedStream:
     def dequantize_into(self, out: Tensor) -> None:
         """Write the dequantized history into ``out (B, H, length, D)`` (any float dtype, may be a view).
 
-        The same operations as the reference (quant.kv.dequantize, fake_quantize_keys): one pass that
-        converts and scales the codes, plus one for the key normaliser.
+        The same operations as the reference (quant.kv.dequantize / dequantize_codebook, fake_quantize_keys):
+        one pass that converts and scales the codes (a codebook lookup first), plus one for the key normaliser.
         """
         if self.length == 0:
             return
@@ -113,7 +136,10 @@ class QuantizedStream:
         groups = self.scale.shape[-1]
         scale = self.scale[:, :, : self.length, :, None].to(out.dtype)  # (B, H, T, G, 1): T*G numbers
         offset = self.offset[:, :, : self.length, :, None].to(out.dtype) if self.offset is not None else None
-        if self.bits == 4:
+        if self.levels is not None:
+            looked_up = self._table(out.device, out.dtype)[codes.int()]  # (B, H, T, D/2, 2) at int4, else (B, H, T, D)
+            torch.mul(looked_up.reshape(out.shape).unflatten(-1, (groups, -1)), scale, out=out.unflatten(-1, (groups, -1)))
+        elif self.bits == 4:
             even, odd = unpack_int4(codes, signed=self.symmetric)  # (B, H, T, D/2) each
             pairs = out.unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2) view of out
             for half, target in ((even, pairs[..., 0]), (odd, pairs[..., 1])):
@@ -177,9 +203,10 @@ class SqueezeKVLayer(DynamicLayer):
             self.k_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
             self.v_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
         else:
-            self.k_stream = QuantizedStream(self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True)
+            self.k_stream = QuantizedStream(self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True,
+                                            group=layer.k_group)
             self.v_stream = QuantizedStream(self.bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric,
-                                            group=layer.v_group)
+                                            group=layer.v_group, levels=layer.v_levels)
         self.sink_keys: Tensor | None = None  # (B, H, <= sink_tokens, D), as given
         self.sink_values: Tensor | None = None
 
@@ -301,7 +328,7 @@ def kv_spec_for(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None
 
 def select_kv_spec(
     calibrated: KVSpec | None, names: tuple[str, ...], kv_bits: int | None, *, dynamic: bool = False,
-    sink_tokens: int = 1,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
 ) -> KVSpec | None:
     """Which KV cache to run with; None means an ordinary full-precision cache.
 

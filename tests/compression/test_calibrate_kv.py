@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from squeeze import api
 from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_module
+from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.quant.kv import KV_FILE
 from squeeze.runtime.kvcache import SqueezeKVCache
 
@@ -52,7 +53,8 @@ def test_calibrate_kv_adds_scales_and_keeps_the_shards(kv4_artifact, rtn_artifac
     assert set(after) - set(before) == {KV_FILE}
     config = json.loads((out / "config.json").read_text())
     kv = config["quantization_config"]["kv_cache"]
-    assert kv["bits"] == 4 and kv["sink_tokens"] == 1 and len(kv["layers"]) == 5
+    assert kv["bits"] == 4 and kv["sink_tokens"] == DEFAULT_SINK_TOKENS and len(kv["layers"]) == 5
+    assert all(layer["v_codebook"] and layer["v_symmetric"] for layer in kv["layers"])  # int4 values: codebook
     assert api.verify_model_integrity(out).ok
 
 
@@ -65,8 +67,8 @@ def test_loaded_artifact_runs_with_its_calibrated_cache(kv4_artifact) -> None:
     assert result.kv_bytes_per_token == summary["kv_bytes_per_token"]
     tokens = result.prompt_tokens[0] + sum(result.new_tokens) - 1  # the last token is never fed back
     per_token = result.kv_bytes_per_token["int4"]
-    sink = 2 * 5 * 4 * 8 * 4  # K and V of one fp32 token, 5 layers x 4 heads x 8 channels
-    assert result.kv_cache_bytes == (tokens - 1) * per_token + sink
+    sink = DEFAULT_SINK_TOKENS * 2 * 5 * 4 * 8 * 4  # K and V of fp32 tokens, 5 layers x 4 heads x 8 channels
+    assert result.kv_cache_bytes == (tokens - DEFAULT_SINK_TOKENS) * per_token + sink
     fp = api.generate(loaded, "Once upon a time", max_new_tokens=8, kv_bits=16)
     assert fp.kv_cache == "float32" and fp.kv_cache_bytes == tokens * result.kv_bytes_per_token["fp16"] * 2
 

@@ -11,17 +11,30 @@ from squeeze.calibrate.windows import sample_windows, tokenize_text
 from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import perplexity
 from squeeze.models.targets import attention_modules
-from squeeze.quant.kv import KVSpec, LayerKV, dequantize, fake_quantize_keys, quantize, token_grid
+from squeeze.quant.kv import (
+    KVSpec,
+    LayerKV,
+    codebook_scale,
+    dequantize,
+    dequantize_codebook,
+    fake_quantize_keys,
+    quantize,
+    quantize_codebook,
+    token_grid,
+)
 from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
 
 H, D = 2, 8
 
 
-def _layer_spec(bits: int, v_symmetric: bool, v_group: int | None = None) -> LayerKV:
+def _layer_spec(bits: int, v_symmetric: bool, v_group: int | None = None, *, k_group: int | None = None,
+                codebook: bool = False) -> LayerKV:
     gen = torch.Generator().manual_seed(bits)
     scale = torch.rand(H, D, generator=gen) * 3 + 0.1
     zero = torch.randn(H, D, generator=gen)
-    return LayerKV(scale, zero, torch.tensor([0.9, 1.0]), k_symmetric=False, v_symmetric=v_symmetric, v_group=v_group)
+    levels = (torch.rand(1 << bits, generator=gen) * 2.2 - 1.1).sort().values if codebook else None
+    return LayerKV(scale, zero, torch.tensor([0.9, 1.0]), k_symmetric=False, v_symmetric=v_symmetric or codebook,
+                   v_group=v_group, k_group=k_group, v_levels=levels)
 
 
 def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, keys: bool) -> torch.Tensor:
@@ -30,10 +43,15 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
     if layer is None:
         scale, offset = token_grid(rest, bits, 1.0, True)
     elif keys:
-        fake = fake_quantize_keys(rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits)
+        fake = fake_quantize_keys(rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits,
+                                  layer.key_group)
         return torch.cat([x[:, :, :sink], fake], dim=2)
     else:
         grouped = rest.unflatten(-1, (-1, layer.value_group))  # (B, H, T, G, g)
+        if layer.v_levels is not None:
+            scale = codebook_scale(grouped)
+            fake = dequantize_codebook(quantize_codebook(grouped, scale, layer.v_levels), scale, layer.v_levels)
+            return torch.cat([x[:, :, :sink], fake.flatten(-2)], dim=2)
         scale, offset = token_grid(grouped, bits, layer.v_clip[None, :, None, None, None], layer.v_symmetric)
         fake = dequantize(quantize(grouped, scale, offset, bits), scale, offset).flatten(-2)
         return torch.cat([x[:, :, :sink], fake], dim=2)
@@ -41,11 +59,12 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("kind", ["calibrated-sym", "calibrated-asym", "grouped-sym", "grouped-asym", "dynamic"])
+@pytest.mark.parametrize("kind", ["calibrated-sym", "calibrated-asym", "grouped-sym", "grouped-asym", "dynamic",
+                                  "codebook", "codebook-grouped"])
 def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) -> None:
-    group = 4 if kind.startswith("grouped") else None  # two value grids per 8-channel head
+    group = 4 if "grouped" in kind else None  # two key / value grids per 8-channel head
     layer = None if kind == "dynamic" else _layer_spec(bits, v_symmetric=kind.endswith("sym") and "asym" not in kind,
-                                                       v_group=group)
+                                                       v_group=group, k_group=group, codebook="codebook" in kind)
     cache_layer = SqueezeKVLayer(bits, layer, sink_tokens=2)
     k, v = torch.randn(3, H, 70, D), torch.randn(3, H, 70, D) * 2
     # prefill of 5, then single tokens, then a chunk crossing the 64-token capacity boundary
@@ -58,7 +77,8 @@ def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_history_is_stored_as_codes_not_floats(bits: int) -> None:
-    spec = KVSpec(bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True, v_group=4)))
+    spec = KVSpec(bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True, v_group=4, k_group=4,
+                                                                             codebook=True)))
     cache = SqueezeKVCache(spec)
     for idx in range(2):
         cache.update(torch.randn(1, H, 100, D), torch.randn(1, H, 100, D), idx)
