@@ -211,7 +211,8 @@ def quantize_codebook(x: Tensor, scale: Tensor, levels: Tensor) -> Tensor:
     """
     c = levels.to(device=x.device, dtype=torch.float64)
     mids = (c[:-1] + c[1:]) * 0.5  # (K-1,)
-    return torch.bucketize((x / scale).double(), mids).to(torch.uint8)
+    scaled = (x / scale).double().contiguous()  # keys / values arrive as strided views; bucketize wants dense
+    return torch.bucketize(scaled, mids).to(torch.uint8)
 
 
 def dequantize_codebook(codes: Tensor, scale: Tensor, levels: Tensor, *, out: Tensor | None = None) -> Tensor:

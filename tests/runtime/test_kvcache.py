@@ -170,3 +170,15 @@ def test_generate_with_the_quantized_cache(stories_kv) -> None:
     assert torch.equal(quantized, plain)  # int8 KV does not change this greedy continuation
     assert cache.get_seq_length() == quantized.shape[1] - 1
     assert beams.shape[1] == ids["input_ids"].shape[1] + 6
+
+
+def test_codebook_layer_takes_strided_views_without_warnings() -> None:
+    import warnings
+
+    layer = SqueezeKVLayer(4, _layer_spec(4, True, codebook=True), sink_tokens=1)
+    k = torch.randn(1, 6, H, D).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D), as attention hands it over
+    v = torch.randn(1, 6, H, D).transpose(1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keys, values = layer.update(k, v)
+    assert torch.equal(values, _reference(v.contiguous(), layer.spec, 4, 1, keys=False))
