@@ -137,8 +137,9 @@ class QuantizedStream:
         scale = self.scale[:, :, : self.length, :, None].to(out.dtype)  # (B, H, T, G, 1): T*G numbers
         offset = self.offset[:, :, : self.length, :, None].to(out.dtype) if self.offset is not None else None
         if self.levels is not None:
-            looked_up = self._table(out.device, out.dtype)[codes.int()]  # (B, H, T, D/2, 2) at int4, else (B, H, T, D)
-            torch.mul(looked_up.reshape(out.shape).unflatten(-1, (groups, -1)), scale, out=out.unflatten(-1, (groups, -1)))
+            table = self._table(out.device, out.dtype)  # (256, 2) at int4, (256,) at int8
+            looked_up = table.index_select(0, codes.reshape(-1).int()).view(out.shape)  # (B, H, T, D)
+            torch.mul(looked_up.unflatten(-1, (groups, -1)), scale, out=out.unflatten(-1, (groups, -1)))
         elif self.bits == 4:
             even, odd = unpack_int4(codes, signed=self.symmetric)  # (B, H, T, D/2) each
             pairs = out.unflatten(-1, (-1, 2))  # (B, H, T, D/2, 2) view of out
