@@ -88,8 +88,10 @@ class WeightsConfig:
 
 
 #: Leading tokens of a sequence whose keys and values the quantized KV cache keeps in full precision (the
-#: attention sink, as in StreamingLLM). Measured on SmolLM2-135M, int4 KV (docs/benchmarks.md, 10 windows):
-#: 4 sink tokens +1.82% perplexity vs +2.44% with 1; they cost 4 fp16 tokens per sequence, not per token.
+#: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (docs/benchmarks.md, 10 windows) 4
+#: instead of 1 gained 0.2-0.6 points of perplexity with earlier layouts and nothing measurable with the final
+#: one (+2.24% vs +2.23%); they cost 4 tokens of fp16 per sequence, not per token, and cover the BOS / chat
+#: template tokens where generation puts its outliers.
 DEFAULT_SINK_TOKENS = 4
 
 

@@ -68,7 +68,7 @@ def default_key_group(bits: int, head_dim: int) -> int:
     """Channels per key grid by default: 32 at int4 (heads of 64 channels or more), else the whole head.
 
     Measured on SmolLM2-135M (docs/benchmarks.md, 10 windows): int4 keys alone cost +2.37% perplexity with
-    one grid per head and +1.22% with grids of 32 channels; the second fp16 scale per head costs 1/64 of
+    one grid per head and +1.30% with grids of 32 channels; the second fp16 scale per head costs 1/64 of
     fp16's bytes at head_dim 64 (0.273 of fp16 in all). At int8 the error is already negligible and the
     bytes budget tight (0.52), so keys keep one grid per head.
     """
