@@ -93,19 +93,18 @@ def grid_value_quantizers(values: list[Tensor]) -> list[Quantizer]:
     return out
 
 
-def scale_weighted_levels(samples: Tensor) -> Tensor:
-    """The alternative to fit_value_codebook's unweighted k-means: weights scale**2 (squared error in value units)."""
+def unweighted_levels(samples: Tensor) -> Tensor:
+    """The alternative to fit_value_codebook's k-means weighted by scale**2: every token's relative error alike."""
     grouped = samples.unsqueeze(-2)  # (N, H, 1, D): one grid per head
-    scale = codebook_scale(grouped)
-    scaled = (grouped / scale).reshape(1, -1)
-    return weighted_kmeans_1d(scaled, scale.square().expand_as(grouped).reshape(1, -1), 16)[0][0]
+    scaled = (grouped / codebook_scale(grouped)).reshape(1, -1)
+    return weighted_kmeans_1d(scaled, torch.ones_like(scaled), 16)[0][0]
 
 
-def codebook_value_quantizers(values: list[Tensor], weighted: bool = False) -> list[Quantizer]:
-    """A 16-level codebook per layer on absmax-scaled values (the int4 default; ``weighted``: the alternative)."""
+def codebook_value_quantizers(values: list[Tensor], unweighted: bool = False) -> list[Quantizer]:
+    """A 16-level codebook per layer on absmax-scaled values (the int4 default; ``unweighted``: the alternative)."""
     out = []
     for samples in values:
-        levels = scale_weighted_levels(samples) if weighted else fit_value_codebook(samples, 4).levels
+        levels = unweighted_levels(samples) if unweighted else fit_value_codebook(samples, 4).levels
         assert levels is not None
 
         def quantizer(x: Tensor, levels: Tensor = levels) -> Tensor:
@@ -146,7 +145,7 @@ def main() -> None:
         "  values only (value grid with clip)": (None, v_grid, 1),
         "keys only, grids of 32 channels": (k_32, None, 1),
         "values only, codebook": (None, v_codebook, 1),
-        "values only, codebook weighted by scale^2": (None, codebook_value_quantizers(values, weighted=True), 1),
+        "values only, codebook, unweighted k-means": (None, codebook_value_quantizers(values, unweighted=True), 1),
         "key grids of 32 + value grid with clip, sink 1": (k_32, v_grid, 1),
         "key grid per head + value codebook, sink 1": (k_head, v_codebook, 1),
         "key grids of 32 + value codebook, sink 1": (k_32, v_codebook, 1),

@@ -163,7 +163,7 @@ def test_codebook_scale_is_the_fp16_absmax() -> None:
 
 
 @pytest.mark.parametrize("group", [None, 8])
-def test_fit_value_codebook_is_the_kmeans_of_scaled_values_and_beats_uniform_grids(group: int | None) -> None:
+def test_fit_value_codebook_is_the_weighted_kmeans_and_beats_uniform_grids(group: int | None) -> None:
     from sklearn.cluster import KMeans
 
     gen = torch.Generator().manual_seed(3)
@@ -176,12 +176,13 @@ def test_fit_value_codebook_is_the_kmeans_of_scaled_values_and_beats_uniform_gri
     scale = codebook_scale(grouped)
     fake = dequantize_codebook(quantize_codebook(grouped, scale, fit.levels), scale, fit.levels)
     assert float((fake - grouped).square().sum()) == pytest.approx(fit.sse, rel=1e-6)
-    # differential: sklearn's k-means on the same scaled values lands no lower
+    # differential: sklearn's weighted k-means on the same scaled values and weights lands no lower
     scaled = grouped / scale
-    ref = KMeans(16, n_init=3, random_state=0).fit(scaled.reshape(-1, 1).numpy())
+    weights = scale.square().expand_as(grouped).reshape(-1).numpy()
+    ref = KMeans(16, n_init=3, random_state=0).fit(scaled.reshape(-1, 1).numpy(), sample_weight=weights)
     ones = torch.ones_like(scale)
-    ours = float((scaled - dequantize_codebook(quantize_codebook(scaled, ones, fit.levels), ones, fit.levels))
-                 .square().sum())
+    ours = float(((scaled - dequantize_codebook(quantize_codebook(scaled, ones, fit.levels), ones, fit.levels))
+                  .square() * scale.square()).sum())
     assert ours <= float(ref.inertia_) * 1.01
     # and a codebook beats the best clipped uniform grid on heavy-tailed values (what it is for)
     assert fit.sse < fit_values(x, 4, g).sse
