@@ -10,10 +10,11 @@ token): symmetric grids read back ``q * scale`` with int8 codes in [-qmax - 1, q
   1-D k-means of the calibration values, so they sit where values are dense instead of evenly spaced.
 - Keys: keys have a few channels far larger than the rest (KVQuant), so they are first normalised per
   channel with a calibrated ``k_scale`` and centre ``k_zero`` (H, D), ``(k - k_zero) / k_scale``, and the
-  normalised vector gets a symmetric per-token grid (one per ``k_group`` channels: 32 at int4). A purely static per-channel grid (KVQuant without its
-  sparse outliers) clamps every key outside the calibrated range: on stories260K, calibrated on 500 tokens,
-  one key of another text came back off by 18 (its range is +-24). Normalising per channel and then scaling
-  per token keeps the calibrated channel balance and adapts to every token.
+  normalised vector gets symmetric per-token grids (one per ``k_group`` channels: 32 at int4). A purely
+  static per-channel grid (KVQuant without its sparse outliers) clamps every key outside the calibrated
+  range: on stories260K, calibrated on 500 tokens, one key of another text came back off by 18 (its range
+  is +-24). Normalising per channel and then scaling per token keeps the calibrated channel balance and
+  adapts to every token.
 - The uncalibrated baseline: symmetric per-token absmax grids for keys and values, no normalisation.
 
 int4 codes are packed two per byte along the head dimension (their low 4 bits, two's complement for
@@ -79,7 +80,7 @@ def check_group(group: object, head_dim: int, what: str, error: type[SqueezeErro
     """``group`` if it is an even divisor of ``head_dim`` (channels per grid), else ``error``."""
     if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2 or head_dim % group:
         raise error(f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
-                          hint=f"e.g. {head_dim // 2} or {head_dim}")
+                    hint=f"e.g. {head_dim // 2} or {head_dim}")
     return group
 
 
@@ -206,8 +207,8 @@ def codebook_scale(x: Tensor) -> Tensor:
 def quantize_codebook(x: Tensor, scale: Tensor, levels: Tensor) -> Tensor:
     """uint8 index of the level nearest to ``x / scale`` (ties: the lower one); ``levels`` (K,) ascending.
 
-    Decided against the midpoints of neighbouring levels, in float32 (float64 would be exact at ties, as in
-    squeeze.quant.kmeans.nearest_codes, and costs 1.4x the time for no measurable difference).
+    ``x / scale`` is compared with the midpoints of neighbouring levels in float32 (float64 would make ties
+    exact, as in squeeze.quant.kmeans.nearest_codes, at 1.4x the time for no measurable difference).
     """
     c = levels.to(device=x.device, dtype=torch.float32)
     mids = (c[:-1] + c[1:]) * 0.5  # (K-1,)
