@@ -88,10 +88,9 @@ class WeightsConfig:
 
 
 #: Leading tokens of a sequence whose keys and values the quantized KV cache keeps in full precision (the
-#: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (docs/benchmarks.md, 10 windows) 4
-#: instead of 1 gained 0.2-0.6 points of perplexity with earlier layouts and nothing measurable with the final
-#: one (+2.24% vs +2.23%); they cost 4 tokens of fp16 per sequence, not per token, and cover the BOS / chat
-#: template tokens where generation puts its outliers.
+#: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (scripts/ablate_kv.py, 10 windows)
+#: 4 instead of 1 measured +2.41% vs +2.62% perplexity over full precision; they cost 4 tokens of fp16 per
+#: sequence, not per token, and cover the BOS / chat-template tokens where generation puts its outliers.
 DEFAULT_SINK_TOKENS = 4
 
 
