@@ -101,8 +101,8 @@ def _strided(samples: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate_kv(
-    model: nn.Module, windows: torch.Tensor, bits: int, *, sink_tokens: int = DEFAULT_SINK_TOKENS, key_group: int | None = None,
-    value_group: int | None = None, progress: Progress | None = None,
+    model: nn.Module, windows: torch.Tensor, bits: int, *, sink_tokens: int = DEFAULT_SINK_TOKENS,
+    key_group: int | None = None, value_group: int | None = None, progress: Progress | None = None,
 ) -> KVCalibration:
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
 

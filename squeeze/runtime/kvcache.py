@@ -3,8 +3,9 @@
 Per layer, the first ``sink_tokens`` tokens (the attention sink) are kept as given; every later token is
 stored as codes on a per-token grid: keys after a per-channel normalisation calibrated by ``squeeze
 calibrate-kv`` (none in the uncalibrated baseline), values with a calibrated clipping ratio or, at int4, as
-indices into a calibrated codebook (see squeeze.quant.kv). The history is never kept in floating point: ``update`` dequantizes it into a fresh tensor that lives
-only for the attention call of that layer, so at most one layer's float K/V exists at a time.
+indices into a calibrated codebook (see squeeze.quant.kv). The history is never kept in floating point:
+``update`` dequantizes it into a fresh tensor that lives only for the attention call of that layer, so at
+most one layer's float K/V exists at a time.
 
 Keys arrive post-RoPE: since transformers 5, attention modules hand the cache rotated keys and no position
 embeddings, so calibration and quantization both work on post-RoPE keys (see docs/guide.md).
