@@ -124,7 +124,8 @@ def calibrate_kv(
     ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time.
     ``key_group`` / ``value_group``: channels per key / value grid (default: 32 for int4 keys, else the
     whole head; e.g. 32 for two grids per head). At int4 values are indices into a calibrated codebook of 16
-    levels per layer, at int8 uniform grids with a calibrated clipping ratio. The artifact is replaced only once the new one is complete and sealed: a failure leaves it exactly as it was.
+    levels per layer, at int8 uniform grids with a calibrated clipping ratio. The artifact is replaced only
+    once the new one is complete and sealed: a failure leaves it exactly as it was.
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
 

@@ -33,8 +33,8 @@ def calibrate_kv(
 
     Keys: per-channel normaliser (post-RoPE) then per-token grids; values: per-token grids with a
     calibrated clipping ratio per head (int8) or a calibrated 16-level codebook per layer (int4); the first
-    --sink-tokens tokens stay in full precision. The artifact
-    is swapped for the new one only when it is complete and sealed; a failed run leaves it as it was.
+    --sink-tokens tokens stay in full precision. The artifact is swapped for the new one only when it is
+    complete and sealed; a failed run leaves it as it was.
     """
     with cli_errors():
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:

@@ -24,6 +24,7 @@ signed codes; codebook indices unsigned), the even channel in the low nibble.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
@@ -76,9 +77,16 @@ def default_key_group(bits: int, head_dim: int) -> int:
     return 32 if bits == 4 and head_dim >= 64 and head_dim % 32 == 0 else head_dim
 
 
+def is_group(group: object, head_dim: int) -> TypeGuard[int]:
+    """Whether ``group`` can be the channels per grid of a ``head_dim`` head: an even divisor of it (int4 packs
+    channel pairs)."""
+    return isinstance(group, int) and not isinstance(group, bool) and group >= 2 and not group % 2 \
+        and not head_dim % group
+
+
 def check_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
     """``group`` if it is an even divisor of ``head_dim`` (channels per grid), else ``error``."""
-    if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2 or head_dim % group:
+    if not is_group(group, head_dim):
         raise error(f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
                     hint=f"e.g. {head_dim // 2} or {head_dim}")
     return group
@@ -433,7 +441,7 @@ class KVSpec:
             head_dim = int(k_scale.shape[-1])
             groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
             for key, group in zip(("k_group", "v_group"), groups):
-                if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2 or head_dim % group:
+                if not is_group(group, head_dim):
                     raise FormatError(f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, "
                                       f"found {group!r}")
             names.append(name)
@@ -509,6 +517,6 @@ def kv_geometry(model_config: object) -> tuple[int, int, int]:
 __all__ = [
     "KV_BITS", "KV_FILE", "CLIP_GRID", "PARAM_BYTES", "check_kv_bits", "levels", "qmax", "quantize", "dequantize", "interleave",
     "pack_int4", "unpack_int4", "token_grid", "codebook_scale", "quantize_codebook", "dequantize_codebook",
-    "fit_value_codebook", "default_key_group", "check_group", "key_channel_params", "normalize_keys", "denormalize_keys_", "fake_quantize_keys", "asymmetric_gain_needed", "default_value_group", "KeyFit", "ValueFit", "fit_keys", "fit_values",
+    "fit_value_codebook", "default_key_group", "is_group", "check_group", "key_channel_params", "normalize_keys", "denormalize_keys_", "fake_quantize_keys", "asymmetric_gain_needed", "default_value_group", "KeyFit", "ValueFit", "fit_keys", "fit_values",
     "dynamic_error", "LayerKV", "KVSpec", "fp_bytes_per_token", "layer_bytes_per_token", "kv_bytes_table", "kv_geometry",
 ]

@@ -80,14 +80,14 @@ class QuantizedStream:
 
     def _table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The codebook by stored byte, in ``dtype`` on ``device`` (built once): at int4 (256, 2), the levels
-        of a packed byte's low and high nibble, so one lookup unpacks and decodes; at int8 (256,)."""
+        of a packed byte's low and high nibble, so one lookup unpacks and decodes; at int8 the levels (256,)."""
         assert self.levels is not None
         key = (device, dtype)
         if key not in self._table_cache:
             levels = self.levels.to(device, dtype)
             byte = torch.arange(256, device=device)
             self._table_cache[key] = (torch.stack((levels[byte & 0x0F], levels[byte >> 4]), dim=-1)
-                                      if self.bits == 4 else levels[byte])
+                                      if self.bits == 4 else levels)
         return self._table_cache[key]
 
     def _clip(self, device: torch.device) -> Tensor | float:

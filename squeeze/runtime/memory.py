@@ -39,7 +39,6 @@ class LoadEstimate:
         return self.artifact_bytes + working + self.overhead_bytes
 
 
-
 def estimate_load(directory: str | os.PathLike[str], chunk_rows: int = 1024) -> LoadEstimate | None:
     """What loading ``directory`` will hold, from the manifest's sizes and config.json; None if unreadable.
 
