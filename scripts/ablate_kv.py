@@ -22,16 +22,13 @@ import torch
 from torch import Tensor
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
 from transformers import DynamicCache  # noqa: E402
 
+from bench_kv import add_data_arguments, load_data  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from squeeze.calibrate.kv import capture_kv  # noqa: E402
-from squeeze.calibrate.windows import read_text_file, sample_windows, tokenize_text  # noqa: E402
-from squeeze.errors import ConfigError  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
-from squeeze.models.source import load_model, resolve_model  # noqa: E402
 from squeeze.quant.kmeans import weighted_kmeans_1d  # noqa: E402
 from squeeze.quant.kv import (  # noqa: E402
     codebook_scale,
@@ -117,19 +114,12 @@ def codebook_value_quantizers(values: list[Tensor], unweighted: bool = False) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--calibration", default=str(SHARED / "corpora" / "sotu.txt"))
-    parser.add_argument("--eval-text", default=str(SHARED / "corpora" / "wikitext2_raw_test.txt"))
-    parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--eval-windows", type=int, default=10)
+    add_data_arguments(parser, eval_windows=10)
     parser.add_argument("--out", default="bench-out/kv-ablations.json")
     args = parser.parse_args()
 
-    model, tokenizer = load_model(resolve_model(args.model), dtype=torch.float32)
-    calib_ids = tokenize_text(read_text_file(args.calibration, "calibration text", ConfigError), tokenizer)
-    eval_ids = tokenize_text(read_text_file(args.eval_text, "evaluation text", ConfigError), tokenizer)
-    keys, values = capture_kv(model, sample_windows(calib_ids, args.calib_windows, args.seq_len, seed=0), 1)
+    model, _, windows, eval_ids = load_data(args)
+    keys, values = capture_kv(model, windows, 1)
 
     def ppl(kq: list[Quantizer] | None, vq: list[Quantizer] | None, sink: int) -> float:
         factory = None if kq is None and vq is None else (lambda: FakeQuantCache(model.config, kq, vq, sink))

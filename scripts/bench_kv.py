@@ -54,14 +54,27 @@ def decode_seconds(model, prompt: torch.Tensor, new_tokens: int, make_cache) -> 
         return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_data_arguments(parser: argparse.ArgumentParser, eval_windows: int) -> None:
+    """The model, calibration and evaluation options the KV scripts share (bench_kv, ablate_kv)."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--calibration", default=str(SHARED / "corpora" / "sotu.txt"))
     parser.add_argument("--eval-text", default=str(SHARED / "corpora" / "wikitext2_raw_test.txt"))
     parser.add_argument("--calib-windows", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--eval-windows", type=int, default=eval_windows)
+
+
+def load_data(args: argparse.Namespace):  # noqa: ANN201
+    """(model fp32, tokenizer, calibration windows (n, T) int64, evaluation ids (1, N) int64) from the options."""
+    model, tokenizer = load_model(resolve_model(args.model), dtype=torch.float32)
+    calib_ids = tokenize_text(read_text_file(args.calibration, "calibration text", ConfigError), tokenizer)
+    eval_ids = tokenize_text(read_text_file(args.eval_text, "evaluation text", ConfigError), tokenizer)
+    return model, tokenizer, sample_windows(calib_ids, args.calib_windows, args.seq_len, seed=0), eval_ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_arguments(parser, eval_windows=40)
     parser.add_argument("--sink-tokens", type=int, default=DEFAULT_SINK_TOKENS)
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens before the timed decode")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -72,10 +85,7 @@ def main() -> None:
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(resolve_model(args.model), dtype=torch.float32)
-    calib_ids = tokenize_text(read_text_file(args.calibration, "calibration text", ConfigError), tokenizer)
-    eval_ids = tokenize_text(read_text_file(args.eval_text, "evaluation text", ConfigError), tokenizer)
-    windows = sample_windows(calib_ids, args.calib_windows, args.seq_len, seed=0)
+    model, _, windows, eval_ids = load_data(args)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
 
     specs: dict[str, KVSpec | None] = {"fp": None}
