@@ -213,6 +213,9 @@ def test_a_failure_while_writing_leaves_the_artifact_as_it_was(rtn_artifact: Pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging dir left behind
 
 
-def test_value_group_size_must_divide_the_head(rtn_artifact: Path, tinystories_file: Path) -> None:
+@pytest.mark.parametrize("option", ["--value-group-size", "--key-group-size"])
+@pytest.mark.parametrize("size", ["3", "6", "0"])
+def test_group_sizes_must_be_even_divisors_of_the_head(rtn_artifact: Path, tinystories_file: Path, option: str,
+                                                       size: str) -> None:
     _refused(["calibrate-kv", str(rtn_artifact), "--bits", "4", "-c", str(tinystories_file), *CALIB,
-              "--value-group-size", "3"], "even divisor", rtn_artifact)
+              option, size], f"{option.split('-')[2]} grids must span an even divisor", rtn_artifact)
