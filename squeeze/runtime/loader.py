@@ -74,7 +74,7 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
         # Python decompositions for every linear (0.5 s of a 1.4 s SmolLM2 load, measured)
         with torch.device("meta"), _no_init_weights(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - unknown model types and bad configs raise many kinds
         raise FormatError(f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}") from None
     return model.eval()
@@ -303,7 +303,7 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
         for name, data in files.items():
             if "/" not in name:
                 (Path(tmp) / name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
 
 
 def _is_quantized_param(model: nn.Module, key: str) -> bool:
