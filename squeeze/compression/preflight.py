@@ -61,10 +61,11 @@ def meta_model(source: ModelSource) -> nn.Module:
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True, **kwargs)
+        config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True, trust_remote_code=False,
+                                            **kwargs)
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
         raise ModelError(
             f"cannot build the architecture of {source.model_id}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
