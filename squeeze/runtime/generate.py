@@ -224,6 +224,30 @@ def _peak_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
+def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: int) -> None:
+    """Refuse (ConfigError) prompts that leave no room for ``max_new_tokens`` in a ``context``-token model.
+
+    ``prompt_tokens``: each prompt's token count (a batch is padded to the longest). A prompt that alone
+    fills the context is too long whatever ``--max-new-tokens`` is, so the hint says to shorten it; only
+    when at least one new token fits does the hint suggest a smaller ``--max-new-tokens``.
+    """
+    longest = max(prompt_tokens)
+    if longest + max_new_tokens <= context:
+        return
+    which = (f"prompt {prompt_tokens.index(longest) + 1} of {len(prompt_tokens)}" if len(prompt_tokens) > 1
+             else "the prompt")
+    if longest >= context:  # no --max-new-tokens helps: not even one new token fits
+        room = context - max_new_tokens
+        raise ConfigError(
+            f"{which} is too long: it has {longest} tokens, and the model's context is {context} tokens for the "
+            "prompt and the new tokens together",
+            hint=(f"shorten {which} to at most {room} tokens for --max-new-tokens {max_new_tokens}" if room >= 1
+                  else f"shorten {which} and lower --max-new-tokens so that together they fit in {context} tokens"))
+    raise ConfigError(
+        f"{which} ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+        f"{context} tokens", hint=f"use --max-new-tokens {context - longest} or less, or shorten {which}")
+
+
 def generate(
     loaded_or_model: Any,
     tokenizer: Any | None,
@@ -280,10 +304,8 @@ def generate(
     if min(prompt_tokens) == 0:
         raise ConfigError("a prompt tokenized to zero tokens", hint="pass a prompt with some text")
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(context, int) and input_ids.shape[1] + max_new_tokens > context:
-        raise ConfigError(
-            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"context of {context} tokens", hint=f"use --max-new-tokens {max(1, context - input_ids.shape[1])} or less")
+    if isinstance(context, int) and not isinstance(context, bool):
+        check_context(prompt_tokens, max_new_tokens, context)
 
     do_sample = temperature > 0.0
     options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "pad_token_id": pad_id}
@@ -351,4 +373,4 @@ def _kv_table(model: nn.Module, kv_spec: KVSpec | None) -> dict[str, int] | None
         return None
 
 
-__all__ = ["GenerationResult", "generate", "validate_options", "resolve_device"]
+__all__ = ["GenerationResult", "generate", "validate_options", "resolve_device", "check_context"]
