@@ -59,8 +59,11 @@ class ResumeError(SqueezeError):
 class Interrupted(SqueezeError):
     """A run stopped on SIGINT or SIGTERM after committing its completed work; exit code 128 + signal."""
 
-    def __init__(self, message: str, hint: str | None = None, *, signum: int = 2, work_dir: str | None = None) -> None:
+    def __init__(self, message: str, hint: str | None = None, *, signum: int = 2, work_dir: str | None = None,
+                 resumable: bool = True) -> None:
         super().__init__(message, hint)
         self.signum = signum
         self.exit_code = 128 + signum  # 130 for SIGINT, 143 for SIGTERM: what shells report for such deaths
         self.work_dir = work_dir
+        #: False when nothing was committed (the work area is gone): rerun the command without --resume.
+        self.resumable = resumable

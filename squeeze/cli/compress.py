@@ -70,7 +70,9 @@ def compress(
                 "--seq-len": seq_len, "--seed": seed, **{f"--{key.split('.')[-1].replace('_', '-')}": value
                                                          for key, value in overrides.items()},
             }
-            exc.hint = f"resume with: {resume_command(model, options, overwrite=overwrite)}"
+            command = resume_command(model, options, overwrite=overwrite, resume=exc.resumable)
+            exc.hint = (f"resume with: {command}" if exc.resumable
+                        else f"nothing was committed, so nothing to resume; start again with: {command}")
             raise
     if json_out:
         print_json(result.to_dict())
@@ -88,12 +90,15 @@ def compress(
     err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")
 
 
-def resume_command(model: str, options: dict[str, Any], *, overwrite: bool) -> str:
-    """The shell command that continues an interrupted run: same inputs, plus --resume (never --restart)."""
+def resume_command(model: str, options: dict[str, Any], *, overwrite: bool, resume: bool = True) -> str:
+    """The shell command that continues an interrupted run: same inputs, plus --resume (never --restart).
+
+    ``resume=False`` (nothing was committed): the same command without --resume, which would refuse.
+    """
     args = ["squeeze", "compress", model]
     for flag, value in options.items():
         if value is not None:
             args += [flag, str(value)]
     if overwrite:
         args.append("--overwrite")
-    return shlex.join(args + ["--resume"])
+    return shlex.join(args + (["--resume"] if resume else []))

@@ -2,13 +2,17 @@
 
 An artifact gains ``kv_cache.safetensors`` ({attn}.k_scale / .k_zero / .v_clip) and a ``kv_cache`` entry in
 config.json's quantization_config; its model shards are untouched (hard links). The new artifact is built
-and sealed in a hidden staging directory next to the target and swapped in by rename only when complete,
-so a failed or interrupted run leaves the artifact exactly as it was. The scales live in their own file,
+and sealed in a hidden staging directory next to the target and swapped in only when complete, by an
+atomic exchange of the two directories (squeeze.format.swap), so the path holds a complete artifact at every
+instant and a failed or killed run leaves the artifact exactly as it was. Staging directories a killed run
+left behind are removed by the next run on that target. The scales live in their own file,
 not in the model shards and index, because transformers' loader would take them for unexpected weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -25,11 +29,21 @@ from safetensors.torch import save as safetensors_save
 from squeeze import __version__
 from squeeze.calibrate.kv import KVCalibration, calibrate_kv
 from squeeze.calibrate.windows import calibration_windows
+from squeeze.compression.preflight import check_context_length
 from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec
-from squeeze.errors import ConfigError, IntegrityError, SqueezeError
-from squeeze.format.atomic import atomic_write_bytes, atomic_write_text, fsync_directory
+from squeeze.compression.output import (
+    check_not_model_path,
+    check_output_dir,
+    check_writable,
+    foreign_entries,
+    owned_paths,
+    remove_owned,
+)
+from squeeze.errors import ConfigError, FormatError, IntegrityError, SqueezeError
+from squeeze.format.atomic import atomic_write_bytes, atomic_write_text, directory_mode
 from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
 from squeeze.format.shards import ShardWriter
+from squeeze.format.swap import aside_pattern, restore_aside, swap_in
 from squeeze.format.verify import read_manifest, seal_artifact
 from squeeze.quant.kv import KV_FILE, check_kv_bits, kv_bytes_table
 
@@ -90,7 +104,6 @@ def run_calibrate_kv(
     progress: StageProgress | None = None,
 ) -> CalibrateKVResult:
     """Calibrate KV scales for ``target`` (artifact or model) and write them; see squeeze.api.calibrate_kv."""
-    from squeeze.compression.preflight import check_output_dir
     from squeeze.models.source import load_model, resolve_model
     from squeeze.runtime.loader import is_artifact, load_artifact
 
@@ -104,25 +117,25 @@ def run_calibrate_kv(
             f"calibration windows of {calibration.seq_len} tokens are not longer than the {sink_tokens} sink token(s)",
             hint="use a longer --seq-len or fewer --sink-tokens",
         )
-    artifact = is_artifact(target)
-    if output is None and not artifact:
-        raise ConfigError(f"{target} is a model, not a squeeze artifact, and no --output was given",
-                          hint="pass --output DIR: an artifact with the original weights and calibrated KV is written there")
-    out = Path(output) if output is not None else Path(target)
-    if output is not None:
-        check_output_dir(out, overwrite)
+    source = Path(target).resolve()  # `current -> v3`: the artifact (and the swap) is at the link's target
+    out = Path(output).resolve() if output is not None else source
+    if out.name:
+        restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
+    artifact = is_artifact(source)
+    _check_output(source, out, artifact, overwrite=overwrite, in_place=output is None)
 
     t = time.perf_counter()
     old_manifest = None
     if artifact:
-        old_manifest = read_manifest(Path(target))
-        loaded = load_artifact(target, verify=True, dense_cache=True)  # IntegrityError before any work
+        old_manifest = read_manifest(source)
+        loaded = load_artifact(source, verify=True, dense_cache=True)  # IntegrityError before any work
         model, tokenizer = loaded.model, loaded.tokenizer
         config = _verified_config(loaded)
     else:
         model, tokenizer = load_model(resolve_model(str(target)), dtype=torch.float32)
         config = None
     timings["load"] = time.perf_counter() - t
+    check_context_length(model, calibration.seq_len)
 
     t = time.perf_counter()
     windows = calibration_windows(calibration, tokenizer)  # (n, T)
@@ -132,20 +145,16 @@ def run_calibrate_kv(
     timings["calibrate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.kv-", suffix=".partial", dir=_parent(out)))
-    try:
+    with _staging(out) as staging:
         if old_manifest is not None and config is not None:
-            linked = _link_artifact(Path(target), staging, old_manifest)
+            linked = _link_artifact(source, staging, old_manifest)
         else:
             linked, config = {}, _write_plain_artifact(model, tokenizer, staging)
         config_written = _write_kv(staging, config, result, calibration)
         provenance = _provenance(old_manifest.provenance if old_manifest else None, target, result, calibration)
         manifest = seal_artifact(staging, provenance)
         _check_linked(manifest, linked)
-        _swap_in(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        _replace(staging, out, overwrite=overwrite or out == source)
     timings["write"] = time.perf_counter() - t
     return CalibrateKVResult(
         output=str(out), bits=bits, sink_tokens=sink_tokens, calibration=result.to_dict(),
@@ -154,10 +163,96 @@ def run_calibrate_kv(
     )
 
 
+def _check_output(source: Path, out: Path, artifact: bool, *, overwrite: bool, in_place: bool) -> None:
+    """Check where the new artifact goes (``out``) before any work; cleans what a killed run left next to it."""
+    if in_place and not artifact:
+        raise ConfigError(f"{source} is a model, not a squeeze artifact, and no --output was given",
+                          hint="pass --output DIR: an artifact with the original weights and calibrated KV is written there")
+    if not out.name:
+        raise ConfigError(f"cannot write an artifact at {out}: it is the filesystem root", hint="choose another --output")
+    if out != source or not artifact:
+        # a new place: the usual output rules (refuse foreign files; never over, in or around the input)
+        check_not_model_path(out, [source], what="the model or artifact being calibrated")
+        check_output_dir(out, overwrite)
+    check_writable(out.parent)  # the staging directory and the swap live next to the output
+    _clean_leftovers(out)
+
+
 def _parent(output: Path) -> Path:
-    parent = output.resolve().parent
+    parent = output.parent
     parent.mkdir(parents=True, exist_ok=True)
     return parent
+
+
+_STAGING_INFIX = ".kv-"
+_STAGING_SUFFIX = ".partial"
+
+
+@contextlib.contextmanager
+def _staging(out: Path):  # type: ignore[no-untyped-def]
+    """A fresh hidden staging directory next to ``out``, flock-ed while in use; removed on failure.
+
+    The lock tells a later run's leftover clean-up that this directory belongs to a live process.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING_INFIX}", suffix=_STAGING_SUFFIX, dir=_parent(out)))
+    os.chmod(staging, directory_mode())  # mkdtemp makes it 0700; the swapped-in artifact keeps this mode
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # not yet swapped: everything in it was written here
+        raise
+    finally:
+        os.close(fd)
+
+
+def _replace(staging: Path, out: Path, *, overwrite: bool) -> None:
+    """Swap the sealed ``staging`` in at ``out`` atomically, then discard what was there before."""
+    if os.path.lexists(out):  # checked again: files may have appeared in the output during calibration
+        check_output_dir(out, overwrite)
+    previous = swap_in(staging, out)
+    if previous is not None:
+        _discard(previous, out, unfinished_staging=False)
+
+
+def _discard(old: Path, out: Path, *, unfinished_staging: bool) -> None:
+    """Delete a directory moved aside from ``out`` (its old artifact), or a staging directory left behind.
+
+    Only what squeeze wrote goes: an old artifact's manifest-listed files (checked to be all it holds just
+    before the swap), or the whole of a staging directory that was never sealed (``unfinished_staging``:
+    squeeze wrote all of it). Should anything else be there, only the listed files are removed and the
+    directory is kept, visibly renamed, with the rest.
+    """
+    try:
+        owned: frozenset[str] | None = owned_paths(old)
+    except (FormatError, OSError):
+        owned = None if unfinished_staging else frozenset()
+    if owned is not None and foreign_entries(old, owned):
+        kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.kv-leftover-", dir=old.parent))
+        os.rename(old, kept)
+        remove_owned(kept, owned)
+        return
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Drop what a killed run left next to ``out``: stale staging dirs, an old artifact moved aside."""
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    patterns = (f".{out.name}{_STAGING_INFIX}*{_STAGING_SUFFIX}", aside_pattern(out))
+    for candidate in sorted({p for pattern in patterns for p in parent.glob(pattern)}):
+        if candidate.is_symlink() or not candidate.is_dir():
+            continue
+        fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live calibrate-kv is writing it
+        finally:
+            os.close(fd)
+        _discard(candidate, out, unfinished_staging=candidate.name.startswith(f".{out.name}{_STAGING_INFIX}"))
 
 
 def _verified_config(loaded: Any) -> dict[str, Any]:
@@ -234,18 +329,6 @@ def _provenance(old: Provenance | None, target: str | os.PathLike[str], result: 
         return Provenance(source_model=source.model_id, source_digest=source_digest(source), extra={"kv_cache": kv})
     return Provenance(old.source_model, old.source_digest, old.recipe_hash, old.calibration_hash,
                       {**old.extra, "kv_cache": kv})
-
-
-def _swap_in(staging: Path, output: Path) -> None:
-    """Rename the finished staging dir to ``output``; an existing one is removed only after the swap."""
-    old: Path | None = None
-    if output.exists():
-        old = output.with_name(f".{output.name}.old-{os.getpid()}")
-        os.replace(output, old)
-    os.replace(staging, output)
-    fsync_directory(output.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _json(config: dict[str, Any]) -> str:

@@ -3,7 +3,8 @@
 Work happens in the resumable work area ``<output>/.squeeze-work`` (see workarea.py): the Fisher information
 and each quantized layer group are committed there as checkpoints, so a rerun of an interrupted job skips
 what is done. The artifact is assembled and sealed in the work area and moved into the output only when
-complete (manifest last); with ``overwrite`` the old artifact is removed only at that point.
+complete (manifest last); with ``overwrite`` the old artifact is removed only at that point, and only the
+files its manifest lists (see output.py: a directory holding anything else is refused before any work).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,12 @@ from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences
 from squeeze.compression.lock import OutputLock
+from squeeze.compression.output import check_not_model_path, check_output_dir, foreign_entries, owned_paths, remove_owned
 from squeeze.compression.preflight import (
     SizeEstimate,
+    check_context_length,
     check_disk,
     check_memory,
-    check_output_dir,
     estimate_peak_memory,
     estimate_size,
     meta_model,
@@ -106,13 +108,17 @@ def run_compress(
     started = time.perf_counter()
     timings: dict[str, float] = {}
     output = Path(output)
+    if output.is_symlink():  # `current -> v3`: the artifact lives at the link's target
+        output = output.resolve()
     if resume and restart:
         raise ConfigError("--resume and --restart contradict each other", hint="pass at most one of them")
     # -- preflight: nothing expensive happens before every check below has passed; only the lock is written
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     work = WorkArea(output)
-    if not work.is_publishing():  # a publish cut short has already moved some new files into the output
-        check_output_dir(output, overwrite, ignore=(WORK_NAME,))
+    if work.is_publishing():  # a publish cut short: its record says which files it replaces (checked there)
+        check_not_model_path(output, [source.path])
+    else:
+        check_output_dir(output, overwrite, ignore=(WORK_NAME,), protected=[source.path])
     if resume and not work.root.is_dir():
         raise ResumeError(f"nothing to resume: {output} has no work area ({WORK_NAME})",
                           hint="run the command without --resume to start a new compression")
@@ -137,6 +143,8 @@ def run_compress(
         already = 0 if restart else work.disk_bytes()
         check_disk(output, estimate, checkpoint_bytes - already, force)
         check_memory(estimate_peak_memory(skeleton, recipe, calibration.seq_len if calibration else None), force)
+        if calibration is not None:
+            check_context_length(skeleton, calibration.seq_len)
         del skeleton
         with guard:
             return _run_locked(source, work, recipe, calibration, seed, overwrite, restart, guard, timings,
@@ -177,11 +185,11 @@ def _run_locked(
             squeeze_version=__version__, format_version=FORMAT_VERSION,
         )
     _check_fingerprint(work, fingerprint)
-    summary = work.publishing()
-    if summary is not None:  # killed while publishing: the artifact is complete in the work area
+    record = work.publishing()
+    if record is not None:  # killed while publishing: the artifact is complete in the work area
         with guard.deferred():
-            _publish(work, clear_old=False)
-        return _result(summary, started, timings)
+            _publish(work, record["old_files"])
+        return _result(record["summary"], started, timings)
 
     windows = None
     if calibration is not None and not work.has_fisher():
@@ -238,10 +246,11 @@ def _run_locked(
         "artifact_bytes": manifest.total_size, "original_bytes": original_bytes, "root_digest": manifest.root_digest,
     }
     with guard.deferred(), _stage(timings, "publish"):
-        if overwrite:
-            _clear_old_artifact(work)
-        work.mark_publishing(summary)
-        _publish(work, clear_old=False)
+        # checked again: the output may have changed during the run; what the old manifest lists now is
+        # recorded before anything is touched, so a publish cut short knows on rerun what it may remove
+        old_files = check_output_dir(work.output, overwrite, ignore=(WORK_NAME,))
+        work.mark_publishing(summary, fingerprint, sorted(old_files))
+        _publish(work, old_files)
     return _result(summary, started, timings)
 
 
@@ -281,11 +290,11 @@ def _committed(work: WorkArea) -> str:
 
 def _interrupted(signum: int, work: WorkArea) -> Interrupted:
     name = signal.Signals(signum).name
-    return Interrupted(
-        f"interrupted by {name}; {_committed(work)}",
-        hint="rerun the same command (or add --resume) to continue from the last committed layer group",
-        signum=signum, work_dir=str(work.root),
-    )
+    resumable = work.root.is_dir() and work.has_checkpoints()
+    hint = ("rerun the same command (or add --resume) to continue from the last committed layer group" if resumable
+            else "nothing was committed, so there is nothing to resume: rerun the same command to start again")
+    return Interrupted(f"interrupted by {name}; {_committed(work)}", hint=hint, signum=signum,
+                       work_dir=str(work.root), resumable=resumable)
 
 
 def _is_disk_full(exc: BaseException | None) -> bool:
@@ -451,40 +460,34 @@ def _write_metadata(
     tokenizer.save_pretrained(str(staging))
 
 
-def _clear_old_artifact(work: WorkArea) -> None:
-    """Remove what ``--overwrite`` replaces; its manifest goes first, so it stops verifying before anything else changes."""
-    manifest = work.output / MANIFEST_NAME
-    manifest.unlink(missing_ok=True)
-    for entry in sorted(work.output.iterdir()):
-        if entry.name == WORK_NAME:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    fsync_directory(work.output)
-
-
-def _publish(work: WorkArea, clear_old: bool) -> None:
+def _publish(work: WorkArea, old_files: Iterable[str]) -> None:
     """Move the sealed artifact from the work area into the output, manifest last, then drop the work area.
 
-    Each move is a rename within one filesystem, so no file is ever partial under its final name; the
-    manifest (the artifact's commit point) arrives last. A run killed half-way finishes this on rerun.
+    The old artifact's manifest goes first (it stops verifying before anything else changes), then the old
+    files the new artifact does not replace; the new files are renamed in one by one (a rename over an old
+    file of the same name replaces it atomically), the manifest last. Only paths in ``old_files`` (what
+    the old manifest listed, recorded before the publish began) or in the new manifest are ever touched.
+    A run killed at any point finishes this on rerun.
     """
-    if clear_old:
-        _clear_old_artifact(work)
     staging, output = work.staging, work.output
+    if (staging / MANIFEST_NAME).is_file():
+        new_files = owned_paths(staging)
+        foreign = foreign_entries(output, set(old_files) | new_files, ignore=(WORK_NAME,))
+        if foreign:  # appeared since the run's checks: never overwritten, never deleted
+            raise ConfigError(
+                f"output directory {output} now holds files squeeze did not write: {', '.join(foreign)}",
+                hint="move them away and rerun the same command: the sealed artifact is kept in the work area",
+            )
+        remove_owned(output, old_files, keep=new_files - {MANIFEST_NAME})
+        for relative in sorted(new_files - {MANIFEST_NAME}):
+            source = staging / relative
+            if source.is_file():  # else moved by the run that was cut short
+                (output / relative).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(source, output / relative)
+        fsync_directory(output)
+        os.replace(staging / MANIFEST_NAME, output / MANIFEST_NAME)
+        fsync_directory(output)
     if staging.is_dir():
-        for entry in sorted(staging.iterdir()):
-            if entry.name == MANIFEST_NAME:
-                continue
-            target = output / entry.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            os.replace(entry, target)
-        fsync_directory(output)
-        if (staging / MANIFEST_NAME).is_file():
-            os.replace(staging / MANIFEST_NAME, output / MANIFEST_NAME)
-        fsync_directory(output)
+        shutil.rmtree(staging)  # empty directories, in squeeze's own work area
     work.remove()
     fsync_directory(output)

@@ -41,18 +41,12 @@ class SizeEstimate:
         return self.quantized_bytes + self.other_bytes
 
 
-def check_output_dir(output: Path, overwrite: bool, ignore: tuple[str, ...] = ()) -> None:
-    """Refuse an existing non-empty output (unless ``overwrite``), or a path that is a file.
-
-    Entries named in ``ignore`` (the resumable work area) do not make the output non-empty.
-    """
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"output {output} exists and is not a directory", hint="choose another --output")
-    if output.is_dir() and any(p.name not in ignore for p in output.iterdir()) and not overwrite:
-        raise ConfigError(
-            f"output directory {output} exists and is not empty",
-            hint="choose another --output, or pass --overwrite to replace it (the old one stays until the new one is complete)",
-        )
+def check_context_length(model: nn.Module, seq_len: int, option: str = "--seq-len") -> None:
+    """Refuse calibration windows longer than the model's context (``max_position_embeddings``)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
+        raise ConfigError(f"{option} {seq_len} exceeds the model's context of {limit} tokens",
+                          hint=f"use {option} {limit} or less")
 
 
 def meta_model(source: ModelSource) -> nn.Module:
@@ -176,5 +170,5 @@ def check_memory(needed: int, force: bool = False) -> int | None:
     return available
 
 
-__all__ = ["SizeEstimate", "check_output_dir", "meta_model", "estimate_size", "free_disk_bytes", "check_disk",
+__all__ = ["SizeEstimate", "check_context_length", "meta_model", "estimate_size", "free_disk_bytes", "check_disk",
            "estimate_peak_memory", "available_memory_bytes", "check_memory"]

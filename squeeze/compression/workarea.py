@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from squeeze.compression.lock import LOCK_NAME
 from squeeze.errors import FormatError, ResumeError
 from squeeze.format.atomic import PARTIAL_SUFFIX, atomic_write_text, commit_file, temp_path_for
 from squeeze.format.manifest import strict_json_loads
@@ -62,7 +63,7 @@ class WorkArea:
                     if (ours or path.name.startswith(".tmp")) and path.is_file():
                         path.unlink(missing_ok=True)
 
-    def reset(self, keep: tuple[str, ...] = ("lock",)) -> None:
+    def reset(self, keep: tuple[str, ...] = (LOCK_NAME,)) -> None:
         """Forget every checkpoint (``--restart``); the lock file stays, it is held."""
         for path in self.root.iterdir():
             if path.name in keep:
@@ -73,7 +74,24 @@ class WorkArea:
                 path.unlink()
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Delete the work area; the publishing marker goes last (then the lock), so a run killed half-way
+        through still finds the marker and finishes the clean-up instead of leaving checkpoints in the artifact."""
+        if not self.root.is_dir():
+            return
+        last = (_PUBLISHING, LOCK_NAME)
+        for path in sorted(self.root.iterdir()):
+            if path.name in last:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        for name in last:
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / name).unlink()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
 
     def has_checkpoints(self) -> bool:
         """True once anything worth resuming is committed (Fisher, a layer group, or a publish in progress)."""
@@ -92,8 +110,9 @@ class WorkArea:
 
     def read_fingerprint(self) -> dict[str, Any] | None:
         path = self.root / _FINGERPRINT
-        if not path.is_file():
-            return None
+        if not path.is_file():  # a clean-up cut short may have removed it: the publishing record keeps a copy
+            record = self.publishing()
+            return record["fingerprint"] if record is not None else None
         try:
             value = strict_json_loads(path.read_bytes(), str(path))
         except FormatError as exc:
@@ -179,15 +198,31 @@ class WorkArea:
         return (self.root / _PUBLISHING).is_file()
 
     def publishing(self) -> dict[str, Any] | None:
-        """The saved result summary once publishing has begun, else None."""
+        """The publish plan once publishing has begun, else None: {"summary", "fingerprint", "old_files"}.
+
+        Written by this squeeze into its own work area (never shipped), so trusted as its own record; a
+        marker that does not parse is a ResumeError rather than a guess.
+        """
         path = self.root / _PUBLISHING
         if not path.is_file():
             return None
-        value = json.loads(path.read_text(encoding="utf-8"))
-        return value if isinstance(value, dict) else None
+        try:
+            value = strict_json_loads(path.read_bytes(), str(path))
+        except FormatError as exc:
+            raise ResumeError(f"the work area's publishing record is unreadable: {exc.message}",
+                              hint="pass --restart to discard the work area and start over") from None
+        if not isinstance(value, dict) or not {"summary", "fingerprint", "old_files"} <= set(value):
+            raise ResumeError(f"{path} is not a publishing record of this squeeze version",
+                              hint="pass --restart to discard the work area and start over")
+        return value
 
-    def mark_publishing(self, summary: dict[str, Any]) -> None:
-        atomic_write_text(self.root / _PUBLISHING, json.dumps(summary, sort_keys=True) + "\n")
+    def mark_publishing(self, summary: dict[str, Any], fingerprint: dict[str, Any], old_files: list[str]) -> None:
+        """Record, before anything in the output changes, the result and which old files the publish removes.
+
+        The fingerprint rides along because :meth:`remove` deletes fingerprint.json before this marker.
+        """
+        record = {"summary": summary, "fingerprint": fingerprint, "old_files": sorted(old_files)}
+        atomic_write_text(self.root / _PUBLISHING, json.dumps(record, sort_keys=True) + "\n")
 
 
 def _save_atomic(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

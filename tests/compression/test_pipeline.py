@@ -210,15 +210,16 @@ def test_non_empty_output_is_refused_unless_overwrite(tmp_path, stories_dir, tin
 
 def test_failed_overwrite_keeps_the_old_artifact(tmp_path, stories_dir, tinystories_file, w3_artifact):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("precious")
+    assert compress_cli(stories_dir, out, "--recipe", "rtn-w4").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     short = tmp_path / "short.txt"
     short.write_text("tiny")
     result = compress_cli(stories_dir, out, "--overwrite", calibration=short)
     assert result.exit_code == 2
-    assert (out / "keep.txt").read_text() == "precious"
-    ok = compress_cli(stories_dir, out, "--overwrite", "--recipe", "rtn-w4")
-    assert ok.exit_code == 0 and not (out / "keep.txt").exists()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    ok = compress_cli(stories_dir, out, "--overwrite", "--recipe", "rtn-w3")
+    assert ok.exit_code == 0 and api.verify_model_integrity(out).ok
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 3
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
