@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from squeeze.calibrate.windows import read_text_file
-from squeeze.errors import ConfigError
+from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
+from squeeze.models.source import ModelSource
 from squeeze.quant.kv import KVSpec
 
 
@@ -46,21 +48,67 @@ class EvalResult:
         return out
 
 
+@dataclass(frozen=True)
+class EvalTarget:
+    """What one model spec names, found without loading anything: an artifact directory or a model source."""
+
+    spec: str
+    artifact: Path | None = None
+    source: ModelSource | None = None
+
+
+def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> EvalTarget:
+    """Check cheaply (no model loading, no hashing) that ``spec`` names something ``eval`` can open.
+
+    An artifact directory (it has a manifest), or anything :func:`squeeze.models.source.resolve_model`
+    resolves (an HF directory, a .gguf file, a built-in alias, a cached hub id). A squeeze output without
+    its manifest is refused here rather than handed to transformers. ``option`` (e.g. ``--baseline``)
+    prefixes the error so the user knows which of the two models is wrong.
+    """
+    from squeeze.compression.workarea import WORK_NAME
+    from squeeze.format.manifest import MANIFEST_NAME
+    from squeeze.models.source import read_small_json, resolve_model
+    from squeeze.runtime.loader import is_artifact
+
+    text = os.fspath(spec)
+    prefix = f"{option}: " if option else ""
+    if is_artifact(text):
+        return EvalTarget(text, artifact=Path(text))
+    path = Path(text).expanduser()
+    if path.is_dir():
+        config = read_small_json(path / "config.json")
+        quant = config.get("quantization_config") if isinstance(config, dict) else None
+        unfinished = (path / WORK_NAME).exists()
+        if unfinished or (isinstance(quant, dict) and quant.get("quant_method") == "squeeze"):
+            raise ModelError(
+                f"{prefix}{text} is a squeeze output without its manifest ({MANIFEST_NAME}): expected a complete "
+                "artifact",
+                hint="it is an unfinished squeeze compress: rerun that command with --resume to finish it"
+                if unfinished else "copy the whole artifact again (the manifest included), or compress again")
+    try:
+        return EvalTarget(text, source=resolve_model(text))
+    except ModelError as exc:
+        if not prefix:
+            raise
+        raise ModelError(prefix + exc.message, hint=exc.hint) from None
+
+
 def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     """(model, tokenizer) from an artifact directory (verified, reference dequant path) or a model spec."""
-    model, tokenizer, _ = _open(spec)
+    model, tokenizer, _ = _open(resolve_target(spec))
     return model, tokenizer
 
 
-def _open(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any, KVSpec | None]:
+def _open(target: EvalTarget) -> tuple[nn.Module, Any, KVSpec | None]:
     """(model, tokenizer, the artifact's calibrated KV spec or None)."""
-    from squeeze.models.source import load_model, resolve_model
-    from squeeze.runtime.loader import is_artifact, load_artifact
+    from squeeze.models.source import load_model
+    from squeeze.runtime.loader import load_artifact
 
-    if is_artifact(spec):
-        loaded = load_artifact(spec, verify=True)
+    if target.artifact is not None:
+        loaded = load_artifact(target.artifact, verify=True)
         return loaded.model, loaded.tokenizer, loaded.kv_spec
-    model, tokenizer = load_model(resolve_model(str(spec)))
+    assert target.source is not None
+    model, tokenizer = load_model(target.source)
     return model, tokenizer, None
 
 
@@ -89,15 +137,20 @@ def evaluate(
     """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate.
 
     The KV options apply to ``model`` only; the baseline always runs with a full-precision cache-free pass.
+    Everything cheap is checked before the first model loads: the options, the text file, then that both
+    ``model`` and ``baseline`` exist and can be opened (see :func:`resolve_target`).
     """
     from squeeze.runtime.kvcache import check_kv_options
 
     check_kv_options(kv_bits, kv_dynamic)
     text = read_text_file(text_file, "evaluation text", ConfigError)
+    targets = {"model": resolve_target(model)}
+    if baseline is not None:
+        targets["baseline"] = resolve_target(baseline, "--baseline")
     kv_used: list[int] = []
 
-    def measure(spec: str | os.PathLike[str], label: str, with_kv: bool) -> PerplexityResult:
-        net, tokenizer, calibrated = _open(spec)
+    def measure(label: str, with_kv: bool) -> PerplexityResult:
+        net, tokenizer, calibrated = _open(targets[label])
         factory = None
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)
@@ -106,8 +159,8 @@ def evaluate(
         return perplexity(net, tokenizer, text, seq_len=seq_len, max_windows=max_windows, progress=report,
                           kv_cache=factory)
 
-    result = measure(model, "model", True)
+    result = measure("model", True)
     kv = {"kv_bits": kv_used[0], "kv_dynamic": kv_dynamic}
     if baseline is None:
         return EvalResult(str(model), result, kv=kv)
-    return EvalResult(str(model), result, str(baseline), measure(baseline, "baseline", False), kv=kv)
+    return EvalResult(str(model), result, str(baseline), measure("baseline", False), kv=kv)

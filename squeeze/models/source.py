@@ -222,7 +222,7 @@ def check_no_remote_code(source: ModelSource) -> None:
     """
     if source.kind == "gguf":
         return  # transformers reads a GGUF file's architecture from its metadata; there is no auto_map
-    config = _read_small_json(source.directory / "config.json")
+    config = read_small_json(source.directory / "config.json")
     if not isinstance(config, dict) or not config.get("auto_map"):
         return
     from transformers import CONFIG_MAPPING
@@ -258,7 +258,7 @@ def _code_files(auto_map: object) -> str:
     return ", ".join(files[:3]) + (", ..." if len(files) > 3 else "") if files else "no Python file named"
 
 
-def _read_small_json(path: Path) -> object:
+def read_small_json(path: Path) -> object:
     """``path`` parsed as JSON; None when it is not a small regular file holding valid JSON.
 
     Opened non-blocking (a FIFO never hangs) and size-capped before reading; links are followed (hub-cache
@@ -389,5 +389,5 @@ def _first_line(exc: BaseException) -> str:
 
 __all__ = [
     "SourceKind", "ModelSource", "BUILTIN_MODELS", "resolve_model", "hub_cache_dir", "check_no_remote_code",
-    "remote_code_error", "model_files", "source_digest", "load_model", "load_tokenizer",
+    "remote_code_error", "read_small_json", "model_files", "source_digest", "load_model", "load_tokenizer",
 ]
