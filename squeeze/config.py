@@ -1,8 +1,9 @@
 """Recipes and calibration specs: frozen, versioned dataclasses loaded from YAML; unknown keys are rejected.
 
 A *recipe* says how to compress (weights, KV cache, output); a *calibration spec* says which text to
-calibrate on. Both are resolved from a built-in name (``recipes/NAME.yaml``, ``calibration/NAME.yaml``) or
-a file path, and both hash canonically (``spec_hash``) for the manifest's provenance block.
+calibrate on. Both are resolved from a built-in name (``squeeze/recipes/NAME.yaml``,
+``squeeze/calibration/NAME.yaml``, shipped as package data) or a file path, and both hash canonically
+(``spec_hash``) for the manifest's provenance block.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 MAX_SPARSE_FRACTION = 0.10
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-RECIPES_DIR = _PACKAGE_ROOT / "recipes"
-CALIBRATION_DIR = _PACKAGE_ROOT / "calibration"
+# Package data (shipped in the wheel), not the repository root: an installed squeeze has its built-ins too.
+_PACKAGE_DIR = Path(__file__).resolve().parent
+RECIPES_DIR = _PACKAGE_DIR / "recipes"
+CALIBRATION_DIR = _PACKAGE_DIR / "calibration"
 
 T = TypeVar("T")
 

