@@ -9,8 +9,11 @@ from squeeze.errors import (  # noqa: E402
     ConfigError,
     FormatError,
     IntegrityError,
+    Interrupted,
+    LockError,
     ModelError,
     ResourceError,
+    ResumeError,
     SqueezeError,
 )
 
@@ -45,4 +48,7 @@ __all__ = [
     "FormatError",
     "IntegrityError",
     "ResourceError",
+    "LockError",
+    "ResumeError",
+    "Interrupted",
 ]
