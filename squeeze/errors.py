@@ -1,7 +1,9 @@
 """The error hierarchy. Every failure a user can cause is a SqueezeError.
 
 Each error carries a one-line message (what was expected, what was found) and an optional hint (how to fix
-it). The CLI prints ``Error: <message>`` then the hint, and exits with ``exit_code``.
+it). The CLI prints ``Error: <message>`` then the hint, and exits with ``exit_code``. A broken contract inside
+squeeze (its own code passing a wrong tensor) is a ValueError or TypeError, which the CLI reports as an
+internal error (exit 3), never as the user's mistake.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class ConfigError(SqueezeError):
 
 
 class ModelError(SqueezeError):
-    """A model cannot be found, opened, or has nothing to quantize."""
+    """A model cannot be found, opened, or has nothing to quantize; or its weights (or their Fisher) hold
+    values that cannot be quantized (NaN, infinity, beyond float16)."""
 
 
 class CalibrationError(SqueezeError):

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from squeeze.errors import ConfigError
 from squeeze.models.modes import eval_mode, input_device
 
 Progress = Callable[[int, int], None]
@@ -43,23 +42,25 @@ def fisher_information(
     are restored when this returns (or raises), and the target weights are left with ``.grad = None`` (a
     stale ``.grad`` is cleared first, or it would be summed into the first window's gradient).
     """
+    # Contract checks (ValueError: a bug in the caller, reported as an internal error). What users choose
+    # (num_samples, seq_len) was checked when the calibration spec was read.
     if windows.ndim != 2 or windows.dtype != torch.long:
-        raise ConfigError(f"Fisher windows must be an int64 tensor (n, T), found {windows.dtype} "
-                          f"{tuple(windows.shape)}", hint="build them with calibration_windows()")
+        raise ValueError(f"Fisher windows must be an int64 tensor (n, T), found {windows.dtype} "
+                         f"{tuple(windows.shape)}; build them with calibration_windows()")
     n, seq_len = windows.shape
     if n < 1 or seq_len < 2:
-        raise ConfigError(f"Fisher needs at least one window of >= 2 tokens, found shape {(n, seq_len)}")
+        raise ValueError(f"Fisher needs at least one window of >= 2 tokens, found shape {(n, seq_len)}")
     if batch_size < 1:
-        raise ConfigError(f"Fisher batch_size must be >= 1, found {batch_size}")
+        raise ValueError(f"Fisher batch_size must be >= 1, found {batch_size}")
     if not modules:
-        raise ConfigError("Fisher needs at least one target linear, found none",
-                          hint="pass the result of find_target_linears()")
+        raise ValueError("Fisher needs at least one target linear, found none; pass the result of "
+                         "find_target_linears()")
     own = {id(p) for p in model.parameters()}
     foreign = [name for name, mod in modules.items() if id(mod.weight) not in own]
     if foreign:
         # A weight that is not a parameter of `model` never receives a gradient: F would silently be 0.
-        raise ConfigError(f"target linear(s) {foreign[:3]} are not part of the model passed to fisher_information",
-                          hint="find the targets on the same model instance")
+        raise ValueError(f"target linear(s) {foreign[:3]} are not part of the model passed to fisher_information; "
+                         "find the targets on the same model instance")
 
     weights = {name: mod.weight for name, mod in modules.items()}
     device = input_device(model)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from squeeze.errors import ConfigError
+from squeeze.errors import ModelError
 
 #: Largest k solved with the candidate-cut dynamic program (bits <= 4); larger k uses companded Lloyd.
 DP_MAX_K = 16
@@ -88,7 +88,7 @@ def weighted_kmeans_1d(
         max_iter = _LLOYD_AFTER_DP if k <= DP_MAX_K else _LLOYD_FROM_COMPANDED
     _validate(x, w, k, max_iter, centroid_dtype)
     if codes_dtype not in (torch.int64, torch.uint8) or (codes_dtype == torch.uint8 and k > 256):
-        raise ConfigError(f"codes_dtype must be int64, or uint8 when k <= 256; found {codes_dtype} for k={k}")
+        raise ValueError(f"codes_dtype must be int64, or uint8 when k <= 256; found {codes_dtype} for k={k}")
     x = x.detach().to(torch.float32)
     w = w.detach().to(torch.float32)
     R, N = x.shape
@@ -121,27 +121,27 @@ def nearest_codes(x: Tensor, centroids: Tensor) -> Tensor:
 
 def _validate(x: Tensor, w: Tensor, k: int, max_iter: int, centroid_dtype: torch.dtype) -> None:
     if not isinstance(x, Tensor) or not isinstance(w, Tensor):
-        raise ConfigError("weighted_kmeans_1d expects torch tensors for x and w")
+        raise TypeError("weighted_kmeans_1d expects torch tensors for x and w")
     if x.dim() != 2 or w.shape != x.shape:
-        raise ConfigError(
+        raise ValueError(
             f"x and w must both be 2-D of the same shape, found {tuple(x.shape)} and {tuple(w.shape)}"
         )
     if not x.is_floating_point() or not w.is_floating_point():
-        raise ConfigError(f"x and w must be floating point, found {x.dtype} and {w.dtype}")
+        raise ValueError(f"x and w must be floating point, found {x.dtype} and {w.dtype}")
     if w.device != x.device:
-        raise ConfigError(f"x and w must be on the same device, found {x.device} and {w.device}")
+        raise ValueError(f"x and w must be on the same device, found {x.device} and {w.device}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"k must be a positive integer, found {k!r}")
+        raise ValueError(f"k must be a positive integer, found {k!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
-        raise ConfigError(f"max_iter must be an integer >= 0, found {max_iter!r}")
+        raise ValueError(f"max_iter must be an integer >= 0, found {max_iter!r}")
     if centroid_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ConfigError(f"centroid_dtype must be float32, float16 or bfloat16, found {centroid_dtype}")
+        raise ValueError(f"centroid_dtype must be float32, float16 or bfloat16, found {centroid_dtype}")
     # (x is checked for NaN / inf per chunk, after sorting, at no cost.) NaN weights are allowed (that row
     # falls back to uniform weights), and NaN < 0 is False, hence the second look when the min is NaN.
     if w.numel():
         low = w.min()
         if bool(low < 0) or (bool(torch.isnan(low)) and bool((w < 0).any())):
-            raise ConfigError("w must be nonnegative (a sensitivity), found negative entries")
+            raise ValueError("w must be nonnegative (a sensitivity), found negative entries")
 
 
 def _sort_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -256,13 +256,14 @@ def _fit_chunk(
     """
     R, N = x.shape
     xs, order = _sort_rows(x)  # (R, N) float64 (exact float32 values), int64
-    # Sorting puts NaN and infinities at the ends, so checking the ends checks every value.
+    # Sorting puts NaN and infinities at the ends, so checking the ends checks every value. x is a model's
+    # weights (or cached keys / values): values squeeze cannot quantize are the model's (ModelError).
     ends = torch.cat([xs[:, :1], xs[:, -1:]], 1)
     if not bool(torch.isfinite(ends).all()):
-        raise ConfigError("x contains NaN or infinite values; cannot cluster them")
+        raise ModelError("x contains NaN or infinite values; cannot cluster them")
     limit = torch.finfo(centroid_dtype).max
     if centroid_dtype != torch.float32 and bool((ends.abs() > limit).any()):
-        raise ConfigError(
+        raise ModelError(
             f"x has values beyond the {centroid_dtype} range (|x| <= {limit:g}); the centroids cannot be stored"
         )
     ws = w.gather(1, order)  # float32; the prefix sums accumulate in float64

@@ -154,7 +154,7 @@ def pack_int4(codes: Tensor) -> Tensor:
     """int8 / uint8 codes (..., D) in [-8, 15], D even -> uint8 (..., D/2): each code's low 4 bits (two's
     complement for signed codes), channel 2i in the low nibble, 2i+1 in the high one."""
     if codes.shape[-1] % 2:
-        raise ConfigError(f"int4 KV packing needs an even head dimension, found {codes.shape[-1]}")
+        raise ValueError(f"int4 KV packing needs an even head dimension, found {codes.shape[-1]}")
     pairs = (codes.view(torch.uint8) & 0x0F).unflatten(-1, (-1, 2))  # (..., D/2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 

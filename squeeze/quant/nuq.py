@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
-from squeeze.quant.packing import SUPPORTED_BITS, pack_codes
+from squeeze.quant.packing import check_bits, pack_codes
 from squeeze.quant.qweight import LUT_DTYPE, SCALE_DTYPE, LutWeight
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
@@ -48,28 +47,28 @@ def quantize_lut(
     Returns:
         LutWeight with lut float16 (R, 2**bits), packed codes, and the sparse part (None when it is empty).
     """
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ConfigError(f"bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
+    # contract checks (ValueError): recipes were validated where they were read
+    check_bits(bits)
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
-        raise ConfigError(f"weight must be a 2-D floating-point tensor, found {found}")
+        raise ValueError(f"weight must be a 2-D floating-point tensor, found {found}")
     if fisher is not None:
         if not isinstance(fisher, Tensor) or fisher.shape != weight.shape or not fisher.is_floating_point():
             found = f"{fisher.dtype} {tuple(fisher.shape)}" if isinstance(fisher, Tensor) else type(fisher).__name__
-            raise ConfigError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
+            raise ValueError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
+    if lut_dtype not in ("float16", "int8"):
+        raise ValueError(f"lut_dtype must be 'float16' or 'int8', found {lut_dtype!r}")
     weight = weight.detach()
     w32 = weight.to(torch.float32)
 
     if mask is None and (sensitive_fraction > 0 or outlier_fraction > 0):
         mask = select_sparse(weight, fisher, sensitive_fraction, outlier_fraction)
     elif mask is not None and (mask.shape != weight.shape or mask.dtype != torch.bool):
-        raise ConfigError(f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
+        raise ValueError(f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
     sensitivity = fisher.detach().to(torch.float32) if fisher is not None else torch.ones_like(w32)
     if mask is not None:
         sensitivity = sensitivity.masked_fill(mask, 0.0)  # sparse weights are stored exactly: ignore them
 
-    if lut_dtype not in ("float16", "int8"):
-        raise ConfigError(f"lut_dtype must be 'float16' or 'int8', found {lut_dtype!r}")
     # centroid_dtype: centroids are rounded to float16 before the codes are assigned, so each code is the
     # nearest entry of the LUT as stored.
     centroids, codes = weighted_kmeans_1d(

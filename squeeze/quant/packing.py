@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.errors import FormatError
 
 #: Code widths the format supports.
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -25,21 +25,21 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 
 def packed_row_bytes(n: int, bits: int) -> int:
     """Bytes one packed row of ``n`` codes takes: ceil(n * bits / 8)."""
-    _check_bits(bits)
+    check_bits(bits)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ConfigError(f"row length must be an integer >= 0, found {n!r}")
+        raise ValueError(f"row length must be an integer >= 0, found {n!r}")
     return (n * bits + 7) // 8
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack codes uint8 (R, N), each < 2**bits, into uint8 (R, ceil(N * bits / 8))."""
-    _check_bits(bits)
+    check_bits(bits)
     if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2:
         found = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, Tensor) else type(codes).__name__
-        raise ConfigError(f"codes must be a 2-D uint8 tensor, found {found}")
+        raise ValueError(f"codes must be a 2-D uint8 tensor, found {found}")
     R, N = codes.shape
     if codes.numel() and int(codes.max()) >= 1 << bits:
-        raise ConfigError(f"codes must be < 2**{bits} = {1 << bits} for {bits}-bit packing, found {int(codes.max())}")
+        raise ValueError(f"codes must be < 2**{bits} = {1 << bits} for {bits}-bit packing, found {int(codes.max())}")
     g, gb = _group(bits)
     G = -(-N // g)  # groups per row
     padded = torch.zeros(R, G * g, dtype=torch.uint8, device=codes.device)
@@ -58,7 +58,7 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
 
     Raises FormatError when ``packed`` is not a 2-D uint8 tensor of exactly that width (it comes from files).
     """
-    _check_bits(bits)
+    check_bits(bits)
     expected = packed_row_bytes(n, bits)
     if not isinstance(packed, Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
         found = f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, Tensor) else type(packed).__name__
@@ -81,9 +81,11 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     return out.view(R, G * g)[:, :n].contiguous()
 
 
-def _check_bits(bits: int) -> None:
+def check_bits(bits: int) -> None:
+    """ValueError unless ``bits`` is a supported code width: the quantizers' and kernels' contract (user input
+    was checked where it entered)."""
     if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ConfigError(f"bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
+        raise ValueError(f"bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
 
 
 def _group(bits: int) -> tuple[int, int]:
@@ -104,4 +106,4 @@ def _overlaps(bits: int) -> list[tuple[int, int, int, int]]:
     return pairs
 
 
-__all__ = ["SUPPORTED_BITS", "pack_codes", "unpack_codes", "packed_row_bytes"]
+__all__ = ["SUPPORTED_BITS", "check_bits", "pack_codes", "unpack_codes", "packed_row_bytes"]

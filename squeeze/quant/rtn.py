@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError
-from squeeze.quant.packing import SUPPORTED_BITS, pack_codes
+from squeeze.errors import ModelError
+from squeeze.quant.packing import check_bits, pack_codes
 from squeeze.quant.qweight import SCALE_DTYPE, RtnWeight, rtn_groups
 
 
@@ -24,16 +24,16 @@ def rtn_quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Rt
     Returns an RtnWeight with scales and zeros float16 (R, G), G = ceil(N / group_size) (the last group may
     be partial). Groups whose range is 0 (all zeros) get scale 1 and zero 0, so they reconstruct exactly.
     """
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ConfigError(f"bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
+    # contract checks (ValueError): recipes were validated where they were read
+    check_bits(bits)
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
-        raise ConfigError(f"weight must be a 2-D floating-point tensor, found {found}")
+        raise ValueError(f"weight must be a 2-D floating-point tensor, found {found}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
-        raise ConfigError(f"group_size must be a positive integer or None, found {group_size!r}")
+        raise ValueError(f"group_size must be a positive integer or None, found {group_size!r}")
     w = weight.detach().to(torch.float32)
-    if not bool(torch.isfinite(w).all()):
-        raise ConfigError("weight contains NaN or infinite values")
+    if not bool(torch.isfinite(w).all()):  # the model's own weights: not squeeze's bug, not a usage error
+        raise ModelError("weight contains NaN or infinite values")
     R, N = w.shape
     qmax = (1 << bits) - 1
     G = rtn_groups(N, group_size)
@@ -52,7 +52,7 @@ def rtn_quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Rt
     up = torch.nextafter(scale16, torch.full_like(scale16, float("inf")))
     scale16 = torch.where(scale16.to(torch.float32) < scale, up, scale16)
     if not bool(torch.isfinite(scale16).all()):
-        raise ConfigError("weight range too large for float16 scales (|w| beyond ~65504 * (2**bits - 1))")
+        raise ModelError("weight range too large for float16 scales (|w| beyond ~65504 * (2**bits - 1))")
     scale16 = torch.where(scale16 > 0, scale16, torch.ones_like(scale16))  # all-zero group
     s = scale16.to(torch.float32)
     zero = (-lo / s).round().clamp(0, qmax)  # (R, G), integer-valued

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.errors import FormatError, ModelError
 
 #: Largest column count whose indices are stored as int16.
 INT16_MAX_COLS = 32767
@@ -36,28 +36,30 @@ def select_sparse(
     ``fisher=None`` (no sensitivity, e.g. uniform k-means) makes the sensitive part empty: only outliers are
     chosen, whatever ``sensitive_fraction`` says.
     """
+    # Contract checks (ValueError). [0, 1] is the mathematical domain of a fraction of the matrix; what squeeze
+    # offers users (at most 10%) is checked where recipes are read.
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        raise ConfigError(f"weight must be a 2-D floating-point tensor, found {_describe(weight)}")
+        raise ValueError(f"weight must be a 2-D floating-point tensor, found {_describe(weight)}")
     if fisher is not None and (not isinstance(fisher, Tensor) or fisher.shape != weight.shape):
-        raise ConfigError(f"fisher must match the weight shape {tuple(weight.shape)}, found {_describe(fisher)}")
+        raise ValueError(f"fisher must match the weight shape {tuple(weight.shape)}, found {_describe(fisher)}")
     for name, value in (("sensitive_fraction", sensitive_fraction), ("outlier_fraction", outlier_fraction)):
         if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{name} must be in [0, 1], found {value}")
+            raise ValueError(f"{name} must be in [0, 1], found {value}")
     numel = weight.numel()
     n_sensitive = 0 if fisher is None else int(round(sensitive_fraction * numel))
     n_outlier = int(round(outlier_fraction * numel))
     if n_sensitive + n_outlier > numel:
-        raise ConfigError(
+        raise ValueError(
             f"sensitive + outlier counts ({n_sensitive} + {n_outlier}) exceed the {numel} weights of the matrix"
         )
-    if not bool(torch.isfinite(weight).all()):
-        raise ConfigError("weight contains NaN or infinite values")
+    if not bool(torch.isfinite(weight).all()):  # the model's own weights: not squeeze's bug, not a usage error
+        raise ModelError("weight contains NaN or infinite values")
 
     mask = torch.zeros(numel, dtype=torch.bool, device=weight.device)
     if n_sensitive:
         scores = fisher.detach().reshape(-1).to(torch.float32)  # type: ignore[union-attr]
         if not bool(torch.isfinite(scores).all()):
-            raise ConfigError("fisher contains NaN or infinite values")
+            raise ModelError("fisher contains NaN or infinite values")
         mask |= _top_k_mask(scores, n_sensitive)
     if n_outlier:
         # |w| >= 0, so -1 ranks every already-chosen position below all candidates
@@ -107,9 +109,9 @@ class SparseCSR:
     def from_mask(cls, mask: Tensor, values: Tensor) -> SparseCSR:
         """CSR of ``values`` (R, N) at the True positions of ``mask`` bool (R, N), vals in values' dtype."""
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
-            raise ConfigError(f"mask must be a 2-D bool tensor, found {_describe(mask)}")
+            raise ValueError(f"mask must be a 2-D bool tensor, found {_describe(mask)}")
         if not isinstance(values, Tensor) or values.shape != mask.shape:
-            raise ConfigError(f"values must match the mask shape {tuple(mask.shape)}, found {_describe(values)}")
+            raise ValueError(f"values must match the mask shape {tuple(mask.shape)}, found {_describe(values)}")
         R, N = mask.shape
         rows, cols = torch.nonzero(mask, as_tuple=True)  # row-major: rows grouped, cols ascending
         counts = torch.bincount(rows, minlength=R)
@@ -139,7 +141,7 @@ class SparseCSR:
     def scatter_into(self, dense: Tensor) -> Tensor:
         """Replace ``dense[r, c]`` by the stored values (cast to dense's dtype), in place; returns ``dense``."""
         if dense.shape != torch.Size(self.shape):
-            raise ConfigError(f"dense must have shape {self.shape}, found {tuple(dense.shape)}")
+            raise ValueError(f"dense must have shape {self.shape}, found {tuple(dense.shape)}")
         dense[self.row_indices(), self.cols.to(torch.int64)] = self.vals.to(dense.dtype)
         return dense
 

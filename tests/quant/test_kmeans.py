@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import squeeze.quant.kmeans as km
-from squeeze.errors import ConfigError
+from squeeze.errors import ModelError
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 
 QUANT_DIR = Path(km.__file__).resolve().parent
@@ -214,28 +214,30 @@ def test_centroid_dtype_rounds_before_assigning_codes() -> None:
     assert_nearest(x, centroids, codes)
 
 
-def test_bad_inputs_are_config_errors() -> None:
+def test_misuse_is_a_value_error_and_unclusterable_weights_a_model_error() -> None:
     x = torch.randn(2, 10)
-    with pytest.raises(ConfigError, match="nonnegative"):
+    with pytest.raises(ValueError, match="nonnegative"):
         weighted_kmeans_1d(x, -torch.ones(2, 10), 4)
     for bad in (float("nan"), float("inf"), -float("inf")):
         values = torch.randn(3, 20)
         values[1, 7] = bad
-        with pytest.raises(ConfigError, match="NaN or infinite"):
+        with pytest.raises(ModelError, match="NaN or infinite"):
             weighted_kmeans_1d(values, torch.ones(3, 20), 4)
-    with pytest.raises(ConfigError, match="same shape"):
+    with pytest.raises(ValueError, match="same shape"):
         weighted_kmeans_1d(x, torch.ones(2, 9), 4)
-    with pytest.raises(ConfigError, match="positive integer"):
+    with pytest.raises(ValueError, match="positive integer"):
         weighted_kmeans_1d(x, torch.ones(2, 10), 0)
-    with pytest.raises(ConfigError, match="floating point"):
+    with pytest.raises(ValueError, match="floating point"):
         weighted_kmeans_1d(x.long(), torch.ones(2, 10), 4)
-    with pytest.raises(ConfigError, match="float16 range"):
+    with pytest.raises(ModelError, match="float16 range"):
         weighted_kmeans_1d(torch.tensor([[1e6, 0.0]]), torch.ones(1, 2), 2, centroid_dtype=torch.float16)
     bad = torch.ones(2, 10)
     bad[0, 0] = float("nan")
     bad[1, 1] = -1.0
-    with pytest.raises(ConfigError, match="nonnegative"):
+    with pytest.raises(ValueError, match="nonnegative"):
         weighted_kmeans_1d(x, bad, 4)
+    with pytest.raises(TypeError, match="torch tensors"):
+        weighted_kmeans_1d(x.numpy(), torch.ones(2, 10), 4)  # type: ignore[arg-type]
 
 
 def test_quant_package_imports_stay_inside_the_boundary() -> None:

@@ -54,7 +54,7 @@ def test_pack_int4_round_trip_random_and_odd_width_rejected() -> None:
     assert torch.equal(interleave(*unpack_int4(pack_int4(codes), signed=False)), codes)
     signed = torch.randint(-7, 8, (2, 3, 5, 64), dtype=torch.int8)
     assert torch.equal(interleave(*unpack_int4(pack_int4(signed), signed=True)), signed)
-    with pytest.raises(ConfigError, match="even head dimension"):
+    with pytest.raises(ValueError, match="even head dimension"):
         pack_int4(torch.zeros(3, dtype=torch.uint8))
 
 

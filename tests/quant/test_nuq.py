@@ -98,16 +98,16 @@ def test_half_precision_weights() -> None:
     assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
 
 
-def test_bad_arguments_are_config_errors() -> None:
+def test_misuse_is_a_value_error_not_a_usage_error() -> None:
+    # squeeze's own code passing the wrong thing is a bug (exit 3), not the user's fault (ConfigError, exit 2)
     w, f = layer()
-    with pytest.raises(ConfigError, match="bits"):
-        quantize_lut(w, f, 5)
-    with pytest.raises(ConfigError, match="fisher"):
-        quantize_lut(w, f[:, :10], 4)
-    with pytest.raises(ConfigError, match="2-D"):
-        quantize_lut(w[0], None, 4)
-    with pytest.raises(ConfigError, match="nonnegative"):
-        quantize_lut(w, -f, 4)
+    for call, match in ((lambda: quantize_lut(w, f, 5), "bits"), (lambda: quantize_lut(w, f[:, :10], 4), "fisher"),
+                        (lambda: quantize_lut(w[0], None, 4), "2-D"),
+                        (lambda: quantize_lut(w[None], None, 4), "2-D"),  # a 3-D tensor
+                        (lambda: quantize_lut(w, -f, 4), "nonnegative")):
+        with pytest.raises(ValueError, match=match) as info:
+            call()
+        assert not isinstance(info.value, ConfigError)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -179,7 +179,6 @@ def test_from_tensors_bad_metadata(good_tensors: dict[str, torch.Tensor]) -> Non
 
 
 def test_precomputed_mask_gives_the_same_result_and_bad_masks_are_refused():
-    from squeeze.errors import ConfigError
     from squeeze.quant.sparse import select_sparse
 
     g = torch.Generator().manual_seed(3)
@@ -190,7 +189,7 @@ def test_precomputed_mask_gives_the_same_result_and_bad_masks_are_refused():
     given = quantize_lut(w, f, 3, 0.01, 0.02, mask=mask)
     assert torch.equal(direct.dequantize(), given.dequantize())
     assert torch.equal(direct.packed, given.packed)
-    with pytest.raises(ConfigError, match="mask must be a bool tensor"):
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
         quantize_lut(w, f, 3, 0.01, 0.02, mask=mask[:, :5])
 
 
@@ -226,7 +225,5 @@ def test_int8_lut_round_trips_exactly_and_costs_half_the_lut_bits():
 
 
 def test_unknown_lut_dtype_is_refused():
-    from squeeze.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="lut_dtype"):
+    with pytest.raises(ValueError, match="lut_dtype"):
         quantize_lut(torch.randn(2, 8), None, 3, lut_dtype="fp8")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.errors import FormatError
 from squeeze.quant.packing import SUPPORTED_BITS, pack_codes, packed_row_bytes, unpack_codes
 
 
@@ -101,14 +101,14 @@ def test_wrong_packed_width_is_a_format_error() -> None:
         unpack_codes(packed.view(-1), 3, 10)
 
 
-def test_bad_codes_and_bits_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="bits must be one of"):
+def test_bad_codes_and_bits_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="bits must be one of"):
         pack_codes(torch.zeros(1, 4, dtype=torch.uint8), 5)
-    with pytest.raises(ConfigError, match="< 2\\*\\*3"):
+    with pytest.raises(ValueError, match="< 2\\*\\*3"):
         pack_codes(u8([[0, 8]]), 3)
-    with pytest.raises(ConfigError, match="uint8"):
+    with pytest.raises(ValueError, match="uint8"):
         pack_codes(torch.zeros(1, 4, dtype=torch.int64), 4)
-    with pytest.raises(ConfigError, match="2-D"):
+    with pytest.raises(ValueError, match="2-D"):
         pack_codes(torch.zeros(4, dtype=torch.uint8), 4)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ValueError, match="bits must be one of"):
         unpack_codes(torch.zeros(1, 1, dtype=torch.uint8), 6, 1)

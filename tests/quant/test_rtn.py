@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.errors import FormatError, ModelError
 from squeeze.quant.qweight import RtnWeight
 from squeeze.quant.rtn import rtn_quantize
 
@@ -99,12 +99,12 @@ def test_from_tensors_rejects_bad_tensors() -> None:
         RtnWeight.from_tensors(good, "m", bits=4, in_features=172, group_size=0)
 
 
-def test_bad_arguments_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="bits"):
+def test_misuse_is_a_value_error_and_nan_weights_a_model_error() -> None:
+    with pytest.raises(ValueError, match="bits"):
         rtn_quantize(layer(), 5)
-    with pytest.raises(ConfigError, match="group_size"):
+    with pytest.raises(ValueError, match="group_size"):
         rtn_quantize(layer(), 4, 0)
-    with pytest.raises(ConfigError, match="2-D"):
+    with pytest.raises(ValueError, match="2-D"):
         rtn_quantize(torch.zeros(3), 4)
-    with pytest.raises(ConfigError, match="NaN"):
+    with pytest.raises(ModelError, match="NaN"):
         rtn_quantize(torch.tensor([[float("nan"), 1.0]]), 4)

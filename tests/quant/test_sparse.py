@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.errors import FormatError, ModelError
 from squeeze.quant.nuq import quantize_lut
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
@@ -60,15 +60,15 @@ def test_no_fisher_means_no_sensitive_part() -> None:
 
 def test_select_rejects_bad_input() -> None:
     weight, fisher = data(2, 5)
-    with pytest.raises(ConfigError, match="exceed"):
+    with pytest.raises(ValueError, match="exceed"):
         select_sparse(weight, fisher, 0.6, 0.5)
-    with pytest.raises(ConfigError, match="outlier_fraction"):
+    with pytest.raises(ValueError, match="outlier_fraction"):
         select_sparse(weight, fisher, 0.0, -0.1)
-    with pytest.raises(ConfigError, match="fisher must match"):
+    with pytest.raises(ValueError, match="fisher must match"):
         select_sparse(weight, fisher[:, :3], 0.1, 0.0)
     bad = weight.clone()
     bad[0, 0] = float("nan")
-    with pytest.raises(ConfigError, match="NaN"):
+    with pytest.raises(ModelError, match="NaN"):
         select_sparse(bad, fisher, 0.1, 0.1)
 
 

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError
-from squeeze.quant.packing import unpack_codes
+from squeeze.quant.packing import check_bits, unpack_codes
 from squeeze.quant.qweight import LutWeight
 from squeeze.runtime.kernels.reference import sparse_residual
 
@@ -48,7 +47,7 @@ def tile_pack(codes: Tensor, bits: int, tile: int | None = None) -> Tensor:
     tile = DEFAULT_TILE[bits] if tile is None else tile
     _check_tile(tile)
     if codes.dtype != torch.uint8 or codes.dim() != 2:
-        raise ConfigError(f"codes must be a 2-D uint8 tensor, found {codes.dtype} {tuple(codes.shape)}")
+        raise ValueError(f"codes must be a 2-D uint8 tensor, found {codes.dtype} {tuple(codes.shape)}")
     rows, n = codes.shape
     span = cpg * tile  # columns per tile
     n_tiles = -(-n // span)
@@ -66,7 +65,7 @@ def tile_unpack(tiles: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of :func:`tile_pack`: uint8 (R, NT, BPG, T) -> uint8 (R, n) codes."""
     cpg, bpg = _group(bits)
     if tiles.dtype != torch.uint8 or tiles.dim() != 4 or tiles.shape[2] != bpg:
-        raise ConfigError(f"tiles must be uint8 (R, NT, {bpg}, T), found {tiles.dtype} {tuple(tiles.shape)}")
+        raise ValueError(f"tiles must be uint8 (R, NT, {bpg}, T), found {tiles.dtype} {tuple(tiles.shape)}")
     rows, n_tiles, _, tile = tiles.shape
     word = torch.zeros(rows, n_tiles, tile, dtype=torch.int32, device=tiles.device)  # (R, NT, T)
     for p in range(bpg):
@@ -144,7 +143,7 @@ def prepare(qweight: LutWeight, device: torch.device | str, tile: int | None = N
     default DEFAULT_TILE[bits]), a float32 LUT and the additive sparse residual (float32, int32 columns).
     Runs in plain torch."""
     if not isinstance(qweight, LutWeight):
-        raise ConfigError(f"prepare needs a LutWeight, found {type(qweight).__name__}")
+        raise TypeError(f"prepare needs a LutWeight, found {type(qweight).__name__}")
     _group(qweight.bits)
     tile = DEFAULT_TILE[qweight.bits] if tile is None else tile
     _check_tile(tile)
@@ -162,15 +161,14 @@ def prepare(qweight: LutWeight, device: torch.device | str, tile: int | None = N
 
 
 def _group(bits: int) -> tuple[int, int]:
-    if isinstance(bits, bool) or bits not in GROUPS:
-        raise ConfigError(f"bits must be one of {sorted(GROUPS)}, found {bits!r}")
+    check_bits(bits)  # ValueError: a LutWeight's bits were checked when it was built or read
     return GROUPS[bits]
 
 
 def _check_tile(tile: int) -> None:
     # tl.dot needs K >= 16 and Triton block shapes must be powers of two
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
-        raise ConfigError(f"tile must be a power of two >= 16, found {tile!r}")
+        raise ValueError(f"tile must be a power of two >= 16, found {tile!r}")
 
 
 __all__ = ["GROUPS", "DEFAULT_TILE", "PreparedLut", "prepare", "tile_pack", "tile_unpack"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from squeeze.errors import ConfigError
 from squeeze.quant.qweight import LutWeight
 
 
@@ -66,7 +65,7 @@ def csr_spmv_reference(x: Tensor, rowptr: Tensor, cols: Tensor, vals: Tensor) ->
     """float32 (..., R): ``x (..., N) @ S^T`` for S in CSR form (rowptr (R+1,), cols (nnz,), vals (nnz,))."""
     n_rows = int(rowptr.numel()) - 1
     if n_rows < 0:
-        raise ConfigError("rowptr must hold at least one element (R + 1 >= 1)")
+        raise ValueError("rowptr must hold at least one element (R + 1 >= 1)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # (M, N)
     counts = (rowptr[1:] - rowptr[:-1]).to(torch.int64)  # (R,)
@@ -80,9 +79,9 @@ def csr_spmv_reference(x: Tensor, rowptr: Tensor, cols: Tensor, vals: Tensor) ->
 def _check_x(x: Tensor, in_features: int) -> None:
     if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != in_features:
         found = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ConfigError(f"x must have shape (..., {in_features}), found {found}")
+        raise ValueError(f"x must have shape (..., {in_features}), found {found}")
     if not x.is_floating_point():
-        raise ConfigError(f"x must be floating point, found {x.dtype}")
+        raise ValueError(f"x must be floating point, found {x.dtype}")
 
 
 __all__ = ["lut_matmul_reference", "dense_lut_values", "sparse_residual", "csr_spmv_reference"]

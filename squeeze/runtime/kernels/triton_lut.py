@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from squeeze.errors import ConfigError
 from squeeze.quant.qweight import LutWeight
 from squeeze.runtime.kernels.configs import (
     DEQUANT_MIN_M,
@@ -61,16 +60,16 @@ def lut_linear(
     prepared = weight if isinstance(weight, PreparedLut) else prepare(weight, x.device)
     n, r = prepared.in_features, prepared.out_features
     if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != n:
-        raise ConfigError(f"x must have shape (..., {n}), found {tuple(x.shape) if isinstance(x, Tensor) else x}")
+        raise ValueError(f"x must have shape (..., {n}), found {tuple(x.shape) if isinstance(x, Tensor) else x}")
     if x.dtype not in _SUPPORTED_DTYPES:
-        raise ConfigError(f"x must be float16, bfloat16 or float32, found {x.dtype}")
+        raise ValueError(f"x must be float16, bfloat16 or float32, found {x.dtype}")
     if x.device != prepared.device:
-        raise ConfigError(f"x is on {x.device} but the prepared weight is on {prepared.device}")
+        raise ValueError(f"x is on {x.device} but the prepared weight is on {prepared.device}")
     if prefill not in ("auto", "fused", "dequant"):
-        raise ConfigError(f"prefill must be 'auto', 'fused' or 'dequant', found {prefill!r}")
+        raise ValueError(f"prefill must be 'auto', 'fused' or 'dequant', found {prefill!r}")
     if bias is not None:
         if bias.shape != (r,):
-            raise ConfigError(f"bias must have shape ({r},), found {tuple(bias.shape)}")
+            raise ValueError(f"bias must have shape ({r},), found {tuple(bias.shape)}")
         bias = bias.to(x.device).contiguous()
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), n)  # (M, N); not -1: M or N may be 0
@@ -132,7 +131,7 @@ def _launch_gemv(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: Ge
     from squeeze.runtime.kernels import _triton_kernels as K
 
     if cfg.prefetch not in (0, 1, 2):
-        raise ConfigError(f"GemvConfig.prefetch must be 0, 1 or 2, found {cfg.prefetch}")
+        raise ValueError(f"GemvConfig.prefetch must be 0, 1 or 2, found {cfg.prefetch}")
     m, r = x2.shape[0], prepared.out_features
     split_k = max(1, min(cfg.split_k, prepared.n_tiles))
     tiles_per_split = _cdiv(prepared.n_tiles, split_k)
