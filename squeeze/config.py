@@ -19,10 +19,26 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 import yaml
 
 from squeeze.errors import ConfigError
+from squeeze.limits import (
+    LUT_DTYPES,
+    METHODS,
+    MIN_SEQ_LEN,
+    SENSITIVITIES,
+    WEIGHT_BITS,
+    LutDtype,
+    Method,
+    Sensitivity,
+    check_at_least,
+    check_choice,
+    check_group_size,
+    check_kv_bits,
+    check_sparse_fractions,
+    check_weight_bits,
+)
 
 CONFIG_VERSION = 1
-SUPPORTED_BITS = (2, 3, 4, 8)
-MAX_SPARSE_FRACTION = 0.10
+#: Kept for callers of the old name; the table is squeeze.limits.
+SUPPORTED_BITS = WEIGHT_BITS
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Package data (shipped in the wheel), not the repository root: an installed squeeze has its built-ins too.
@@ -37,42 +53,32 @@ T = TypeVar("T")
 class WeightsConfig:
     """How target linears are quantized."""
 
-    method: Literal["squeeze", "rtn"] = "squeeze"
+    method: Method = "squeeze"
     bits: int = 4
     #: Fraction of weights kept exactly in the sparse part, chosen by sensitivity (Fisher). squeeze only.
     sensitive_fraction: float = 0.0
     #: Fraction kept exactly in the sparse part, chosen by magnitude (outliers). squeeze only.
     outlier_fraction: float = 0.0
     #: ``fisher``: weight k-means by the diagonal Fisher; ``uniform``: plain k-means (ablation).
-    sensitivity: Literal["fisher", "uniform"] = "fisher"
+    sensitivity: Sensitivity = "fisher"
     #: RTN only: columns per quantization group; ``None`` = one group per output channel.
     group_size: int | None = None
     #: squeeze only: how each row's LUT is stored. ``float16`` (SqueezeLLM) or ``int8`` (8-bit levels on a
     #: per-row fp16 affine grid: half the LUT bits, ~0.1-0.2 fewer bits per weight at 3-4 bits).
-    lut_dtype: Literal["float16", "int8"] = "float16"
+    lut_dtype: LutDtype = "float16"
     #: Module-name suffixes of the nn.Linear layers to quantize.
     targets: tuple[str, ...] = DEFAULT_TARGETS
     #: Module-name substrings never quantized, even when they match a target.
     ignore: tuple[str, ...] = ("lm_head",)
 
     def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
-            raise ConfigError(
-                f"weights.bits must be one of {list(SUPPORTED_BITS)}, found {self.bits}",
-                hint="use 3 or 4 for SqueezeLLM, 8 for near-lossless",
-            )
-        for name in ("sensitive_fraction", "outlier_fraction"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= MAX_SPARSE_FRACTION:
-                raise ConfigError(
-                    f"weights.{name} must be in [0, {MAX_SPARSE_FRACTION}] (0-10%), found {value}",
-                    hint="SqueezeLLM uses 0.0005 sensitive + 0.004 outliers",
-                )
-        if self.sensitive_fraction + self.outlier_fraction > MAX_SPARSE_FRACTION:
-            raise ConfigError(
-                "weights.sensitive_fraction + weights.outlier_fraction must not exceed 0.10, found "
-                f"{self.sensitive_fraction + self.outlier_fraction}"
-            )
+        # squeeze.limits is the one table; a recipe read from YAML passes its Literal checks in from_dict too,
+        # these catch a WeightsConfig built in Python
+        check_choice(self.method, METHODS, "weights.method")
+        check_choice(self.sensitivity, SENSITIVITIES, "weights.sensitivity")
+        check_choice(self.lut_dtype, LUT_DTYPES, "weights.lut_dtype")
+        check_weight_bits(self.bits, "weights.bits")
+        check_sparse_fractions(self.sensitive_fraction, self.outlier_fraction, "weights")
         if self.method == "rtn" and (self.sensitive_fraction or self.outlier_fraction):
             raise ConfigError(
                 "weights.method rtn has no sparse part, found nonzero sensitive/outlier fractions",
@@ -83,8 +89,7 @@ class WeightsConfig:
         if self.group_size is not None:
             if self.method != "rtn":
                 raise ConfigError("weights.group_size applies to method rtn only", hint="remove group_size")
-            if self.group_size < 1:
-                raise ConfigError(f"weights.group_size must be >= 1 or null, found {self.group_size}")
+            check_group_size(self.group_size, "weights.group_size")
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
 
@@ -105,10 +110,9 @@ class KVCacheConfig:
     sink_tokens: int = DEFAULT_SINK_TOKENS
 
     def __post_init__(self) -> None:
-        if self.bits not in (None, 4, 8):
-            raise ConfigError(f"kv_cache.bits must be 4, 8 or null, found {self.bits}")
-        if self.sink_tokens < 0:
-            raise ConfigError(f"kv_cache.sink_tokens must be >= 0, found {self.sink_tokens}")
+        if self.bits is not None:
+            check_kv_bits(self.bits, "kv_cache.bits", hint="set kv_cache.bits to 4, 8 or null (full precision)")
+        check_at_least(self.sink_tokens, 0, "kv_cache.sink_tokens")
 
 
 @dataclass(frozen=True)
@@ -172,10 +176,8 @@ class CalibrationSpec:
             raise ConfigError("calibration source 'text' needs a 'path' to a local text file")
         if self.source == "hf" and not self.dataset:
             raise ConfigError("calibration source 'hf' needs a 'dataset' id (e.g. wikitext)")
-        if self.num_samples < 1:
-            raise ConfigError(f"calibration num_samples must be >= 1, found {self.num_samples}")
-        if self.seq_len < 2:
-            raise ConfigError(f"calibration seq_len must be >= 2, found {self.seq_len}")
+        check_at_least(self.num_samples, 1, "calibration num_samples")
+        check_at_least(self.seq_len, MIN_SEQ_LEN, "calibration seq_len")
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)

@@ -1,9 +1,10 @@
 """The error hierarchy. Every failure a user can cause is a SqueezeError.
 
 Each error carries a one-line message (what was expected, what was found) and an optional hint (how to fix
-it). The CLI prints ``Error: <message>`` then the hint, and exits with ``exit_code``. A broken contract inside
+it). The CLI prints ``Error: <message>`` then the hint, and exits with ``exit_code``. User input is checked
+where it enters (recipes, specs, options: squeeze.limits; artifacts: the parsers); a broken contract inside
 squeeze (its own code passing a wrong tensor) is a ValueError or TypeError, which the CLI reports as an
-internal error (exit 3), never as the user's mistake.
+internal error (exit 3), never as the user's mistake. All of these classes are exported by ``squeeze``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SqueezeError(Exception):
 
 
 class ConfigError(SqueezeError):
-    """A recipe, calibration spec or command-line option is invalid."""
+    """A recipe, calibration spec or command-line option is invalid (see squeeze.limits for what is supported)."""
 
 
 class ModelError(SqueezeError):

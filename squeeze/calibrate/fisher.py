@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from squeeze.limits import MIN_SEQ_LEN
 from squeeze.models.modes import eval_mode, input_device
 
 Progress = Callable[[int, int], None]
@@ -43,13 +44,13 @@ def fisher_information(
     stale ``.grad`` is cleared first, or it would be summed into the first window's gradient).
     """
     # Contract checks (ValueError: a bug in the caller, reported as an internal error). What users choose
-    # (num_samples, seq_len) was checked when the calibration spec was read.
+    # (num_samples, seq_len) was checked against squeeze.limits when the calibration spec was read.
     if windows.ndim != 2 or windows.dtype != torch.long:
         raise ValueError(f"Fisher windows must be an int64 tensor (n, T), found {windows.dtype} "
                          f"{tuple(windows.shape)}; build them with calibration_windows()")
     n, seq_len = windows.shape
-    if n < 1 or seq_len < 2:
-        raise ValueError(f"Fisher needs at least one window of >= 2 tokens, found shape {(n, seq_len)}")
+    if n < 1 or seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"Fisher needs at least one window of >= {MIN_SEQ_LEN} tokens, found shape {(n, seq_len)}")
     if batch_size < 1:
         raise ValueError(f"Fisher batch_size must be >= 1, found {batch_size}")
     if not modules:

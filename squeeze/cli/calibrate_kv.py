@@ -11,6 +11,7 @@ from rich.table import Table
 from squeeze import api
 from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
+from squeeze.limits import MIN_SEQ_LEN, check_at_least, check_kv_bits
 
 
 def calibrate_kv(
@@ -25,7 +26,7 @@ def calibrate_kv(
     key_group: Optional[int] = typer.Option(None, "--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head)."),
     value_group: Optional[int] = typer.Option(None, "--value-group-size", help="Channels per value grid (default: the whole head)."),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=MIN_SEQ_LEN, help="Calibration window length in tokens."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output directory."),
     json_out: bool = typer.Option(False, "--json", help="Print only a JSON summary to stdout."),
 ) -> None:
@@ -37,6 +38,9 @@ def calibrate_kv(
     complete and sealed; a failed run leaves it as it was.
     """
     with cli_errors():
+        # the options squeeze.limits describes, checked before the artifact or the calibration text is read
+        check_kv_bits(bits, "--bits")
+        check_at_least(sink_tokens, 0, "--sink-tokens")
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:
             result = api.calibrate_kv(
                 target, calibration, bits=bits, output=output, sink_tokens=sink_tokens, key_group=key_group,

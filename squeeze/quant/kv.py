@@ -24,16 +24,15 @@ signed codes; codebook indices unsigned), the even channel in the low nibble.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import torch
 from torch import Tensor
 
 from squeeze.config import DEFAULT_SINK_TOKENS
-from squeeze.errors import ConfigError, FormatError, SqueezeError
+from squeeze.errors import FormatError
+from squeeze.limits import KV_BITS, check_kv_bits, check_kv_group, is_kv_group
 from squeeze.quant.kmeans import weighted_kmeans_1d
 
-KV_BITS = (4, 8)
 #: The artifact file holding the calibrated scales ({attn}.k_scale / .k_zero, and .v_clip or .v_levels), beside
 #: the shards.
 KV_FILE = "kv_cache.safetensors"
@@ -77,26 +76,9 @@ def default_key_group(bits: int, head_dim: int) -> int:
     return 32 if bits == 4 and head_dim >= 64 and head_dim % 32 == 0 else head_dim
 
 
-def is_group(group: object, head_dim: int) -> TypeGuard[int]:
-    """Whether ``group`` can be the channels per grid of a ``head_dim`` head: an even divisor of it (int4 packs
-    channel pairs)."""
-    return isinstance(group, int) and not isinstance(group, bool) and group >= 2 and not group % 2 \
-        and not head_dim % group
-
-
-def check_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
-    """``group`` if it is an even divisor of ``head_dim`` (channels per grid), else ``error``."""
-    if not is_group(group, head_dim):
-        raise error(f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
-                    hint=f"e.g. {head_dim // 2} or {head_dim}")
-    return group
-
-
-def check_kv_bits(bits: object) -> int:
-    """``bits`` if it is 4 or 8, else ConfigError."""
-    if isinstance(bits, bool) or bits not in KV_BITS:
-        raise ConfigError(f"KV-cache bits must be 4 or 8, found {bits!r}", hint="pass --bits 8 or --bits 4")
-    return int(bits)  # type: ignore[call-overload]
+#: The table and its checks live in squeeze.limits (KV_BITS, the even-divisor rule); these names stay for callers.
+is_group = is_kv_group
+check_group = check_kv_group
 
 
 def levels(bits: int) -> int:
@@ -411,8 +393,7 @@ class KVSpec:
         if not isinstance(config, dict):
             raise FormatError(f"{where}: quantization_config.kv_cache must be an object")
         bits, sink, entries = config.get("bits"), config.get("sink_tokens"), config.get("layers")
-        if bits not in KV_BITS or isinstance(bits, bool):
-            raise FormatError(f"{where}: kv_cache.bits must be 4 or 8, found {bits!r}")
+        bits = check_kv_bits(bits, f"{where}: kv_cache.bits", FormatError, hint=None)
         if not isinstance(sink, int) or isinstance(sink, bool) or sink < 0:
             raise FormatError(f"{where}: kv_cache.sink_tokens must be an integer >= 0, found {sink!r}")
         if not isinstance(entries, list) or not entries:
@@ -441,7 +422,7 @@ class KVSpec:
             head_dim = int(k_scale.shape[-1])
             groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
             for key, group in zip(("k_group", "v_group"), groups):
-                if not is_group(group, head_dim):
+                if not is_kv_group(group, head_dim):
                     raise FormatError(f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, "
                                       f"found {group!r}")
             names.append(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from squeeze.limits import LUT_DTYPES, LutDtype
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import check_bits, pack_codes
 from squeeze.quant.qweight import LUT_DTYPE, SCALE_DTYPE, LutWeight
@@ -27,7 +28,7 @@ def quantize_lut(
     *,
     seed: int = 0,
     mask: Tensor | None = None,
-    lut_dtype: str = "float16",
+    lut_dtype: LutDtype = "float16",
 ) -> LutWeight:
     """Quantize weight (R, N) to a LutWeight.
 
@@ -47,7 +48,7 @@ def quantize_lut(
     Returns:
         LutWeight with lut float16 (R, 2**bits), packed codes, and the sparse part (None when it is empty).
     """
-    # contract checks (ValueError): recipes were validated where they were read
+    # contract checks (ValueError): recipes were validated against squeeze.limits at the boundary
     check_bits(bits)
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
@@ -56,8 +57,8 @@ def quantize_lut(
         if not isinstance(fisher, Tensor) or fisher.shape != weight.shape or not fisher.is_floating_point():
             found = f"{fisher.dtype} {tuple(fisher.shape)}" if isinstance(fisher, Tensor) else type(fisher).__name__
             raise ValueError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
-    if lut_dtype not in ("float16", "int8"):
-        raise ValueError(f"lut_dtype must be 'float16' or 'int8', found {lut_dtype!r}")
+    if lut_dtype not in LUT_DTYPES:
+        raise ValueError(f"lut_dtype must be one of {list(LUT_DTYPES)}, found {lut_dtype!r}")
     weight = weight.detach()
     w32 = weight.to(torch.float32)
 

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError
+from squeeze.limits import WEIGHT_BITS, is_weight_bits
 
-#: Code widths the format supports.
-SUPPORTED_BITS = (2, 3, 4, 8)
+#: Code widths the format supports (the table is squeeze.limits.WEIGHT_BITS).
+SUPPORTED_BITS = WEIGHT_BITS
 
 
 def packed_row_bytes(n: int, bits: int) -> int:
@@ -83,9 +84,9 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
 
 def check_bits(bits: int) -> None:
     """ValueError unless ``bits`` is a supported code width: the quantizers' and kernels' contract (user input
-    was checked where it entered)."""
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
+    was checked against squeeze.limits at the boundary)."""
+    if not is_weight_bits(bits):
+        raise ValueError(f"bits must be one of {list(WEIGHT_BITS)}, found {bits!r}")
 
 
 def _group(bits: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError
-from squeeze.quant.packing import SUPPORTED_BITS, packed_row_bytes, unpack_codes
+from squeeze.limits import check_group_size, check_weight_bits
+from squeeze.quant.packing import packed_row_bytes, unpack_codes
 from squeeze.quant.sparse import SparseCSR
 
 LUT_DTYPE = torch.float16
@@ -164,9 +165,7 @@ class RtnWeight:
     ) -> RtnWeight:
         """Rebuild from loaded tensors, checking every name, dtype, shape and the zero points."""
         _check_meta(bits, in_features, prefix)
-        bad_group = isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
-        if group_size is not None and bad_group:
-            raise FormatError(f"{prefix}: group_size must be a positive integer or null, found {group_size!r}")
+        check_group_size(group_size, f"{prefix}: group_size", FormatError, hint=None)
         packed = _get(tensors, prefix, PACKED)
         rows = _check_packed(packed, f"{prefix}.{PACKED}", bits, in_features)
         groups = rtn_groups(in_features, group_size)
@@ -197,8 +196,7 @@ def rtn_groups(in_features: int, group_size: int | None) -> int:
 
 
 def _check_meta(bits: int, in_features: int, prefix: str) -> None:
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise FormatError(f"{prefix}: bits must be one of {list(SUPPORTED_BITS)}, found {bits!r}")
+    check_weight_bits(bits, f"{prefix}: bits", FormatError, hint=None)
     if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 0:
         raise FormatError(f"{prefix}: in_features must be an integer >= 0, found {in_features!r}")
 

@@ -24,7 +24,7 @@ def rtn_quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Rt
     Returns an RtnWeight with scales and zeros float16 (R, G), G = ceil(N / group_size) (the last group may
     be partial). Groups whose range is 0 (all zeros) get scale 1 and zero 0, so they reconstruct exactly.
     """
-    # contract checks (ValueError): recipes were validated where they were read
+    # contract checks (ValueError): recipes were validated against squeeze.limits at the boundary
     check_bits(bits)
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__

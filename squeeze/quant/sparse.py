@@ -37,7 +37,7 @@ def select_sparse(
     chosen, whatever ``sensitive_fraction`` says.
     """
     # Contract checks (ValueError). [0, 1] is the mathematical domain of a fraction of the matrix; what squeeze
-    # offers users (at most 10%) is checked where recipes are read.
+    # offers users (at most squeeze.limits.MAX_SPARSE_FRACTION) is checked where recipes are read.
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D floating-point tensor, found {_describe(weight)}")
     if fisher is not None and (not isinstance(fisher, Tensor) or fisher.shape != weight.shape):

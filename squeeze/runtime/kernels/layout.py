@@ -21,17 +21,20 @@ multiple of ``CPG * T``: 512 columns at 4 bits, 1024 at 3 bits with the default 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from squeeze.limits import WEIGHT_BITS
 from squeeze.quant.packing import check_bits, unpack_codes
 from squeeze.quant.qweight import LutWeight
 from squeeze.runtime.kernels.reference import sparse_residual
 
-#: bits -> (codes per group CPG, bytes per group BPG): the smallest whole-byte group of codes.
-GROUPS: dict[int, tuple[int, int]] = {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}
+#: bits -> (codes per group CPG, bytes per group BPG): the smallest whole-byte group of codes, for every width
+#: squeeze supports: {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}.
+GROUPS: dict[int, tuple[int, int]] = {b: (math.lcm(b, 8) // b, math.lcm(b, 8) // 8) for b in WEIGHT_BITS}
 
 #: Default tile width T (groups per tile) by bits: tiles of 512 columns at 2 and 4 bits, 1024 at 3 bits,
 #: 256 at 8 bits. Wide tiles give the decode GEMV 32-48 bytes of codes per thread per tile, so that enough

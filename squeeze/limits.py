@@ -1,0 +1,155 @@
+"""What squeeze supports: one table of widths, groups, fractions and names, and the checks user input passes.
+
+Boundary code (recipes, calibration specs, command-line options, the artifact parsers) validates with the
+``check_*`` functions here, which raise ConfigError (or, for files, the ``error`` they are given, e.g.
+FormatError) with what was expected, what was found and a hint. Code inside (quant/, the kernels,
+calibrate/) then trusts what it is given: its own contract checks raise ValueError / TypeError, which the
+CLI reports as an internal error (exit 3), not as the user's mistake.
+
+This module imports nothing from squeeze but the error classes (a leaf), so anything may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeGuard, get_args
+
+from squeeze.errors import ConfigError, SqueezeError
+
+# ----------------------------------------------------------------------------------------------------------
+# The table
+
+#: Weight code widths: the packing, the file format and the LUT kernels handle exactly these (3 bits packs
+#: 8 codes into 3 bytes; the others whole codes per byte).
+WEIGHT_BITS = (2, 3, 4, 8)
+
+#: Weight quantization methods: SqueezeLLM's LUT k-means, or the round-to-nearest baseline.
+Method = Literal["squeeze", "rtn"]
+METHODS: tuple[str, ...] = get_args(Method)
+
+#: How the k-means weighs each weight: by its diagonal Fisher, or uniformly (ablation).
+Sensitivity = Literal["fisher", "uniform"]
+SENSITIVITIES: tuple[str, ...] = get_args(Sensitivity)
+
+#: How a LUT row is stored: float16 centroids (SqueezeLLM), or uint8 levels on a per-row fp16 affine grid.
+LutDtype = Literal["float16", "int8"]
+LUT_DTYPES: tuple[str, ...] = get_args(LutDtype)
+
+#: Largest share of a matrix kept exactly in the sparse part, per kind (sensitive, outlier) and in total.
+#: A sparse entry costs 32 bits (fp16 value + int16 column) where a dense code costs 2-8: at 10% the sparse
+#: part alone adds ~3.2 bits per weight, doubling a 3-bit matrix, so more is no longer compression.
+#: SqueezeLLM uses 0.45% (0.05% sensitive + 0.4% outliers). The tensor code (quant/sparse.py) accepts any
+#: fraction in [0, 1]: that is the mathematical domain, this is what squeeze offers.
+MAX_SPARSE_FRACTION = 0.10
+
+#: RTN group size (columns per scale / zero point): any positive integer, the last group of a row may be
+#: partial; None = one group per output channel. No kernel constrains it (the LUT kernels' tile width is
+#: their own, internal parameter).
+MIN_GROUP_SIZE = 1
+
+#: KV-cache code widths (int8, or int4 packed two per byte along the head dimension).
+KV_BITS = (4, 8)
+
+#: Calibration windows need at least 2 tokens: one prediction of the next token.
+MIN_SEQ_LEN = 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Predicates (for code that must not raise)
+
+
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (YAML and Python both let True pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_weight_bits(value: object) -> bool:
+    """Whether ``value`` is a supported weight code width."""
+    return is_int(value) and value in WEIGHT_BITS
+
+
+def is_kv_bits(value: object) -> bool:
+    """Whether ``value`` is a supported KV-cache code width."""
+    return is_int(value) and value in KV_BITS
+
+
+def is_kv_group(group: object, head_dim: int) -> TypeGuard[int]:
+    """Whether ``group`` can be the channels per KV grid of a ``head_dim`` head: an even divisor of it (int4
+    packs channel pairs)."""
+    return isinstance(group, int) and not isinstance(group, bool) and group >= 2 and not group % 2 \
+        and not head_dim % group
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks (boundary code: recipes, specs, options, artifact parsers)
+
+
+def check_weight_bits(value: object, where: str = "bits", error: type[SqueezeError] = ConfigError, *,
+                      hint: str | None = "use 3 or 4 for SqueezeLLM, 8 for near-lossless") -> int:
+    """``value`` if it is a supported weight code width, else ``error``."""
+    if not is_weight_bits(value):
+        raise error(f"{where} must be one of {list(WEIGHT_BITS)}, found {value!r}", hint=hint)
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_choice(value: object, choices: tuple[str, ...], where: str, error: type[SqueezeError] = ConfigError) -> str:
+    """``value`` if it is one of ``choices`` (METHODS, SENSITIVITIES, LUT_DTYPES), else ``error``."""
+    if not isinstance(value, str) or value not in choices:
+        raise error(f"{where} must be one of {list(choices)}, found {value!r}")
+    return value
+
+
+def check_sparse_fractions(sensitive: float, outlier: float, where: str = "weights") -> None:
+    """ConfigError unless both fractions are in [0, MAX_SPARSE_FRACTION] and so is their sum."""
+    for name, value in (("sensitive_fraction", sensitive), ("outlier_fraction", outlier)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not 0.0 <= value <= MAX_SPARSE_FRACTION:  # NaN fails too
+            raise ConfigError(
+                f"{where}.{name} must be in [0, {MAX_SPARSE_FRACTION}] (0-10%), found {value}",
+                hint="SqueezeLLM uses 0.0005 sensitive + 0.004 outliers",
+            )
+    if sensitive + outlier > MAX_SPARSE_FRACTION:
+        raise ConfigError(
+            f"{where}.sensitive_fraction + {where}.outlier_fraction must not exceed {MAX_SPARSE_FRACTION}, "
+            f"found {sensitive + outlier}",
+            hint="SqueezeLLM uses 0.0005 sensitive + 0.004 outliers",
+        )
+
+
+def check_group_size(value: object, where: str = "group_size", error: type[SqueezeError] = ConfigError, *,
+                     hint: str | None = "e.g. 128, or null for one group per output channel") -> int | None:
+    """``value`` if it is a positive integer or None (one group per row), else ``error``."""
+    if value is not None and not (is_int(value) and value >= MIN_GROUP_SIZE):  # type: ignore[operator]
+        raise error(f"{where} must be an integer >= {MIN_GROUP_SIZE} or null, found {value!r}", hint=hint)
+    return value  # type: ignore[return-value]
+
+
+def check_kv_bits(value: object, where: str = "KV-cache bits", error: type[SqueezeError] = ConfigError, *,
+                  hint: str | None = "pass --bits 8 or --bits 4") -> int:
+    """``value`` if it is a supported KV-cache width, else ``error``."""
+    if not is_kv_bits(value):
+        raise error(f"{where} must be {' or '.join(map(str, KV_BITS))}, found {value!r}", hint=hint)
+    return int(value)  # type: ignore[call-overload]
+
+
+def check_kv_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
+    """``group`` if it is an even divisor of ``head_dim`` (channels per KV grid), else ``error``."""
+    if not is_kv_group(group, head_dim):
+        raise error(f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
+                    hint=f"e.g. {head_dim // 2} or {head_dim}")
+    return group
+
+
+def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeError] = ConfigError) -> int:
+    """``value`` if it is an integer >= ``minimum`` (counts: samples, tokens), else ``error``."""
+    if not (is_int(value) and value >= minimum):  # type: ignore[operator]
+        raise error(f"{where} must be >= {minimum}, found {value!r}")
+    return value  # type: ignore[return-value]
+
+
+__all__ = [
+    "WEIGHT_BITS", "Method", "METHODS", "Sensitivity", "SENSITIVITIES", "LutDtype", "LUT_DTYPES",
+    "MAX_SPARSE_FRACTION", "MIN_GROUP_SIZE", "KV_BITS", "MIN_SEQ_LEN",
+    "is_int", "is_weight_bits", "is_kv_bits", "is_kv_group",
+    "check_weight_bits", "check_choice", "check_sparse_fractions", "check_group_size", "check_kv_bits",
+    "check_kv_group", "check_at_least",
+]
