@@ -57,17 +57,17 @@ MIN_SEQ_LEN = 2
 # Predicates (for code that must not raise)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool`` (YAML and Python both let True pass for 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_weight_bits(value: object) -> bool:
+def is_weight_bits(value: object) -> TypeGuard[int]:
     """Whether ``value`` is a supported weight code width."""
     return is_int(value) and value in WEIGHT_BITS
 
 
-def is_kv_bits(value: object) -> bool:
+def is_kv_bits(value: object) -> TypeGuard[int]:
     """Whether ``value`` is a supported KV-cache code width."""
     return is_int(value) and value in KV_BITS
 
@@ -75,8 +75,7 @@ def is_kv_bits(value: object) -> bool:
 def is_kv_group(group: object, head_dim: int) -> TypeGuard[int]:
     """Whether ``group`` can be the channels per KV grid of a ``head_dim`` head: an even divisor of it (int4
     packs channel pairs)."""
-    return isinstance(group, int) and not isinstance(group, bool) and group >= 2 and not group % 2 \
-        and not head_dim % group
+    return is_int(group) and group >= 2 and not group % 2 and not head_dim % group
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -88,7 +87,7 @@ def check_weight_bits(value: object, where: str = "bits", error: type[SqueezeErr
     """``value`` if it is a supported weight code width, else ``error``."""
     if not is_weight_bits(value):
         raise error(f"{where} must be one of {list(WEIGHT_BITS)}, found {value!r}", hint=hint)
-    return int(value)  # type: ignore[call-overload]
+    return value
 
 
 def check_choice(value: object, choices: tuple[str, ...], where: str, error: type[SqueezeError] = ConfigError) -> str:
@@ -118,9 +117,11 @@ def check_sparse_fractions(sensitive: float, outlier: float, where: str = "weigh
 def check_group_size(value: object, where: str = "group_size", error: type[SqueezeError] = ConfigError, *,
                      hint: str | None = "e.g. 128, or null for one group per output channel") -> int | None:
     """``value`` if it is a positive integer or None (one group per row), else ``error``."""
-    if value is not None and not (is_int(value) and value >= MIN_GROUP_SIZE):  # type: ignore[operator]
+    if value is None:
+        return None
+    if not (is_int(value) and value >= MIN_GROUP_SIZE):
         raise error(f"{where} must be an integer >= {MIN_GROUP_SIZE} or null, found {value!r}", hint=hint)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def check_kv_bits(value: object, where: str = "KV-cache bits", error: type[SqueezeError] = ConfigError, *,
@@ -128,7 +129,7 @@ def check_kv_bits(value: object, where: str = "KV-cache bits", error: type[Squee
     """``value`` if it is a supported KV-cache width, else ``error``."""
     if not is_kv_bits(value):
         raise error(f"{where} must be {' or '.join(map(str, KV_BITS))}, found {value!r}", hint=hint)
-    return int(value)  # type: ignore[call-overload]
+    return value
 
 
 def check_kv_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
@@ -141,9 +142,9 @@ def check_kv_group(group: object, head_dim: int, what: str, error: type[SqueezeE
 
 def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeError] = ConfigError) -> int:
     """``value`` if it is an integer >= ``minimum`` (counts: samples, tokens), else ``error``."""
-    if not (is_int(value) and value >= minimum):  # type: ignore[operator]
+    if not (is_int(value) and value >= minimum):
         raise error(f"{where} must be >= {minimum}, found {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 __all__ = [
