@@ -119,3 +119,36 @@ def test_oversized_manifest_is_refused_unread():
 
     with pytest.raises(FormatError, match="larger than"):
         parse_manifest(b" " * (module.MAX_MANIFEST_BYTES + 1))
+
+
+@pytest.mark.parametrize("where", ["sha256", "root_digest"])
+def test_a_digest_with_a_trailing_newline_is_rejected(where):
+    # re.match(r"^...$") accepted "<64 hex>\n": "$" also matches before a final newline
+    data = valid_manifest()
+    if where == "sha256":
+        data["files"][0]["sha256"] = SHA + "\n"
+    else:
+        data["root_digest"] += "\n"
+    with pytest.raises(FormatError, match="64 lowercase hex"):
+        parse_manifest(json.dumps(data))
+
+
+@pytest.mark.parametrize("depth", [65, 900, 100_000])
+def test_deeply_nested_json_is_refused_before_parsing(depth):
+    from squeeze.format.manifest import MAX_JSON_DEPTH, strict_json_loads
+
+    data = json.dumps(valid_manifest())
+    deep = data[:-1] + ', "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+    with pytest.raises(FormatError, match=f"{depth} levels deep, more than the {MAX_JSON_DEPTH} allowed"):
+        parse_manifest(deep)
+    with pytest.raises(FormatError, match="levels deep"):
+        strict_json_loads(b"[" * depth + b"]" * depth, "config.json")
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    from squeeze.format.manifest import MAX_JSON_DEPTH, json_depth, strict_json_loads
+
+    inner = "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
+    text = json.dumps({"s": '\\"[{' * 100, "t": "\\" * 3 + "[" * 100, "deep": json.loads(inner)})
+    assert json_depth(text.encode()) == MAX_JSON_DEPTH
+    assert strict_json_loads(text, "x")["s"] == '\\"[{' * 100
