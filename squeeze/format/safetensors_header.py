@@ -17,6 +17,10 @@ from squeeze.format.manifest import strict_json_loads
 
 #: safetensors' own limit on header size; a larger declared length is treated as corrupt.
 MAX_HEADER_BYTES = 100 * 2**20
+#: Largest dimension, and largest product of the non-zero dimensions, of a tensor (exact as a JSON number
+#: or double; far past any real tensor). A zero-size tensor needs no bytes, so without this bound a shape
+#: like [0, 2**64] would pass the byte-count check and overflow torch's int64 sizes at load.
+MAX_ELEMENTS = 2**53
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -85,21 +89,32 @@ def parse_safetensors_header(prefix: bytes, file_size: int, name: str) -> Safete
 
 
 def _tensor_info(key: str, value: Any, name: str) -> TensorInfo:
-    where = f"{name}: tensor {key!r}"
+    where = f"{name}: tensor {_short(key)}"
     if not isinstance(value, dict):
         raise FormatError(f"{where} entry must be an object")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
     if dtype not in DTYPE_BYTES:
-        raise FormatError(f"{where} has unknown dtype {dtype!r}")
+        raise FormatError(f"{where} has unknown dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise FormatError(f"{where} has an invalid shape {shape!r}")
+        raise FormatError(f"{where} has an invalid shape {_short(shape)}")
+    elements = 1
+    for dim in shape:  # each dimension, and any product of them, is bounded (stops at the first overflow)
+        elements *= max(dim, 1)
+        if elements > MAX_ELEMENTS:
+            raise FormatError(f"{where} has shape {_short(shape)}: its dimensions multiply past 2^53")
     if (
         not isinstance(offsets, list) or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise FormatError(f"{where} has invalid data_offsets {offsets!r}")
+        raise FormatError(f"{where} has invalid data_offsets {_short(offsets)}")
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if offsets[1] - offsets[0] != expected:
-        raise FormatError(f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {shape} needs {expected}")
+        raise FormatError(f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {_short(shape)} needs {expected}")
     return TensorInfo(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
