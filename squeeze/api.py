@@ -39,18 +39,14 @@ def verify_model_integrity(
 def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
     """Summarise an artifact (files, tensors by role, bits per weight, KV bytes per token, manifest status).
 
-    Reads headers and config.json only.
+    Reads headers and config.json only (config.json once, through the hardened size-capped read).
     """
-    import json
-
     from squeeze.quant.kv import kv_bytes_table
 
     info = inspect_artifact(path)
-    config_path = os.path.join(info.directory, "config.json")
     try:
-        with open(config_path, "rb") as handle:
-            info.kv_bytes_per_token = kv_bytes_table(json.loads(handle.read()))
-    except (OSError, ValueError, TypeError, AttributeError):  # no decoder config: nothing to size
+        info.kv_bytes_per_token = kv_bytes_table(info.config) if info.config is not None else None
+    except (ValueError, TypeError, AttributeError, ArithmeticError, KeyError):  # no decoder config: nothing to size
         info.kv_bytes_per_token = None
     return info
 

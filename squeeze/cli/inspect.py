@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from squeeze import api
 from squeeze.cli.calibrate_kv import kv_bytes_line
 from squeeze.cli.common import cli_errors, out_console, print_json
+from squeeze.format.paths import short_path
 
 
 def inspect(
@@ -22,13 +24,15 @@ def inspect(
     if json_out:
         print_json(info.to_dict())
         return
-    files = Table(title=f"{info.directory}", title_justify="left")
+    files = Table(title=escape(short_path(info.directory)), title_justify="left")
     files.add_column("file")
     files.add_column("size", justify="right")
     files.add_column("in manifest")
     for entry in info.files:
         size = "missing" if entry["size"] is None else f"{entry['size']:,}"
-        files.add_row(entry["path"], size, "yes" if entry["listed"] else "[red]no[/]")
+        if entry.get("problem"):  # a link or special file: listed, never followed or read
+            size = f"[red]{entry['problem']}[/]"
+        files.add_row(escape(short_path(entry["path"])), size, "yes" if entry["listed"] else "[red]no[/]")
     out_console.print(files)
     roles = Table(title=f"{info.n_tensors} tensors by role", title_justify="left")
     roles.add_column("role")

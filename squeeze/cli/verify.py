@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from squeeze import api
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, progress_bar
+from squeeze.format.paths import short_path
 
 EXIT_HELP = """
 
@@ -29,23 +31,23 @@ def verify(
     if json_out:
         print_json(report.to_dict())
     else:
-        table = Table(title=f"{report.artifact_dir}", title_justify="left")
+        table = Table(title=escape(short_path(report.artifact_dir)), title_justify="left")
         table.add_column("file")
         table.add_column("size", justify="right")
         table.add_column("status")
         for result in report.files:
-            status = "[green]OK[/]" if result.ok else f"[bold red]FAILED[/] {result.error}"
-            table.add_row(result.path, "" if result.size is None else f"{result.size:,}", status)
+            status = "[green]OK[/]" if result.ok else f"[bold red]FAILED[/] {escape(result.error or '')}"
+            table.add_row(escape(short_path(result.path)), "" if result.size is None else f"{result.size:,}", status)
         out_console.print(table)
         for problem in report.problems:
-            out_console.print(f"[bold red]FAILED[/] {problem}")
+            out_console.print(f"[bold red]FAILED[/] {escape(problem)}")
         speed = report.bytes_hashed / report.seconds / 1e6 if report.seconds > 0 else 0.0
         summary = f"{len(report.files)} files, {report.bytes_hashed:,} bytes hashed in {report.seconds:.2f} s ({speed:,.0f} MB/s)"
         if report.ok:
             out_console.print(f"[bold green]intact[/]: {summary}; root digest {report.root_digest}")
     if not report.ok:
         if not json_out:
-            err_console.print(f"[bold red]Error:[/] integrity check failed: {report.first_error()}", soft_wrap=True)
+            err_console.print(f"[bold red]Error:[/] integrity check failed: {escape(report.first_error() or '')}", soft_wrap=True)
         raise typer.Exit(1)
 
 

@@ -7,13 +7,24 @@ instant on any model size. Full hashing is ``verify``'s job.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from squeeze.errors import FormatError
 from squeeze.format.manifest import MANIFEST_NAME, Manifest, strict_json_loads
-from squeeze.format.paths import _OPEN_DIR, open_inside, walk_artifact
+from squeeze.format.paths import (
+    MAX_CONFIG_BYTES,
+    MAX_DEPTH,
+    open_inside,
+    open_root,
+    path_error,
+    read_inside,
+    resolve_root,
+    short_path,
+    walk_artifact,
+)
 from squeeze.format.safetensors_header import MAX_HEADER_BYTES, parse_safetensors_header
 
 #: Tensor-name suffixes that make up a quantized weight (see docs/format.md).
@@ -48,6 +59,8 @@ class ArtifactInfo:
     provenance: dict[str, Any] | None = None
     #: KV-cache bytes per token over all layers {"fp16", "int8", "int4"} (filled in by squeeze.api.inspect).
     kv_bytes_per_token: dict[str, int] | None = None
+    #: config.json as read (hardened, size-capped; not verified), None if absent or malformed. Not serialised.
+    config: dict[str, Any] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         quant = dict(self.quantization or {})
@@ -67,47 +80,76 @@ class ArtifactInfo:
 
 
 def inspect_artifact(path: str | os.PathLike[str]) -> ArtifactInfo:
-    """Summarise the artifact at ``path`` (directory or manifest). Raises FormatError if it is not one."""
-    directory = Path(path)
-    if directory.name == MANIFEST_NAME:
-        directory = directory.parent
-    if not directory.is_dir():
-        raise FormatError(f"{directory} is not a directory", hint="pass an artifact directory")
+    """Summarise the artifact at ``path`` (directory or manifest). Raises FormatError if it is not one.
+
+    A symlinked artifact path is resolved to its real root; inside it nothing is followed: a shard or
+    config.json that is a link, FIFO or device is listed with its ``problem`` and not read.
+    """
+    given = Path(path)
+    if given.name == MANIFEST_NAME:
+        given = given.parent
+    try:
+        is_directory = given.is_dir()
+    except OSError as exc:  # e.g. a path longer than the OS allows
+        raise path_error("cannot read", given, exc) from None
+    if not is_directory:
+        raise FormatError(f"{short_path(given)} is not a directory", hint="pass an artifact directory")
+    directory = resolve_root(given)
     info = ArtifactInfo(directory=str(directory))
     manifest = _read_manifest_quietly(directory, info)
     listed = manifest.entry_map() if manifest else {}
-    root_fd = os.open(directory, _OPEN_DIR)
+    root_fd = open_root(directory)
     try:
-        on_disk = {rel: st for rel, st in walk_artifact(directory) if rel != MANIFEST_NAME}
+        on_disk = {rel: st for rel, st in walk_artifact(root_fd) if rel != MANIFEST_NAME}
+        regular = {rel for rel, st in on_disk.items() if stat.S_ISREG(st.st_mode)}
         for rel in sorted(set(on_disk) | set(listed)):
             size = on_disk[rel].st_size if rel in on_disk else None
-            info.files.append({"path": rel, "size": size, "listed": rel in listed})
+            entry: dict[str, Any] = {"path": rel, "size": size, "listed": rel in listed}
+            if rel in on_disk and rel not in regular:
+                entry["problem"] = _kind(on_disk[rel].st_mode) + "; not read"
+            info.files.append(entry)
         roles: dict[str, RoleSummary] = {}
-        for rel in sorted(on_disk):
+        problems: dict[str, str | None] = {}
+        for rel in sorted(regular):
             if rel.endswith(".safetensors"):
-                for name, tensor in _read_header(root_fd, rel, on_disk[rel].st_size).items():
+                tensors, problems[rel] = _read_header(root_fd, rel, on_disk[rel].st_size)
+                for name, tensor in tensors.items():
                     role = name.rsplit(".", 1)[-1]
                     summary = roles.setdefault(role, RoleSummary(role))
                     summary.count += 1
                     summary.bytes += tensor.end - tensor.begin
                     info.n_tensors += 1
         info.roles = sorted(roles.values(), key=lambda r: -r.bytes)
-        if "config.json" in on_disk:
+        for entry in info.files:
+            if problems.get(entry["path"]):
+                entry["problem"] = problems[entry["path"]]
+        if "config.json" in regular:
             _read_quantization(root_fd, info, roles)
     finally:
         os.close(root_fd)
     if manifest is not None:
-        sizes_match = all(
-            rel in on_disk and on_disk[rel].st_size == entry.size for rel, entry in listed.items()
-        ) and set(on_disk) == set(listed)
+        sizes_match = set(on_disk) == set(listed) and all(
+            rel in regular and on_disk[rel].st_size == entry.size for rel, entry in listed.items()
+        )
         info.manifest_status = "sizes match (run `squeeze verify` to check hashes)" if sizes_match else "MISMATCH"
     return info
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular entry is, for the file list."""
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISDIR(mode):
+        return f"directory nested more than {MAX_DEPTH} levels deep"
+    return "not a regular file"
 
 
 def _read_manifest_quietly(directory: Path, info: ArtifactInfo) -> Manifest | None:
     from squeeze.format.verify import read_manifest
 
-    if not (directory / MANIFEST_NAME).exists():
+    try:
+        os.lstat(directory / MANIFEST_NAME)
+    except OSError:
         return None
     try:
         manifest = read_manifest(directory)
@@ -119,41 +161,45 @@ def _read_manifest_quietly(directory: Path, info: ArtifactInfo) -> Manifest | No
     return manifest
 
 
-def _read_header(root_fd: int, rel: str, size: int) -> dict[str, Any]:
-    fd = open_inside(root_fd, rel)
+def _read_header(root_fd: int, rel: str, size: int) -> tuple[dict[str, Any], str | None]:
+    """(tensors of one shard's header, None), or ({}, why) when it cannot be read: inspect reports what it can."""
+    try:
+        fd = open_inside(root_fd, rel)
+    except (OSError, FormatError):  # replaced by a link or a FIFO since the walk listed it
+        return {}, "changed while being inspected; not read"
     with os.fdopen(fd, "rb") as handle:
         prefix = handle.read(8)
         if len(prefix) == 8:
             length = int.from_bytes(prefix, "little")
             prefix += handle.read(min(length, MAX_HEADER_BYTES))
-    return parse_safetensors_header_lenient(prefix, size, rel)
-
-
-def parse_safetensors_header_lenient(prefix: bytes, size: int, rel: str) -> dict[str, Any]:
-    """Header tensors of ``rel``; inspect reports what it can, so a bad header reads as no tensors."""
     try:
-        return dict(parse_safetensors_header(prefix, size, rel).tensors)
-    except FormatError:
-        return {}
+        return dict(parse_safetensors_header(prefix, size, rel).tensors), None
+    except FormatError as exc:
+        return {}, exc.message.removeprefix(f"{rel}: ")
 
 
 def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSummary]) -> None:
-    fd = open_inside(root_fd, "config.json")
-    with os.fdopen(fd, "rb") as handle:
-        try:
-            config = strict_json_loads(handle.read(), "config.json")
-        except FormatError:
-            return
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    try:
+        config = strict_json_loads(read_inside(root_fd, "config.json", MAX_CONFIG_BYTES), "config.json")
+    except FormatError:
+        return
+    if not isinstance(config, dict):
+        return
+    info.config = config
+    quant = config.get("quantization_config")
     if not isinstance(quant, dict):
         return
     info.quantization = quant
     modules = quant.get("modules")
     if isinstance(modules, dict) and modules:
         info.quantized_modules = len(modules)
-        n_weights = sum(int(m.get("in_features", 0)) * int(m.get("out_features", 0)) for m in modules.values())
+        n_weights = sum(_count(m, "in_features") * _count(m, "out_features") for m in modules.values())
         quant_bytes = sum(roles[r].bytes for r in QUANTIZED_ROLES if r in roles)
         if n_weights:
             info.bits_per_weight = round(quant_bytes * 8 / n_weights, 4)
 
 
+def _count(module: object, key: str) -> int:
+    """A module's non-negative integer field, 0 when absent or not one (inspect never fails on junk)."""
+    value = module.get(key) if isinstance(module, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -22,6 +22,7 @@ from squeeze.errors import FormatError, SqueezeError
 from squeeze.format.hashing import HashedFile, ProgressFn, hash_files
 from squeeze.format.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     Provenance,
@@ -31,7 +32,16 @@ from squeeze.format.manifest import (
     strict_json_loads,
     write_manifest,
 )
-from squeeze.format.paths import _OPEN_DIR, open_inside, walk_artifact
+from squeeze.format.paths import (
+    MAX_DEPTH,
+    describe_os_error,
+    open_root,
+    path_error,
+    read_inside,
+    resolve_root,
+    short_path,
+    walk_artifact,
+)
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header
 from squeeze.format.shards import INDEX_NAME
 
@@ -78,7 +88,7 @@ class VerifyReport:
         if self.problems:
             return self.problems[0]
         bad = self.failures
-        return f"{bad[0].path}: {bad[0].error}" if bad else None
+        return f"{short_path(bad[0].path)}: {bad[0].error}" if bad else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,37 +104,50 @@ class VerifyReport:
 
 
 def resolve_manifest_path(path: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """(artifact directory, manifest path) from either of them; FormatError when there is no manifest."""
-    path = Path(path)
-    if path.is_dir():
-        directory, manifest = path, path / MANIFEST_NAME
+    """(artifact directory, manifest path) from either of them; FormatError when there is no manifest.
+
+    The artifact's own path may be a symlink (``current -> v3``): the directory returned is the real
+    root (``resolve_root``). The manifest itself, like everything inside the artifact, must not be a link.
+    """
+    given = Path(path)
+    try:
+        is_directory = given.is_dir()  # follows a link to the root: `current -> v3` names v3
+    except OSError as exc:  # e.g. a path longer than the OS allows
+        raise path_error("cannot read", given, exc) from None
+    if is_directory:
+        directory = resolve_root(given)
+        manifest = directory / MANIFEST_NAME
     else:
-        directory, manifest = path.parent, path
-        if path.name != MANIFEST_NAME and path.exists():
-            raise FormatError(
-                f"{path} is not a squeeze manifest (expected a file named {MANIFEST_NAME})",
-                hint="pass the artifact directory or its squeeze.manifest.json",
-            )
-    if manifest.is_symlink():
-        raise FormatError(f"{manifest} is a symbolic link; the manifest must be a regular file")
-    if not manifest.is_file():
+        directory = resolve_root(given.parent)
+        manifest = directory / given.name
+    try:
+        info = os.lstat(manifest)
+    except FileNotFoundError:
+        raise FormatError(f"no manifest at {short_path(given)}",
+                          hint="pass the artifact directory or its squeeze.manifest.json") from None
+    except OSError as exc:
+        raise path_error("cannot read", given, exc) from None
+    if manifest.name != MANIFEST_NAME:
         raise FormatError(
-            f"no manifest at {manifest}", hint="pass the artifact directory or its squeeze.manifest.json"
+            f"{short_path(given)} is not a squeeze manifest (expected a file named {MANIFEST_NAME})",
+            hint="pass the artifact directory or its squeeze.manifest.json",
         )
+    if stat.S_ISLNK(info.st_mode):
+        raise FormatError(f"{short_path(manifest)} is a symbolic link; the manifest must be a regular file")
+    if not stat.S_ISREG(info.st_mode):
+        raise FormatError(f"{short_path(manifest)} is not a regular file")
     return directory, manifest
 
 
-def read_manifest(directory: Path) -> Manifest:
-    """Read and parse ``directory/squeeze.manifest.json`` without following symlinks."""
-    root_fd = os.open(directory, _OPEN_DIR)
-    try:
-        fd = open_inside(root_fd, MANIFEST_NAME)
-    except OSError as exc:
-        raise FormatError(f"cannot open {directory / MANIFEST_NAME}: {exc.strerror}") from None
-    finally:
-        os.close(root_fd)
-    with os.fdopen(fd, "rb") as handle:
-        return parse_manifest(handle.read(), str(directory / MANIFEST_NAME))
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and parse ``directory/squeeze.manifest.json`` without following symlinks inside the artifact.
+
+    At most MAX_MANIFEST_BYTES are read (the size is checked before reading); a FIFO or device in its
+    place is refused without blocking.
+    """
+    root = resolve_root(directory)
+    shown = short_path(root / MANIFEST_NAME)
+    return parse_manifest(read_inside(root, MANIFEST_NAME, MAX_MANIFEST_BYTES, name=shown), shown)
 
 
 def verify_artifact(
@@ -187,10 +210,11 @@ def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
         if relative == MANIFEST_NAME:
             continue
         if stat.S_ISLNK(info.st_mode):
-            target = os.readlink(directory / relative)
-            report.files.append(
-                FileResult(relative, False, f"symbolic link to {target!r}; artifacts may not contain links")
-            )
+            report.files.append(FileResult(relative, False, f"{_link_target(directory, relative)}; "
+                                                            "artifacts may not contain links"))
+        elif stat.S_ISDIR(info.st_mode):
+            report.files.append(FileResult(relative, False, f"directory nested more than {MAX_DEPTH} levels deep; "
+                                                            "not scanned"))
         elif not stat.S_ISREG(info.st_mode):
             report.files.append(FileResult(relative, False, "not a regular file"))
         else:
@@ -198,11 +222,19 @@ def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
     return found
 
 
+def _link_target(directory: Path, relative: str) -> str:
+    """"symbolic link to '<target>'" for a message (the target shortened; never followed)."""
+    try:
+        return f"symbolic link to {short_path(os.readlink(directory / relative))!r}"
+    except OSError:  # gone meanwhile, or a path longer than the OS allows: it was a link when listed
+        return "symbolic link"
+
+
 def _hash_listed(
     directory: Path, paths: list[str], total: int, workers: int | None, progress: ProgressFn | None,
     capture: Callable[[str], bool] | None = None,
 ) -> dict[str, HashedFile | BaseException]:
-    root_fd = os.open(directory, _OPEN_DIR)
+    root_fd = open_root(directory)
     try:
         return hash_files(root_fd, paths, total, workers=workers, progress=progress, capture=capture)
     finally:
@@ -228,9 +260,9 @@ def _judge(entry: FileEntry, outcome: HashedFile | BaseException, headers: dict[
 
 def _describe_error(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
-        return "a path component is a symbolic link; artifacts may not contain links"
+        return describe_os_error(exc)
     if isinstance(exc, OSError):
-        return f"cannot read: {exc.strerror or exc}"
+        return f"cannot read: {describe_os_error(exc)}"
     if isinstance(exc, SqueezeError):
         return exc.message
     return f"cannot read: {exc}"
@@ -275,20 +307,21 @@ def seal_artifact(
 
     Refuses symlinks, special files and leftover temp files, so a sealed artifact always verifies.
     """
-    directory = Path(directory)
+    directory = resolve_root(directory)
+    shown = short_path(directory)
     report = VerifyReport(str(directory), "", "")
     files = _scan(directory, report)
     if report.files:
         bad = report.files[0]
-        raise FormatError(f"cannot seal {directory}: {bad.path}: {bad.error}")
+        raise FormatError(f"cannot seal {shown}: {short_path(bad.path)}: {bad.error}")
     partial = [p for p in files if p.rsplit("/", 1)[-1].startswith(".") and p.endswith(".partial")]
     if partial:
-        raise FormatError(f"cannot seal {directory}: unfinished temp file {partial[0]}")
+        raise FormatError(f"cannot seal {shown}: unfinished temp file {short_path(partial[0])}")
     hashed = _hash_listed(directory, sorted(files), sum(i.st_size for i in files.values()), workers, progress)
     entries = []
     for relative, outcome in sorted(hashed.items()):
         if isinstance(outcome, BaseException):
-            raise FormatError(f"cannot seal {directory}: {relative}: {_describe_error(outcome)}")
+            raise FormatError(f"cannot seal {shown}: {short_path(relative)}: {_describe_error(outcome)}")
         entries.append(FileEntry(relative, outcome.size, outcome.sha256))
     manifest = build_manifest(entries, provenance)
     write_manifest(directory, manifest)

@@ -10,12 +10,13 @@ one (chunk_rows, in_features) slice at a time instead.
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from dataclasses import dataclass
-from pathlib import Path
 
-from squeeze.errors import ResourceError
+from squeeze.errors import ResourceError, SqueezeError
+from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
+from squeeze.format.paths import MAX_CONFIG_BYTES, open_root, read_inside, resolve_root, short_path, walk_artifact
 from squeeze.system import available_memory_bytes
 
 #: transformers' modules, the tokenizer, activations and KV cache of a short generation: the peak RSS of
@@ -43,29 +44,62 @@ def estimate_load(directory: str | os.PathLike[str], chunk_rows: int = 1024) -> 
     """What loading ``directory`` will hold, from the manifest's sizes and config.json; None if unreadable.
 
     Nothing here is trusted: it only sizes the load. A missing or malformed manifest or config gives None
-    (or no dense part), and the loader's verification then reports the real problem.
+    (or no dense part), and the loader's verification then reports the real problem. Both files are read
+    through the hardened reader (no link followed, FIFOs refused without blocking, size capped before
+    reading), so sizing a hostile artifact can neither hang nor read more than those caps.
     """
-    directory = Path(directory)
     try:
-        manifest = json.loads((directory / "squeeze.manifest.json").read_bytes())
-        artifact = sum(int(entry["size"]) for entry in manifest["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        try:  # no usable manifest (an unverified load): the regular files on disk
-            artifact = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
-        except OSError:
-            return None
-    dense = slice_ = 0
+        root_fd = open_root(resolve_root(directory))
+    except SqueezeError:
+        return None
     try:
-        config = json.loads((directory / "config.json").read_bytes())
+        artifact = _listed_bytes(root_fd)
+        if artifact is None:  # no usable manifest (an unverified load): the regular files on disk (lstat only)
+            artifact = sum(st.st_size for _, st in walk_artifact(root_fd) if stat.S_ISREG(st.st_mode))
+        dense, slice_ = _dense_cache_bytes(root_fd, artifact, chunk_rows)
+    except OSError:
+        return None
+    finally:
+        os.close(root_fd)
+    return LoadEstimate(artifact_bytes=artifact, dense_cache_bytes=dense, low_memory_bytes=slice_)
+
+
+def _listed_bytes(root_fd: int) -> int | None:
+    """Total size of the files the manifest lists, None when it is absent or malformed."""
+    try:
+        manifest = parse_manifest(read_inside(root_fd, MANIFEST_NAME, MAX_MANIFEST_BYTES))
+    except SqueezeError:
+        return None
+    return manifest.total_size
+
+
+def _dense_cache_bytes(root_fd: int, artifact_bytes: int, chunk_rows: int) -> tuple[int, int]:
+    """(dense cache bytes, largest low-memory slice bytes) from config.json's quantized modules; (0, 0) on junk.
+
+    Every quantized weight stores at least one bit per weight, so a config claiming more than 8 weights
+    per artifact byte does not describe this artifact: it sizes nothing (verification will say why).
+    """
+    try:
+        config = strict_json_loads(read_inside(root_fd, "config.json", MAX_CONFIG_BYTES), "config.json")
         quant = config.get("quantization_config") or {}
         width = _FLOAT_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
-        for spec in (quant.get("modules") or {}).values():
-            rows, cols = int(spec.get("out_features", 0)), int(spec.get("in_features", 0))
-            dense += rows * cols * width
-            slice_ = max(slice_, min(rows, chunk_rows) * cols * width)
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    return LoadEstimate(artifact_bytes=artifact, dense_cache_bytes=dense, low_memory_bytes=slice_)
+        shapes = [(_count(spec, "out_features"), _count(spec, "in_features"))
+                  for spec in (quant.get("modules") or {}).values()]
+    except (SqueezeError, TypeError, AttributeError):
+        return 0, 0
+    if sum(rows * cols for rows, cols in shapes) > 8 * artifact_bytes:
+        return 0, 0
+    dense = sum(rows * cols * width for rows, cols in shapes)
+    slice_ = max((min(rows, chunk_rows) * cols * width for rows, cols in shapes), default=0)
+    return dense, slice_
+
+
+def _count(spec: object, key: str) -> int:
+    """A module's integer field (``out_features``...), 0 when absent or not a non-negative int."""
+    value = spec.get(key) if isinstance(spec, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return 0
+    return value
 
 
 def check_load_memory(directory: str | os.PathLike[str], *, dense_cache: bool) -> LoadEstimate | None:
@@ -87,7 +121,7 @@ def check_load_memory(directory: str | os.PathLike[str], *, dense_cache: bool) -
                 "dequantizing in row slices (slower)")
     else:
         hint = "free memory (close other programs) or use a machine with more memory"
-    raise ResourceError(f"not enough memory to load {directory}: needs about {_gb(needed)} ({parts}), "
+    raise ResourceError(f"not enough memory to load {short_path(directory)}: needs about {_gb(needed)} ({parts}), "
                         f"{_gb(available)} available", hint=hint)
 
 

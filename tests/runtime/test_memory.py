@@ -92,3 +92,75 @@ def test_available_memory_reads_proc_meminfo() -> None:
     else:
         assert n is None
 
+
+
+# ------------------------------------------------------------------------------------------------------
+# The estimate reads an unverified artifact: it never blocks, follows a link or reads past a bound
+
+
+def _within(seconds: float, call, unblock: Path):
+    """``call()``'s result, failing if it blocks longer than ``seconds`` (then the FIFO ``unblock`` is released)."""
+    import os
+    import threading
+
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(value=call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(5)
+        pytest.fail(f"estimate_load blocked on {unblock.name}")
+    return outcome["value"]
+
+
+@pytest.fixture
+def copy(artifact: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "a"
+    shutil.copytree(artifact, target)
+    return target
+
+
+def test_a_fifo_manifest_or_config_does_not_block_the_estimate(copy: Path) -> None:
+    import os
+
+    reference = memory.estimate_load(copy)
+    (copy / "config.json").unlink()
+    os.mkfifo(copy / "config.json")  # before: blocked run / eval / calibrate-kv forever
+    estimate = _within(20, lambda: memory.estimate_load(copy), copy / "config.json")
+    assert estimate.artifact_bytes == reference.artifact_bytes and estimate.dense_cache_bytes == 0
+    (copy / "squeeze.manifest.json").unlink()
+    os.mkfifo(copy / "squeeze.manifest.json")
+    estimate = _within(20, lambda: memory.estimate_load(copy), copy / "squeeze.manifest.json")
+    assert estimate is not None and estimate.dense_cache_bytes == 0
+
+
+def test_a_config_linked_elsewhere_is_not_followed(copy: Path, tmp_path: Path) -> None:
+    import os
+
+    outside = tmp_path / "outside-fifo"
+    os.mkfifo(outside)  # a link to /dev/zero grew memory without bound; to a FIFO it blocked
+    (copy / "config.json").unlink()
+    os.symlink(outside, copy / "config.json")
+    estimate = _within(20, lambda: memory.estimate_load(copy), outside)
+    assert estimate is not None and estimate.dense_cache_bytes == 0
+
+
+def test_a_huge_or_deeply_nested_manifest_gives_an_estimate_from_the_files(copy: Path) -> None:
+    on_disk = sum(p.stat().st_size for p in copy.iterdir() if p.name != "squeeze.manifest.json")
+    manifest = copy / "squeeze.manifest.json"
+    manifest.write_text("[" * 100_000 + "]" * 100_000)  # before: RecursionError (internal error)
+    assert memory.estimate_load(copy).artifact_bytes == on_disk + manifest.stat().st_size
+    with open(manifest, "r+b") as handle:
+        handle.truncate(2**30)  # before: read whole
+    assert memory.estimate_load(copy).artifact_bytes == on_disk + 2**30
+
+
+def test_a_config_claiming_more_weights_than_the_artifact_holds_sizes_no_dense_cache(copy: Path) -> None:
+    import json
+
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"]["modules"]["model.layers.0.mlp.up_proj"]["out_features"] = 10**15
+    (copy / "config.json").write_text(json.dumps(config))
+    estimate = memory.estimate_load(copy)  # unverified: the load's verification reports the edit
+    assert estimate is not None and estimate.dense_cache_bytes == 0
