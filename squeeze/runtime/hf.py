@@ -6,7 +6,10 @@ transformers' quantizer registry (see :mod:`squeeze.runtime.hf_hook` for when). 
 :class:`SqueezeHfQuantizer`, which
 
 1. verifies the whole artifact against its manifest (size and SHA-256 of every file; IntegrityError on any
-   mismatch) before a single weight is read;
+   mismatch) before a single weight is read, and checks the config's dimensions against the verified
+   tensor shapes (FormatError). When ``from_pretrained`` is given the artifact directory, both happen
+   before transformers builds the skeleton (``update_attn_implementation`` is its one hook that sees the
+   config then), so a config asking for a million layers fails at once instead of hanging;
 2. replaces each quantized ``nn.Linear`` named in ``quantization_config.modules`` by a :class:`SqueezeLinear`
    whose buffers (``weight_packed``, ``weight_lut``, ...) have the shapes and dtypes of the artifact's
    tensors, read from the verified safetensors headers, so transformers' ordinary state-dict loading fills
@@ -37,13 +40,14 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from squeeze.errors import FormatError, IntegrityError
+from squeeze.format.paths import resolve_root, short_path
 from squeeze.format.safetensors_header import TensorInfo
-from squeeze.format.verify import verify_artifact
+from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant import qweight as q
 from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
 from squeeze.quant.sparse import SparseCSR
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.loader import QUANT_METHOD, _torch_dtype
+from squeeze.runtime.loader import QUANT_METHOD, _torch_dtype, check_config_shapes, is_artifact
 
 FORMAT_VERSION = 1
 
@@ -75,16 +79,23 @@ class SqueezeHfQuantizer(HfQuantizer):
 
     requires_calibration = True  # pre-quantized only: there is no on-the-fly "quantize while loading"
     quantization_config: SqueezeQuantConfig
+    _verified: VerifyReport | None = None  # set before the skeleton is built, when the directory is known
+
+    def update_attn_implementation(self, config: Any) -> Any:
+        """Before transformers builds the skeleton: verify a local artifact and check its config's dimensions."""
+        name = getattr(config, "name_or_path", None)
+        if isinstance(name, str) and name and is_artifact(name):
+            self._verified = _verified_report(resolve_root(name))
+            _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
+        return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: list[str] | None = None,
                                              **kwargs: Any) -> nn.Module:
         directory = _artifact_directory(checkpoint_files)
-        report = verify_artifact(directory)
-        if not report.ok:
-            raise IntegrityError(
-                f"artifact {directory} failed verification: {report.first_error()}",
-                hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
-            )
+        report = self._verified
+        if report is None or Path(report.artifact_dir) != directory:
+            report = _verified_report(directory)
+        _check_shapes(model.config.to_dict(), report, self.quantization_config.modules)
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
         for name, spec in self.quantization_config.modules.items():
             _swap_in_squeeze_linear(model, name, spec, infos)
@@ -107,9 +118,30 @@ class SqueezeHfQuantizer(HfQuantizer):
         return False
 
 
+def _verified_report(directory: Path) -> VerifyReport:
+    """The verification report of ``directory``; IntegrityError when it is not intact."""
+    report = verify_artifact(directory)
+    if not report.ok:
+        raise IntegrityError(
+            f"artifact {short_path(directory)} failed verification: {report.first_error()}",
+            hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
+        )
+    return report
+
+
+def _check_shapes(config: dict[str, Any], report: VerifyReport, modules: dict[str, Any]) -> None:
+    """The loader's config-vs-tensor check (``check_config_shapes``) against the verified headers."""
+    shapes = {name: info.shape for header in report.headers.values() for name, info in header.tensors.items()}
+    check_config_shapes(config, shapes, modules)
+
+
 def _artifact_directory(checkpoint_files: list[str] | None) -> Path:
-    """The one directory holding every checkpoint file: the artifact root, whose manifest gets verified."""
-    parents = {Path(f).resolve().parent for f in checkpoint_files or []}
+    """The one directory holding every checkpoint file: the artifact root, whose manifest gets verified.
+
+    Only the directory is resolved (``current -> v3``), never the file: a shard that is itself a link must
+    fail verification in this directory, not send it to the link target's.
+    """
+    parents = {resolve_root(Path(f).parent) for f in checkpoint_files or []}
     if len(parents) != 1:
         raise FormatError(f"a squeeze artifact's shards live in one directory, found {sorted(map(str, parents))}",
                           hint="load the artifact directory written by `squeeze compress`")

@@ -1,30 +1,44 @@
 """Load an artifact into a transformers model with SqueezeLinear modules (reference path).
 
-The artifact is verified against its manifest first (unless ``verify=False``); then the model skeleton is
-built from config.json, each quantized linear named in ``quantization_config.modules`` becomes a
-SqueezeLinear holding its packed codes and LUT (or RTN scales), and every other tensor is loaded as is.
+The artifact is verified against its manifest first (unless ``verify=False``); nothing whose size comes
+from the artifact is built before that succeeded. Then config.json's dimensions are checked against the
+verified tensor shapes (``check_config_shapes``), the model skeleton is built from it, each quantized linear
+named in ``quantization_config.modules`` becomes a SqueezeLinear holding its packed codes and LUT (or RTN
+scales), and every other tensor is loaded as is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import tempfile
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from squeeze.errors import FormatError, IntegrityError
-from squeeze.format.manifest import strict_json_loads
+from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
+from squeeze.format.paths import (
+    MAX_CONFIG_BYTES,
+    check_relative_path,
+    describe_os_error,
+    open_inside,
+    open_root,
+    read_inside,
+    resolve_root,
+    short_path,
+    walk_artifact,
+)
+from squeeze.format.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, parse_safetensors_header
 from squeeze.format.shards import INDEX_NAME
-from squeeze.format.paths import open_inside
-from squeeze.format.verify import VerifyReport, read_manifest, verify_artifact
+from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.kv import KV_FILE, KVSpec
 from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
 from squeeze.runtime.linear import SqueezeLinear
@@ -54,10 +68,16 @@ def parse_config(data: bytes, where: str) -> dict[str, Any]:
 
 
 def is_artifact(path: str | Path) -> bool:
-    """True if ``path`` is a squeeze artifact directory (it has a manifest)."""
-    from squeeze.format.manifest import MANIFEST_NAME
+    """True if ``path`` is a squeeze artifact directory: it holds a manifest entry (not a directory).
 
-    return (Path(path) / MANIFEST_NAME).is_file()
+    Only lstat: a manifest that is a link, FIFO or device still makes ``path`` an artifact, so that loading
+    it reports the problem instead of treating the directory as a plain model. ``path`` itself may be a
+    link to the artifact.
+    """
+    try:
+        return not stat.S_ISDIR(os.lstat(resolve_root(path) / MANIFEST_NAME).st_mode)
+    except OSError:
+        return False
 
 
 def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
@@ -106,29 +126,72 @@ def tensors_from_captured(report: VerifyReport) -> dict[str, torch.Tensor]:
         data = report.captured[path].data
         if data is None:
             raise FormatError(f"{path} was verified without keeping its bytes")
-        base = header.data_start
-        for name, info in header.tensors.items():
-            raw = data[base + info.begin : base + info.end]  # uint8 view, shares the hashed buffer
-            tensors[name] = raw.view(_torch_dtype(info.dtype)).reshape(info.shape)
+        tensors.update(_tensor_views(header, data))  # uint8 views, sharing the hashed buffer
     return tensors
 
 
-def _read_unverified(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
-    """Tensors and small files read straight from disk (``verify=False``: the caller warned the user)."""
-    index_path = directory / INDEX_NAME
-    if index_path.is_file():
-        index = strict_json_loads(index_path.read_bytes(), str(index_path))
-        shards = sorted(set(index.get("weight_map", {}).values()) | ({KV_FILE} if (directory / KV_FILE).is_file() else set()))
-    else:
-        shards = sorted(p.name for p in directory.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        with safe_open(str(directory / shard), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[name] = handle.get_tensor(name)
-    files = {p.name: p.read_bytes() for p in directory.iterdir()
-             if p.is_file() and not p.is_symlink() and not p.name.endswith(".safetensors")}
-    return tensors, files
+def _read_unverified(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
+    """(tensors, small top-level files, KV-file tensor names) read straight from disk (``verify=False``).
+
+    Unverified, but read like everything else: no link followed, regular files only, no blocking open,
+    small files capped (MAX_CONFIG_BYTES) and shard headers validated before any tensor is made.
+    """
+    root_fd = open_root(directory)
+    try:
+        top = {rel: st for rel, st in walk_artifact(root_fd) if "/" not in rel and stat.S_ISREG(st.st_mode)}
+        if INDEX_NAME in top:
+            index = strict_json_loads(read_inside(root_fd, INDEX_NAME, MAX_CONFIG_BYTES), INDEX_NAME)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise FormatError(f"{INDEX_NAME} lacks a 'weight_map' object")
+            shards = {check_relative_path(shard, INDEX_NAME) for shard in weight_map.values()}
+            shards |= {KV_FILE} & set(top)
+        else:
+            shards = {rel for rel in top if rel.endswith(".safetensors")}
+        tensors: dict[str, torch.Tensor] = {}
+        kv_names: list[str] = []
+        for shard in sorted(shards):
+            header, data = _read_shard(root_fd, shard)
+            views = _tensor_views(header, data)
+            tensors.update(views)
+            if shard == KV_FILE:
+                kv_names = list(views)
+        files = {rel: read_inside(root_fd, rel, MAX_CONFIG_BYTES) for rel in sorted(top)
+                 if not rel.endswith(".safetensors") and rel != MANIFEST_NAME}
+    finally:
+        os.close(root_fd)
+    return tensors, files, kv_names
+
+
+def _read_shard(root_fd: int, relative: str) -> tuple[SafetensorsHeader, torch.Tensor]:
+    """One shard read whole into private memory (uint8), its header validated against its size."""
+    try:
+        fd = open_inside(root_fd, relative)
+    except OSError as exc:
+        raise FormatError(f"cannot open {short_path(relative)}: {describe_os_error(exc)}") from None
+    with os.fdopen(fd, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        head = handle.read(8)
+        if len(head) == 8:
+            head += handle.read(min(int.from_bytes(head, "little"), MAX_HEADER_BYTES))
+        header = parse_safetensors_header(head, size, short_path(relative))  # before sizing anything by it
+        data = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(data.numpy())
+        view[: len(head)] = head
+        done = len(head)
+        while done < size:
+            count = handle.readinto(view[done:])
+            if not count:
+                raise FormatError(f"{short_path(relative)} shrank while being read")
+            done += count
+    return header, data
+
+
+def _tensor_views(header: SafetensorsHeader, data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The header's tensors as views into ``data`` (the whole file as uint8), shapes and dtypes as declared."""
+    base = header.data_start
+    return {name: data[base + info.begin : base + info.end].view(_torch_dtype(info.dtype)).reshape(info.shape)
+            for name, info in header.tensors.items()}
 
 
 def quantized_weight_from(tensors: dict[str, torch.Tensor], name: str, spec: dict[str, Any]) -> QuantizedWeight:
@@ -150,49 +213,69 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
 
     Every file is read once into private memory while it is hashed; tensors are views of those bytes,
     and the config and tokenizer are read from them too, so a file swapped or rewritten after any earlier
-    ``squeeze verify`` is caught here (IntegrityError) before a single output is produced.
+    ``squeeze verify`` is caught here (IntegrityError) before a single output is produced. Nothing sized
+    by the artifact (skeleton, tokenizer) is built before verification succeeded, and config.json must
+    agree with the tensors' shapes (FormatError) before the skeleton is built.
     ``check_memory``: first estimate the memory the load will hold (artifact bytes, plus the dense cache
     when ``dense_cache``) from the manifest and config, and raise ResourceError if it is not available.
+    ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
     """
-    directory = Path(path)
+    directory = resolve_root(path)
     if check_memory:
         check_load_memory(directory, dense_cache=dense_cache)
     report = None
     if verify:
-        report, early = _verify_while_building(directory)
+        report = verify_artifact(directory, capture=lambda _path: True)
         if not report.ok:
             raise IntegrityError(
-                f"artifact {directory} failed verification: {report.first_error()}",
+                f"artifact {short_path(directory)} failed verification: {report.first_error()}",
                 hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
             )
         tensors = tensors_from_captured(report)
         files = {p: bytes(h.data.numpy()) for p, h in report.captured.items()
                  if h.data is not None and not p.endswith(".safetensors")}
-        if early is not None and early.files != files:
-            early = None  # a small file changed between the two reads: build from the verified bytes
+        kv_header = report.headers.get(KV_FILE)
+        kv_names = list(kv_header.tensors) if kv_header is not None else []
     else:
-        tensors, files = _read_unverified(directory)
-        early = None
-    kv_tensors = {k: tensors.pop(k) for k in _kv_tensor_names(report, directory) if k in tensors}
+        tensors, files, kv_names = _read_unverified(directory)
+    kv_tensors = {k: tensors.pop(k) for k in kv_names if k in tensors}
+    tensor_bytes = sum(t.nbytes for t in tensors.values())
     if "config.json" not in files:
-        raise FormatError(f"{directory / 'config.json'} is missing",
+        raise FormatError(f"{short_path(directory / 'config.json')} is missing",
                           hint="an artifact needs the config.json written by squeeze compress")
-    config = parse_config(files["config.json"], str(directory / "config.json"))
+    config = parse_config(files["config.json"], "config.json")
     quant = config.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise FormatError("config.json: quantization_config must be an object")
     modules = quant.get("modules", {}) if quant.get("quant_method") == QUANT_METHOD else {}
-    model = early.model if early is not None else build_skeleton(config)
+    if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
+        raise FormatError("config.json: quantization_config.modules must map module names to objects")
+    check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
+    model = build_skeleton(config)
     for name, spec in modules.items():
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child, None)
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+        except AttributeError:
+            parent = None
+        old = getattr(parent, child, None) if parent is not None else None
         if not isinstance(old, nn.Linear):
             raise FormatError(f"quantization_config names {name!r}, which is not a linear layer of this architecture")
         bias = tensors.pop(f"{name}.bias", None)
         qweight = quantized_weight_from(tensors, name, spec)
+        if (old.out_features, old.in_features) != (qweight.out_features, qweight.in_features):
+            raise FormatError(f"{name}: config.json builds a {old.out_features} x {old.in_features} linear, but the "
+                              f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
+                              hint="config.json does not belong to these tensors; re-create the artifact")
         for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
             del tensors[key]
         setattr(parent, child, SqueezeLinear(qweight, bias, dense_cache=dense_cache))
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    except RuntimeError as exc:  # shape mismatches: the config and the tensors disagree
+        first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise FormatError(f"artifact tensors do not fit the architecture config.json describes: {first[:300]}",
+                          hint="config.json does not belong to these tensors; re-create the artifact") from None
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not _is_quantized_param(model, k)]
     if unexpected:
@@ -201,81 +284,87 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
         raise FormatError(f"artifact lacks tensors the architecture needs: {sorted(missing)[:3]}")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    _materialise_computed_buffers(model)
+    _materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
     model.eval()
     kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
-    return LoadedModel(model=model, tokenizer=_tokenizer_for(files, early), quantization=quant, report=report,
+    return LoadedModel(model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report,
                        kv_spec=kv_spec)
 
 
-def _kv_tensor_names(report: VerifyReport | None, directory: Path) -> list[str]:
-    """Names of the tensors in the KV-scales file (kept out of the model's state dict)."""
-    if report is not None:
-        header = report.headers.get(KV_FILE)
-        return list(header.tensors) if header is not None else []
-    if not (directory / KV_FILE).is_file():
-        return []
-    with safe_open(str(directory / KV_FILE), framework="pt") as handle:
-        return list(handle.keys())
+#: Integer dimensions of a config that size what the skeleton builds (checked before building it).
+_DIMENSION_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "max_position_embeddings")
+#: ``<prefix>.layers.<i>.`` (Llama, Qwen, Mistral, Gemma, NeoX, OPT...) or ``<prefix>.h.<i>.`` (GPT-2, Falcon).
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+#: Buffers computed at init (rotary tables...) may take this much, or as much as the artifact's tensors.
+COMPUTED_BUFFER_BYTES = 256 * 2**20
 
 
-#: Small files are read a second time (privately) to build the skeleton and tokenizer early; above this
-#: total the overlap is skipped rather than holding them twice.
-EARLY_READ_LIMIT = 64 * 2**20
+def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
+                        modules: Mapping[str, Mapping[str, Any]]) -> None:
+    """FormatError unless config.json's dimensions agree with the (verified) tensors, before any skeleton.
 
-
-@dataclass
-class _Early:
-    """What was built, while the shards were being hashed, from a private unverified read of the small files."""
-
-    files: dict[str, bytes]
-    model: nn.Module
-    tokenizer: Any
-
-
-def _verify_while_building(directory: Path) -> tuple[VerifyReport, _Early | None]:
-    """Verify every file (capturing its bytes) in a worker thread while the skeleton and tokenizer are built.
-
-    hashlib releases the GIL, so hashing a large shard overlaps with building the model skeleton and the
-    tokenizer (about half of a SmolLM2 load, measured). Those are built from a private read of the small
-    files done before they are verified; the caller keeps them only if those bytes are identical to the
-    bytes verification hashed, which makes them exactly what building from the verified bytes gives.
+    ``shapes``: every tensor's name -> shape; ``modules``: quantization_config.modules (name -> spec with
+    ``out_features`` / ``in_features``). The skeleton's size comes from the config alone, so a config that
+    disagrees with the tensors (resealed, or from another model) must fail here, cheaply, not after
+    building (or hanging on) a million layers: layers must be exactly those the tensor names hold, the
+    embedding and a dense MLP must have the config's vocab / hidden / intermediate sizes.
     """
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-verify") as pool:
-        pending = pool.submit(verify_artifact, directory, capture=lambda _path: True)
-        try:
-            early = _build_early(directory)
-        except Exception:  # noqa: BLE001 - whatever failed here fails again, and is reported, on verified bytes
-            early = None
-        return pending.result(), early
+    for key in _DIMENSION_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise FormatError(f"config.json: {key} must be a non-negative integer, found {_short(value)}")
+    hint = "config.json does not belong to these tensors; re-create the artifact"
+    layers = config.get("num_hidden_layers")
+    indices = {int(m.group(1)) for name in (*shapes, *modules) if (m := _LAYER_RE.search(name))}
+    if isinstance(layers, int) and indices:
+        present = sum(1 for i in indices if i < layers)
+        if present != layers:
+            raise FormatError(f"config.json: num_hidden_layers is {layers}, but the tensors hold {present} of those "
+                              f"layers (indices {min(indices)}..{max(indices)})", hint=hint)
+    elif isinstance(layers, int) and layers > len(shapes) + len(modules):  # every layer holds some tensor
+        raise FormatError(f"config.json: num_hidden_layers is {layers}, more than the artifact's "
+                          f"{len(shapes)} tensors could fill", hint=hint)
+    for name, shape in shapes.items():
+        if name.endswith(_EMBEDDING_SUFFIXES) and len(shape) == 2:
+            _expect(config, "vocab_size", shape[0], f"{name} has {shape[0]} rows", hint)
+            if "word_embed_proj_dim" not in config:  # OPT-style projected embeddings are narrower
+                _expect(config, "hidden_size", shape[1], f"{name} has {shape[1]} columns", hint)
+        elif re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj\.weight$", name) and len(shape) == 2:
+            _expect(config, "intermediate_size", shape[1], f"{name} has {shape[1]} columns", hint)
+    for name, spec in modules.items():
+        if re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj$", name):
+            _expect(config, "intermediate_size", spec.get("in_features"), f"{name} has in_features "
+                    f"{_short(spec.get('in_features'))}", hint)
+        elif name == "lm_head" or name.endswith(".lm_head"):
+            _expect(config, "vocab_size", spec.get("out_features"), f"{name} has out_features "
+                    f"{_short(spec.get('out_features'))}", hint)
+    head = shapes.get("lm_head.weight")
+    if head is not None and len(head) == 2:
+        _expect(config, "vocab_size", head[0], f"lm_head.weight has {head[0]} rows", hint)
 
 
-def _build_early(directory: Path) -> _Early | None:
-    files = _read_small_files(directory)
-    if files is None or "config.json" not in files:
-        return None
-    model = build_skeleton(parse_config(files["config.json"], str(directory / "config.json")))
-    return _Early(files=files, model=model, tokenizer=_tokenizer_from_files(files))
+def _expect(config: Mapping[str, Any], key: str, found: object, what: str, hint: str) -> None:
+    value = config.get(key)
+    if value is not None and value != found:
+        raise FormatError(f"config.json: {key} is {_short(value)}, but {what}", hint=hint)
 
 
-def _read_small_files(directory: Path) -> dict[str, bytes] | None:
-    """Every non-safetensors file the manifest lists, read without following symlinks (unverified)."""
-    entries = [e for e in read_manifest(directory).files if not e.path.endswith(".safetensors")]
-    if sum(e.size for e in entries) > EARLY_READ_LIMIT:
-        return None
-    root_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        files = {}
-        for entry in entries:
-            with os.fdopen(open_inside(root_fd, entry.path), "rb") as handle:
-                files[entry.path] = handle.read()
-        return files
-    finally:
-        os.close(root_fd)
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _materialise_computed_buffers(model: nn.Module) -> None:
-    """Buffers computed from the config at init (rotary ``inv_freq``) are still on meta: rebuild them on CPU."""
+def _materialise_computed_buffers(model: nn.Module, limit: int) -> None:
+    """Buffers computed from the config at init (rotary ``inv_freq``) are still on meta: rebuild them on CPU.
+
+    FormatError, before allocating any, when they would take more than ``limit`` bytes (a config can ask
+    for tables sized by e.g. max_position_embeddings that no tensor of the artifact bounds).
+    """
+    wanted = sum(b.numel() * b.element_size() for b in model.buffers() if b.is_meta)
+    if wanted > limit:
+        raise FormatError(f"config.json asks for {wanted} bytes of computed buffers, more than the {limit} allowed")
     for name, module in model.named_modules():
         if not any(b.is_meta for b in module.buffers(recurse=False)):
             continue
@@ -289,10 +378,6 @@ def _materialise_computed_buffers(model: nn.Module) -> None:
     leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if leftovers:
         raise FormatError(f"artifact lacks tensors the architecture needs: {leftovers[:3]}")
-
-
-def _tokenizer_for(files: dict[str, bytes], early: _Early | None) -> Any:
-    return early.tokenizer if early is not None else _tokenizer_from_files(files)
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> Any:

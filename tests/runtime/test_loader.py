@@ -108,49 +108,17 @@ def _count(monkeypatch, module, name: str) -> list[int]:
     return calls
 
 
-def test_skeleton_and_tokenizer_are_built_once_while_hashing(artifacts, monkeypatch):
+def test_skeleton_and_tokenizer_are_built_once_after_verification(artifacts, monkeypatch):
     import squeeze.runtime.loader as loader
 
     a, _ = artifacts
-    skeletons, tokenizers = _count(monkeypatch, loader, "build_skeleton"), _count(monkeypatch, loader, "_tokenizer_from_files")
+    events: list[str] = []
+    real_verify, real_build = loader.verify_artifact, loader.build_skeleton
+    monkeypatch.setattr(loader, "verify_artifact", lambda *a, **k: events.append("verified") or real_verify(*a, **k))
+    monkeypatch.setattr(loader, "build_skeleton", lambda *a, **k: events.append("skeleton") or real_build(*a, **k))
+    tokenizers = _count(monkeypatch, loader, "_tokenizer_from_files")
     loaded = api.load(a)
-    assert skeletons == [1] and tokenizers == [1]  # the early build was kept: its bytes were the hashed bytes
+    assert events == ["verified", "skeleton"] and tokenizers == [1]  # nothing built from unverified bytes
     assert loaded.tokenizer("Once upon a time")["input_ids"]
 
 
-def test_small_file_changed_between_the_two_reads_is_rebuilt_from_the_verified_bytes(artifacts, monkeypatch):
-    import json
-
-    import squeeze.runtime.loader as loader
-
-    a, _ = artifacts
-    reference = api.load(a)
-    real_read = loader._read_small_files
-
-    def stale_read(directory):  # what a file swapped between the early read and its hashing looks like
-        files = real_read(directory)
-        config = json.loads(files["config.json"])
-        config["num_hidden_layers"] = 2
-        files["config.json"] = json.dumps(config).encode()
-        return files
-
-    monkeypatch.setattr(loader, "_read_small_files", stale_read)
-    skeletons = _count(monkeypatch, loader, "build_skeleton")
-    loaded = api.load(a)
-    assert skeletons == [2]  # the early skeleton (2 layers) was thrown away
-    assert loaded.model.config.num_hidden_layers == 5
-    ours, theirs = loaded.model.state_dict(), reference.model.state_dict()
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
-def test_a_failed_early_build_falls_back_to_the_verified_bytes(artifacts, monkeypatch):
-    import squeeze.runtime.loader as loader
-
-    a, _ = artifacts
-
-    def broken(directory):
-        raise OSError("simulated")
-
-    monkeypatch.setattr(loader, "_read_small_files", broken)
-    loaded = api.load(a)
-    assert loaded.report.ok and isinstance(loaded.model.get_submodule("model.layers.0.mlp.up_proj"), SqueezeLinear)
