@@ -29,7 +29,21 @@ from squeeze.compression.workarea import WORK_NAME
 from squeeze.errors import Interrupted, ResourceError, ResumeError
 from squeeze.format.manifest import MANIFEST_NAME
 
-CLI = [sys.executable, "-c", "from squeeze.cli.app import main; main()"]
+# The CLI, with every layer-group commit followed by 0.1 s: stories260K quantizes all five groups in about
+# 0.1 s on a fast machine, so a kill aimed "after group k" (or after the Fisher, plus a random delay) would
+# often find the job already finished. The delay makes the kill points reachable on any machine.
+SLOW_COMMITS = """
+import time
+from squeeze.compression.workarea import WorkArea
+_save = WorkArea.save_group
+def save_group(self, *args, **kwargs):
+    _save(self, *args, **kwargs)
+    time.sleep(0.1)
+WorkArea.save_group = save_group
+from squeeze.cli.app import main
+main()
+"""
+CLI = [sys.executable, "-c", SLOW_COMMITS]
 CALIB = {"num_samples": 4, "seq_len": 64}
 N_GROUPS = 5  # stories260K: 5 decoder blocks, 7 target linears each
 
