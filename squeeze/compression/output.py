@@ -40,8 +40,10 @@ def check_not_model_path(output: Path, protected: Iterable[Path], *, what: str =
 def check_writable(output: Path) -> None:
     """Refuse an output squeeze could not create files in (read-only filesystem, no permission), cheaply.
 
-    Probes the directory itself when it exists, else its nearest existing ancestor, with a temp file that
-    is removed at once: ``os.access`` alone misses read-only mounts for root and some network filesystems.
+    Probes the directory itself when it exists, else its nearest existing ancestor, by creating a file:
+    ``os.access`` alone misses read-only mounts for root and some network filesystems. The probe is an
+    unnamed O_TMPFILE where the filesystem has them, so a kill at any moment leaves nothing behind;
+    elsewhere a hidden named file removed at once (and ignored, then removed, by the next run).
     """
     probe = output.resolve()
     while not probe.exists():
@@ -49,13 +51,32 @@ def check_writable(output: Path) -> None:
     if not probe.is_dir():
         raise ConfigError(f"cannot write into {output}: {probe} is not a directory", hint="choose another --output")
     try:
-        fd, name = tempfile.mkstemp(prefix=".squeeze-probe-", dir=probe)
+        _probe(probe)
     except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        if exc.errno == errno.EROFS:
-            reason = "read-only file system"
+        reason = "read-only file system" if exc.errno == errno.EROFS else (os.strerror(exc.errno) if exc.errno
+                                                                            else str(exc))
         raise ConfigError(f"cannot write into {output}: {reason} ({probe})",
                           hint="choose an --output on a writable filesystem") from None
+
+
+#: Name prefix of the fallback write probe; such a leftover (a kill between create and unlink) is squeeze's own.
+PROBE_PREFIX = ".squeeze-probe-"
+
+
+def _probe(directory: Path) -> None:
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            os.close(os.open(directory, tmpfile | os.O_WRONLY, 0o600))
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    for stale in directory.glob(PROBE_PREFIX + "*"):
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(stale).st_mode):
+                stale.unlink()
+    fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=directory)
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(name)

@@ -306,13 +306,24 @@ def test_unwritable_output_is_refused_before_any_work(tmp_path, stories_dir, rtn
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(output_module.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(output_module, "_probe", read_only)
     monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     result = compress(stories_dir, tmp_path / "out")
     assert result.exit_code == 2 and "read-only file system" in result.stderr and not (tmp_path / "out").exists()
     monkeypatch.setattr(calibrate_kv_module, "calibrate_kv", lambda *a, **k: pytest.fail("calibrated"))
     result = runner.invoke(app, ["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), *CALIB])
     assert result.exit_code == 2 and "read-only file system" in result.stderr
+
+
+def test_the_write_probe_leaves_nothing_behind(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    output_module.check_writable(out)  # O_TMPFILE: never has a name
+    assert list(out.iterdir()) == []
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)  # the named fallback cleans a killed run's leftover
+    (out / f"{output_module.PROBE_PREFIX}stale").write_text("")
+    output_module.check_writable(out)
+    assert list(out.iterdir()) == []
 
 
 def test_output_below_a_file_is_refused(tmp_path, stories_dir):
