@@ -313,17 +313,20 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
     """
     for key in _DIMENSION_KEYS:
         value = config.get(key)
+        if isinstance(value, (list, dict)):  # per-layer sizes (a few architectures): the shapes below decide
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise FormatError(f"config.json: {key} must be a non-negative integer, found {_short(value)}")
     hint = "config.json does not belong to these tensors; re-create the artifact"
     layers = config.get("num_hidden_layers")
+    layers = layers if isinstance(layers, int) else None
     indices = {int(m.group(1)) for name in (*shapes, *modules) if (m := _LAYER_RE.search(name))}
-    if isinstance(layers, int) and indices:
+    if layers is not None and indices:
         present = sum(1 for i in indices if i < layers)
         if present != layers:
             raise FormatError(f"config.json: num_hidden_layers is {layers}, but the tensors hold {present} of those "
                               f"layers (indices {min(indices)}..{max(indices)})", hint=hint)
-    elif isinstance(layers, int) and layers > len(shapes) + len(modules):  # every layer holds some tensor
+    elif layers is not None and layers > len(shapes) + len(modules):  # every layer holds some tensor
         raise FormatError(f"config.json: num_hidden_layers is {layers}, more than the artifact's "
                           f"{len(shapes)} tensors could fill", hint=hint)
     for name, shape in shapes.items():
@@ -347,7 +350,7 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
 
 def _expect(config: Mapping[str, Any], key: str, found: object, what: str, hint: str) -> None:
     value = config.get(key)
-    if value is not None and value != found:
+    if isinstance(value, int) and value != found:  # absent or per-layer (a list): nothing to compare
         raise FormatError(f"config.json: {key} is {_short(value)}, but {what}", hint=hint)
 
 

@@ -211,3 +211,9 @@ def test_from_pretrained_does_not_follow_a_shard_link_to_another_directory(art: 
     os.symlink(other / SHARD, art / SHARD)  # before: the link's directory (other/) was verified instead
     with pytest.raises(IntegrityError, match=f"{SHARD}: symbolic link"):
         AutoModelForCausalLM.from_pretrained(str(art))
+
+
+def test_per_layer_size_lists_are_left_to_the_shapes() -> None:
+    # a few architectures give sizes per layer: a list is not a malformed dimension
+    shapes = {"model.layers.0.mlp.down_proj.weight": (64, 172), "model.layers.0.norm.weight": (64,)}
+    loader.check_config_shapes({"num_hidden_layers": 1, "intermediate_size": [172]}, shapes, {})
