@@ -31,6 +31,7 @@ from squeeze.format.paths import (
     describe_os_error,
     open_inside,
     open_root,
+    path_error,
     read_inside,
     resolve_root,
     short_path,
@@ -72,12 +73,15 @@ def is_artifact(path: str | Path) -> bool:
 
     Only lstat: a manifest that is a link, FIFO or device still makes ``path`` an artifact, so that loading
     it reports the problem instead of treating the directory as a plain model. ``path`` itself may be a
-    link to the artifact.
+    link to the artifact. A path that cannot be looked at (too long for the OS, no permission) is a
+    FormatError: no caller could open it as anything else.
     """
     try:
         return not stat.S_ISDIR(os.lstat(resolve_root(path) / MANIFEST_NAME).st_mode)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):  # no manifest there: a model directory, a file, a hub id
         return False
+    except OSError as exc:
+        raise path_error("cannot read", path, exc) from None
 
 
 def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:

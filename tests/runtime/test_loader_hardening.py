@@ -217,3 +217,20 @@ def test_per_layer_size_lists_are_left_to_the_shapes() -> None:
     # a few architectures give sizes per layer: a list is not a malformed dimension
     shapes = {"model.layers.0.mlp.down_proj.weight": (64, 172), "model.layers.0.norm.weight": (64,)}
     loader.check_config_shapes({"num_hidden_layers": 1, "intermediate_size": [172]}, shapes, {})
+
+
+def test_eval_of_a_path_longer_than_the_os_allows_is_one_short_error_line(tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY)
+    for _ in range(30):  # a 6 KB path, shallow enough for pytest's recursive cleanup
+        os.mkdir("d" * 200, dir_fd=fd)
+        inner = os.open("d" * 200, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time " * 50)
+    path = str(tmp_path) + ("/" + "d" * 200) * 30
+    result = runner.invoke(app, ["eval", path, "-t", str(text), "--seq-len", "8", "--max-windows", "1"])
+    assert result.exit_code == 2, result.output  # before: internal error naming the whole 6 KB path
+    assert "longer than the operating system allows" in result.stderr
+    assert max(len(line) for line in result.stderr.splitlines()) < 400
