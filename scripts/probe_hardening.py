@@ -755,11 +755,16 @@ def probe_sigint_resume(ctx: Ctx) -> list[Row]:
 
 
 def probe_eval_missing_baseline(ctx: Ctx) -> list[Row]:
+    """Compared with eval alone and with a missing main model: did the main model load before the error?"""
     d = ctx.workdir("12e")
     ctx.artifact_copy(d / "art")
     plain = ctx.cli(["eval", "art", "--text", ctx.text], d)
+    missing = ctx.cli(["eval", "no-such-model", "--text", ctx.text], d)
     out = ctx.cli(["eval", "art", "--text", ctx.text, "--baseline", "/no/such/path"], d)
-    note = f"error after {out.wall:.1f} s (eval alone: {plain.wall:.1f} s, exit {plain.rc})"
+    loaded = (out.rss_mb or 0) > ((plain.rss_mb or 0) + (missing.rss_mb or 0)) / 2
+    note = (f"{'main model loaded first' if loaded else 'refused before loading the model'} (by RSS); "
+            f"eval alone: {plain.wall:.1f} s, {plain.rss_mb:.0f} MB; missing main model: {missing.wall:.1f} s, "
+            f"{missing.rss_mb:.0f} MB")
     return [ctx.row("12e eval --baseline /no/such/path", out, note, cwd=d, refuse=True)]
 
 
