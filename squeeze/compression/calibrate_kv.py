@@ -35,6 +35,7 @@ from squeeze.compression.output import (
     check_not_model_path,
     check_output_dir,
     check_writable,
+    output_path,
     foreign_entries,
     owned_paths,
     remove_owned,
@@ -117,10 +118,9 @@ def run_calibrate_kv(
             f"calibration windows of {calibration.seq_len} tokens are not longer than the {sink_tokens} sink token(s)",
             hint="use a longer --seq-len or fewer --sink-tokens",
         )
-    source = Path(target).resolve()  # `current -> v3`: the artifact (and the swap) is at the link's target
-    out = Path(output).resolve() if output is not None else source
-    if out.name:
-        restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
+    source = output_path(target)  # `current -> v3`: the artifact (and the swap) is at the link's target
+    out = output_path(output) if output is not None else source
+    restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
     artifact = is_artifact(source)
     _check_output(source, out, artifact, overwrite=overwrite, in_place=output is None)
 
@@ -168,8 +168,6 @@ def _check_output(source: Path, out: Path, artifact: bool, *, overwrite: bool, i
     if in_place and not artifact:
         raise ConfigError(f"{source} is a model, not a squeeze artifact, and no --output was given",
                           hint="pass --output DIR: an artifact with the original weights and calibrated KV is written there")
-    if not out.name:
-        raise ConfigError(f"cannot write an artifact at {out}: it is the filesystem root", hint="choose another --output")
     if out != source or not artifact:
         # a new place: the usual output rules (refuse foreign files; never over, in or around the input)
         check_not_model_path(out, [source], what="the model or artifact being calibrated")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from squeeze.errors import ConfigError, FormatError
 from squeeze.format.manifest import MANIFEST_NAME
+from squeeze.format.paths import short_path
 from squeeze.format.verify import read_manifest
 
 #: Foreign entries named in an error's hint.
@@ -35,6 +36,50 @@ def check_not_model_path(output: Path, protected: Iterable[Path], *, what: str =
                 f"output {output} {relation} {what} ({source}); squeeze never writes over its input",
                 hint="choose an --output outside the model's directory",
             )
+
+
+#: Room kept below the OS limits for the names squeeze adds: ``.NAME.kv-XXXXXXXX.partial`` next to an output,
+#: ``.squeeze-work/artifact/...`` inside it.
+_NAME_ROOM = 40
+_PATH_ROOM = 200
+
+
+def output_path(output: str | os.PathLike[str]) -> Path:
+    """``output`` with symlinks resolved (``current -> v3`` means v3), refused when squeeze could not use it.
+
+    Refused (ConfigError): the filesystem root, and a name or path too long for the names squeeze puts
+    next to and inside it.
+    """
+    text = os.fspath(output)
+    name_max, path_max = _limits(Path(text).parent if text else Path("."))
+    if len(os.fsencode(text)) + _PATH_ROOM > path_max or any(
+            len(os.fsencode(part)) > name_max for part in Path(text).parts):
+        raise ConfigError(f"output path {short_path(text)} is too long for this filesystem "
+                          f"({len(os.fsencode(text))} bytes; squeeze needs it under {path_max - _PATH_ROOM})",
+                          hint="choose a shorter --output path")
+    resolved = Path(text).resolve()
+    if not resolved.name:
+        raise ConfigError(f"cannot write an artifact at {resolved}: it is the filesystem root",
+                          hint="choose another --output")
+    if len(os.fsencode(resolved.name)) + _NAME_ROOM > name_max:
+        raise ConfigError(f"output name {short_path(resolved.name)} is too long: squeeze adds up to {_NAME_ROOM} "
+                          f"characters to it for its staging names, and names here end at {name_max} bytes",
+                          hint="choose a shorter --output name")
+    return resolved
+
+
+def _limits(directory: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the filesystem holding ``directory`` (its nearest existing ancestor)."""
+    probe = directory.absolute()
+    while probe != probe.parent:
+        with contextlib.suppress(OSError):  # ENOENT, and ENAMETOOLONG for the very paths being judged
+            if probe.is_dir():
+                break
+        probe = probe.parent
+    try:
+        return os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
 
 
 def check_writable(output: Path) -> None:
@@ -173,5 +218,5 @@ def remove_owned(output: Path, owned: Iterable[str], keep: Iterable[str] = ()) -
                 (output / directory).rmdir()
 
 
-__all__ = ["check_output_dir", "check_not_model_path", "check_writable", "owned_paths", "foreign_entries",
+__all__ = ["output_path", "check_output_dir", "check_not_model_path", "check_writable", "owned_paths", "foreign_entries",
            "remove_owned"]

@@ -30,7 +30,14 @@ from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences
 from squeeze.compression.lock import OutputLock
-from squeeze.compression.output import check_not_model_path, check_output_dir, foreign_entries, owned_paths, remove_owned
+from squeeze.compression.output import (
+    check_not_model_path,
+    check_output_dir,
+    foreign_entries,
+    output_path,
+    owned_paths,
+    remove_owned,
+)
 from squeeze.compression.preflight import (
     SizeEstimate,
     check_context_length,
@@ -107,9 +114,7 @@ def run_compress(
     """Compress ``model`` with ``recipe`` into the artifact directory ``output``. See squeeze.api.compress."""
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    output = Path(output)
-    if output.is_symlink():  # `current -> v3`: the artifact lives at the link's target
-        output = output.resolve()
+    output = output_path(output)  # absolute; `current -> v3` means v3; a path too long for the work area is refused
     if resume and restart:
         raise ConfigError("--resume and --restart contradict each other", hint="pass at most one of them")
     # -- preflight: nothing expensive happens before every check below has passed; only the lock is written

@@ -326,6 +326,18 @@ def test_the_write_probe_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("shape", ["long_name", "long_path"])
+def test_output_paths_too_long_are_one_line_errors(tmp_path, stories_dir, rtn_artifact, tinystories_file, shape):
+    out = tmp_path / ("c" * 240) if shape == "long_name" else tmp_path.joinpath(*["b" * 200] * 25)
+    result = compress(stories_dir, out)
+    assert result.exit_code == 2 and "too long" in result.stderr and "internal error" not in result.stderr
+    result = runner.invoke(app, ["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), *CALIB,
+                                 "--output", str(out)])
+    assert result.exit_code == 2 and "too long" in result.stderr and "internal error" not in result.stderr
+    assert len(result.stderr) < 600
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_output_below_a_file_is_refused(tmp_path, stories_dir):
     (tmp_path / "file").write_text("x")
     result = compress(stories_dir, tmp_path / "file" / "out")
