@@ -40,6 +40,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from squeeze.errors import FormatError, IntegrityError
+from squeeze.limits import check_weight_bits
 from squeeze.format.paths import resolve_root, short_path
 from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.verify import VerifyReport, verify_artifact
@@ -162,6 +163,7 @@ def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) 
     method, bits, in_features = spec.get("method"), spec.get("bits"), spec.get("in_features")
     if not isinstance(bits, int) or not isinstance(in_features, int):
         raise FormatError(f"quantization_config.modules[{name!r}] lacks integer 'bits' / 'in_features'")
+    check_weight_bits(bits, f"quantization_config.modules[{name!r}].bits", FormatError, hint=None)
     packed = _meta(infos, f"{name}.{q.PACKED}")
     if method == "rtn":
         return RtnWeight(bits=bits, in_features=in_features, group_size=spec.get("group_size") or in_features,

@@ -166,3 +166,17 @@ def test_registration_is_idempotent_in_process() -> None:
     squeeze.runtime.hf.register()
     assert AUTO_QUANTIZER_MAPPING["squeeze"] is SqueezeHfQuantizer
     assert hf_hook._FINDER not in sys.meta_path
+
+
+def test_unsupported_bits_in_a_sealed_config_is_a_format_error_before_loading(
+    artifacts: dict[str, Path], tmp_path: Path
+) -> None:
+    target = tmp_path / "bits"
+    shutil.copytree(artifacts["w4-s045"], target)
+    config = json.loads((target / "config.json").read_text())
+    name = "model.layers.0.mlp.up_proj"
+    config["quantization_config"]["modules"][name]["bits"] = 5
+    (target / "config.json").write_text(json.dumps(config))
+    seal_artifact(target)
+    with pytest.raises(FormatError, match=r"modules\['model.layers.0.mlp.up_proj'\].bits must be one of"):
+        from_pretrained(target)
