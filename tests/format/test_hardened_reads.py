@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 import tracemalloc
 from pathlib import Path
 
 import pytest
+from blocking import within
 from typer.testing import CliRunner
 
 from squeeze import verify_model_integrity
@@ -27,32 +27,6 @@ from squeeze.format.verify import read_manifest, seal_artifact
 
 runner = CliRunner()
 SHARD = "model-00001-of-00002.safetensors"
-
-
-def within(seconds: float, call, unblock: Path | None = None):
-    """``call()``'s result or exception, failing the test if it takes longer than ``seconds``.
-
-    ``unblock``: a FIFO to open for writing afterwards, which releases a reader a regression left blocked.
-    """
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        if unblock is not None:  # release the blocked reader, so the thread ends with the test
-            os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
-            thread.join(5)
-        pytest.fail(f"still running after {seconds} s (it blocked)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 # ------------------------------------------------------------------------------------------------------

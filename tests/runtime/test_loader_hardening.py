@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
+from blocking import within
 from typer.testing import CliRunner
 
 import squeeze.runtime.loader as loader
@@ -57,29 +57,6 @@ def no_skeleton(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.fail("a model skeleton was built from a config that cannot be loaded")
 
     monkeypatch.setattr(loader, "build_skeleton", refuse)
-
-
-def within(seconds: float, call, unblock: Path | None = None):
-    """``call()``'s result or exception, failing if it takes longer (``unblock``: a FIFO to release)."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        if unblock is not None:  # release the blocked reader, so the thread ends with the test
-            os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
-            thread.join(5)
-        pytest.fail(f"still running after {seconds} s (it blocked)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 # ------------------------------------------------------------------------------------------------------
