@@ -178,8 +178,9 @@ def check_output_dir(output: Path, overwrite: bool, *, ignore: Sequence[str] = (
     if not output.is_dir() or not any(entry.name not in ignore for entry in os.scandir(output)):
         return frozenset()
     if not overwrite:
+        holds = "already holds a squeeze artifact" if (output / MANIFEST_NAME).is_file() else "is not empty"
         raise ConfigError(
-            f"output directory {output} exists and is not empty",
+            f"output directory {output} exists and {holds}",
             hint="choose another --output, or pass --overwrite to replace the squeeze artifact in it (the old "
                  "one stays until the new one is complete)",
         )

@@ -120,6 +120,9 @@ def run_compress(
     # -- preflight: nothing expensive happens before every check below has passed; only the lock is written
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     work = WorkArea(output)
+    if work.is_leftover() and (output / MANIFEST_NAME).is_file():
+        with OutputLock(work.root):  # held by a live run (before its fingerprint is written): LockError
+            work.remove()  # garbage next to a sealed artifact (it made verify fail): nothing to resume in it
     if work.is_publishing():  # a publish cut short: its record says which files it replaces (checked there)
         check_not_model_path(output, [source.path])
     else:

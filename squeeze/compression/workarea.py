@@ -93,6 +93,13 @@ class WorkArea:
         with contextlib.suppress(OSError):
             self.root.rmdir()
 
+    def is_leftover(self) -> bool:
+        """True for a work area with neither a fingerprint nor a publishing record: nothing in it can be
+        resumed (what an older squeeze's clean-up left when killed half-way, or a run killed before its
+        fingerprint was written)."""
+        return (self.root.is_dir() and not (self.root / _FINGERPRINT).is_file()
+                and not (self.root / _PUBLISHING).is_file())
+
     def has_checkpoints(self) -> bool:
         """True once anything worth resuming is committed (Fisher, a layer group, or a publish in progress)."""
         return (self.root / _FISHER).is_file() or (self.root / _PUBLISHING).is_file() or self.committed_groups() > 0

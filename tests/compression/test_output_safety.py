@@ -298,6 +298,31 @@ def test_kill_during_publish_cleanup_is_finished_by_the_rerun(tmp_path, stories_
     assert api.verify_model_integrity(out).ok and not (out / WORK_NAME).exists()
 
 
+def test_a_leftover_work_area_next_to_a_sealed_artifact_is_removed(tmp_path, stories_dir, rtn_artifact):
+    """What an older squeeze left when killed during its clean-up: checkpoints, no fingerprint, no marker."""
+    out = tmp_path / "art"
+    shutil.copytree(rtn_artifact, out)
+    groups = out / WORK_NAME / "groups"
+    groups.mkdir(parents=True)
+    shutil.copy(next(out.glob("model-*.safetensors")), groups / "00000.safetensors")
+    assert not api.verify_model_integrity(out).ok
+    result = compress(stories_dir, out)
+    assert result.exit_code == 2 and "already holds a squeeze artifact" in result.stderr
+    assert not (out / WORK_NAME).exists() and api.verify_model_integrity(out).ok
+
+
+def test_a_live_run_without_a_fingerprint_yet_is_not_taken_for_a_leftover(tmp_path, stories_dir, rtn_artifact):
+    from squeeze.compression.lock import OutputLock
+    from squeeze.errors import LockError
+
+    out = tmp_path / "art"
+    shutil.copytree(rtn_artifact, out)
+    (out / WORK_NAME).mkdir()
+    with OutputLock(out / WORK_NAME), pytest.raises(LockError):
+        api.compress(str(stories_dir), out, "rtn-w4", overwrite=True)
+    assert (out / WORK_NAME / "lock").exists()
+
+
 # -- 9, 10, 11: preflight refusals before any work
 
 
