@@ -118,11 +118,11 @@ def run_calibrate_kv(
             f"calibration windows of {calibration.seq_len} tokens are not longer than the {sink_tokens} sink token(s)",
             hint="use a longer --seq-len or fewer --sink-tokens",
         )
-    source = output_path(target)  # `current -> v3`: the artifact (and the swap) is at the link's target
-    out = output_path(output) if output is not None else source
+    source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
+    out = output_path(output if output is not None else source)
     restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
     artifact = is_artifact(source)
-    _check_output(source, out, artifact, overwrite=overwrite, in_place=output is None)
+    _check_output(target, source, out, artifact, overwrite=overwrite, in_place=output is None)
 
     t = time.perf_counter()
     old_manifest = None
@@ -163,14 +163,18 @@ def run_calibrate_kv(
     )
 
 
-def _check_output(source: Path, out: Path, artifact: bool, *, overwrite: bool, in_place: bool) -> None:
+def _check_output(target: str | os.PathLike[str], source: Path, out: Path, artifact: bool, *, overwrite: bool,
+                  in_place: bool) -> None:
     """Check where the new artifact goes (``out``) before any work; cleans what a killed run left next to it."""
+    from squeeze.models.source import resolve_model
+
     if in_place and not artifact:
-        raise ConfigError(f"{source} is a model, not a squeeze artifact, and no --output was given",
+        raise ConfigError(f"{target} is a model, not a squeeze artifact, and no --output was given",
                           hint="pass --output DIR: an artifact with the original weights and calibrated KV is written there")
     if out != source or not artifact:
         # a new place: the usual output rules (refuse foreign files; never over, in or around the input)
-        check_not_model_path(out, [source], what="the model or artifact being calibrated")
+        model_path = source if artifact else resolve_model(str(target)).path
+        check_not_model_path(out, [model_path], what="the model or artifact being calibrated")
         check_output_dir(out, overwrite)
     check_writable(out.parent)  # the staging directory and the swap live next to the output
     _clean_leftovers(out)
