@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from squeeze.version import __version__
 
 from squeeze.errors import (  # noqa: E402
     CalibrationError,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from squeeze.config import CALIBRATION_DIR, RECIPES_DIR, builtin_names
+from squeeze.version import __version__
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,6 +43,7 @@ def test_wheel_ships_every_builtin(wheel: Path) -> None:
         for name in builtin_names(directory):
             assert f"squeeze/{kind}/{name}.yaml" in names
     assert "squeeze/py.typed" in names
+    assert wheel.name.startswith(f"squeeze-{__version__}-")  # the version is read from squeeze/version.py
 
 
 def test_installed_wheel_compresses_from_outside_the_checkout(wheel: Path, tmp_path: Path, stories_dir: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from squeeze import __version__
+from squeeze.version import __version__
 from squeeze.cli import calibrate_kv as calibrate_kv_cmd
 from squeeze.cli import compress as compress_cmd
 from squeeze.cli import eval as eval_cmd

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_save
 
-from squeeze import __version__
+from squeeze.version import __version__
 from squeeze.calibrate.kv import KVCalibration, calibrate_kv
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.preflight import check_context_length

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze import __version__
+from squeeze.version import __version__
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences

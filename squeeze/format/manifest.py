@@ -18,6 +18,7 @@ from typing import Any
 from squeeze.errors import FormatError
 from squeeze.format.atomic import atomic_write_text
 from squeeze.format.paths import check_relative_path
+from squeeze.version import __version__
 
 MANIFEST_NAME = "squeeze.manifest.json"
 MANIFEST_FORMAT = "squeeze.manifest"
@@ -112,8 +113,6 @@ def root_digest(entries: list[FileEntry] | tuple[FileEntry, ...]) -> str:
 
 def build_manifest(entries: list[FileEntry], provenance: Provenance | None = None) -> Manifest:
     """A new manifest over ``entries`` (sorted by path), stamped with this tool's version and the time."""
-    from squeeze import __version__
-
     ordered = tuple(sorted(entries, key=lambda e: e.path.encode("utf-8")))
     seen: set[str] = set()
     for entry in ordered:
