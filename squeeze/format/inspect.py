@@ -25,7 +25,7 @@ from squeeze.format.paths import (
     short_path,
     walk_artifact,
 )
-from squeeze.format.safetensors_header import MAX_HEADER_BYTES, parse_safetensors_header
+from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
 
 #: Tensor-name suffixes that make up a quantized weight (see docs/format.md).
 QUANTIZED_ROLES = (
@@ -168,10 +168,7 @@ def _read_header(root_fd: int, rel: str, size: int) -> tuple[dict[str, Any], str
     except (OSError, FormatError):  # replaced by a link or a FIFO since the walk listed it
         return {}, "changed while being inspected; not read"
     with os.fdopen(fd, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) == 8:
-            length = int.from_bytes(prefix, "little")
-            prefix += handle.read(min(length, MAX_HEADER_BYTES))
+        prefix = read_header_prefix(handle)
     try:
         return dict(parse_safetensors_header(prefix, size, rel).tensors), None
     except FormatError as exc:

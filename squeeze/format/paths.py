@@ -36,6 +36,12 @@ def short_path(path: str | os.PathLike[str], keep: int = MESSAGE_PATH_CHARS) -> 
     return text if len(text) <= keep else "..." + text[-keep:]
 
 
+def short_repr(value: object, keep: int = 80) -> str:
+    """``repr(value)`` for a one-line message: cut to ``keep`` characters, ending in "..." when longer."""
+    text = repr(value)
+    return text if len(text) <= keep else text[: keep - 3] + "..."
+
+
 def check_relative_path(path: object, where: str) -> str:
     """Return ``path`` if it is a clean relative POSIX path, else raise FormatError naming ``where``."""
     if not isinstance(path, str) or not path:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from squeeze.errors import FormatError
 from squeeze.format.manifest import strict_json_loads
+from squeeze.format.paths import short_repr
 
 #: safetensors' own limit on header size; a larger declared length is treated as corrupt.
 MAX_HEADER_BYTES = 100 * 2**20
@@ -65,6 +66,17 @@ def declared_header_length(prefix: bytes, file_size: int, name: str) -> int:
     return length
 
 
+def read_header_prefix(handle: BinaryIO) -> bytes:
+    """From an open shard at offset 0: the 8-byte length and at most MAX_HEADER_BYTES of header that follow.
+
+    Never more than that, whatever the length declares; ``parse_safetensors_header`` then judges it.
+    """
+    prefix = handle.read(8)
+    if len(prefix) == 8:
+        prefix += handle.read(min(int.from_bytes(prefix, "little"), MAX_HEADER_BYTES))
+    return prefix
+
+
 def parse_safetensors_header(prefix: bytes, file_size: int, name: str) -> SafetensorsHeader:
     """Validate the header in ``prefix`` (at least 8 + N bytes of the file) against ``file_size``."""
     length = declared_header_length(prefix, file_size, name)
@@ -89,32 +101,28 @@ def parse_safetensors_header(prefix: bytes, file_size: int, name: str) -> Safete
 
 
 def _tensor_info(key: str, value: Any, name: str) -> TensorInfo:
-    where = f"{name}: tensor {_short(key)}"
+    where = f"{name}: tensor {short_repr(key)}"
     if not isinstance(value, dict):
         raise FormatError(f"{where} entry must be an object")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
     if dtype not in DTYPE_BYTES:
-        raise FormatError(f"{where} has unknown dtype {_short(dtype)}")
+        raise FormatError(f"{where} has unknown dtype {short_repr(dtype)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise FormatError(f"{where} has an invalid shape {_short(shape)}")
+        raise FormatError(f"{where} has an invalid shape {short_repr(shape)}")
     elements = 1
     for dim in shape:  # each dimension, and any product of them, is bounded (stops at the first overflow)
         elements *= max(dim, 1)
         if elements > MAX_ELEMENTS:
-            raise FormatError(f"{where} has shape {_short(shape)}: its dimensions multiply past 2^53")
+            raise FormatError(f"{where} has shape {short_repr(shape)}: its dimensions multiply past 2^53")
     if (
         not isinstance(offsets, list) or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise FormatError(f"{where} has invalid data_offsets {_short(offsets)}")
+        raise FormatError(f"{where} has invalid data_offsets {short_repr(offsets)}")
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if offsets[1] - offsets[0] != expected:
-        raise FormatError(f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {_short(shape)} needs {expected}")
+        raise FormatError(f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {short_repr(shape)} needs {expected}")
     return TensorInfo(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
 
 
-def _short(value: Any) -> str:
-    """``repr(value)`` cut to 80 characters for a one-line message."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

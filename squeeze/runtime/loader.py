@@ -35,9 +35,10 @@ from squeeze.format.paths import (
     read_inside,
     resolve_root,
     short_path,
+    short_repr,
     walk_artifact,
 )
-from squeeze.format.safetensors_header import MAX_HEADER_BYTES, SafetensorsHeader, parse_safetensors_header
+from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.kv import KV_FILE, KVSpec
@@ -175,9 +176,7 @@ def _read_shard(root_fd: int, relative: str) -> tuple[SafetensorsHeader, torch.T
         raise FormatError(f"cannot open {short_path(relative)}: {describe_os_error(exc)}") from None
     with os.fdopen(fd, "rb", buffering=0) as handle:
         size = os.fstat(handle.fileno()).st_size
-        head = handle.read(8)
-        if len(head) == 8:
-            head += handle.read(min(int.from_bytes(head, "little"), MAX_HEADER_BYTES))
+        head = read_header_prefix(handle)
         header = parse_safetensors_header(head, size, short_path(relative))  # before sizing anything by it
         data = torch.empty(size, dtype=torch.uint8)
         view = memoryview(data.numpy())
@@ -320,7 +319,7 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
         if isinstance(value, (list, dict)):  # per-layer sizes (a few architectures): the shapes below decide
             continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise FormatError(f"config.json: {key} must be a non-negative integer, found {_short(value)}")
+            raise FormatError(f"config.json: {key} must be a non-negative integer, found {short_repr(value, 60)}")
     hint = "config.json does not belong to these tensors; re-create the artifact"
     layers = config.get("num_hidden_layers")
     layers = layers if isinstance(layers, int) else None
@@ -343,10 +342,10 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
     for name, spec in modules.items():
         if re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj$", name):
             _expect(config, "intermediate_size", spec.get("in_features"), f"{name} has in_features "
-                    f"{_short(spec.get('in_features'))}", hint)
+                    f"{short_repr(spec.get('in_features'), 60)}", hint)
         elif name == "lm_head" or name.endswith(".lm_head"):
             _expect(config, "vocab_size", spec.get("out_features"), f"{name} has out_features "
-                    f"{_short(spec.get('out_features'))}", hint)
+                    f"{short_repr(spec.get('out_features'), 60)}", hint)
     head = shapes.get("lm_head.weight")
     if head is not None and len(head) == 2:
         _expect(config, "vocab_size", head[0], f"lm_head.weight has {head[0]} rows", hint)
@@ -355,12 +354,7 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
 def _expect(config: Mapping[str, Any], key: str, found: object, what: str, hint: str) -> None:
     value = config.get(key)
     if isinstance(value, int) and value != found:  # absent or per-layer (a list): nothing to compare
-        raise FormatError(f"config.json: {key} is {_short(value)}, but {what}", hint=hint)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+        raise FormatError(f"config.json: {key} is {short_repr(value, 60)}, but {what}", hint=hint)
 
 
 def _materialise_computed_buffers(model: nn.Module, limit: int) -> None:
