@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from squeeze.errors import ResourceError, SqueezeError
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
 from squeeze.format.paths import MAX_CONFIG_BYTES, open_root, read_inside, resolve_root, short_path, walk_artifact
+from squeeze.limits import is_int
 from squeeze.system import available_memory_bytes
 
 #: transformers' modules, the tokenizer, activations and KV cache of a short generation: the peak RSS of
@@ -97,9 +98,7 @@ def _dense_cache_bytes(root_fd: int, artifact_bytes: int, chunk_rows: int) -> tu
 def _count(spec: object, key: str) -> int:
     """A module's integer field (``out_features``...), 0 when absent or not a non-negative int."""
     value = spec.get(key) if isinstance(spec, dict) else None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return 0
-    return value
+    return value if is_int(value) and value >= 0 else 0
 
 
 def check_load_memory(directory: str | os.PathLike[str], *, dense_cache: bool) -> LoadEstimate | None:
