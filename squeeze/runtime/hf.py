@@ -39,16 +39,16 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from squeeze.errors import FormatError, IntegrityError
-from squeeze.limits import check_weight_bits
-from squeeze.format.paths import resolve_root, short_path
+from squeeze.errors import FormatError
+from squeeze.format.paths import resolve_root
 from squeeze.format.safetensors_header import TensorInfo
-from squeeze.format.verify import VerifyReport, verify_artifact
+from squeeze.format.verify import VerifyReport
+from squeeze.limits import check_weight_bits
 from squeeze.quant import qweight as q
 from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
 from squeeze.quant.sparse import SparseCSR
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.loader import QUANT_METHOD, _torch_dtype, check_config_shapes, is_artifact
+from squeeze.runtime.loader import QUANT_METHOD, _torch_dtype, check_config_shapes, is_artifact, verified_report
 
 FORMAT_VERSION = 1
 
@@ -86,7 +86,7 @@ class SqueezeHfQuantizer(HfQuantizer):
         """Before transformers builds the skeleton: verify a local artifact and check its config's dimensions."""
         name = getattr(config, "name_or_path", None)
         if isinstance(name, str) and name and is_artifact(name):
-            self._verified = _verified_report(resolve_root(name))
+            self._verified = verified_report(resolve_root(name))
             _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
         return super().update_attn_implementation(config)
 
@@ -95,7 +95,7 @@ class SqueezeHfQuantizer(HfQuantizer):
         directory = _artifact_directory(checkpoint_files)
         report = self._verified
         if report is None or Path(report.artifact_dir) != directory:
-            report = _verified_report(directory)
+            report = verified_report(directory)
         _check_shapes(model.config.to_dict(), report, self.quantization_config.modules)
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
         for name, spec in self.quantization_config.modules.items():
@@ -117,17 +117,6 @@ class SqueezeHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
-
-
-def _verified_report(directory: Path) -> VerifyReport:
-    """The verification report of ``directory``; IntegrityError when it is not intact."""
-    report = verify_artifact(directory)
-    if not report.ok:
-        raise IntegrityError(
-            f"artifact {short_path(directory)} failed verification: {report.first_error()}",
-            hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
-        )
-    return report
 
 
 def _check_shapes(config: dict[str, Any], report: VerifyReport, modules: dict[str, Any]) -> None:

@@ -210,6 +210,17 @@ def quantized_weight_from(tensors: dict[str, torch.Tensor], name: str, spec: dic
     raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {method!r}")
 
 
+def verified_report(directory: Path, *, capture: bool = False) -> VerifyReport:
+    """``directory``'s verification report (every file's bytes kept when ``capture``); IntegrityError if not intact."""
+    report = verify_artifact(directory, capture=(lambda _path: True) if capture else None)
+    if not report.ok:
+        raise IntegrityError(
+            f"artifact {short_path(directory)} failed verification: {report.first_error()}",
+            hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
+        )
+    return report
+
+
 def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = True,
                   check_memory: bool = True) -> LoadedModel:
     """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
@@ -228,12 +239,7 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
         check_load_memory(directory, dense_cache=dense_cache)
     report = None
     if verify:
-        report = verify_artifact(directory, capture=lambda _path: True)
-        if not report.ok:
-            raise IntegrityError(
-                f"artifact {short_path(directory)} failed verification: {report.first_error()}",
-                hint="run `squeeze verify` for the full report; re-create or re-download the artifact",
-            )
+        report = verified_report(directory, capture=True)
         tensors = tensors_from_captured(report)
         files = {p: bytes(h.data.numpy()) for p, h in report.captured.items()
                  if h.data is not None and not p.endswith(".safetensors")}
@@ -400,4 +406,5 @@ def _is_quantized_param(model: nn.Module, key: str) -> bool:
         return False
 
 
-__all__ = ["LoadedModel", "load_artifact", "is_artifact", "parse_config", "build_skeleton", "tensors_from_captured"]
+__all__ = ["LoadedModel", "load_artifact", "verified_report", "is_artifact", "parse_config", "build_skeleton",
+           "tensors_from_captured"]
