@@ -26,6 +26,7 @@ from squeeze.format.paths import (
     walk_artifact,
 )
 from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
+from squeeze.limits import is_int
 
 #: Tensor-name suffixes that make up a quantized weight (see docs/format.md).
 QUANTIZED_ROLES = (
@@ -190,13 +191,14 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
     modules = quant.get("modules")
     if isinstance(modules, dict) and modules:
         info.quantized_modules = len(modules)
-        n_weights = sum(_count(m, "in_features") * _count(m, "out_features") for m in modules.values())
+        n_weights = sum(module_dim(m, "in_features") * module_dim(m, "out_features") for m in modules.values())
         quant_bytes = sum(roles[r].bytes for r in QUANTIZED_ROLES if r in roles)
         if n_weights:
             info.bits_per_weight = round(quant_bytes * 8 / n_weights, 4)
 
 
-def _count(module: object, key: str) -> int:
-    """A module's non-negative integer field, 0 when absent or not one (inspect never fails on junk)."""
+def module_dim(module: object, key: str) -> int:
+    """A quantized module's dimension (``in_features`` / ``out_features``) from an unverified config.json,
+    0 when absent or not a positive integer: sizing and summaries never fail on junk."""
     value = module.get(key) if isinstance(module, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return value if is_int(value) and value > 0 else 0

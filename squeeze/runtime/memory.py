@@ -15,9 +15,9 @@ import stat
 from dataclasses import dataclass
 
 from squeeze.errors import ResourceError, SqueezeError
+from squeeze.format.inspect import module_dim
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
 from squeeze.format.paths import MAX_CONFIG_BYTES, open_root, read_inside, resolve_root, short_path, walk_artifact
-from squeeze.limits import is_int
 from squeeze.system import available_memory_bytes
 
 #: transformers' modules, the tokenizer, activations and KV cache of a short generation: the peak RSS of
@@ -84,7 +84,7 @@ def _dense_cache_bytes(root_fd: int, artifact_bytes: int, chunk_rows: int) -> tu
         config = strict_json_loads(read_inside(root_fd, "config.json", MAX_CONFIG_BYTES), "config.json")
         quant = config.get("quantization_config") or {}
         width = _FLOAT_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
-        shapes = [(_count(spec, "out_features"), _count(spec, "in_features"))
+        shapes = [(module_dim(spec, "out_features"), module_dim(spec, "in_features"))
                   for spec in (quant.get("modules") or {}).values()]
     except (SqueezeError, TypeError, AttributeError):
         return 0, 0
@@ -93,12 +93,6 @@ def _dense_cache_bytes(root_fd: int, artifact_bytes: int, chunk_rows: int) -> tu
     dense = sum(rows * cols * width for rows, cols in shapes)
     slice_ = max((min(rows, chunk_rows) * cols * width for rows, cols in shapes), default=0)
     return dense, slice_
-
-
-def _count(spec: object, key: str) -> int:
-    """A module's integer field (``out_features``...), 0 when absent or not a non-negative int."""
-    value = spec.get(key) if isinstance(spec, dict) else None
-    return value if is_int(value) and value >= 0 else 0
 
 
 def check_load_memory(directory: str | os.PathLike[str], *, dense_cache: bool) -> LoadEstimate | None:
