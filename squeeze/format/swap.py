@@ -10,8 +10,8 @@ the path empty for a moment, and :func:`restore_aside` (called by the next run) 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -24,10 +24,12 @@ ASIDE_INFIX = ".old-"
 ASIDE_SUFFIX = ".partial"
 
 
+@functools.cache
 def _renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's renameat2, looked up once, on first use, among the symbols the process already has loaded
+    (``find_library`` would run ``ldconfig`` in a subprocess)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        function = libc.renameat2
+        function = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):  # not glibc >= 2.28, or not Linux
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
@@ -35,14 +37,12 @@ def _renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return function
 
 
-_RENAMEAT2 = _renameat2()
-
-
 def exchange(a: Path, b: Path) -> bool:
     """Swap the paths ``a`` and ``b`` atomically; False when this system cannot (nothing was changed)."""
-    if _RENAMEAT2 is None:
+    renameat2 = _renameat2()
+    if renameat2 is None:
         return False
-    result = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     if result == 0:
         return True
     code = ctypes.get_errno()
