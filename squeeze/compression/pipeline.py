@@ -329,7 +329,7 @@ def _stage(timings: dict[str, float], name: str):  # type: ignore[no-untyped-def
 
 
 def quantize_module(
-    weight: torch.Tensor, fisher: torch.Tensor | None, recipe: Recipe, seed: int, timings: dict[str, float] | None = None
+    weight: torch.Tensor, fisher: torch.Tensor | None, recipe: Recipe, timings: dict[str, float] | None = None
 ) -> QuantizedWeight:
     """Quantize one (out, in) fp32 weight as ``recipe.weights`` says; adds "sparse"/"kmeans"/"rtn" seconds to ``timings``."""
     w = recipe.weights
@@ -343,7 +343,7 @@ def quantize_module(
         with _stage(timings, "sparse"):
             mask = select_sparse(weight, fisher, w.sensitive_fraction, w.outlier_fraction)
     with _stage(timings, "kmeans"):
-        return quantize_lut(weight, fisher, w.bits, w.sensitive_fraction, w.outlier_fraction, seed=seed, mask=mask,
+        return quantize_lut(weight, fisher, w.bits, w.sensitive_fraction, w.outlier_fraction, mask=mask,
                             lut_dtype=w.lut_dtype)
 
 
@@ -377,7 +377,7 @@ def _quantize_groups(
             meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}}
             for name in names:
                 weight = targets[name].weight.detach().float()
-                qweight = quantize_module(weight, fisher.pop(name, None), recipe, seed, timings)
+                qweight = quantize_module(weight, fisher.pop(name, None), recipe, timings)
                 parts = qweight.to_tensors(name)
                 tensors.update(parts)
                 meta["tensors"][name] = list(parts)

@@ -67,10 +67,15 @@ def meta_model(source: ModelSource) -> nn.Module:
         ) from exc
 
 
-def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4) -> SizeEstimate:
-    """Exact artifact tensor bytes for ``recipe`` applied to ``model`` (meta or real), sparse part included."""
+def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *,
+                  targets: dict[str, nn.Linear] | None = None) -> SizeEstimate:
+    """Exact artifact tensor bytes for ``recipe`` applied to ``model`` (meta or real), sparse part included.
+
+    ``targets``: the model's target linears when the caller already found them (else found here).
+    """
     weights = recipe.weights
-    targets = find_target_linears(model, weights.targets, weights.ignore)
+    if targets is None:
+        targets = find_target_linears(model, weights.targets, weights.ignore)
     quantized = 0
     n_weights = 0
     target_params = set()
