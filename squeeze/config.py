@@ -20,6 +20,7 @@ import yaml
 
 from squeeze.errors import ConfigError
 from squeeze.limits import (
+    DEFAULT_SINK_TOKENS,
     LUT_DTYPES,
     METHODS,
     MIN_SEQ_LEN,
@@ -92,13 +93,6 @@ class WeightsConfig:
             check_group_size(self.group_size, "weights.group_size")
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
-
-
-#: Leading tokens of a sequence whose keys and values the quantized KV cache keeps in full precision (the
-#: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (scripts/ablate_kv.py, 10 windows)
-#: 4 instead of 1 measured +2.41% vs +2.62% perplexity over full precision; they cost 4 tokens of fp16 per
-#: sequence, not per token, and cover the BOS / chat-template tokens where generation puts its outliers.
-DEFAULT_SINK_TOKENS = 4
 
 
 @dataclass(frozen=True)
