@@ -57,7 +57,8 @@ def hash_file(
     file_size = os.fstat(fd).st_size
     data = torch.empty(file_size, dtype=torch.uint8) if capture else None
     buffer = bytearray(0 if capture else CHUNK_BYTES)
-    view = memoryview(data.numpy()) if data is not None else memoryview(buffer)
+    # ndarray.data: the same writable view; numpy types memoryview(ndarray) only for Python >= 3.12
+    view = data.numpy().data if data is not None else memoryview(buffer)
     with io.FileIO(fd, "rb", closefd=True) as handle:
         keep_all = file_size <= KEEP_BYTES
         if not keep_all and relative.endswith(".safetensors"):
@@ -134,4 +135,4 @@ def hash_files(
             return exc
 
     with ThreadPoolExecutor(max_workers=workers or default_workers(len(paths))) as pool:
-        return dict(zip(paths, pool.map(one, paths)))
+        return dict(zip(paths, pool.map(one, paths), strict=True))

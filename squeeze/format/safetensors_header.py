@@ -24,8 +24,21 @@ MAX_HEADER_BYTES = 100 * 2**20
 MAX_ELEMENTS = 2**53
 
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 
@@ -56,6 +69,7 @@ def declared_header_length(prefix: bytes, file_size: int, name: str) -> int:
     """The header length the first 8 bytes declare, checked against ``file_size``."""
     if file_size < 8 or len(prefix) < 8:
         raise FormatError(f"{name}: safetensors file is {file_size} bytes, too short for a header")
+    length: int
     (length,) = struct.unpack("<Q", prefix[:8])
     if length > MAX_HEADER_BYTES:
         raise FormatError(f"{name}: safetensors header declares {length} bytes, over the {MAX_HEADER_BYTES} limit")
@@ -93,7 +107,9 @@ def parse_safetensors_header(prefix: bytes, file_size: int, name: str) -> Safete
     covered = 0
     for key, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if info.begin != covered:
-            raise FormatError(f"{name}: tensor {key!r} starts at byte {info.begin}, expected {covered} (gap or overlap)")
+            raise FormatError(
+                f"{name}: tensor {key!r} starts at byte {info.begin}, expected {covered} (gap or overlap)"
+            )
         covered = info.end
     if covered != data_len:
         raise FormatError(f"{name}: tensors cover {covered} data bytes but the file holds {data_len}")
@@ -115,14 +131,15 @@ def _tensor_info(key: str, value: Any, name: str) -> TensorInfo:
         if elements > MAX_ELEMENTS:
             raise FormatError(f"{where} has shape {short_repr(shape)}: its dimensions multiply past 2^53")
     if (
-        not isinstance(offsets, list) or len(offsets) != 2
+        not isinstance(offsets, list)
+        or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise FormatError(f"{where} has invalid data_offsets {short_repr(offsets)}")
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if offsets[1] - offsets[0] != expected:
-        raise FormatError(f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {short_repr(shape)} needs {expected}")
+        raise FormatError(
+            f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {short_repr(shape)} needs {expected}"
+        )
     return TensorInfo(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
-
-

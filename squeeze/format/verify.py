@@ -123,8 +123,9 @@ def resolve_manifest_path(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     try:
         info = os.lstat(manifest)
     except FileNotFoundError:
-        raise FormatError(f"no manifest at {short_path(given)}",
-                          hint="pass the artifact directory or its squeeze.manifest.json") from None
+        raise FormatError(
+            f"no manifest at {short_path(given)}", hint="pass the artifact directory or its squeeze.manifest.json"
+        ) from None
     except OSError as exc:
         raise path_error("cannot read", given, exc) from None
     if manifest.name != MANIFEST_NAME:
@@ -151,7 +152,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 
 
 def verify_artifact(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: ProgressFn | None = None,
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
     capture: Callable[[str], bool] | None = None,
 ) -> VerifyReport:
     """Verify the artifact at ``path`` (its directory or manifest). Raises FormatError if unreadable.
@@ -210,11 +214,13 @@ def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
         if relative == MANIFEST_NAME:
             continue
         if stat.S_ISLNK(info.st_mode):
-            report.files.append(FileResult(relative, False, f"{_link_target(directory, relative)}; "
-                                                            "artifacts may not contain links"))
+            report.files.append(
+                FileResult(relative, False, f"{_link_target(directory, relative)}; artifacts may not contain links")
+            )
         elif stat.S_ISDIR(info.st_mode):
-            report.files.append(FileResult(relative, False, f"directory nested more than {MAX_DEPTH} levels deep; "
-                                                            "not scanned"))
+            report.files.append(
+                FileResult(relative, False, f"directory nested more than {MAX_DEPTH} levels deep; not scanned")
+            )
         elif not stat.S_ISREG(info.st_mode):
             report.files.append(FileResult(relative, False, "not a regular file"))
         else:
@@ -223,7 +229,7 @@ def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
 
 
 def _link_target(directory: Path, relative: str) -> str:
-    """"symbolic link to '<target>'" for a message (the target shortened; never followed)."""
+    """The text "symbolic link to '<target>'" for a message (the target shortened; never followed)."""
     try:
         return f"symbolic link to {short_path(os.readlink(directory / relative))!r}"
     except OSError:  # gone meanwhile, or a path longer than the OS allows: it was a link when listed
@@ -231,7 +237,11 @@ def _link_target(directory: Path, relative: str) -> str:
 
 
 def _hash_listed(
-    directory: Path, paths: list[str], total: int, workers: int | None, progress: ProgressFn | None,
+    directory: Path,
+    paths: list[str],
+    total: int,
+    workers: int | None,
+    progress: ProgressFn | None,
     capture: Callable[[str], bool] | None = None,
 ) -> dict[str, HashedFile | BaseException]:
     root_fd = open_root(directory)
@@ -245,16 +255,28 @@ def _judge(entry: FileEntry, outcome: HashedFile | BaseException, headers: dict[
     if isinstance(outcome, BaseException):
         return FileResult(entry.path, False, _describe_error(outcome))
     if outcome.size != entry.size:
-        return FileResult(entry.path, False, f"size changed while reading: {outcome.size} bytes, manifest says {entry.size}",
-                          outcome.size, outcome.sha256)
+        return FileResult(
+            entry.path,
+            False,
+            f"size changed while reading: {outcome.size} bytes, manifest says {entry.size}",
+            outcome.size,
+            outcome.sha256,
+        )
     if outcome.sha256 != entry.sha256:
-        return FileResult(entry.path, False, f"SHA-256 mismatch: {outcome.sha256[:16]}..., manifest says {entry.sha256[:16]}...",
-                          outcome.size, outcome.sha256)
+        return FileResult(
+            entry.path,
+            False,
+            f"SHA-256 mismatch: {outcome.sha256[:16]}..., manifest says {entry.sha256[:16]}...",
+            outcome.size,
+            outcome.sha256,
+        )
     if entry.path.endswith(".safetensors"):
         try:
             headers[entry.path] = parse_safetensors_header(outcome.head, outcome.size, entry.path)
         except FormatError as exc:
-            return FileResult(entry.path, False, exc.message.removeprefix(f"{entry.path}: "), outcome.size, outcome.sha256)
+            return FileResult(
+                entry.path, False, exc.message.removeprefix(f"{entry.path}: "), outcome.size, outcome.sha256
+            )
     return FileResult(entry.path, True, None, outcome.size, outcome.sha256)
 
 
@@ -268,8 +290,9 @@ def _describe_error(exc: BaseException) -> str:
     return f"cannot read: {exc}"
 
 
-def _check_index(index: HashedFile, expected: dict[str, FileEntry], headers: dict[str, SafetensorsHeader],
-                 report: VerifyReport) -> None:
+def _check_index(
+    index: HashedFile, expected: dict[str, FileEntry], headers: dict[str, SafetensorsHeader], report: VerifyReport
+) -> None:
     """The shard index must name listed shards and exactly the tensors each shard holds."""
     try:
         body = strict_json_loads(index.head, INDEX_NAME)
@@ -300,8 +323,11 @@ def _check_index(index: HashedFile, expected: dict[str, FileEntry], headers: dic
 
 
 def seal_artifact(
-    directory: str | os.PathLike[str], provenance: Provenance | None = None, *,
-    workers: int | None = None, progress: ProgressFn | None = None,
+    directory: str | os.PathLike[str],
+    provenance: Provenance | None = None,
+    *,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
 ) -> Manifest:
     """Hash every file under ``directory`` and write its manifest atomically (the artifact's commit point).
 
@@ -326,4 +352,3 @@ def seal_artifact(
     manifest = build_manifest(entries, provenance)
     write_manifest(directory, manifest)
     return manifest
-
