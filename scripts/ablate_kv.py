@@ -3,7 +3,7 @@
     .venv/bin/python scripts/ablate_kv.py                      # SmolLM2-135M, sotu -> wikitext2, 10 x 512
 
 Keys and values are captured once on the calibration text (squeeze.calibrate.kv.capture_kv, as
-``squeeze calibrate-kv`` does); every variant fits its quantizers with squeeze.quant.kv and is scored
+``squeeze calibrate-kv`` does); every variant fits its quantizers with squeeze.calibrate.kv_fit and is scored
 through a cache that fake-quantizes with the same reference functions the runtime cache is tested to match
 bit for bit (tests/runtime/test_kvcache.py). "keys only" / "values only" leave the other half in full
 precision. Prints a table and writes JSON (--out).
@@ -24,10 +24,11 @@ from torch import Tensor
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_kv import add_data_arguments, load_data  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from transformers import DynamicCache  # noqa: E402
 
-from bench_kv import add_data_arguments, load_data  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from squeeze.calibrate.kv import capture_kv  # noqa: E402
+from squeeze.calibrate.kv_fit import fit_keys, fit_value_codebook, fit_values  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.quant.kmeans import weighted_kmeans_1d  # noqa: E402
 from squeeze.quant.kv import (  # noqa: E402
@@ -35,9 +36,6 @@ from squeeze.quant.kv import (  # noqa: E402
     dequantize,
     dequantize_codebook,
     fake_quantize_keys,
-    fit_keys,
-    fit_value_codebook,
-    fit_values,
     quantize,
     quantize_codebook,
     token_grid,
@@ -82,7 +80,10 @@ def grid_value_quantizers(values: list[Tensor]) -> list[Quantizer]:
     for samples in values:
         fit = fit_values(samples, 4)
 
-        def quantizer(x: Tensor, clip: Tensor = fit.clip.reshape(1, -1, 1, 1), symmetric: bool = fit.symmetric) -> Tensor:
+        # defaults bind this layer's fit (a closure would see the loop's last one)
+        def quantizer(
+            x: Tensor, clip: Tensor = fit.clip.reshape(1, -1, 1, 1), symmetric: bool = fit.symmetric  # noqa: B008
+        ) -> Tensor:
             scale, offset = token_grid(x, 4, clip, symmetric)
             return dequantize(quantize(x, scale, offset, 4), scale, offset)
 

@@ -30,13 +30,13 @@ sys.path.insert(0, str(REPO))
 from transformers import DynamicCache  # noqa: E402
 
 from squeeze.calibrate.kv import calibrate_kv  # noqa: E402
-from squeeze.config import DEFAULT_SINK_TOKENS  # noqa: E402
 from squeeze.calibrate.windows import read_text_file, sample_windows, tokenize_text  # noqa: E402
 from squeeze.errors import ConfigError  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
+from squeeze.limits import DEFAULT_SINK_TOKENS  # noqa: E402
 from squeeze.models.modes import cache_kwarg  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
-from squeeze.quant.kv import KVSpec, fp_bytes_per_token, kv_geometry  # noqa: E402
+from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token, kv_geometry  # noqa: E402
 from squeeze.runtime.kvcache import SqueezeKVCache  # noqa: E402
 
 

@@ -5,7 +5,7 @@ artifact's calibrated :class:`KVSpec` (``squeeze.load(path).kv_spec``) or ``KVSp
 The implementation lives in squeeze.runtime.kvcache and squeeze.quant.kv.
 """
 
-from squeeze.quant.kv import KVSpec, kv_bytes_table
+from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
 from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, select_kv_spec
 
 __all__ = ["SqueezeKVCache", "SqueezeKVLayer", "KVSpec", "select_kv_spec", "kv_bytes_table"]

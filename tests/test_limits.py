@@ -17,7 +17,7 @@ from squeeze.compression import calibrate_kv as calibrate_kv_stage
 from squeeze.compression import pipeline
 from squeeze.config import KVCacheConfig, WeightsConfig, load_recipe
 from squeeze.errors import ConfigError, FormatError
-from squeeze.quant import kv as quant_kv
+from squeeze.quant import kv_spec as quant_kv
 from squeeze.quant import packing
 from squeeze.quant.nuq import quantize_lut
 from squeeze.runtime.kernels.layout import GROUPS

@@ -13,22 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from squeeze.config import DEFAULT_SINK_TOKENS
+from squeeze.calibrate.kv_fit import dynamic_error, fit_keys, fit_value_codebook, fit_values
 from squeeze.errors import CalibrationError, ModelError
-from squeeze.models.targets import attention_modules
+from squeeze.limits import DEFAULT_SINK_TOKENS, check_kv_bits, check_kv_group
 from squeeze.models.modes import cache_kwarg, eval_mode, input_device
-from squeeze.quant.kv import (
-    KVSpec,
-    LayerKV,
-    check_group,
-    check_kv_bits,
-    default_key_group,
-    dynamic_error,
-    fit_keys,
-    fit_value_codebook,
-    fit_values,
-    kv_geometry,
-)
+from squeeze.models.targets import attention_modules
+from squeeze.quant.kv_spec import KVSpec, LayerKV, default_key_group, kv_geometry
 
 Progress = Callable[[int, int], None]
 
@@ -73,7 +63,8 @@ def capture_kv(
     n, t = windows.shape
     if t <= sink_tokens:
         raise CalibrationError(
-            f"calibration windows of {t} tokens are not longer than the {sink_tokens} sink token(s) kept in full precision",
+            f"calibration windows of {t} tokens are not longer than the {sink_tokens} sink token(s) kept in full "
+            "precision",
             hint="use a longer --seq-len or fewer sink tokens",
         )
     keys: list[list[torch.Tensor]] = []
@@ -107,8 +98,8 @@ def calibrate_kv(
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
 
     ``key_group`` / ``value_group``: channels per key / value grid (default:
-    squeeze.quant.kv.default_key_group / default_value_group). At int4 values get a calibrated codebook
-    (squeeze.quant.kv.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
+    squeeze.quant.kv_spec.default_key_group / default_value_group). At int4 values get a calibrated codebook
+    (squeeze.calibrate.kv_fit.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
     """
     bits = check_kv_bits(bits)
     if sink_tokens < 0:
@@ -116,14 +107,14 @@ def calibrate_kv(
     names = attention_modules(model)
     _, _, head_dim = kv_geometry(model.config)
     key_group = default_key_group(bits, head_dim) if key_group is None else \
-        check_group(key_group, head_dim, "key", CalibrationError)
+        check_kv_group(key_group, head_dim, "key", CalibrationError)
     if value_group is not None:
-        check_group(value_group, head_dim, "value", CalibrationError)
+        check_kv_group(value_group, head_dim, "value", CalibrationError)
     keys, values = capture_kv(model, windows, sink_tokens, progress)
     if len(keys) != len(names):
         raise ModelError(f"the model filled {len(keys)} cache layers but has {len(names)} attention modules")
     layers, k_err, v_err, k_dyn, v_dyn = [], [], [], [], []
-    for k, v in zip(keys, values):
+    for k, v in zip(keys, values, strict=True):
         kf = fit_keys(k, bits, key_group)
         vf = fit_value_codebook(v, bits, value_group) if bits == 4 else fit_values(v, bits, value_group)
         layers.append(LayerKV(kf.scale, kf.zero, vf.clip, kf.symmetric, vf.symmetric, vf.group, key_group, vf.levels))

@@ -46,7 +46,8 @@ from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
 from squeeze.format.shards import ShardWriter
 from squeeze.format.swap import aside_pattern, restore_aside, swap_in
 from squeeze.format.verify import read_manifest, seal_artifact
-from squeeze.quant.kv import KV_FILE, check_kv_bits, kv_bytes_table
+from squeeze.limits import check_kv_bits
+from squeeze.quant.kv_spec import KV_FILE, kv_bytes_table
 
 #: progress(stage, done, total); stage "kv" counts calibration windows.
 StageProgress = Callable[[str, int, int], None]

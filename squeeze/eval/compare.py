@@ -14,7 +14,7 @@ from squeeze.calibrate.windows import read_text_file
 from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
 from squeeze.models.source import ModelSource
-from squeeze.quant.kv import KVSpec
+from squeeze.quant.kv_spec import KVSpec
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg
-from squeeze.quant.kv import KVSpec, kv_bytes_table
+from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
 from squeeze.runtime.kvcache import SqueezeKVCache
 
 StreamFn = Callable[[str], None]

@@ -22,17 +22,13 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.errors import ConfigError
+from squeeze.limits import DEFAULT_SINK_TOKENS, KV_BITS
 from squeeze.quant.kv import (
-    KV_BITS,
     PARAM_BYTES,
-    KVSpec,
-    LayerKV,
     codebook_scale,
-    dequantize,
-    dequantize_codebook,
     denormalize_keys_,
+    dequantize,
     normalize_keys,
     pack_int4,
     quantize,
@@ -40,6 +36,7 @@ from squeeze.quant.kv import (
     token_grid,
     unpack_int4,
 )
+from squeeze.quant.kv_spec import KVSpec, LayerKV
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec.bytes_per_token
 
@@ -224,7 +221,9 @@ class SqueezeKVLayer(DynamicLayer):
         self.sink_values = value_states.new_empty(empty)
         self.is_initialized = True
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
+    ) -> tuple[Tensor, Tensor]:
         """Store new ``key_states`` / ``value_states (B, H, n, D)``; return the whole history, dequantized."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -359,4 +358,7 @@ def select_kv_spec(
     return calibrated
 
 
-__all__ = ["QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "check_kv_options", "kv_spec_for", "select_kv_spec"]
+__all__ = [
+    "QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "check_kv_options", "kv_spec_for",
+    "select_kv_spec",
+]

@@ -41,7 +41,7 @@ from squeeze.format.paths import (
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import VerifyReport, verify_artifact
-from squeeze.quant.kv import KV_FILE, KVSpec
+from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.memory import check_load_memory

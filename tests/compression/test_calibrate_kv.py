@@ -15,7 +15,7 @@ from squeeze import api
 from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_module
 from squeeze.config import DEFAULT_SINK_TOKENS
-from squeeze.quant.kv import KV_FILE
+from squeeze.quant.kv_spec import KV_FILE
 from squeeze.runtime.kvcache import SqueezeKVCache
 
 runner = CliRunner()

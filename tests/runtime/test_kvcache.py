@@ -12,8 +12,6 @@ from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import perplexity
 from squeeze.models.targets import attention_modules
 from squeeze.quant.kv import (
-    KVSpec,
-    LayerKV,
     codebook_scale,
     dequantize,
     dequantize_codebook,
@@ -22,6 +20,7 @@ from squeeze.quant.kv import (
     quantize_codebook,
     token_grid,
 )
+from squeeze.quant.kv_spec import KVSpec, LayerKV
 from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
 
 H, D = 2, 8

@@ -1,0 +1,140 @@
+"""KV-cache calibration fits: key normalisers, value clipping ratios and value codebooks from activations.
+
+Each fit takes one layer's calibration keys or values, ``(N, H, D)`` fp32 (N tokens, the sink excluded; see
+squeeze.calibrate.kv for how they are captured), and returns the quantizer parameters a
+squeeze.quant.kv_spec.LayerKV holds plus the squared error they leave on those samples. The quantizers
+themselves are squeeze.quant.kv's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from squeeze.quant.kmeans import weighted_kmeans_1d
+from squeeze.quant.kv import (
+    PARAM_BYTES,
+    codebook_scale,
+    dequantize,
+    dequantize_codebook,
+    fake_quantize_keys,
+    key_channel_params,
+    quantize,
+    quantize_codebook,
+    token_grid,
+)
+from squeeze.quant.kv_spec import default_value_group
+
+#: Clipping ratios tried for per-token value grids (range shrunk to ``ratio * range``); 1.0 = plain min-max.
+CLIP_GRID = tuple(round(0.5 + 0.025 * i, 3) for i in range(21))
+
+
+def asymmetric_gain_needed(group: int) -> float:
+    """Error ratio an asymmetric value grid must beat to pay for its per-token offset.
+
+    The offset adds 16 bits per grid of ``group`` channels, i.e. 16 / group bits per value; one more bit per
+    value cuts the squared error of a uniform grid by 4x, so the offset is worth it only when it cuts the
+    error by more than 4 ** (16 / group) (1.41x for 64 channels): a rate-distortion rule, the same at 8 and
+    4 bits.
+    """
+    return float(4.0 ** (-PARAM_BYTES * 8 / group))
+
+
+@dataclass(frozen=True)
+class KeyFit:
+    """Key normaliser of one layer: scale / centre fp32 (H, D); the squared error it had on calibration."""
+
+    scale: Tensor
+    zero: Tensor
+    symmetric: bool
+    sse: float
+
+
+@dataclass(frozen=True)
+class ValueFit:
+    """Per-token value quantizer of one layer, grids of ``group`` channels: a clipping ratio per head, fp32
+    (H,), or a codebook ``levels`` fp32 (2**bits,) (then ``clip`` is all ones and ``symmetric`` True)."""
+
+    clip: Tensor
+    symmetric: bool
+    sse: float
+    group: int
+    levels: Tensor | None = None
+
+
+def fit_keys(samples: Tensor, bits: int, group: int | None = None) -> KeyFit:
+    """Fit the per-channel key normaliser on ``samples (N, H, D)`` fp32 (N calibration tokens, sink excluded),
+    for per-token grids of ``group`` channels (default: the whole head).
+
+    Centred (asymmetric) vs not is chosen per layer by the total squared error of :func:`fake_quantize_keys`.
+    """
+    lo, hi = samples.amin(dim=0), samples.amax(dim=0)  # (H, D)
+    best: KeyFit | None = None
+    for symmetric in (True, False):
+        scale, center = key_channel_params(lo, hi, symmetric)
+        sse = float((fake_quantize_keys(samples, scale, center, bits, group) - samples).square().sum())
+        if best is None or sse < best.sse:
+            best = KeyFit(scale, center, symmetric, sse)
+    assert best is not None  # the loop runs twice
+    return best
+
+
+def fit_value_codebook(samples: Tensor, bits: int, group: int | None = None) -> ValueFit:
+    """Fit a codebook of ``2**bits`` levels for the values of one layer, ``samples (N, H, D)`` fp32.
+
+    Every grid of ``group`` channels (default: the whole head) is scaled by its absmax (:func:`codebook_scale`)
+    into [-1, 1]; the levels are the k-means of those scaled values weighted by scale**2, i.e. they minimise
+    the squared error in value units (squeeze.quant.kmeans, the same solver as the weights' LUTs). An
+    unweighted k-means (every token's relative error alike) measured the same within noise on SmolLM2-135M
+    (int4 KV, 40 windows: +2.50% vs +2.62% perplexity on WikiText-2 windows 40-79, +3.03% vs +2.72% on
+    windows 0-39; docs/benchmarks.md), so the objective the rest of squeeze uses stays.
+    """
+    group = group or samples.shape[-1]
+    grouped = samples.unflatten(-1, (-1, group))  # (N, H, G, group)
+    scale = codebook_scale(grouped)  # (N, H, G, 1)
+    scaled = (grouped / scale).reshape(1, -1)
+    weights = scale.square().expand_as(grouped).reshape(1, -1)
+    levels, _ = weighted_kmeans_1d(scaled, weights, 1 << bits)
+    levels = levels[0]  # (K,) ascending
+    fake = dequantize_codebook(quantize_codebook(grouped, scale, levels), scale, levels)
+    sse = float((fake - grouped).square().sum())
+    return ValueFit(torch.ones(samples.shape[1]), True, sse, group, levels)
+
+
+def fit_values(samples: Tensor, bits: int, group: int | None = None) -> ValueFit:
+    """Fit the per-head clipping ratio of per-token value grids on ``samples (N, H, D)`` fp32.
+
+    Each token's ``D`` channels get one grid per ``group`` channels (default: :func:`default_value_group`).
+    Asymmetric grids (an offset per grid too, counted in the cache's bytes per token) are chosen per layer
+    only when their total squared error is below :func:`asymmetric_gain_needed` times the symmetric one's.
+    """
+    group = group or default_value_group(bits, samples.shape[-1])
+    grouped = samples.unflatten(-1, (-1, group))  # (N, H, G, group)
+    fits = []
+    for symmetric in (True, False):
+        best_err = torch.full((samples.shape[1],), float("inf"))
+        best_clip = torch.ones(samples.shape[1])
+        for clip in CLIP_GRID:
+            scale, offset = token_grid(grouped, bits, clip, symmetric)
+            fake = dequantize(quantize(grouped, scale, offset, bits), scale, offset)
+            err = (fake - grouped).square().sum(dim=(0, 2, 3))  # (H,)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_clip = torch.where(better, torch.full_like(best_clip, clip), best_clip)
+        fits.append(ValueFit(best_clip, symmetric, float(best_err.sum()), group))
+    symmetric_fit, asymmetric_fit = fits
+    return asymmetric_fit if asymmetric_fit.sse < asymmetric_gain_needed(group) * symmetric_fit.sse else symmetric_fit
+
+
+def dynamic_error(samples: Tensor, bits: int) -> float:
+    """Squared error of plain per-token absmax quantization (the uncalibrated baseline) on ``samples``."""
+    scale, _ = token_grid(samples, bits, 1.0, True)
+    return float((dequantize(quantize(samples, scale, None, bits), scale, None) - samples).square().sum())
+
+
+__all__ = [
+    "CLIP_GRID", "asymmetric_gain_needed", "KeyFit", "ValueFit", "fit_keys", "fit_values", "fit_value_codebook",
+    "dynamic_error",
+]

@@ -1,0 +1,95 @@
+"""KV-cache calibration fits (squeeze.calibrate.kv_fit): the fitted quantizers and the errors they report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from squeeze.calibrate.kv_fit import CLIP_GRID, dynamic_error, fit_keys, fit_value_codebook, fit_values
+from squeeze.quant.kv import (
+    codebook_scale,
+    dequantize,
+    dequantize_codebook,
+    fake_quantize_keys,
+    quantize,
+    quantize_codebook,
+    token_grid,
+)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fit_keys_normalises_outlier_channels(bits: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 2, 64, generator=gen)
+    x[:, :, 3] *= 40  # an outlier channel, as keys have (KVQuant)
+    x[:, :, 10] += 15  # a channel with an offset: centring pays off
+    fit = fit_keys(x, bits)
+    assert fit.scale.shape == (2, 64) and fit.zero.shape == (2, 64)
+    assert not fit.symmetric
+    assert fit.sse < 0.5 * dynamic_error(x, bits)
+    # the reported error is the error of the returned normaliser
+    err = float((fake_quantize_keys(x, fit.scale, fit.zero, bits) - x).square().sum())
+    assert err == pytest.approx(fit.sse, rel=1e-5)
+
+
+def test_keys_beyond_the_calibrated_range_are_not_clamped() -> None:
+    x = torch.randn(512, 1, 8)
+    fit = fit_keys(x, 8)
+    far = torch.randn(4, 1, 8) * 10  # 10x the calibrated range, as other text can produce
+    err = (fake_quantize_keys(far, fit.scale, fit.zero, 8) - far).abs().max()
+    assert float(err) < 0.05 * float(far.abs().max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fit_values_picks_the_best_clip_per_head(bits: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 3, 16, generator=gen) * torch.tensor([1.0, 3.0, 0.2])[None, :, None]
+    x[::7, 1, 0] *= 6  # occasional outliers in head 1
+    fit = fit_values(x, bits, group=16)
+    assert fit.clip.shape == (3,) and fit.group == 16
+    assert all(min(abs(c - g) for g in CLIP_GRID) < 1e-6 for c in fit.clip.tolist())
+
+    def head_error(clip: float, head: int) -> float:
+        scale, offset = token_grid(x[:, head:head + 1], bits, clip, fit.symmetric)
+        return float((dequantize(quantize(x[:, head:head + 1], scale, offset, bits), scale, offset)
+                      - x[:, head:head + 1]).square().sum())
+
+    for head in range(3):  # brute force: no clip of the grid does better on any head
+        best = min(head_error(c, head) for c in CLIP_GRID)
+        assert head_error(float(fit.clip[head]), head) == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize("group", [None, 8])
+def test_fit_value_codebook_is_the_weighted_kmeans_and_beats_uniform_grids(group: int | None) -> None:
+    from sklearn.cluster import KMeans
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.distributions.Laplace(0.0, 1.0).sample((1024, 2, 16)) * torch.rand(1024, 2, 1, generator=gen) * 4
+    fit = fit_value_codebook(x, 4, group)
+    g = group or 16
+    assert fit.levels is not None and fit.levels.shape == (16,) and fit.symmetric and fit.group == g
+    assert bool((fit.levels[1:] >= fit.levels[:-1]).all()) and float(fit.levels.abs().max()) <= 1.0
+    grouped = x.unflatten(-1, (-1, g))
+    scale = codebook_scale(grouped)
+    fake = dequantize_codebook(quantize_codebook(grouped, scale, fit.levels), scale, fit.levels)
+    assert float((fake - grouped).square().sum()) == pytest.approx(fit.sse, rel=1e-6)
+    # differential: sklearn's weighted k-means on the same scaled values and weights lands no lower
+    scaled = grouped / scale
+    weights = scale.square().expand_as(grouped).reshape(-1).numpy()
+    ref = KMeans(16, n_init=3, random_state=0).fit(scaled.reshape(-1, 1).numpy(), sample_weight=weights)
+    ones = torch.ones_like(scale)
+    ours = float(((scaled - dequantize_codebook(quantize_codebook(scaled, ones, fit.levels), ones, fit.levels))
+                  .square() * scale.square()).sum())
+    assert ours <= float(ref.inertia_) * 1.01
+    # and a codebook beats the best clipped uniform grid on heavy-tailed values (what it is for)
+    assert fit.sse < fit_values(x, 4, g).sse
+
+
+def test_key_grids_of_half_a_head_halve_the_error_of_outlier_tokens() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2048, 2, 64, generator=gen)
+    x[:, :, :32] *= torch.rand(2048, 2, 1, generator=gen) * 8  # the first half of each token sometimes far larger
+    whole, halves = fit_keys(x, 4), fit_keys(x, 4, group=32)
+    assert halves.sse < 0.6 * whole.sse
+    err = float((fake_quantize_keys(x, halves.scale, halves.zero, 4, 32) - x).square().sum())
+    assert err == pytest.approx(halves.sse, rel=1e-5)

@@ -1,0 +1,120 @@
+"""The KV-cache spec (squeeze.quant.kv_spec): its artifact form, its FormatErrors, and its bytes per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from squeeze.errors import ConfigError, FormatError
+from squeeze.quant.kv_spec import (
+    KVSpec,
+    LayerKV,
+    check_kv_bits,
+    default_key_group,
+    default_value_group,
+    fp_bytes_per_token,
+    kv_bytes_table,
+    layer_bytes_per_token,
+)
+
+
+def test_check_kv_bits() -> None:
+    assert check_kv_bits(8) == 8
+    for bad in (2, 3, 16, True, "8", None):
+        with pytest.raises(ConfigError, match="must be 4 or 8"):
+            check_kv_bits(bad)
+
+
+def _spec(v_symmetric: bool = True, v_group: int | None = None) -> KVSpec:
+    layer = LayerKV(torch.rand(2, 8) + 0.1, torch.full((2, 8), 8.0), torch.tensor([0.9, 1.0]), False, v_symmetric,
+                    v_group)
+    return KVSpec(4, 1, ("model.layers.0.self_attn", "model.layers.1.self_attn"), (layer, layer))
+
+
+def test_spec_round_trips_through_config_and_tensors() -> None:
+    spec = _spec(v_symmetric=False, v_group=4)
+    tensors = spec.to_tensors()
+    roles = ("k_scale", "k_zero", "v_clip")
+    assert sorted(tensors) == sorted(f"model.layers.{i}.self_attn.{r}" for i in (0, 1) for r in roles)
+    back = KVSpec.from_config(spec.to_config(), tensors)
+    assert back.bits == 4 and back.sink_tokens == 1 and back.names == spec.names
+    for a, b in zip(back.layers, spec.layers, strict=True):
+        assert a is not None and b is not None
+        assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_clip, b.v_clip)
+        assert (a.k_symmetric, a.v_symmetric, a.value_group) == (b.k_symmetric, b.v_symmetric, 4)
+
+
+def test_codebook_spec_round_trips_and_bad_codebooks_are_format_errors() -> None:
+    layer = LayerKV(torch.rand(2, 8) + 0.1, torch.zeros(2, 8), torch.ones(2), True, True, None, 4,
+                    torch.linspace(-1, 1, 16))
+    spec = KVSpec(4, 4, ("a", "b"), (layer, layer))
+    tensors = spec.to_tensors()
+    assert sorted(tensors) == sorted(f"{n}.{r}" for n in "ab" for r in ("k_scale", "k_zero", "v_levels"))
+    back = KVSpec.from_config(spec.to_config(), tensors)
+    assert back.sink_tokens == 4
+    for got in back.layers:
+        assert got is not None and got.v_levels is not None and torch.equal(got.v_levels, layer.v_levels)
+        assert (got.key_group, got.value_group, got.v_symmetric) == (4, 8, True)
+    assert back.bytes_per_token(2, 8) == spec.bytes_per_token(2, 8) == 2 * (2 * 2 * 4 + 2 * 2 * 2 + 2 * 2)
+    config = spec.to_config()
+    with pytest.raises(FormatError, match=r"\.v_levels"):
+        KVSpec.from_config(config, {k: v for k, v in tensors.items() if not k.endswith("v_levels")})
+    with pytest.raises(FormatError, match="inconsistent shapes"):
+        KVSpec.from_config(config, {**tensors, "a.v_levels": torch.zeros(8)})
+    with pytest.raises(FormatError, match="ascending"):
+        KVSpec.from_config(config, {**tensors, "a.v_levels": torch.linspace(1, -1, 16)})
+    with pytest.raises(FormatError, match="ascending"):
+        KVSpec.from_config(config, {**tensors, "a.v_levels": torch.full((16,), float("nan"))})
+    bad = spec.to_config()
+    bad["layers"][0]["v_codebook"] = "yes"  # type: ignore[index]
+    with pytest.raises(FormatError, match="true or false"):
+        KVSpec.from_config(bad, tensors)
+    bad = spec.to_config()
+    bad["layers"][1]["k_group"] = 6  # type: ignore[index]
+    with pytest.raises(FormatError, match="k_group of b must be an even divisor of 8"):
+        KVSpec.from_config(bad, tensors)
+
+
+def test_spec_from_bad_config_is_a_format_error() -> None:
+    spec = _spec()
+    tensors = spec.to_tensors()
+    with pytest.raises(FormatError, match="bits must be 4 or 8"):
+        KVSpec.from_config({**spec.to_config(), "bits": 3}, tensors)
+    with pytest.raises(FormatError, match="are missing"):
+        KVSpec.from_config(spec.to_config(), {k: v for k, v in tensors.items() if not k.endswith("v_clip")})
+    tensors["model.layers.1.self_attn.k_zero"] = torch.zeros(3, 8)
+    with pytest.raises(FormatError, match="inconsistent shapes"):
+        KVSpec.from_config(spec.to_config(), tensors)
+    with pytest.raises(FormatError):
+        KVSpec.from_config([], {})
+    bad_group = spec.to_config()
+    bad_group["layers"][0]["v_group"] = 3  # type: ignore[index]
+    with pytest.raises(FormatError, match="even divisor"):
+        KVSpec.from_config(bad_group, spec.to_tensors())
+
+
+def test_bytes_per_token_smollm2_geometry_meets_the_ratios() -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64 channels
+    fp16 = fp_bytes_per_token(30, 3, 64)
+    assert fp16 == 23040
+    names = tuple(str(i) for i in range(30))
+    layer = LayerKV(torch.rand(3, 64), torch.zeros(3, 64), torch.ones(3), False, True)
+    int8 = KVSpec(8, 1, names, tuple(layer for _ in names))
+    # the int4 default: two key grids of 32 channels per head, a value codebook with one scale per head
+    default4 = LayerKV(torch.rand(3, 64), torch.zeros(3, 64), torch.ones(3), False, True, None, 32, torch.arange(16.0))
+    default_spec = KVSpec(4, 4, names, tuple(default4 for _ in names))
+    assert default_spec.bytes_per_token(3, 64) == 30 * (3 * 64 + 3 * 2 * 2 + 3 * 2)
+    assert int8.bytes_per_token(3, 64) == 30 * (2 * 3 * 64 + 2 * 3 * 2)  # codes + key and value scales
+    assert int8.bytes_per_token(3, 64) / fp16 <= 0.52
+    grouped = LayerKV(torch.rand(3, 64), torch.zeros(3, 64), torch.ones(3), False, True, 32)
+    int4 = KVSpec(4, 1, names, tuple(grouped for _ in names))
+    assert int4.bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 + 2 * 3 * 2)  # two value grids per head
+    assert int4.bytes_per_token(3, 64) / fp16 <= 0.28
+    assert layer_bytes_per_token(3, 64, 4, asymmetric_values=True) == 2 * 3 * 32 + 3 * 2 + 3 * 2 * 2
+    assert KVSpec.dynamic(4, names).bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 * 2)
+    table = kv_bytes_table({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                            "hidden_size": 576})
+    assert table == {"fp16": 23040, "int8": int8.bytes_per_token(3, 64), "int4": 6300}
+    assert table["int4"] / fp16 <= 0.28
+    assert default_value_group(4, 64) == 64 and default_value_group(8, 64) == 64
+    assert default_key_group(4, 64) == 32 and default_key_group(8, 64) == 64 and default_key_group(4, 8) == 8
