@@ -72,7 +72,7 @@ def load_data(args: argparse.Namespace):  # noqa: ANN201
     return model, tokenizer, sample_windows(calib_ids, args.calib_windows, args.seq_len, seed=0), eval_ids
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_arguments(parser, eval_windows=40)
     parser.add_argument("--sink-tokens", type=int, default=DEFAULT_SINK_TOKENS)
@@ -82,54 +82,60 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-eval", action="store_true", help="only calibrate and time decoding")
     parser.add_argument("--out", default="bench-out/kv.json")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    t0 = time.perf_counter()
-    model, _, windows, eval_ids = load_data(args)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
 
+def calibrate_specs(model, windows: torch.Tensor, sink_tokens: int):  # noqa: ANN001, ANN201
+    """({cache name: KVSpec or None (fp)}, {width: what its fit measured}) for fp, int8 / int4 calibrated and
+    their uncalibrated (dynamic) baselines."""
     specs: dict[str, KVSpec | None] = {"fp": None}
     fits = {}
     for bits in (8, 4):
         t = time.perf_counter()
-        fit = calibrate_kv(model, windows, bits, sink_tokens=args.sink_tokens)
+        fit = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens)
         fits[f"int{bits}"] = {**fit.to_dict(), "seconds": round(time.perf_counter() - t, 1)}
         specs[f"int{bits}"] = fit.spec
-        specs[f"int{bits}-dynamic"] = KVSpec.dynamic(bits, fit.spec.names, args.sink_tokens)
+        specs[f"int{bits}-dynamic"] = KVSpec.dynamic(bits, fit.spec.names, sink_tokens)
         print(f"calibrated int{bits} in {time.perf_counter() - t:.1f} s: {fits[f'int{bits}']}", flush=True)
+    return specs, fits
 
+
+def score_specs(model, eval_ids: torch.Tensor, specs: dict[str, KVSpec | None],  # noqa: ANN001
+                args: argparse.Namespace) -> dict[str, dict[str, float | None]]:
+    """Per cache: perplexity (NaN with --skip-eval) and bytes per token, also as a ratio to fp16."""
     layers, kv_heads, head_dim = kv_geometry(model.config)
     fp16 = fp_bytes_per_token(layers, kv_heads, head_dim)
     rows: dict[str, dict[str, float | None]] = {}
     for name, spec in specs.items():
+        per_token = fp16 if spec is None else spec.bytes_per_token(kv_heads, head_dim)
+        rows[name] = {"perplexity": float("nan"), "bytes_per_token": per_token, "bytes_ratio": per_token / fp16,
+                      "tokens_per_second_ratio": None}
         if args.skip_eval:
-            per_token = fp16 if spec is None else spec.bytes_per_token(kv_heads, head_dim)
-            rows[name] = {"perplexity": float("nan"), "bytes_per_token": per_token, "bytes_ratio": per_token / fp16,
-                          "tokens_per_second_ratio": None}
             continue
         t = time.perf_counter()
         factory = None if spec is None else (lambda s=spec: SqueezeKVCache(s))
         result = perplexity_from_ids(model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows,
                                      kv_cache=factory)
-        per_token = fp16 if spec is None else spec.bytes_per_token(kv_heads, head_dim)
-        rows[name] = {"perplexity": result.perplexity, "bytes_per_token": per_token,
-                      "bytes_ratio": per_token / fp16, "tokens_per_second_ratio": None}
+        rows[name]["perplexity"] = result.perplexity
         print(f"{name}: perplexity {result.perplexity:.4f} ({time.perf_counter() - t:.0f} s)", flush=True)
+    return rows
 
+
+def time_decode(model, eval_ids: torch.Tensor, specs: dict[str, KVSpec | None],  # noqa: ANN001
+                args: argparse.Namespace) -> dict[str, list[float]]:
+    """Decode seconds per repeat for fp, int8 and int4, taken in turns so machine noise hits every cache alike."""
+    prompt = eval_ids[None, : args.context]
+    makers = {"fp": lambda: DynamicCache(config=model.config),
+              "int8": lambda: SqueezeKVCache(specs["int8"]), "int4": lambda: SqueezeKVCache(specs["int4"])}
+    decode_seconds(model, prompt[:, :64], 4, makers["fp"])  # warm-up
     decode: dict[str, list[float]] = {}
-    if not args.skip_decode:
-        prompt = eval_ids[None, : args.context]
-        makers = {"fp": lambda: DynamicCache(config=model.config),
-                  "int8": lambda: SqueezeKVCache(specs["int8"]), "int4": lambda: SqueezeKVCache(specs["int4"])}
-        decode_seconds(model, prompt[:, :64], 4, makers["fp"])  # warm-up
-        for _ in range(args.repeats):  # in turns, so machine noise hits every cache alike
-            for name, make in makers.items():
-                decode.setdefault(name, []).append(decode_seconds(model, prompt, args.new_tokens, make))
-        base = statistics.median(decode["fp"])
-        for name, times in decode.items():
-            rows[name]["tokens_per_second"] = args.new_tokens / statistics.median(times)
-            rows[name]["tokens_per_second_ratio"] = base / statistics.median(times)
+    for _ in range(args.repeats):
+        for name, make in makers.items():
+            decode.setdefault(name, []).append(decode_seconds(model, prompt, args.new_tokens, make))
+    return decode
 
+
+def print_table(args: argparse.Namespace, rows: dict[str, dict[str, float | None]]) -> None:
     full = rows["fp"]["perplexity"]
     print(f"\nSmolLM2 KV cache, {args.eval_windows} x {args.seq_len} windows of {Path(args.eval_text).name}, "
           f"calibrated on {args.calib_windows} x {args.seq_len} of {Path(args.calibration).name}")
@@ -138,6 +144,23 @@ def main() -> None:
         ratio = row["tokens_per_second_ratio"]
         print(f"{name:<14}{row['perplexity']:>11.4f}{row['perplexity'] / full - 1:>+9.2%}{row['bytes_per_token']:>13}"
               f"{row['bytes_ratio']:>9.3f}{'' if ratio is None else f'{ratio:.2f}x':>14}")
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    model, _, windows, eval_ids = load_data(args)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    specs, fits = calibrate_specs(model, windows, args.sink_tokens)
+    rows = score_specs(model, eval_ids, specs, args)
+    decode: dict[str, list[float]] = {}
+    if not args.skip_decode:
+        decode = time_decode(model, eval_ids, specs, args)
+        base = statistics.median(decode["fp"])
+        for name, times in decode.items():
+            rows[name]["tokens_per_second"] = args.new_tokens / statistics.median(times)
+            rows[name]["tokens_per_second_ratio"] = base / statistics.median(times)
+    print_table(args, rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "fits": fits, "rows": rows, "decode_seconds": decode}, indent=2))
