@@ -2,18 +2,19 @@
 
 * :func:`weighted_kmeans_1d` - sensitivity-weighted 1-D k-means for every row at once.
 * :func:`select_sparse` / :class:`SparseCSR` - the dense-and-sparse split.
-* :func:`quantize_lut` - SqueezeLLM quantization of one matrix -> :class:`LutWeight`.
-* :func:`rtn_quantize` - round-to-nearest baseline -> :class:`RtnWeight`.
+* :mod:`squeeze.quant.schemes` - the weight formats (LUT, 8-bit LUT, RTN), each with its quantizer
+  (:func:`quantize_lut`, :func:`rtn_quantize`), its stored tensors and its reference dequantization.
 * :func:`pack_codes` / :func:`unpack_codes` - exact ``bits``-bit packing of codes.
 """
 
 from __future__ import annotations
 
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
-from squeeze.quant.nuq import quantize_lut
 from squeeze.quant.packing import SUPPORTED_BITS, pack_codes, packed_row_bytes, unpack_codes
-from squeeze.quant.qweight import LUT_DTYPE, SCALE_DTYPE, LutWeight, QuantizedWeight, RtnWeight, rtn_groups
-from squeeze.quant.rtn import rtn_quantize
+from squeeze.quant.schemes import Lut8Weight, LutWeight, QuantizedWeight, RtnWeight, WeightFormat, register_format
+from squeeze.quant.schemes.base import HALF as SCALE_DTYPE
+from squeeze.quant.schemes.lut import LUT_DTYPE, quantize_lut
+from squeeze.quant.schemes.rtn import rtn_groups, rtn_quantize
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
     "unpack_codes",
     "packed_row_bytes",
     "LutWeight",
+    "Lut8Weight",
+    "WeightFormat",
+    "register_format",
     "RtnWeight",
     "QuantizedWeight",
 ]

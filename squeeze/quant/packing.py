@@ -70,6 +70,12 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
             f"found {packed.shape[1]}"
         )
     R = packed.shape[0]
+    if bits == 8:
+        return packed.clone()
+    if 8 % bits == 0:  # 2 and 4 bits: whole codes per byte, one broadcast shift and mask (several x faster)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # code i of a byte: bits*i
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (R, W, 8 // bits)
+        return codes.reshape(R, expected * (8 // bits))[:, :n].contiguous()
     g, gb = _group(bits)
     G = -(-n // g)
     padded = torch.zeros(R, G * gb, dtype=torch.uint8, device=packed.device)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from squeeze.errors import ConfigError, FormatError
-from squeeze.quant.nuq import quantize_lut
-from squeeze.quant.qweight import LutWeight
-from squeeze.quant.rtn import rtn_quantize
+from squeeze.quant.schemes import Lut8Weight, LutWeight
+from squeeze.quant.schemes.lut import quantize_lut
+from squeeze.quant.schemes.rtn import rtn_quantize
 
 PREFIX = "model.layers.0.mlp.down_proj"
 
@@ -148,7 +148,7 @@ def test_from_tensors_wrong_dtypes_and_shapes(good_tensors: dict[str, torch.Tens
         load(good_tensors, weight_lut=torch.cat([lut, lut], 1))
     with pytest.raises(FormatError, match=expected + r"torch.float16 \(3, 8\)"):
         load(good_tensors, weight_lut=lut[:3])
-    with pytest.raises(FormatError, match=r"m.weight_packed: expected uint8 \(rows, 65\).*found torch.uint8 \(4, 64\)"):
+    with pytest.raises(FormatError, match=r"m.weight_packed: expected torch.uint8 \(4, 65\), found torch.uint8 \(4, 64\)"):
         load(good_tensors, weight_packed=packed[:, :64])
     with pytest.raises(FormatError, match=r"m.weight_packed.*found torch.int16"):
         load(good_tensors, weight_packed=packed.to(torch.int16))
@@ -194,9 +194,6 @@ def test_precomputed_mask_gives_the_same_result_and_bad_masks_are_refused():
 
 
 def test_int8_lut_round_trips_exactly_and_costs_half_the_lut_bits():
-    from squeeze.errors import FormatError
-    from squeeze.quant.qweight import LutWeight
-
     g = torch.Generator().manual_seed(5)
     w = torch.randn(4, 172, generator=g)
     f = torch.rand(4, 172, generator=g)
@@ -206,7 +203,8 @@ def test_int8_lut_round_trips_exactly_and_costs_half_the_lut_bits():
     # exact count: codes 4 rows x 65 bytes; LUT 4 x 8 levels x 8 bits + fp16 scale and zero per row
     assert q8.storage_bits() == 4 * 65 * 8 + 4 * 8 * 8 + 4 * 2 * 16
     assert q16.storage_bits() - q8.storage_bits() == 4 * 8 * 8 - 4 * 2 * 16
-    again = LutWeight.from_tensors(q8.to_tensors("m"), "m", bits=3, in_features=172)
+    assert type(q8) is Lut8Weight and type(q16) is LutWeight
+    again = Lut8Weight.from_tensors(q8.to_tensors("m"), "m", bits=3, in_features=172)
     assert torch.equal(again.dequantize(), q8.dequantize())
     # every dense value is a stored grid value, and the codes pick the nearest one
     values = q8.lut_values()
@@ -220,8 +218,8 @@ def test_int8_lut_round_trips_exactly_and_costs_half_the_lut_bits():
     assert err8 <= err16 * 1.05
     tensors = q8.to_tensors("m")
     del tensors["m.weight_lut_scale"]
-    with pytest.raises(FormatError, match="weight_lut_scale"):
-        LutWeight.from_tensors(tensors, "m", bits=3, in_features=172)
+    with pytest.raises(FormatError, match="missing tensor m.weight_lut_scale"):
+        Lut8Weight.from_tensors(tensors, "m", bits=3, in_features=172)
 
 
 def test_unknown_lut_dtype_is_refused():

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import FormatError, ModelError
-from squeeze.quant.qweight import RtnWeight
-from squeeze.quant.rtn import rtn_quantize
+from squeeze.quant.schemes.rtn import RtnWeight, rtn_quantize
 
 
 def layer(rows: int = 6, cols: int = 172, seed: int = 0) -> torch.Tensor:

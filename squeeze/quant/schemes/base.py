@@ -1,0 +1,298 @@
+"""The contract of a weight format: one class per on-disk format of a quantized linear weight.
+
+A format class is a frozen dataclass holding one matrix's quantized tensors. It declares, once:
+
+* ``name`` (registry key), ``method`` (the ``quantization_config.modules[*].method`` it writes and reads)
+  and ``recipe_match`` / ``recipe_options`` (which recipe selects it, which recipe keys it uses);
+* ``roles``: every tensor it stores as ``{module}.{role}``, with dtype and symbolic shape. The generic
+  ``from_tensors`` checks presence, dtype and shape from this description alone, ``estimate_bytes`` sums
+  it, inspect and both loaders read role names from it;
+* the math: ``quantize`` (classmethod), ``dequantize`` (the reference every kernel is tested against),
+  ``row_slice`` (rows of the weight, for the runtime's chunked paths) and ``check_values``.
+
+The runtime builds one generic module (``SqueezeLinear``) for every format; ``kernel`` names the kernel
+family that may replace its reference path ("lut": the Triton LUT kernels), or None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from squeeze.errors import FormatError
+from squeeze.limits import check_weight_bits, is_int
+from squeeze.quant.packing import packed_row_bytes, unpack_codes
+from squeeze.quant.sparse import SparseCSR
+
+#: dtype of fp16 LUT entries and of every per-row / per-group scale and zero point.
+HALF = torch.float16
+#: A role whose dtype is any floating-point type (the sparse part's exact values keep the model's dtype).
+ANY_FLOAT = "float"
+#: A role whose dtype follows the column count (int16 column indices up to 32767 columns, else int32).
+COLUMN_INDEX = "column_index"
+
+Timer = Callable[[str], contextlib.AbstractContextManager[Any]]
+W = TypeVar("W", bound="WeightFormat")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One stored tensor of a format: ``{module}.{name}``.
+
+    dtype: a torch dtype, ANY_FLOAT or COLUMN_INDEX. shape: each dimension an int or a symbol: "rows",
+    "rows+1", "packed" (bytes of one packed row), "levels" (2**bits), "groups", "nnz". A symbol not known
+    yet is bound by the first tensor that has it ("rows" by ``weight_packed``, "nnz" by the sparse columns).
+    part: roles of one optional part ("sparse") are stored all together or not at all; "" = always stored.
+    """
+
+    name: str
+    dtype: torch.dtype | str
+    shape: tuple[int | str, ...]
+    part: str = ""
+
+
+class QuantOptions(Protocol):
+    """What a quantizer reads from a recipe (``squeeze.config.WeightsConfig`` has these attributes)."""
+
+    @property
+    def bits(self) -> int: ...
+    @property
+    def group_size(self) -> int | None: ...
+    @property
+    def sensitive_fraction(self) -> float: ...
+    @property
+    def outlier_fraction(self) -> float: ...
+    @property
+    def lut_dtype(self) -> str: ...
+
+
+def no_timer(_name: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightFormat:
+    """Base of every format: bits per code and codes per row; subclasses add their tensors as fields."""
+
+    name: ClassVar[str]
+    method: ClassVar[str]
+    roles: ClassVar[tuple[Role, ...]]
+    #: Recipe values that select this format among those sharing its method (e.g. lut_dtype: int8).
+    recipe_match: ClassVar[Mapping[str, object]] = {}
+    #: Recipe keys (besides bits) this format uses; others must keep their defaults.
+    recipe_options: ClassVar[frozenset[str]] = frozenset()
+    #: Kernel family that may run this format instead of the reference path ("lut"), or None.
+    kernel: ClassVar[str | None] = None
+    #: Per-module parameters beyond bits / in_features that the artifact's module entry carries.
+    module_params: ClassVar[tuple[str, ...]] = ()
+
+    bits: int
+    in_features: int
+    packed: Tensor
+
+    # -- what subclasses implement -------------------------------------------------------------------
+
+    @classmethod
+    def quantize(cls: type[W], weight: Tensor, fisher: Tensor | None, options: QuantOptions,
+                 timer: Timer = no_timer) -> W:
+        """Quantize float (R, N) ``weight`` (``fisher``: (R, N) sensitivities or None)."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(R, N) in ``dtype``: the reference arithmetic."""
+        raise NotImplementedError
+
+    def tensors_by_role(self) -> dict[str, Tensor]:
+        """role name -> tensor, for every role stored (optional parts only when present)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_roles(cls: type[W], bits: int, in_features: int, params: Mapping[str, Any],
+                   found: Mapping[str, Tensor]) -> W:
+        """Build from checked tensors (role name -> tensor) and the module parameters."""
+        raise NotImplementedError
+
+    def row_slice(self: W, start: int, stop: int) -> W:
+        """Rows [start, stop) as a weight of the same format, sharing storage (rows are packed apart)."""
+        raise NotImplementedError
+
+    def check_values(self, prefix: str) -> None:
+        """FormatError when stored values break the format (non-finite scales...); shapes are checked already."""
+
+    @classmethod
+    def extra_dims(cls, in_features: int, params: Mapping[str, Any]) -> dict[str, int]:
+        """Symbols of ``roles`` beyond the common ones (e.g. "groups")."""
+        return {}
+
+    @classmethod
+    def expected_nnz(cls, rows: int, cols: int, options: QuantOptions) -> int:
+        """Sparse entries a (rows, cols) matrix gets under ``options`` (0 for formats without a sparse part)."""
+        return 0
+
+    # -- generic, from the description ---------------------------------------------------------------
+
+    @property
+    def out_features(self) -> int:
+        return int(self.packed.shape[0])
+
+    def codes(self) -> Tensor:
+        """uint8 (R, N): the unpacked codes."""
+        return unpack_codes(self.packed, self.bits, self.in_features)
+
+    def params(self) -> dict[str, Any]:
+        """This weight's module parameters (``module_params``), as ``from_tensors`` takes them."""
+        return {key: getattr(self, key) for key in self.module_params}
+
+    def spec_params(self) -> dict[str, Any]:
+        """The module parameters as the artifact's module entry spells them (default: ``params()``)."""
+        return self.params()
+
+    def module_spec(self) -> dict[str, Any]:
+        """The artifact's ``quantization_config.modules`` entry for this weight."""
+        return {"method": self.method, "bits": self.bits, "in_features": self.in_features,
+                "out_features": self.out_features, **self.spec_params()}
+
+    def to_tensors(self, prefix: str) -> dict[str, Tensor]:
+        """The tensors to store, named ``{prefix}.{role}``."""
+        return {f"{prefix}.{role}": tensor for role, tensor in self.tensors_by_role().items()}
+
+    def storage_bits(self) -> int:
+        """Exact stored size in bits of every tensor."""
+        return sum(t.numel() * t.element_size() * 8 for t in self.tensors_by_role().values())
+
+    @classmethod
+    def role_names(cls) -> tuple[str, ...]:
+        return tuple(role.name for role in cls.roles)
+
+    @classmethod
+    def from_tensors(cls: type[W], tensors: Mapping[str, Tensor], prefix: str, *, bits: int, in_features: int,
+                     check_values: bool = True, **params: Any) -> W:
+        """Rebuild from loaded tensors, checking every name, dtype, shape (and values unless told not to).
+
+        ``check_values=False`` for meta tensors (shapes only). FormatError names the tensor, what was
+        expected and what was found.
+        """
+        _check_meta(bits, in_features, prefix)
+        unknown = set(params) - set(cls.module_params)
+        if unknown:
+            raise TypeError(f"{cls.__name__} takes module parameters {list(cls.module_params)}, found {sorted(unknown)}")
+        found = _present_roles(cls.roles, tensors, prefix)
+        dims = {"levels": 1 << bits, "packed": packed_row_bytes(in_features, bits), **cls.extra_dims(in_features, params)}
+        for role in cls.roles:
+            if role.name in found:
+                _check_role(role, found[role.name], f"{prefix}.{role.name}", dims, in_features)
+        weight = cls.from_roles(bits, in_features, params, found)
+        if check_values:
+            weight.check_values(prefix)
+        return weight
+
+    @classmethod
+    def from_spec(cls: type[W], tensors: Mapping[str, Tensor], prefix: str, spec: Mapping[str, Any], *,
+                  check_values: bool = True) -> W:
+        """Rebuild from tensors and the artifact's module entry (``module_spec`` of the weight written)."""
+        bits, in_features = spec.get("bits"), spec.get("in_features")
+        if not is_int(bits) or not is_int(in_features):
+            raise FormatError(f"quantization_config.modules[{prefix!r}] lacks integer 'bits' / 'in_features'")
+        check_weight_bits(bits, f"quantization_config.modules[{prefix!r}].bits", FormatError, hint=None)
+        params = {key: spec.get(key) for key in cls.module_params}
+        return cls.from_tensors(tensors, prefix, bits=bits, in_features=in_features, check_values=check_values,
+                                **cls.normalise_params(params, in_features))
+
+    @classmethod
+    def normalise_params(cls, params: dict[str, Any], in_features: int) -> dict[str, Any]:
+        """Module parameters as read from an artifact entry, with their defaults filled in."""
+        return params
+
+    @classmethod
+    def estimate_bytes(cls, rows: int, cols: int, options: QuantOptions, value_bytes: int) -> int:
+        """Exact stored bytes of a (rows, cols) matrix under ``options``, the sparse part by its expected size.
+
+        ``value_bytes``: bytes per sparse value (the model's dtype).
+        """
+        nnz = cls.expected_nnz(rows, cols, options)
+        dims = {"rows": rows, "rows+1": rows + 1, "nnz": nnz, "levels": 1 << options.bits,
+                "packed": packed_row_bytes(cols, options.bits),
+                **cls.extra_dims(cols, {"group_size": options.group_size})}
+        total = 0
+        for role in cls.roles:
+            if role.part and not nnz:
+                continue
+            count = 1
+            for dim in role.shape:
+                count *= dim if isinstance(dim, int) else dims[dim]
+            total += count * _dtype_bytes(role.dtype, cols, value_bytes)
+        return total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The generic checks (file data -> FormatError naming the tensor, what was expected and what was found)
+
+
+def _check_meta(bits: int, in_features: int, prefix: str) -> None:
+    check_weight_bits(bits, f"{prefix}: bits", FormatError, hint=None)
+    if not is_int(in_features) or in_features < 0:
+        raise FormatError(f"{prefix}: in_features must be an integer >= 0, found {in_features!r}")
+
+
+def _present_roles(roles: tuple[Role, ...], tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """role -> tensor for the roles present; FormatError for a missing required role or a partial part."""
+    found: dict[str, Tensor] = {}
+    for role in roles:
+        name = f"{prefix}.{role.name}"
+        if name not in tensors:
+            continue
+        value = tensors[name]
+        if not isinstance(value, Tensor):
+            raise FormatError(f"{name} must be a tensor, found {type(value).__name__}")
+        found[role.name] = value
+    for part in dict.fromkeys(role.part for role in roles):
+        members = [role.name for role in roles if role.part == part]
+        missing = [f"{prefix}.{m}" for m in members if m not in found]
+        if not part and missing:
+            raise FormatError(f"missing tensor {missing[0]}")
+        if part and missing and len(missing) < len(members):
+            raise FormatError(f"incomplete {part} part: missing tensor(s) {', '.join(missing)}")
+    return found
+
+
+def _check_role(role: Role, tensor: Tensor, name: str, dims: dict[str, int], in_features: int) -> None:
+    """Check dtype and shape; binds symbols not known yet (rows, nnz) from the tensor."""
+    if isinstance(role.dtype, torch.dtype):
+        dtype_ok, want_dtype = tensor.dtype == role.dtype, str(role.dtype)
+    elif role.dtype == ANY_FLOAT:
+        dtype_ok, want_dtype = tensor.is_floating_point(), "a floating-point"
+    else:
+        column_dtype = column_index_dtype(in_features)
+        dtype_ok, want_dtype = tensor.dtype == column_dtype, str(column_dtype)
+    shape_ok = tensor.dim() == len(role.shape)
+    for dim, size in zip(role.shape, tensor.shape):
+        if isinstance(dim, str) and dim not in dims and shape_ok:
+            dims[dim] = int(size)
+            if dim == "rows":
+                dims["rows+1"] = int(size) + 1
+        want = dim if isinstance(dim, int) else dims.get(dim)
+        shape_ok = shape_ok and want == size
+    if not (dtype_ok and shape_ok):
+        shown = tuple(dim if isinstance(dim, int) else dims.get(dim, dim) for dim in role.shape)
+        shape_text = "(" + ", ".join(map(str, shown)) + ("," if len(shown) == 1 else "") + ")"
+        raise FormatError(f"{name}: expected {want_dtype} {shape_text}, found {tensor.dtype} {tuple(tensor.shape)}")
+
+
+def column_index_dtype(n_cols: int) -> torch.dtype:
+    """int16 column indices up to 32767 columns, int32 beyond (the sparse part's ``weight_sparse_cols``)."""
+    return SparseCSR.col_dtype(n_cols)
+
+
+def _dtype_bytes(dtype: torch.dtype | str, cols: int, value_bytes: int) -> int:
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    return value_bytes if dtype == ANY_FLOAT else column_index_dtype(cols).itemsize
+
+
+__all__ = ["WeightFormat", "Role", "QuantOptions", "Timer", "no_timer", "HALF", "ANY_FLOAT",
+           "COLUMN_INDEX", "column_index_dtype"]

@@ -1,0 +1,248 @@
+"""SqueezeLLM's formats: per-row LUT codes plus an exact sparse part (fp16 LUT, and the compact 8-bit LUT).
+
+Quantization (SqueezeLLM): each row's weights are clustered by a sensitivity-weighted 1-D k-means into
+2**bits centroids (the row's LUT); each weight stores the index of its centroid. A small fraction of
+weights (the most sensitive and the largest outliers, :func:`squeeze.quant.sparse.select_sparse`) leaves
+the clustering and is stored exactly in a CSR part that replaces the dense value at its position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from squeeze.errors import FormatError
+from squeeze.limits import LUT_DTYPES
+from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
+from squeeze.quant.packing import check_bits, pack_codes
+from squeeze.quant.schemes.base import ANY_FLOAT, COLUMN_INDEX, HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
+from squeeze.quant.sparse import SparseCSR, select_sparse
+
+#: dtype of fp16 LUT entries (also the centroids' rounding before codes are assigned).
+LUT_DTYPE = HALF
+#: dtype of the 8-bit LUT's levels.
+LUT8_DTYPE = torch.uint8
+
+SPARSE_ROLES = (
+    Role("weight_sparse_rowptr", torch.int32, ("rows+1",), part="sparse"),
+    Role("weight_sparse_cols", COLUMN_INDEX, ("nnz",), part="sparse"),
+    Role("weight_sparse_vals", ANY_FLOAT, ("nnz",), part="sparse"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LutWeight(WeightFormat):
+    """SqueezeLLM weight. packed uint8 (R, ceil(N * bits / 8)): codes (see :mod:`squeeze.quant.packing`);
+    lut float16 (R, 2**bits): each row's centroids, ascending; sparse: exact weights replacing the dense
+    value at their positions, or None."""
+
+    name: ClassVar[str] = "lut"
+    method: ClassVar[str] = "squeeze"
+    recipe_match: ClassVar[Mapping[str, object]] = {"lut_dtype": "float16"}
+    recipe_options: ClassVar[frozenset[str]] = frozenset({"sensitive_fraction", "outlier_fraction", "lut_dtype"})
+    kernel: ClassVar[str | None] = "lut"
+    roles: ClassVar[tuple[Role, ...]] = (
+        Role("weight_packed", torch.uint8, ("rows", "packed")),
+        Role("weight_lut", LUT_DTYPE, ("rows", "levels")),
+        *SPARSE_ROLES,
+    )
+
+    lut: Tensor
+    sparse: SparseCSR | None = None
+
+    def lut_values(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(R, 2**bits) centroid values in ``dtype``."""
+        return self.lut.to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(R, N) in ``dtype``: lut[r, code[r, c]], then the sparse values replace theirs (exact in their dtype)."""
+        dense = self.lut_values().gather(1, self.codes().to(torch.int64)).to(dtype)  # (R, N)
+        if self.sparse is not None:
+            self.sparse.scatter_into(dense)
+        return dense
+
+    def tensors_by_role(self) -> dict[str, Tensor]:
+        return {"weight_packed": self.packed, "weight_lut": self.lut} | _sparse_tensors(self.sparse)
+
+    @classmethod
+    def from_roles(cls, bits: int, in_features: int, params: Mapping[str, Any],
+                   found: Mapping[str, Tensor]) -> LutWeight:
+        return cls(bits=bits, in_features=in_features, packed=found["weight_packed"], lut=found["weight_lut"],
+                   sparse=_sparse(found, in_features))
+
+    def check_values(self, prefix: str) -> None:
+        if self.sparse is not None:
+            try:
+                self.sparse.validate(self.out_features, self.in_features)
+            except FormatError as exc:
+                raise FormatError(f"{prefix}: {exc.message}") from exc
+
+    def row_slice(self, start: int, stop: int) -> LutWeight:
+        return type(self)(bits=self.bits, in_features=self.in_features, packed=self.packed[start:stop],
+                          lut=self.lut[start:stop], sparse=_sparse_rows(self.sparse, start, stop))
+
+    @classmethod
+    def expected_nnz(cls, rows: int, cols: int, options: QuantOptions) -> int:
+        return round(options.sensitive_fraction * rows * cols) + round(options.outlier_fraction * rows * cols)
+
+    @classmethod
+    def quantize(cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions,
+                 timer: Timer = no_timer) -> LutWeight:
+        mask = None
+        if options.sensitive_fraction or options.outlier_fraction:
+            with timer("sparse"):
+                mask = select_sparse(weight, fisher, options.sensitive_fraction, options.outlier_fraction)
+        with timer("kmeans"):
+            return quantize_lut(weight, fisher, options.bits, mask=mask, lut_dtype=options.lut_dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lut8Weight(LutWeight):
+    """The compact 8-bit LUT: lut uint8 (R, 2**bits) levels on a per-row affine grid,
+    value = level * lut_scale + lut_zero, with lut_scale / lut_zero float16 (R, 1): half the LUT's bits."""
+
+    name: ClassVar[str] = "lut8"
+    recipe_match: ClassVar[Mapping[str, object]] = {"lut_dtype": "int8"}
+    roles: ClassVar[tuple[Role, ...]] = (
+        Role("weight_packed", torch.uint8, ("rows", "packed")),
+        Role("weight_lut", LUT8_DTYPE, ("rows", "levels")),
+        Role("weight_lut_scale", HALF, ("rows", 1)),
+        Role("weight_lut_zero", HALF, ("rows", 1)),
+        *SPARSE_ROLES,
+    )
+
+    lut_scale: Tensor
+    lut_zero: Tensor
+
+    def lut_values(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(R, 2**bits) centroid values in ``dtype``, expanded in float32 first."""
+        values = self.lut.to(torch.float32) * self.lut_scale.to(torch.float32) + self.lut_zero.to(torch.float32)
+        return values.to(dtype)
+
+    def tensors_by_role(self) -> dict[str, Tensor]:
+        out = {"weight_packed": self.packed, "weight_lut": self.lut, "weight_lut_scale": self.lut_scale,
+               "weight_lut_zero": self.lut_zero}
+        return out | _sparse_tensors(self.sparse)
+
+    @classmethod
+    def from_roles(cls, bits: int, in_features: int, params: Mapping[str, Any],
+                   found: Mapping[str, Tensor]) -> Lut8Weight:
+        return cls(bits=bits, in_features=in_features, packed=found["weight_packed"], lut=found["weight_lut"],
+                   lut_scale=found["weight_lut_scale"], lut_zero=found["weight_lut_zero"],
+                   sparse=_sparse(found, in_features))
+
+    def check_values(self, prefix: str) -> None:
+        if not bool(torch.isfinite(self.lut_scale).all() & torch.isfinite(self.lut_zero).all()):
+            raise FormatError(f"{prefix}.weight_lut_scale / weight_lut_zero must be finite")
+        super().check_values(prefix)
+
+    def row_slice(self, start: int, stop: int) -> Lut8Weight:
+        return Lut8Weight(bits=self.bits, in_features=self.in_features, packed=self.packed[start:stop],
+                          lut=self.lut[start:stop], lut_scale=self.lut_scale[start:stop],
+                          lut_zero=self.lut_zero[start:stop], sparse=_sparse_rows(self.sparse, start, stop))
+
+
+def _sparse_tensors(sparse: SparseCSR | None) -> dict[str, Tensor]:
+    if sparse is None:
+        return {}
+    return {"weight_sparse_rowptr": sparse.rowptr, "weight_sparse_cols": sparse.cols,
+            "weight_sparse_vals": sparse.vals}
+
+
+def _sparse(found: Mapping[str, Tensor], in_features: int) -> SparseCSR | None:
+    if "weight_sparse_rowptr" not in found:
+        return None
+    rowptr = found["weight_sparse_rowptr"]
+    return SparseCSR(rowptr=rowptr, cols=found["weight_sparse_cols"], vals=found["weight_sparse_vals"],
+                     shape=(int(rowptr.shape[0]) - 1, in_features))
+
+
+def _sparse_rows(sparse: SparseCSR | None, start: int, stop: int) -> SparseCSR | None:
+    """Rows [start, stop) of a CSR, re-based so the slice is a well-formed CSR of its own (rowptr[0] == 0)."""
+    if sparse is None:
+        return None
+    lo, hi = int(sparse.rowptr[start]), int(sparse.rowptr[stop])
+    return SparseCSR(rowptr=sparse.rowptr[start:stop + 1] - sparse.rowptr[start], cols=sparse.cols[lo:hi],
+                     vals=sparse.vals[lo:hi], shape=(stop - start, sparse.shape[1]))
+
+
+def quantize_lut(
+    weight: Tensor,
+    fisher: Tensor | None,
+    bits: int,
+    sensitive_fraction: float = 0.0,
+    outlier_fraction: float = 0.0,
+    *,
+    mask: Tensor | None = None,
+    lut_dtype: str = "float16",
+) -> LutWeight:
+    """Quantize weight (R, N) to a LutWeight (``lut_dtype="int8"``: a Lut8Weight).
+
+    weight: float (R, N), any float dtype; clustered in float32, sparse values kept in its own dtype.
+    fisher: float (R, N) nonnegative sensitivities (diagonal Fisher), or None for plain k-means (then the
+    sensitive part of the split is empty, see :func:`select_sparse`). bits: 2, 3, 4 or 8.
+    sensitive_fraction, outlier_fraction: fractions of all weights kept exactly in the sparse part; or
+    mask: bool (R, N), the sparse positions already chosen (then the fractions must be left at 0).
+    lut_dtype: "float16" stores each centroid in 16 bits (SqueezeLLM); "int8" stores 8-bit levels on a
+    per-row affine grid, and codes are re-assigned to the nearest value of the grid as stored.
+    """
+    # contract checks (ValueError): recipes were validated against squeeze.limits at the boundary
+    check_bits(bits)
+    _check_inputs(weight, fisher, mask, lut_dtype)
+    if mask is not None and (sensitive_fraction or outlier_fraction):  # transitional: until compress passes mask only
+        sensitive_fraction = outlier_fraction = 0.0
+    weight = weight.detach()
+    w32 = weight.to(torch.float32)
+    if mask is None and (sensitive_fraction > 0 or outlier_fraction > 0):
+        mask = select_sparse(weight, fisher, sensitive_fraction, outlier_fraction)
+    sensitivity = fisher.detach().to(torch.float32) if fisher is not None else torch.ones_like(w32)
+    if mask is not None:
+        sensitivity = sensitivity.masked_fill(mask, 0.0)  # sparse weights are stored exactly: ignore them
+    # centroids are rounded to float16 before the codes are assigned: each code is the nearest LUT entry as stored
+    centroids, codes = weighted_kmeans_1d(w32, sensitivity, 1 << bits, centroid_dtype=LUT_DTYPE,
+                                          codes_dtype=torch.uint8)
+    sparse = SparseCSR.from_mask(mask, weight) if mask is not None and bool(mask.any()) else None
+    if lut_dtype == "int8":
+        levels, scale, zero = affine_lut8(centroids)
+        stored = levels.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)  # (R, K)
+        return Lut8Weight(bits=bits, in_features=int(weight.shape[1]), sparse=sparse, lut=levels, lut_scale=scale,
+                          lut_zero=zero, packed=pack_codes(nearest_codes(w32, stored).to(torch.uint8), bits))
+    return LutWeight(bits=bits, in_features=int(weight.shape[1]), packed=pack_codes(codes, bits),
+                     lut=centroids.to(LUT_DTYPE), sparse=sparse)
+
+
+def _check_inputs(weight: Tensor, fisher: Tensor | None, mask: Tensor | None, lut_dtype: str) -> None:
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be a 2-D floating-point tensor, found {found}")
+    if fisher is not None and (not isinstance(fisher, Tensor) or fisher.shape != weight.shape
+                               or not fisher.is_floating_point()):
+        found = f"{fisher.dtype} {tuple(fisher.shape)}" if isinstance(fisher, Tensor) else type(fisher).__name__
+        raise ValueError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
+    if mask is not None and (mask.shape != weight.shape or mask.dtype != torch.bool):
+        raise ValueError(f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
+    if lut_dtype not in LUT_DTYPES:
+        raise ValueError(f"lut_dtype must be one of {list(LUT_DTYPES)}, found {lut_dtype!r}")
+
+
+def affine_lut8(centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Centroids float (R, K) ascending -> (levels uint8 (R, K), scale float16 (R, 1), zero float16 (R, 1)).
+
+    The grid spans each row's [min, max] in 255 steps; scale and zero are rounded to float16 first and the
+    levels computed against the rounded values, so value = level * scale + zero is what gets stored.
+    """
+    c = centroids.to(torch.float32)
+    lo, hi = c.min(dim=1, keepdim=True).values, c.max(dim=1, keepdim=True).values  # (R, 1)
+    zero = lo.to(HALF)
+    span = (hi - zero.to(torch.float32)).clamp_min(0.0)
+    scale = (span / 255.0).to(HALF)
+    scale = torch.where(scale.to(torch.float32) > 0, scale, torch.ones_like(scale))  # constant rows
+    levels = ((c - zero.to(torch.float32)) / scale.to(torch.float32)).round().clamp(0, 255).to(torch.uint8)
+    return levels, scale, zero
+
+
+__all__ = ["LutWeight", "Lut8Weight", "quantize_lut", "affine_lut8", "LUT_DTYPE", "LUT8_DTYPE", "SPARSE_ROLES"]
