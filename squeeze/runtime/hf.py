@@ -43,12 +43,17 @@ from squeeze.errors import FormatError
 from squeeze.format.paths import resolve_root
 from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.verify import VerifyReport
-from squeeze.limits import check_weight_bits
-from squeeze.quant import qweight as q
-from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
-from squeeze.quant.sparse import SparseCSR
+from squeeze.quant.schemes import WeightFormat, stored_roles
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.loader import QUANT_METHOD, _torch_dtype, check_config_shapes, is_artifact, verified_report
+from squeeze.runtime.loader import (
+    QUANT_METHOD,
+    check_config_shapes,
+    is_artifact,
+    quantized_weight_from,
+    swap_in_quantized,
+    torch_dtype,
+    verified_report,
+)
 
 FORMAT_VERSION = 1
 
@@ -138,49 +143,19 @@ def _artifact_directory(checkpoint_files: list[str] | None) -> Path:
     return parents.pop()
 
 
-def _meta(infos: dict[str, TensorInfo], name: str, *, required: bool = True) -> torch.Tensor | None:
+def _meta(infos: dict[str, TensorInfo], name: str) -> torch.Tensor | None:
     info = infos.get(name)
-    if info is None:
-        if required:
-            raise FormatError(f"missing tensor {name}")
-        return None
-    return torch.empty(info.shape, dtype=_torch_dtype(info.dtype), device="meta")
+    return None if info is None else torch.empty(info.shape, dtype=torch_dtype(info.dtype), device="meta")
 
 
-def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> QuantizedWeight:
-    """One module's quantized weight with meta tensors shaped like the artifact's (checked after loading)."""
-    method, bits, in_features = spec.get("method"), spec.get("bits"), spec.get("in_features")
-    if not isinstance(bits, int) or not isinstance(in_features, int):
-        raise FormatError(f"quantization_config.modules[{name!r}] lacks integer 'bits' / 'in_features'")
-    check_weight_bits(bits, f"quantization_config.modules[{name!r}].bits", FormatError, hint=None)
-    packed = _meta(infos, f"{name}.{q.PACKED}")
-    if method == "rtn":
-        return RtnWeight(bits=bits, in_features=in_features, group_size=spec.get("group_size") or in_features,
-                         packed=packed, scales=_meta(infos, f"{name}.{q.SCALES}"),
-                         zeros=_meta(infos, f"{name}.{q.ZEROS}"))
-    if method != "squeeze":
-        raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {method!r}")
-    sparse = None
-    rowptr = _meta(infos, f"{name}.{q.SPARSE_ROWPTR}", required=False)
-    if rowptr is not None:
-        sparse = SparseCSR(rowptr=rowptr, cols=_meta(infos, f"{name}.{q.SPARSE_COLS}"),
-                           vals=_meta(infos, f"{name}.{q.SPARSE_VALS}"), shape=(packed.shape[0], in_features))
-    return LutWeight(bits=bits, in_features=in_features, packed=packed, lut=_meta(infos, f"{name}.{q.LUT}"),
-                     sparse=sparse, lut_scale=_meta(infos, f"{name}.{q.LUT_SCALE}", required=False),
-                     lut_zero=_meta(infos, f"{name}.{q.LUT_ZERO}", required=False))
+def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> WeightFormat:
+    """One module's quantized weight with meta tensors shaped like the artifact's (values checked after loading)."""
+    tensors = {f"{name}.{role}": t for role in stored_roles() if (t := _meta(infos, f"{name}.{role}")) is not None}
+    return quantized_weight_from(tensors, name, spec, check_values=False)
 
 
 def _swap_in_squeeze_linear(model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> None:
-    parent_name, _, child = name.rpartition(".")
-    try:
-        parent = model.get_submodule(parent_name) if parent_name else model
-    except AttributeError:
-        parent = None
-    old = getattr(parent, child, None) if parent is not None else None
-    if not isinstance(old, nn.Linear):
-        raise FormatError(f"quantization_config names {name!r}, which is not a linear layer of this architecture")
-    bias = _meta(infos, f"{name}.bias", required=False)
-    setattr(parent, child, SqueezeLinear(meta_qweight(name, spec, infos), bias))
+    swap_in_quantized(model, name, meta_qweight(name, spec, infos), _meta(infos, f"{name}.bias"))
 
 
 def register() -> None:

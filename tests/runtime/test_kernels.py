@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from squeeze.quant.packing import pack_codes  # noqa: E402
-from squeeze.quant.qweight import LutWeight  # noqa: E402
+from squeeze.quant.schemes import LutWeight  # noqa: E402
 from squeeze.quant.sparse import SparseCSR  # noqa: E402
 from squeeze.runtime.kernels import (  # noqa: E402
     GemmConfig,
@@ -258,8 +258,12 @@ def test_dispatch_lut_forward() -> None:
         assert y is not None and rel_err(y, dense_linear(x, module)) < 1e-5
         first = prepared_for(module, x.device)
         assert prepared_for(module, x.device) is first  # cached
-        module.weight_lut.mul_(2)  # an in-place reload bumps the version: prepared again
+        module.weight_lut.mul_(2)
+        module.rebind()  # buffers changed in place: layouts are prepared again from the new values
         assert prepared_for(module, x.device) is not first
+        second = prepared_for(module, x.device)
+        module.to(x.device)  # a move (here a no-op one) also rebuilds the layouts, never forward
+        assert prepared_for(module, x.device) is not second
         assert rel_err(lut_forward(x, module, allow_cpu=True), dense_linear(x, module)) < 1e-5
     assert lut_forward(x.requires_grad_(), module, allow_cpu=True) is None  # no backward in the kernels
 
@@ -284,7 +288,7 @@ def _interpreted_kernels():
 @needs_triton
 @pytest.mark.parametrize("m", [1, 16])
 def test_lut_linear_with_an_8bit_lut(m: int) -> None:
-    from squeeze.quant.nuq import quantize_lut
+    from squeeze.quant.schemes.lut import quantize_lut
 
     g = torch.Generator().manual_seed(11)
     q = quantize_lut(torch.randn(33, 172, generator=g), None, 3, 0.004, 0.01, lut_dtype="int8")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from squeeze.limits import WEIGHT_BITS
 from squeeze.quant.packing import check_bits, unpack_codes
-from squeeze.quant.qweight import LutWeight
+from squeeze.quant.schemes.lut import LutWeight
 from squeeze.runtime.kernels.reference import sparse_residual
 
 #: bits -> (codes per group CPG, bytes per group BPG): the smallest whole-byte group of codes, for every width
@@ -145,8 +145,8 @@ def prepare(qweight: LutWeight, device: torch.device | str, tile: int | None = N
     """Derive what the kernels need from ``qweight``, once, on ``device``: tile-permuted codes (tile T,
     default DEFAULT_TILE[bits]), a float32 LUT and the additive sparse residual (float32, int32 columns).
     Runs in plain torch."""
-    if not isinstance(qweight, LutWeight):
-        raise TypeError(f"prepare needs a LutWeight, found {type(qweight).__name__}")
+    if getattr(qweight, "kernel", None) != "lut":
+        raise TypeError(f"prepare needs a weight of a LUT format, found {type(qweight).__name__}")
     _group(qweight.bits)
     tile = DEFAULT_TILE[qweight.bits] if tile is None else tile
     _check_tile(tile)

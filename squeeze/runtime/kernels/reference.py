@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from squeeze.quant.qweight import LutWeight
+from squeeze.quant.schemes.lut import LutWeight
 
 
 def lut_matmul_reference(x: Tensor, qweight: LutWeight, bias: Tensor | None = None) -> Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from squeeze.quant.qweight import LutWeight
+from squeeze.quant.schemes.lut import LutWeight
 from squeeze.runtime.kernels.configs import (
     DEQUANT_MIN_M,
     GEMV_MAX_M,
