@@ -30,8 +30,8 @@ from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E40
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
 from squeeze.models.targets import find_target_linears  # noqa: E402
-from squeeze.quant.nuq import quantize_lut  # noqa: E402
-from squeeze.quant.rtn import rtn_quantize  # noqa: E402
+from squeeze.quant.schemes.lut import quantize_lut  # noqa: E402
+from squeeze.quant.schemes.rtn import rtn_quantize  # noqa: E402
 
 SQUEEZE = {"w4": (4, 0.0, 0.0), "w4-s045": (4, 0.0005, 0.004), "w3": (3, 0.0, 0.0), "w3-s045": (3, 0.0005, 0.004),
            "w3-uniform": (3, 0.0, 0.0)}
@@ -115,7 +115,7 @@ def main() -> None:
                 if method in SQUEEZE:
                     bits, s, o = SQUEEZE[method]
                     f = None if method.endswith("uniform") else fisher[name]
-                    q = quantize_lut(weight, f, bits, s, o, seed=0,
+                    q = quantize_lut(weight, f, bits, s, o,
                                      lut_dtype="int8" if method.endswith("lut8") else "float16")
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from squeeze.quant.packing import pack_codes  # noqa: E402
-from squeeze.quant.qweight import LutWeight  # noqa: E402
+from squeeze.quant.schemes import LutWeight  # noqa: E402
 from squeeze.quant.sparse import SparseCSR  # noqa: E402
 from squeeze.runtime.kernels import GemmConfig, GemvConfig, lut_linear, prepare, triton_available  # noqa: E402
 from squeeze.runtime.kernels.layout import PreparedLut  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import FormatError, ModelError
-from squeeze.quant.nuq import quantize_lut
+from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
 
