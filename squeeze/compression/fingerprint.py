@@ -63,7 +63,8 @@ def fingerprint_differences(saved: Mapping[str, Any], current: Mapping[str, Any]
     lines = []
     for key in sorted(set(old) | set(new)):
         if old.get(key, "<absent>") != new.get(key, "<absent>"):
-            lines.append(f"{key}: {_short(old.get(key, '<absent>'))} in the work area, {_short(new.get(key, '<absent>'))} now")
+            before, after = _short(old.get(key, "<absent>")), _short(new.get(key, "<absent>"))
+            lines.append(f"{key}: {before} in the work area, {after} now")
     return lines
 
 

@@ -190,7 +190,8 @@ def check_output_dir(output: Path, overwrite: bool, *, ignore: Sequence[str] = (
         owned = frozenset()
     foreign = foreign_entries(output, owned, ignore)
     if foreign:
-        reason = "files squeeze did not write" if owned else "no squeeze manifest, so it is not an artifact squeeze wrote"
+        reason = ("files squeeze did not write" if owned
+                  else "no squeeze manifest, so it is not an artifact squeeze wrote")
         raise ConfigError(
             f"--overwrite refused: output directory {output} holds {reason}; squeeze replaces only the files an "
             "old artifact's manifest lists",
@@ -219,5 +220,5 @@ def remove_owned(output: Path, owned: Iterable[str], keep: Iterable[str] = ()) -
                 (output / directory).rmdir()
 
 
-__all__ = ["output_path", "check_output_dir", "check_not_model_path", "check_writable", "owned_paths", "foreign_entries",
-           "remove_owned"]
+__all__ = ["output_path", "check_output_dir", "check_not_model_path", "check_writable", "owned_paths",
+           "foreign_entries", "remove_owned"]
