@@ -1,0 +1,143 @@
+"""The write and seal stages of compress: the artifact assembled in the work area's staging directory.
+
+Uninterrupted and resumed runs both take this path, quantized weights always read back from the layer-group
+checkpoints, so their shards are byte-identical by construction. A failure here removes the half-built
+staging directory (rebuilt from the checkpoints in seconds), which frees its disk at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.compression.job import CompressJob, timed
+from squeeze.compression.writer import (
+    quantization_header,
+    seal,
+    state_bytes,
+    unique_tensors,
+    write_config,
+    write_model_files,
+    write_recipe,
+    write_tensors,
+)
+from squeeze.config import Recipe
+from squeeze.errors import ResumeError
+from squeeze.format.manifest import Provenance
+
+
+@contextlib.contextmanager
+def _discarded_on_error(staging: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # rebuilt from the checkpoints in seconds; frees its disk now
+        raise
+
+
+def write_stage(job: CompressJob) -> None:
+    """Shards (model order, quantized weights from the checkpoints), config.json, tokenizer, recipe."""
+    staging = job.work.staging
+    if staging.exists():
+        shutil.rmtree(staging)  # a previous run's half-assembled artifact; rebuilt from the checkpoints
+    net = job.loaded_model()
+    job.original_bytes = state_bytes(net)
+    job.modules, job.n_weights, job.storage_bits = {}, 0, 0  # filled while the shards stream out
+    with _discarded_on_error(staging):
+        write_tensors(staging, _artifact_tensors(job), job.recipe.output.max_shard_bytes)
+        write_metadata(net, job.tokenizer, job.recipe, job.modules, job.storage_bits, job.n_weights, staging)
+
+
+def _artifact_tensors(job: CompressJob) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model in state-dict order, tied ones once; a target's weight replaced by its
+    quantized tensors from the group checkpoint. Fills ``job.modules``, ``n_weights`` and ``storage_bits``."""
+    group_of = {name: index for index, names in enumerate(job.groups) for name in names}
+    remaining = {index: len(names) for index, names in enumerate(job.groups)}
+    loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+    recipe = job.recipe
+    for key, tensor in unique_tensors(job.loaded_model().state_dict()):
+        module_name = key.removesuffix(".weight") if key.endswith(".weight") else None
+        if module_name not in group_of:
+            yield key, tensor
+            continue
+        index = group_of[module_name]
+        if index not in loaded:
+            loaded[index] = _load_group(job, index)
+        parts, meta = loaded[index]
+        for name in meta["tensors"][module_name]:
+            yield name, parts[name]
+        remaining[index] -= 1
+        if not remaining[index]:
+            del loaded[index]
+        out_f, in_f = tensor.shape
+        quantized = job.modules
+        quantized[module_name] = {"method": recipe.weights.method, "bits": recipe.weights.bits,
+                                  "in_features": in_f, "out_features": out_f}
+        if recipe.weights.method == "rtn":
+            quantized[module_name]["group_size"] = recipe.weights.group_size or in_f
+        job.n_weights += out_f * in_f
+        job.storage_bits += int(meta["storage_bits"][module_name])
+
+
+def _load_group(job: CompressJob, index: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    with timed(job.timings, "checkpoint"):
+        group = job.work.load_group(index, job.groups[index])
+    if group is None:  # removed or corrupted since it was committed: the run must start that group over
+        raise ResumeError(f"layer group checkpoint {job.work.group_path(index)} is missing or unreadable",
+                          hint="rerun the same command: the group is quantized again")
+    return group
+
+
+def write_metadata(
+    net: nn.Module, tokenizer: Any, recipe: Recipe, quantized: dict[str, dict[str, Any]],
+    storage_bits: int, n_weights: int, staging: Path,
+) -> None:
+    """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
+    config = net.config.to_dict()  # type: ignore[union-attr, operator]
+    w = recipe.weights
+    config["quantization_config"] = {
+        **quantization_header(),
+        "method": w.method,
+        "bits": w.bits,
+        "sensitive_fraction": w.sensitive_fraction,
+        "outlier_fraction": w.outlier_fraction,
+        "sensitivity": w.sensitivity,
+        "group_size": w.group_size,
+        "lut_dtype": w.lut_dtype if w.method == "squeeze" else None,
+        "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else None,
+        "modules": quantized,
+    }
+    write_config(staging, config)
+    write_model_files(staging, net, tokenizer)
+    write_recipe(staging, recipe.to_yaml())
+
+
+def seal_stage(job: CompressJob) -> None:
+    """Seal the staging directory (its manifest records where the artifact came from) and sum up the run."""
+    calibration = job.calibration
+    provenance = Provenance(
+        source_model=job.source.model_id,
+        source_digest=job.digest,
+        recipe_hash=job.recipe.spec_hash(),
+        calibration_hash=calibration.spec_hash() if calibration else None,
+        extra={"recipe": job.recipe.name, "seed": job.seed, "calibration": calibration.name if calibration else None},
+    )
+    with _discarded_on_error(job.work.staging):
+        manifest = seal(job.work.staging, provenance)
+    job.manifest = manifest
+    job.summary = {
+        "output": str(job.work.output), "model": job.source.model_id, "recipe": job.recipe.name,
+        "bits_per_weight": round(job.storage_bits / job.n_weights, 4) if job.n_weights else 0.0,
+        "quantized_modules": len(job.modules), "quantized_weights": job.n_weights,
+        "artifact_bytes": manifest.total_size, "original_bytes": job.original_bytes,
+        "root_digest": manifest.root_digest,
+    }
+
+
+__all__ = ["write_stage", "write_metadata", "seal_stage"]

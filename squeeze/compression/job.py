@@ -1,0 +1,127 @@
+"""A compress run as one job: the context its named stages read and fill, and the result it returns.
+
+The stages run in this order (pipeline.py): ``fingerprint`` (the work area belongs to this job, or is
+claimed for it), ``calibrate`` (token windows; before the model loads, so a text too short fails fast),
+``load``, ``sensitivity`` (Fisher information, or its checkpoint), ``quantize`` (layer groups, each
+committed as a checkpoint), ``write`` (shards and metadata assembled in the staging directory), ``seal``
+(the manifest) and ``publish`` (the sealed artifact moved into the output). Each stage's seconds are kept
+under its name in ``timings``; "checkpoint" (checkpoint I/O) and "sparse" / "kmeans" / "rtn" (one
+weight's quantization) break parts of some stages down and are included in those stages' seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.compression.signals import SignalGuard
+from squeeze.compression.workarea import WorkArea
+from squeeze.config import CalibrationSpec, Recipe
+from squeeze.format.manifest import Manifest
+from squeeze.models.source import ModelSource
+
+#: progress(stage, done, total); stages: "fisher", "quantize".
+StageProgress = Callable[[str, int, int], None]
+
+#: The job's stages, in the order they run.
+STAGES = ("fingerprint", "calibrate", "load", "sensitivity", "quantize", "write", "seal", "publish")
+
+
+@dataclass
+class CompressResult:
+    """What a compress run produced, and how long each stage took (seconds, by stage name)."""
+
+    output: str
+    model: str
+    recipe: str
+    bits_per_weight: float
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+    quantized_modules: int = 0
+    quantized_weights: int = 0
+    artifact_bytes: int = 0
+    original_bytes: int = 0  # the loaded model's tensors (fp32), tied weights once
+    root_digest: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output, "model": self.model, "recipe": self.recipe,
+            "bits_per_weight": self.bits_per_weight, "seconds": round(self.seconds, 3),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "quantized_modules": self.quantized_modules, "quantized_weights": self.quantized_weights,
+            "artifact_bytes": self.artifact_bytes, "original_bytes": self.original_bytes,
+            "root_digest": self.root_digest,
+        }
+
+
+@dataclass
+class CompressJob:
+    """Everything one compress run reads and produces, passed from stage to stage.
+
+    The first block is set before the stages run; the rest is filled by the stage named beside it.
+    """
+
+    source: ModelSource
+    recipe: Recipe
+    calibration: CalibrationSpec | None  # None: no Fisher (uniform sensitivity or RTN)
+    work: WorkArea
+    target_names: tuple[str, ...]  # the linears to quantize, found once on the meta model in preflight
+    seed: int = 0
+    overwrite: bool = False
+    restart: bool = False
+    progress: StageProgress | None = None
+    guard: SignalGuard = field(default_factory=SignalGuard)
+    started: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    digest: str = ""  # fingerprint: the source model files' digest
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # fingerprint
+    windows: torch.Tensor | None = None  # calibrate: (n, T) token ids; dropped after sensitivity
+    model: nn.Module | None = None  # load: fp32 weights
+    tokenizer: Any = None  # load
+    targets: dict[str, nn.Linear] = field(default_factory=dict)  # load: target_names -> modules of ``model``
+    fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity: name -> (out, in) fp32
+    groups: list[list[str]] = field(default_factory=list)  # quantize: target names by decoder block
+    modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # write: quantization_config.modules
+    n_weights: int = 0  # write: quantized weights
+    storage_bits: int = 0  # write: bits they take in the artifact
+    original_bytes: int = 0  # write
+    manifest: Manifest | None = None  # seal
+    summary: dict[str, Any] = field(default_factory=dict)  # seal (or the publishing record): CompressResult fields
+
+    def loaded_model(self) -> nn.Module:
+        if self.model is None:
+            raise ValueError("the load stage has not run")
+        return self.model
+
+    def result(self) -> CompressResult:
+        return CompressResult(**self.summary, seconds=time.perf_counter() - self.started, timings=self.timings)
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``timings[name]`` (also when it raises)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+Stage = Callable[[CompressJob], None]
+
+
+def run_stages(job: CompressJob, stages: tuple[tuple[str, Stage], ...]) -> None:
+    """Run ``stages`` in order, each timed under its name."""
+    for name, stage in stages:
+        with timed(job.timings, name):
+            stage(job)
+
+
+__all__ = ["CompressJob", "CompressResult", "STAGES", "Stage", "StageProgress", "run_stages", "timed"]
