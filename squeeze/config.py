@@ -22,20 +22,18 @@ from squeeze.errors import ConfigError
 from squeeze.limits import (
     DEFAULT_SINK_TOKENS,
     LUT_DTYPES,
-    METHODS,
     MIN_SEQ_LEN,
     SENSITIVITIES,
     WEIGHT_BITS,
     LutDtype,
-    Method,
     Sensitivity,
     check_at_least,
     check_choice,
     check_group_size,
-    check_kv_bits,
     check_sparse_fractions,
     check_weight_bits,
 )
+from squeeze.quant.schemes import format_for_recipe, formats, methods, recipe_options
 
 CONFIG_VERSION = 1
 #: Kept for callers of the old name; the table is squeeze.limits.
@@ -54,7 +52,8 @@ T = TypeVar("T")
 class WeightsConfig:
     """How target linears are quantized."""
 
-    method: Method = "squeeze"
+    #: A registered weight format's method (squeeze.quant.schemes): ``squeeze`` (LUT) or ``rtn`` built in.
+    method: str = "squeeze"
     bits: int = 4
     #: Fraction of weights kept exactly in the sparse part, chosen by sensitivity (Fisher). squeeze only.
     sensitive_fraction: float = 0.0
@@ -75,38 +74,30 @@ class WeightsConfig:
     def __post_init__(self) -> None:
         # squeeze.limits is the one table; a recipe read from YAML passes its Literal checks in from_dict too,
         # these catch a WeightsConfig built in Python
-        check_choice(self.method, METHODS, "weights.method")
+        check_choice(self.method, methods(), "weights.method")
         check_choice(self.sensitivity, SENSITIVITIES, "weights.sensitivity")
         check_choice(self.lut_dtype, LUT_DTYPES, "weights.lut_dtype")
         check_weight_bits(self.bits, "weights.bits")
         check_sparse_fractions(self.sensitive_fraction, self.outlier_fraction, "weights")
-        if self.method == "rtn" and (self.sensitive_fraction or self.outlier_fraction):
-            raise ConfigError(
-                "weights.method rtn has no sparse part, found nonzero sensitive/outlier fractions",
-                hint="set both fractions to 0 or use method: squeeze",
-            )
-        if self.method == "rtn" and self.lut_dtype != "float16":
-            raise ConfigError("weights.lut_dtype applies to method squeeze only", hint="remove lut_dtype")
         if self.group_size is not None:
-            if self.method != "rtn":
-                raise ConfigError("weights.group_size applies to method rtn only", hint="remove group_size")
             check_group_size(self.group_size, "weights.group_size")
+        self._check_options_of_format()
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
 
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    """KV-cache quantization (calibrated by ``squeeze calibrate-kv``). ``bits: null`` leaves it in fp."""
-
-    bits: int | None = None
-    #: Leading tokens kept in full precision (attention sink).
-    sink_tokens: int = DEFAULT_SINK_TOKENS
-
-    def __post_init__(self) -> None:
-        if self.bits is not None:
-            check_kv_bits(self.bits, "kv_cache.bits", hint="set kv_cache.bits to 4, 8 or null (full precision)")
-        check_at_least(self.sink_tokens, 0, "kv_cache.sink_tokens")
+    def _check_options_of_format(self) -> None:
+        """Every option the chosen format does not use keeps its default (the format registry says which)."""
+        fmt = format_for_recipe(self)
+        if fmt is None:
+            raise ConfigError(f"weights.method {self.method} has no format for lut_dtype {self.lut_dtype}",
+                              hint="remove lut_dtype")
+        defaults = {f.name: f.default for f in fields(self)}
+        for key in sorted(recipe_options() - fmt.recipe_options):
+            if getattr(self, key) != defaults[key]:
+                users = list(dict.fromkeys(c.method for c in formats() if key in c.recipe_options))
+                raise ConfigError(f"weights.{key} applies to method {' / '.join(users)} only, found "
+                                  f"{getattr(self, key)!r} with method {self.method}",
+                                  hint=f"remove {key}, or use method: {users[0]}")
 
 
 @dataclass(frozen=True)
@@ -131,7 +122,6 @@ class Recipe:
     name: str = "custom"
     version: int = CONFIG_VERSION
     weights: WeightsConfig = field(default_factory=WeightsConfig)
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
@@ -190,6 +180,10 @@ def load_recipe(name_or_path: str | Path, **overrides: Any) -> Recipe:
     ``overrides`` are dotted keys (``weights.bits=3``) applied on top, as CLI flags do.
     """
     data = _read_named_yaml(name_or_path, RECIPES_DIR, "recipe")
+    if isinstance(data, dict) and "kv_cache" in data:  # read by nothing in compress; older recipes carried it
+        raise ConfigError("recipe key 'kv_cache' is not a compress setting: the KV cache is calibrated on the "
+                          "artifact afterwards", hint="remove the kv_cache section and run "
+                          "`squeeze calibrate-kv ARTIFACT --bits 4|8`")
     for dotted, value in overrides.items():
         if value is None:
             continue
@@ -347,7 +341,7 @@ def parse_size(size: int | str) -> int:
 
 
 __all__ = [
-    "CONFIG_VERSION", "DEFAULT_SINK_TOKENS", "SUPPORTED_BITS", "WeightsConfig", "KVCacheConfig", "OutputConfig", "Recipe",
+    "CONFIG_VERSION", "DEFAULT_SINK_TOKENS", "SUPPORTED_BITS", "WeightsConfig", "OutputConfig", "Recipe",
     "CalibrationSpec", "load_recipe", "load_calibration_spec", "from_dict", "to_plain", "canonical_hash",
     "parse_size", "replace",
 ]

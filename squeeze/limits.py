@@ -22,10 +22,6 @@ from squeeze.errors import ConfigError, SqueezeError
 #: 8 codes into 3 bytes; the others whole codes per byte).
 WEIGHT_BITS = (2, 3, 4, 8)
 
-#: Weight quantization methods: SqueezeLLM's LUT k-means, or the round-to-nearest baseline.
-Method = Literal["squeeze", "rtn"]
-METHODS: tuple[str, ...] = get_args(Method)
-
 #: How the k-means weighs each weight: by its diagonal Fisher, or uniformly (ablation).
 Sensitivity = Literal["fisher", "uniform"]
 SENSITIVITIES: tuple[str, ...] = get_args(Sensitivity)
@@ -97,7 +93,7 @@ def check_weight_bits(value: object, where: str = "bits", error: type[SqueezeErr
 
 
 def check_choice(value: object, choices: tuple[str, ...], where: str, error: type[SqueezeError] = ConfigError) -> str:
-    """``value`` if it is one of ``choices`` (METHODS, SENSITIVITIES, LUT_DTYPES), else ``error``."""
+    """``value`` if it is one of ``choices`` (SENSITIVITIES, LUT_DTYPES, the registry's methods), else ``error``."""
     if not isinstance(value, str) or value not in choices:
         raise error(f"{where} must be one of {list(choices)}, found {value!r}")
     return value
@@ -154,7 +150,7 @@ def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeE
 
 
 __all__ = [
-    "WEIGHT_BITS", "Method", "METHODS", "Sensitivity", "SENSITIVITIES", "LutDtype", "LUT_DTYPES",
+    "WEIGHT_BITS", "Sensitivity", "SENSITIVITIES", "LutDtype", "LUT_DTYPES",
     "MAX_SPARSE_FRACTION", "MIN_GROUP_SIZE", "KV_BITS", "DEFAULT_SINK_TOKENS", "MIN_SEQ_LEN",
     "is_int", "is_weight_bits", "is_kv_bits", "is_kv_group",
     "check_weight_bits", "check_choice", "check_sparse_fractions", "check_group_size", "check_kv_bits",

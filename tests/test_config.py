@@ -62,10 +62,20 @@ def test_sparsity_outside_range(fraction):
 
 
 def test_rtn_rejects_sparse_fractions_and_squeeze_rejects_groups():
-    with pytest.raises(ConfigError, match="no sparse part"):
+    with pytest.raises(ConfigError, match="outlier_fraction applies to method squeeze only, found 0.01 with method rtn"):
         WeightsConfig(method="rtn", outlier_fraction=0.01)
-    with pytest.raises(ConfigError, match="group_size applies to method rtn"):
+    with pytest.raises(ConfigError, match="lut_dtype applies to method squeeze only"):
+        WeightsConfig(method="rtn", lut_dtype="int8")
+    with pytest.raises(ConfigError, match="group_size applies to method rtn only, found 128 with method squeeze"):
         WeightsConfig(method="squeeze", group_size=128)
+
+
+def test_a_recipe_with_the_old_kv_cache_section_is_refused_with_the_way_forward(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("version: 1\nweights: {bits: 4}\nkv_cache: {bits: null}\n")
+    with pytest.raises(ConfigError, match="kv_cache") as info:
+        load_recipe(str(path))
+    assert "calibrate-kv" in info.value.hint
 
 
 def test_wrong_types_and_literals():

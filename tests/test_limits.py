@@ -15,10 +15,10 @@ from squeeze import limits
 from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_stage
 from squeeze.compression import pipeline
-from squeeze.config import KVCacheConfig, WeightsConfig, load_recipe
+from squeeze.config import WeightsConfig, load_recipe
 from squeeze.errors import ConfigError, FormatError
 from squeeze.quant import kv_spec as quant_kv
-from squeeze.quant import packing
+from squeeze.quant import packing, schemes
 from squeeze.quant.nuq import quantize_lut
 from squeeze.runtime.kernels.layout import GROUPS
 
@@ -35,7 +35,8 @@ def test_every_table_is_the_one_in_limits() -> None:
     assert sorted(GROUPS) == sorted(limits.WEIGHT_BITS)
     assert quant_kv.KV_BITS is limits.KV_BITS
     hints = get_type_hints(WeightsConfig)
-    assert get_args(hints["method"]) == limits.METHODS
+    assert hints["method"] is str  # the method names are the weight-format registry's
+    assert schemes.methods() == ("squeeze", "rtn")
     assert get_args(hints["sensitivity"]) == limits.SENSITIVITIES
     assert get_args(hints["lut_dtype"]) == limits.LUT_DTYPES
 
@@ -119,9 +120,6 @@ def test_recipes_use_the_table() -> None:
                        ({"method": "gptq"}, "method"), ({"sensitivity": "hessian"}, "sensitivity")):
         with pytest.raises(ConfigError, match=match):
             WeightsConfig(**bad)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="kv_cache.bits must be 4 or 8, found 6"):
-        KVCacheConfig(bits=6)
-    assert KVCacheConfig(bits=None).bits is None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -163,12 +161,12 @@ def test_bad_compress_options_are_one_clean_usage_error(tmp_path: Path, nothing_
 
 def test_a_bad_recipe_file_is_one_clean_usage_error(tmp_path: Path, nothing_runs: None) -> None:
     recipe = tmp_path / "bad.yaml"
-    recipe.write_text("version: 1\nweights:\n  bits: 5\nkv_cache:\n  bits: 6\n")
+    recipe.write_text("version: 1\nweights:\n  bits: 5\n")
     result = runner.invoke(app, ["compress", str(tmp_path / "no-model"), "-o", str(tmp_path / "out"),
                                  "--recipe", str(recipe)])
     _clean_usage_error(result, "weights.bits must be one of")
-    recipe.write_text("version: 1\nkv_cache:\n  bits: 6\n")
-    with pytest.raises(ConfigError, match="kv_cache.bits must be 4 or 8, found 6"):
+    recipe.write_text("version: 1\nweights:\n  method: squeeze\n  group_size: 64\n")
+    with pytest.raises(ConfigError, match="weights.group_size applies to method rtn only"):
         load_recipe(recipe)
 
 

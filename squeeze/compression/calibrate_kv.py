@@ -5,52 +5,46 @@ config.json's quantization_config; its model shards are untouched (hard links). 
 and sealed in a hidden staging directory next to the target and swapped in only when complete, by an
 atomic exchange of the two directories (squeeze.format.swap), so the path holds a complete artifact at every
 instant and a failed or killed run leaves the artifact exactly as it was. Staging directories a killed run
-left behind are removed by the next run on that target. The scales live in their own file,
+left behind are removed by the next run on that target (publish.py). The scales live in their own file,
 not in the model shards and index, because transformers' loader would take them for unexpected weights.
+Files are written by the artifact writer compress uses too (writer.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as safetensors_save
 
-from squeeze.version import __version__
 from squeeze.calibrate.kv import KVCalibration, calibrate_kv
 from squeeze.calibrate.windows import calibration_windows
+from squeeze.compression.job import StageProgress, timed  # progress stage "kv": calibration windows
+from squeeze.compression.output import check_not_model_path, check_output_dir, check_writable, output_path
 from squeeze.compression.preflight import check_context_length
-from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec
-from squeeze.compression.output import (
-    check_not_model_path,
-    check_output_dir,
-    check_writable,
-    output_path,
-    foreign_entries,
-    owned_paths,
-    remove_owned,
+from squeeze.compression.publish import clean_kv_leftovers, kv_staging, replace_dir
+from squeeze.compression.writer import (
+    CONFIG_NAME,
+    quantization_header,
+    seal,
+    unique_tensors,
+    write_config,
+    write_model_files,
+    write_tensor_file,
+    write_tensors,
 )
-from squeeze.errors import ConfigError, FormatError, IntegrityError, SqueezeError
-from squeeze.format.atomic import atomic_write_bytes, atomic_write_text, directory_mode
+from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec, OutputConfig
+from squeeze.errors import ConfigError, IntegrityError, SqueezeError
 from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
-from squeeze.format.shards import ShardWriter
-from squeeze.format.swap import aside_pattern, restore_aside, swap_in
-from squeeze.format.verify import read_manifest, seal_artifact
+from squeeze.format.swap import restore_aside
+from squeeze.format.verify import read_manifest
 from squeeze.limits import check_kv_bits
 from squeeze.quant.kv_spec import KV_FILE, kv_bytes_table
-
-#: progress(stage, done, total); stage "kv" counts calibration windows.
-StageProgress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -79,7 +73,7 @@ def default_calibration(target: str | os.PathLike[str]) -> str:
     from squeeze.runtime.loader import is_artifact
 
     name = None
-    if is_artifact(target):
+    if is_artifact(Path(target)):
         try:
             name = read_manifest(Path(target)).provenance.extra.get("calibration")
         except SqueezeError:
@@ -106,11 +100,37 @@ def run_calibrate_kv(
     progress: StageProgress | None = None,
 ) -> CalibrateKVResult:
     """Calibrate KV scales for ``target`` (artifact or model) and write them; see squeeze.api.calibrate_kv."""
-    from squeeze.models.source import load_model, resolve_model
-    from squeeze.runtime.loader import is_artifact, load_artifact
-
     started = time.perf_counter()
     timings: dict[str, float] = {}
+    bits = _check_options(bits, sink_tokens, calibration)
+    source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
+    out = output_path(output if output is not None else source)
+    restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
+    inputs = _Inputs(target, source)
+    _check_output(inputs, out, overwrite=overwrite, in_place=output is None)
+
+    with timed(timings, "load"):
+        _load(inputs)  # an artifact is verified first: IntegrityError before any work
+    model = inputs.loaded_model()
+    check_context_length(model, calibration.seq_len)
+
+    with timed(timings, "calibrate"):
+        windows = calibration_windows(calibration, inputs.tokenizer)  # (n, T)
+        report = (lambda done, total: progress("kv", done, total)) if progress else None
+        result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, key_group=key_group,
+                              value_group=value_group, progress=report)
+
+    with timed(timings, "write"):
+        config, manifest = _write_artifact(inputs, result, calibration, out, overwrite=overwrite or out == source)
+    return CalibrateKVResult(
+        output=str(out), bits=bits, sink_tokens=sink_tokens, calibration=result.to_dict(),
+        bytes_per_token=kv_bytes_table(config), seconds=time.perf_counter() - started,
+        timings=timings, root_digest=manifest.root_digest,
+    )
+
+
+def _check_options(bits: int, sink_tokens: int, calibration: CalibrationSpec) -> int:
+    """The KV bits (checked), after refusing sink tokens that leave nothing of a window to calibrate on."""
     bits = check_kv_bits(bits)
     if sink_tokens < 0:
         raise ConfigError(f"--sink-tokens must be >= 0, found {sink_tokens}")
@@ -119,143 +139,77 @@ def run_calibrate_kv(
             f"calibration windows of {calibration.seq_len} tokens are not longer than the {sink_tokens} sink token(s)",
             hint="use a longer --seq-len or fewer --sink-tokens",
         )
-    source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
-    out = output_path(output if output is not None else source)
-    restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
-    artifact = is_artifact(source)
-    _check_output(target, source, out, artifact, overwrite=overwrite, in_place=output is None)
+    return bits
 
-    t = time.perf_counter()
-    old_manifest = None
-    if artifact:
-        old_manifest = read_manifest(source)
-        loaded = load_artifact(source, verify=True, dense_cache=True)  # IntegrityError before any work
-        model, tokenizer = loaded.model, loaded.tokenizer
-        config = _verified_config(loaded)
+
+@dataclass
+class _Inputs:
+    """What calibrate-kv reads: ``target`` as given, its real path, and what loading it gives."""
+
+    target: str | os.PathLike[str]
+    path: Path  # symlinks resolved
+    artifact: bool = False
+    model: torch.nn.Module | None = None  # fp32, or an artifact's dense cache
+    tokenizer: Any = None
+    config: dict[str, Any] | None = None  # an artifact's config.json, as verified
+    manifest: Manifest | None = None  # an artifact's manifest
+
+    def __post_init__(self) -> None:
+        from squeeze.runtime.loader import is_artifact
+
+        self.artifact = is_artifact(self.path)
+
+    def loaded_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise ValueError("the input has not been loaded")
+        return self.model
+
+
+def _load(inputs: _Inputs) -> None:
+    """Load the model: an artifact verified against its manifest, or a plain model in fp32."""
+    from squeeze.models.source import load_model, resolve_model
+    from squeeze.runtime.loader import load_artifact
+
+    if inputs.artifact:
+        inputs.manifest = read_manifest(inputs.path)
+        loaded = load_artifact(inputs.path, verify=True, dense_cache=True)  # IntegrityError before any work
+        inputs.model, inputs.tokenizer = loaded.model, loaded.tokenizer
+        inputs.config = _verified_config(loaded)
     else:
-        model, tokenizer = load_model(resolve_model(str(target)), dtype=torch.float32)
-        config = None
-    timings["load"] = time.perf_counter() - t
-    check_context_length(model, calibration.seq_len)
+        inputs.model, inputs.tokenizer = load_model(resolve_model(str(inputs.target)), dtype=torch.float32)
 
-    t = time.perf_counter()
-    windows = calibration_windows(calibration, tokenizer)  # (n, T)
-    report = (lambda done, total: progress("kv", done, total)) if progress else None
-    result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, key_group=key_group, value_group=value_group,
-                          progress=report)
-    timings["calibrate"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    with _staging(out) as staging:
-        if old_manifest is not None and config is not None:
-            linked = _link_artifact(source, staging, old_manifest)
+def _write_artifact(inputs: _Inputs, result: KVCalibration, calibration: CalibrationSpec, out: Path, *,
+                    overwrite: bool) -> tuple[dict[str, Any], Manifest]:
+    """Build and seal the new artifact next to ``out``, then swap it in; returns its config and manifest."""
+    with kv_staging(out) as staging:
+        if inputs.manifest is not None and inputs.config is not None:
+            linked, config = _link_artifact(inputs.path, staging, inputs.manifest), inputs.config
         else:
-            linked, config = {}, _write_plain_artifact(model, tokenizer, staging)
-        config_written = _write_kv(staging, config, result, calibration)
-        provenance = _provenance(old_manifest.provenance if old_manifest else None, target, result, calibration)
-        manifest = seal_artifact(staging, provenance)
+            linked, config = {}, _write_plain_artifact(inputs.loaded_model(), inputs.tokenizer, staging)
+        config = _write_kv(staging, config, result, calibration)
+        old = inputs.manifest.provenance if inputs.manifest else None
+        manifest = seal(staging, _provenance(old, inputs.target, result, calibration))
         _check_linked(manifest, linked)
-        _replace(staging, out, overwrite=overwrite or out == source)
-    timings["write"] = time.perf_counter() - t
-    return CalibrateKVResult(
-        output=str(out), bits=bits, sink_tokens=sink_tokens, calibration=result.to_dict(),
-        bytes_per_token=kv_bytes_table(config_written), seconds=time.perf_counter() - started,
-        timings=timings, root_digest=manifest.root_digest,
-    )
+        replace_dir(staging, out, overwrite=overwrite)
+    return config, manifest
 
 
-def _check_output(target: str | os.PathLike[str], source: Path, out: Path, artifact: bool, *, overwrite: bool,
-                  in_place: bool) -> None:
+def _check_output(inputs: _Inputs, out: Path, *, overwrite: bool, in_place: bool) -> None:
     """Check where the new artifact goes (``out``) before any work; cleans what a killed run left next to it."""
     from squeeze.models.source import resolve_model
 
-    if in_place and not artifact:
-        raise ConfigError(f"{target} is a model, not a squeeze artifact, and no --output was given",
-                          hint="pass --output DIR: an artifact with the original weights and calibrated KV is written there")
-    if out != source or not artifact:
+    if in_place and not inputs.artifact:
+        raise ConfigError(f"{inputs.target} is a model, not a squeeze artifact, and no --output was given",
+                          hint="pass --output DIR: an artifact with the original weights and calibrated KV is "
+                               "written there")
+    if out != inputs.path or not inputs.artifact:
         # a new place: the usual output rules (refuse foreign files; never over, in or around the input)
-        model_path = source if artifact else resolve_model(str(target)).path
+        model_path = inputs.path if inputs.artifact else resolve_model(str(inputs.target)).path
         check_not_model_path(out, [model_path], what="the model or artifact being calibrated")
         check_output_dir(out, overwrite)
     check_writable(out.parent)  # the staging directory and the swap live next to the output
-    _clean_leftovers(out)
-
-
-def _parent(output: Path) -> Path:
-    parent = output.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    return parent
-
-
-_STAGING_INFIX = ".kv-"
-_STAGING_SUFFIX = ".partial"
-
-
-@contextlib.contextmanager
-def _staging(out: Path):  # type: ignore[no-untyped-def]
-    """A fresh hidden staging directory next to ``out``, flock-ed while in use; removed on failure.
-
-    The lock tells a later run's leftover clean-up that this directory belongs to a live process.
-    """
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING_INFIX}", suffix=_STAGING_SUFFIX, dir=_parent(out)))
-    os.chmod(staging, directory_mode())  # mkdtemp makes it 0700; the swapped-in artifact keeps this mode
-    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # not yet swapped: everything in it was written here
-        raise
-    finally:
-        os.close(fd)
-
-
-def _replace(staging: Path, out: Path, *, overwrite: bool) -> None:
-    """Swap the sealed ``staging`` in at ``out`` atomically, then discard what was there before."""
-    if os.path.lexists(out):  # checked again: files may have appeared in the output during calibration
-        check_output_dir(out, overwrite)
-    previous = swap_in(staging, out)
-    if previous is not None:
-        _discard(previous, out, unfinished_staging=False)
-
-
-def _discard(old: Path, out: Path, *, unfinished_staging: bool) -> None:
-    """Delete a directory moved aside from ``out`` (its old artifact), or a staging directory left behind.
-
-    Only what squeeze wrote goes: an old artifact's manifest-listed files (checked to be all it holds just
-    before the swap), or the whole of a staging directory that was never sealed (``unfinished_staging``:
-    squeeze wrote all of it). Should anything else be there, only the listed files are removed and the
-    directory is kept, visibly renamed, with the rest.
-    """
-    try:
-        owned: frozenset[str] | None = owned_paths(old)
-    except (FormatError, OSError):
-        owned = None if unfinished_staging else frozenset()
-    if owned is not None and foreign_entries(old, owned):
-        kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.kv-leftover-", dir=old.parent))
-        os.rename(old, kept)
-        remove_owned(kept, owned)
-        return
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _clean_leftovers(out: Path) -> None:
-    """Drop what a killed run left next to ``out``: stale staging dirs, an old artifact moved aside."""
-    parent = out.parent
-    if not parent.is_dir():
-        return
-    patterns = (f".{out.name}{_STAGING_INFIX}*{_STAGING_SUFFIX}", aside_pattern(out))
-    for candidate in sorted({p for pattern in patterns for p in parent.glob(pattern)}):
-        if candidate.is_symlink() or not candidate.is_dir():
-            continue
-        fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live calibrate-kv is writing it
-        finally:
-            os.close(fd)
-        _discard(candidate, out, unfinished_staging=candidate.name.startswith(f".{out.name}{_STAGING_INFIX}"))
+    clean_kv_leftovers(out)
 
 
 def _verified_config(loaded: Any) -> dict[str, Any]:
@@ -266,7 +220,7 @@ def _verified_config(loaded: Any) -> dict[str, Any]:
 
 def _link_artifact(source: Path, staging: Path, manifest: Manifest) -> dict[str, str]:
     """Hard-link (or copy) every file of ``source`` but those calibrate-kv rewrites: {path: expected sha256}."""
-    rewritten = {MANIFEST_NAME, "config.json", KV_FILE}
+    rewritten = {MANIFEST_NAME, CONFIG_NAME, KV_FILE}
     linked = {}
     for entry in manifest.files:
         if entry.path in rewritten:
@@ -291,34 +245,28 @@ def _check_linked(manifest: Manifest, linked: dict[str, str]) -> None:
 
 def _write_plain_artifact(model: torch.nn.Module, tokenizer: Any, staging: Path) -> dict[str, Any]:
     """The original weights as shards, tokenizer, generation config; returns config.json's dict (unwritten)."""
-    seen: set[int] = set()
-    with ShardWriter(staging, 2_000_000_000) as writer:
-        for key, tensor in model.state_dict().items():
-            if tensor.numel() and tensor.data_ptr() in seen:  # tied weights are stored once
-                continue
-            seen.add(tensor.data_ptr())
-            writer.add(key, tensor.detach().contiguous())
-        writer.close()
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
-        atomic_write_text(staging / "generation_config.json", generation.to_json_string(use_diff=True))
-    tokenizer.save_pretrained(str(staging))
+    write_tensors(staging, unique_tensors(model.state_dict()), OutputConfig().max_shard_bytes)
+    write_model_files(staging, model, tokenizer)
     config = model.config.to_dict()  # type: ignore[union-attr, operator]
-    config["quantization_config"] = {"quant_method": "squeeze", "format_version": 1, "squeeze_version": __version__,
-                                     "method": "none", "modules": {}}
+    config["quantization_config"] = _unquantized()
     return config
+
+
+def _unquantized() -> dict[str, Any]:
+    """The ``quantization_config`` of an artifact whose weights are not quantized (only its KV cache is)."""
+    return {**quantization_header(), "method": "none", "modules": {}}
 
 
 def _write_kv(staging: Path, config: dict[str, Any], result: KVCalibration,
               calibration: CalibrationSpec) -> dict[str, Any]:
     """kv_cache.safetensors plus config.json with its ``quantization_config.kv_cache`` entry (returned)."""
-    atomic_write_bytes(staging / KV_FILE, safetensors_save(result.spec.to_tensors(), metadata={"format": "pt"}))
+    write_tensor_file(staging, KV_FILE, result.spec.to_tensors())
     config = dict(config)
-    quant = dict(config.get("quantization_config") or {"quant_method": "squeeze", "format_version": 1, "modules": {}})
+    quant = dict(config.get("quantization_config") or _unquantized())
     quant["kv_cache"] = {**result.spec.to_config(), "file": KV_FILE, "calibration": calibration.name,
                          "calibration_hash": calibration.spec_hash()}
     config["quantization_config"] = quant
-    atomic_write_text(staging / "config.json", _json(config))
+    write_config(staging, config)
     return config
 
 
@@ -332,10 +280,6 @@ def _provenance(old: Provenance | None, target: str | os.PathLike[str], result: 
         return Provenance(source_model=source.model_id, source_digest=source_digest(source), extra={"kv_cache": kv})
     return Provenance(old.source_model, old.source_digest, old.recipe_hash, old.calibration_hash,
                       {**old.extra, "kv_cache": kv})
-
-
-def _json(config: dict[str, Any]) -> str:
-    return json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"
 
 
 __all__ = ["CalibrateKVResult", "default_calibration", "run_calibrate_kv"]

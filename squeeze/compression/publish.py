@@ -9,24 +9,29 @@ differ in what the output path holds, so each keeps the guarantee its command do
   directory or a mount point). The old files are replaced one by one, manifest last, after a publishing
   record in the work area has named them: a run killed half-way is finished by the rerun, and until then
   the output holds no manifest, so nothing half-published verifies.
-* calibrate-kv (calibrate_kv.py) builds the new artifact in a hidden sibling and
+* calibrate-kv (:func:`kv_staging`, :func:`replace_dir`) builds the new artifact in a hidden sibling and
   exchanges the two directories atomically (squeeze.format.swap): the path holds a complete, verifying
   artifact at every instant, the old one until the exchange and the new one after it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from squeeze.compression.job import CompressJob
 from squeeze.compression.output import check_output_dir, foreign_entries, owned_paths, remove_owned
 from squeeze.compression.workarea import WORK_NAME, WorkArea
-from squeeze.errors import ConfigError
-from squeeze.format.atomic import fsync_directory
+from squeeze.errors import ConfigError, FormatError
+from squeeze.format.atomic import directory_mode, fsync_directory
 from squeeze.format.manifest import MANIFEST_NAME
+from squeeze.format.swap import aside_pattern, swap_in
 
 # -- compress: in place, from the work area
 
@@ -81,4 +86,78 @@ def publish(work: WorkArea, old_files: Iterable[str]) -> None:
     fsync_directory(output)
 
 
-__all__ = ["publish_stage", "finish_publish", "publish"]
+# -- calibrate-kv: a sibling directory, exchanged atomically
+
+_STAGING_INFIX = ".kv-"
+_STAGING_SUFFIX = ".partial"
+
+
+@contextlib.contextmanager
+def kv_staging(out: Path) -> Iterator[Path]:
+    """A fresh hidden staging directory next to ``out``, flock-ed while in use; removed on failure.
+
+    The lock tells a later run's leftover clean-up that this directory belongs to a live process.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING_INFIX}", suffix=_STAGING_SUFFIX, dir=out.parent))
+    os.chmod(staging, directory_mode())  # mkdtemp makes it 0700; the swapped-in artifact keeps this mode
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # not yet swapped: everything in it was written here
+        raise
+    finally:
+        os.close(fd)
+
+
+def replace_dir(staging: Path, out: Path, *, overwrite: bool) -> None:
+    """Swap the sealed ``staging`` in at ``out`` atomically, then discard what was there before."""
+    if os.path.lexists(out):  # checked again: files may have appeared in the output during calibration
+        check_output_dir(out, overwrite)
+    previous = swap_in(staging, out)
+    if previous is not None:
+        _discard(previous, out, unfinished_staging=False)
+
+
+def _discard(old: Path, out: Path, *, unfinished_staging: bool) -> None:
+    """Delete a directory moved aside from ``out`` (its old artifact), or a staging directory left behind.
+
+    Only what squeeze wrote goes: an old artifact's manifest-listed files (checked to be all it holds just
+    before the swap), or the whole of a staging directory that was never sealed (``unfinished_staging``:
+    squeeze wrote all of it). Should anything else be there, only the listed files are removed and the
+    directory is kept, visibly renamed, with the rest.
+    """
+    try:
+        owned: frozenset[str] | None = owned_paths(old)
+    except (FormatError, OSError):
+        owned = None if unfinished_staging else frozenset()
+    if owned is not None and foreign_entries(old, owned):
+        kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.kv-leftover-", dir=old.parent))
+        os.rename(old, kept)
+        remove_owned(kept, owned)
+        return
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_kv_leftovers(out: Path) -> None:
+    """Drop what a killed calibrate-kv left next to ``out``: stale staging dirs, an old artifact moved aside."""
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    patterns = (f".{out.name}{_STAGING_INFIX}*{_STAGING_SUFFIX}", aside_pattern(out))
+    for candidate in sorted({p for pattern in patterns for p in parent.glob(pattern)}):
+        if candidate.is_symlink() or not candidate.is_dir():
+            continue
+        fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live calibrate-kv is writing it
+        finally:
+            os.close(fd)
+        _discard(candidate, out, unfinished_staging=candidate.name.startswith(f".{out.name}{_STAGING_INFIX}"))
+
+
+__all__ = ["publish_stage", "finish_publish", "publish", "kv_staging", "replace_dir", "clean_kv_leftovers"]

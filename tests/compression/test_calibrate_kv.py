@@ -205,7 +205,7 @@ def test_a_failure_while_writing_leaves_the_artifact_as_it_was(rtn_artifact: Pat
     def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(calibrate_kv_module, "seal_artifact", boom)
+    monkeypatch.setattr(calibrate_kv_module, "seal", boom)
     with pytest.raises(OSError):
         api.calibrate_kv(copy, tinystories_file, bits=8, calibration_overrides={"num_samples": 2, "seq_len": 64})
     assert tree_digest(copy) == before
