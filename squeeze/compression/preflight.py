@@ -6,7 +6,6 @@ finds the target linears and gives an exact estimate of the artifact's size.
 
 from __future__ import annotations
 
-import math
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from squeeze.config import Recipe
 from squeeze.errors import ConfigError, ModelError, ResourceError
 from squeeze.models.source import ModelSource
 from squeeze.models.targets import find_target_linears
-from squeeze.quant.packing import packed_row_bytes
+from squeeze.quant.schemes import format_for_recipe
 from squeeze.system import available_memory_bytes
 
 #: Head-room on top of the estimate: tokenizer files, config, manifest, filesystem slack.
@@ -76,6 +75,9 @@ def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *,
     weights = recipe.weights
     if targets is None:
         targets = find_target_linears(model, weights.targets, weights.ignore)
+    fmt = format_for_recipe(weights)
+    if fmt is None:  # a WeightsConfig is validated against the registry when it is built
+        raise ValueError(f"no registered weight format for method {weights.method!r}")
     quantized = 0
     n_weights = 0
     target_params = set()
@@ -83,19 +85,7 @@ def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *,
         out_f, in_f = module.weight.shape
         target_params.add(id(module.weight))
         n_weights += out_f * in_f
-        quantized += out_f * packed_row_bytes(in_f, weights.bits)
-        if weights.method == "rtn":
-            groups = math.ceil(in_f / (weights.group_size or in_f))
-            quantized += out_f * groups * 2 * 2  # fp16 scales + zeros
-        else:
-            if weights.lut_dtype == "int8":
-                quantized += out_f * ((2**weights.bits) + 2 * 2)  # uint8 levels + fp16 scale and zero
-            else:
-                quantized += out_f * (2**weights.bits) * 2  # fp16 LUT
-            nnz = round(weights.sensitive_fraction * out_f * in_f) + round(weights.outlier_fraction * out_f * in_f)
-            if nnz:
-                col_bytes = 2 if in_f <= 32767 else 4
-                quantized += (out_f + 1) * 4 + nnz * (col_bytes + dtype_bytes)
+        quantized += fmt.estimate_bytes(out_f, in_f, weights, dtype_bytes)
     seen: set[int] = set()
     other = 0
     for param in list(model.parameters()) + list(model.buffers()):

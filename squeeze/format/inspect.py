@@ -27,12 +27,8 @@ from squeeze.format.paths import (
 )
 from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
 from squeeze.limits import is_int
+from squeeze.quant.schemes import stored_roles
 
-#: Tensor-name suffixes that make up a quantized weight (see docs/format.md).
-QUANTIZED_ROLES = (
-    "weight_packed", "weight_lut", "weight_lut_scale", "weight_lut_zero", "weight_scales", "weight_zeros",
-    "weight_sparse_rowptr", "weight_sparse_cols", "weight_sparse_vals",
-)
 
 
 @dataclass
@@ -192,7 +188,7 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
     if isinstance(modules, dict) and modules:
         info.quantized_modules = len(modules)
         n_weights = sum(module_dim(m, "in_features") * module_dim(m, "out_features") for m in modules.values())
-        quant_bytes = sum(roles[r].bytes for r in QUANTIZED_ROLES if r in roles)
+        quant_bytes = sum(roles[r].bytes for r in stored_roles() if r in roles)  # every registered format's
         if n_weights:
             info.bits_per_weight = round(quant_bytes * 8 / n_weights, 4)
 

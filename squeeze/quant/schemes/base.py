@@ -86,6 +86,9 @@ class WeightFormat:
     recipe_match: ClassVar[Mapping[str, object]] = {}
     #: Recipe keys (besides bits) this format uses; others must keep their defaults.
     recipe_options: ClassVar[frozenset[str]] = frozenset()
+    #: Whether ``quantize`` uses the Fisher sensitivities (then compress calibrates unless the recipe's
+    #: sensitivity is "uniform"); formats that ignore ``fisher`` need no calibration text.
+    uses_fisher: ClassVar[bool] = False
     #: Kernel family that may run this format instead of the reference path ("lut"), or None.
     kernel: ClassVar[str | None] = None
     #: Per-module parameters beyond bits / in_features that the artifact's module entry carries.

@@ -44,6 +44,7 @@ class LutWeight(WeightFormat):
     method: ClassVar[str] = "squeeze"
     recipe_match: ClassVar[Mapping[str, object]] = {"lut_dtype": "float16"}
     recipe_options: ClassVar[frozenset[str]] = frozenset({"sensitive_fraction", "outlier_fraction", "lut_dtype"})
+    uses_fisher: ClassVar[bool] = True
     kernel: ClassVar[str | None] = "lut"
     roles: ClassVar[tuple[Role, ...]] = (
         Role("weight_packed", torch.uint8, ("rows", "packed")),
