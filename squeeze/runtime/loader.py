@@ -369,22 +369,9 @@ def _materialise_computed_buffers(model: nn.Module, limit: int) -> None:
     FormatError, before allocating any, when they would take more than ``limit`` bytes (a config can ask
     for tables sized by e.g. max_position_embeddings that no tensor of the artifact bounds).
     """
-    wanted = sum(b.numel() * b.element_size() for b in model.buffers() if b.is_meta)
-    if wanted > limit:
-        raise FormatError(f"config.json asks for {wanted} bytes of computed buffers, more than the {limit} allowed")
-    for name, module in model.named_modules():
-        if not any(b.is_meta for b in module.buffers(recurse=False)):
-            continue
-        try:
-            fresh = type(module)(config=model.config)
-        except Exception as exc:  # noqa: BLE001
-            raise FormatError(f"cannot rebuild the computed buffers of {name or type(module).__name__}: {exc}") from None
-        for buffer_name, buffer in fresh.named_buffers(recurse=False):
-            persistent = buffer_name not in module._non_persistent_buffers_set
-            module.register_buffer(buffer_name, buffer, persistent=persistent)
-    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if leftovers:
-        raise FormatError(f"artifact lacks tensors the architecture needs: {leftovers[:3]}")
+    from squeeze.runtime.buffers import materialise_computed_buffers  # one general rebuild, no per-class code
+
+    materialise_computed_buffers(model, limit)
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
