@@ -39,6 +39,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from squeeze.compression.writer import FORMAT_VERSION
 from squeeze.errors import FormatError
 from squeeze.format.paths import resolve_root
 from squeeze.format.safetensors_header import TensorInfo
@@ -54,8 +55,6 @@ from squeeze.runtime.loader import (
     torch_dtype,
     verified_report,
 )
-
-FORMAT_VERSION = 1
 
 
 class SqueezeQuantConfig(QuantizationConfigMixin):
