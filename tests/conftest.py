@@ -1,9 +1,13 @@
-"""Shared fixtures: paths to ../shared (tests skip with a reason when absent) and small artifacts."""
+"""Shared fixtures: a tiny random Llama built in memory, paths to ../shared (tests skip with a reason when
+absent) and small artifacts."""
 
 from __future__ import annotations
 
 import os
+import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub are imported
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -78,6 +82,131 @@ def tinystories_file() -> Path:
 @pytest.fixture(scope="session")
 def tinystories_text(tinystories_file: Path) -> str:
     return tinystories_file.read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------------
+# A tiny random Llama (no files, no downloads): for tests that need "some small model", not stories260K's
+# quality. Built once per session in well under a second (transformers' import aside).
+
+#: The tiny Llama's dimensions. intermediate_size 144: RTN groups of 32 leave a partial last group, and
+#: 512 positions match stories260K's context, so error messages naming it stay comparable.
+TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 144, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
+TINY_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3: unk, bos, eos, pad
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+_WORDS = ("once upon a time there was little girl boy named lily tom who liked to play in the park with her his "
+          "dog cat one day found big red blue ball under tree and they were happy sad sun warm sky bright said "
+          "mom let us go home after lunch because it is late").split()
+
+
+def tiny_story_text(sentences: int = 250, seed: int = 0) -> str:
+    """Deterministic story-like English (about 40 characters a sentence), five sentences a line."""
+    rng = random.Random(seed)
+    lines, line = [], []
+    for i in range(sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 10))]
+        line.append(" ".join(words).capitalize() + rng.choice(".!?"))
+        if i % 5 == 4:
+            lines.append(" ".join(line))
+            line = []
+    return "\n".join(lines + [" ".join(line)]).strip() + "\n"
+
+
+def build_tiny_tokenizer(text: str, vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer trained on ``text`` (milliseconds), as a PreTrainedTokenizerFast.
+
+    Its alphabet is printable ASCII plus space/newline/tab (other bytes are ``<unk>``), so any token
+    sequence decodes to plain text; it adds ``<s>`` in front like Llama's tokenizers.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = [chr(b) for b in range(33, 127)] + ["\u0120", "\u010a", "\u0109"]  # byte-level space, \n, \t
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL, initial_alphabet=alphabet,
+                                  limit_alphabet=len(alphabet), show_progress=False)
+    backend.train_from_iterator(text.splitlines(), trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_model(model: Any, tokenizer: Any, directory: Path) -> Path:
+    """``model`` and ``tokenizer`` saved as an ordinary HF checkpoint directory (safetensors)."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def tiny_llama_config(tokenizer: Any, **changes: Any) -> Any:
+    """The tiny Llama's LlamaConfig (``changes`` override TINY_LLAMA, e.g. tie_word_embeddings=True)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 2,
+                          "pad_token_id": 3, "tie_word_embeddings": False, **changes})
+
+
+@pytest.fixture(scope="session")
+def tiny_text() -> str:
+    """About 8 KB of generated text (about 2000 tokens of the tiny tokenizer): calibration and evaluation."""
+    return tiny_story_text()
+
+
+@pytest.fixture(scope="session")
+def tiny_text_file(tmp_path_factory: pytest.TempPathFactory, tiny_text: str) -> Path:
+    path = tmp_path_factory.mktemp("tiny-text") / "tiny_stories.txt"
+    path.write_text(tiny_text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_text: str) -> Any:
+    """The in-memory tokenizer every tiny model shares. Tests must not modify it."""
+    return build_tiny_tokenizer(tiny_text)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any) -> Path:
+    """A random LlamaForCausalLM (seeded; 2 layers, hidden 64, GQA 4/2 heads) saved with its tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(tiny_tokenizer)).eval()
+    return save_tiny_model(model, tiny_tokenizer, tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of the tiny Llama, loaded once per session as squeeze loads models. Do not modify."""
+    from squeeze.models import load_model, resolve_model
+
+    return load_model(resolve_model(str(tiny_llama_dir)))
+
+
+@pytest.fixture(scope="session")
+def compress_tiny(tiny_llama_dir: Path, tiny_text_file: Path) -> Callable[..., Path]:
+    """``compress_tiny(output, recipe="w4", **kwargs)``: api.compress of the tiny Llama, Fisher calibration on
+    4 windows of 32 tokens of the tiny text (so any built-in recipe runs in about a second)."""
+    from squeeze import api
+
+    def compress(output: Path, recipe: str = "w4", **kwargs: Any) -> Path:
+        kwargs.setdefault("calibration", str(tiny_text_file))
+        kwargs.setdefault("calibration_overrides", {"num_samples": 4, "seq_len": 32})
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # often called from module-scoped fixtures, before _one_torch_thread applies
+        try:
+            api.compress(str(tiny_llama_dir), output, recipe=recipe, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+        return output
+
+    return compress
 
 
 def make_artifact(directory: Path, max_shard_bytes: int = 3000) -> Path:
