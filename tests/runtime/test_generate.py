@@ -11,10 +11,9 @@ import torch
 from squeeze import api
 from squeeze.errors import ConfigError
 from squeeze.quant.nuq import quantize_lut
-from squeeze.quant.packing import pack_codes, unpack_codes
 from squeeze.quant.rtn import rtn_quantize
 from squeeze.runtime.generate import GenerationResult, generate, resolve_device, validate_options
-from squeeze.runtime.linear import SqueezeLinear, _unpack_fast
+from squeeze.runtime.linear import SqueezeLinear
 
 PROMPT = "Once upon a time"
 
@@ -36,15 +35,6 @@ QWEIGHTS = {
     "rtn-2bit": lambda w: rtn_quantize(w, 2, group_size=8),
     "rtn-8bit": lambda w: rtn_quantize(w, 8),
 }
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-@pytest.mark.parametrize("n", [1, 5, 40, 577])
-def test_fast_unpacking_equals_the_reference_unpacking(bits: int, n: int) -> None:
-    codes = torch.randint(0, 1 << bits, (7, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    packed = pack_codes(codes, bits)
-    assert torch.equal(_unpack_fast(packed, bits, n), unpack_codes(packed, bits, n))
-    assert torch.equal(_unpack_fast(packed, bits, n), codes)
 
 
 @pytest.mark.parametrize("kind", sorted(QWEIGHTS))
