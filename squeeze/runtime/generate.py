@@ -1,10 +1,11 @@
 """Text generation on a loaded model (an artifact's or any transformers causal LM), with run statistics.
 
-One call runs all prompts as ONE left-padded batch through transformers' ``model.generate``. A streamer
-(:class:`_RunStreamer`) sees every decoding step: it timestamps the first new token (time to first token)
-and the last one (the decode phase), and, when asked, hands the first prompt's text to a callback piece by
-piece as it is produced. Greedy when ``temperature == 0``; otherwise sampling with temperature / top-p,
-seeded by ``torch.manual_seed(seed)`` for reproducible runs.
+One call runs all prompts as ONE left-padded batch: :func:`squeeze.runtime.decode.prefill` runs the
+prompts, :func:`squeeze.runtime.decode.decode` chooses the new tokens one step at a time. A streamer
+(:class:`_RunStreamer`) sees every step: it timestamps the first new token (time to first token) and the
+last one (the decode phase), and, when asked, hands the first prompt's text to a callback piece by piece
+as it is produced. Greedy when ``temperature == 0``; otherwise sampling with temperature / top-p, seeded
+by ``torch.manual_seed(seed)`` for reproducible runs (the same tokens as transformers' ``model.generate``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from squeeze.errors import ConfigError
-from squeeze.models.modes import cache_kwarg
 from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
+from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.kvcache import SqueezeKVCache
 
 StreamFn = Callable[[str], None]
@@ -134,11 +135,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class _RunStreamer:
-    """A transformers streamer (``put``/``end``) that times decoding and streams the first row's text.
+    """Times decoding and streams the first row's text: ``put(next_tokens (B,))`` per step, then ``end()``.
 
-    ``generate`` calls ``put(prompt_ids (B, T))`` once, then ``put(next_tokens (B,))`` per step, then
-    ``end()``. Text is emitted like transformers' TextStreamer (decode everything so far, emit the new
-    suffix, hold back a trailing incomplete character), but it accepts batches and stops at row 0's first
+    Text is emitted like transformers' TextStreamer (decode everything so far, emit the new suffix, hold
+    back a trailing incomplete character), but it accepts batches and stops at row 0's first
     end-of-sequence token, so the pieces concatenate to exactly the row's final text.
     """
 
@@ -146,7 +146,6 @@ class _RunStreamer:
         self.tokenizer = tokenizer
         self.stream = stream
         self.eos_ids = eos_ids
-        self.seen_prompt = False
         self.steps = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -155,9 +154,6 @@ class _RunStreamer:
         self._done = False
 
     def put(self, value: torch.Tensor) -> None:
-        if not self.seen_prompt:  # the first call carries the prompt
-            self.seen_prompt = True
-            return
         now = time.perf_counter()
         if self.first_token_time is None:
             self.first_token_time = now
@@ -189,10 +185,10 @@ class _RunStreamer:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for parameter in model.parameters():
+        return parameter.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
@@ -248,6 +244,27 @@ def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: in
         f"{context} tokens", hint=f"use --max-new-tokens {context - longest} or less, or shorten {which}")
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """Prompts as (B, T) int64 ids and mask on the model's device, left-padded with ``pad_id``; unpadded lengths."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    pad_id: int
+    prompt_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """perf_counter readings of one run: start, first and last new token, end; and the decoding steps."""
+
+    start: float
+    first: float
+    last: float
+    end: float
+    steps: int
+
+
 def generate(
     loaded_or_model: Any,
     tokenizer: Any | None,
@@ -262,7 +279,7 @@ def generate(
     load_seconds: float = 0.0,
     kv_spec: KVSpec | None = None,
 ) -> GenerationResult:
-    """Continue each prompt with ``model.generate``, all prompts as one left-padded batch.
+    """Continue each prompt, all prompts as one left-padded batch (prefill, then one decode step per token).
 
     ``loaded_or_model``: a LoadedModel (its tokenizer is used when ``tokenizer`` is None) or a transformers
     causal LM, on the device it should run on. Greedy when ``temperature == 0``, else sampling with
@@ -273,6 +290,41 @@ def generate(
     for bad options (see :func:`validate_options`) or a prompt longer than the model's context.
     """
     prompts = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    model, tokenizer = _model_and_tokenizer(loaded_or_model, tokenizer)
+    batch = _tokenize(tokenizer, _format_prompts(tokenizer, prompts, chat), chat, _model_device(model))
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and not isinstance(context, bool):
+        check_context(batch.prompt_tokens, max_new_tokens, context)
+    eos_ids = _eos_ids(model, tokenizer)
+    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+                            pad_id=batch.pad_id, eos_ids=frozenset(eos_ids))
+    if seed is not None:  # for greedy too: harmless, and keeps any stochastic module reproducible
+        torch.manual_seed(seed)
+    cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=getattr(model, "config", None))
+    streamer = _RunStreamer(tokenizer, stream, eos_ids)
+    new, clock = _run(model, batch, cache, options, streamer)
+    texts: list[str] = []
+    new_tokens: list[int] = []
+    for row in new.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))  # through the first eos
+        new_tokens.append(cut)
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    device = batch.input_ids.device
+    decode_seconds = max(0.0, clock.last - clock.first)
+    tps = (clock.steps - 1) * len(prompts) / decode_seconds if clock.steps > 1 and decode_seconds > 0 else None
+    return GenerationResult(
+        texts=texts, prompt_tokens=batch.prompt_tokens, new_tokens=new_tokens, load_seconds=float(load_seconds),
+        ttft_seconds=clock.first - clock.start, decode_seconds=decode_seconds, total_seconds=clock.end - clock.start,
+        tokens_per_second=tps, peak_rss_bytes=_peak_rss_bytes(),
+        peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+        device=str(device), do_sample=options.do_sample,
+        kv_cache=f"int{kv_spec.bits}" if kv_spec is not None else str(model.dtype).removeprefix("torch."),
+        kv_cache_bytes=_cache_bytes(cache), kv_bytes_per_token=_kv_table(model, kv_spec),
+    )
+
+
+def _model_and_tokenizer(loaded_or_model: Any, tokenizer: Any | None) -> tuple[nn.Module, Any]:
+    """The causal LM and the tokenizer to use; ConfigError when either is missing."""
     # a LoadedModel wraps the model; an nn.Module is the model (a causal LM's own ``.model`` is its body)
     model = loaded_or_model if isinstance(loaded_or_model, nn.Module) else getattr(loaded_or_model, "model", None)
     if not isinstance(model, nn.Module) or not hasattr(model, "generate"):
@@ -281,10 +333,11 @@ def generate(
         tokenizer = getattr(loaded_or_model, "tokenizer", None)
     if tokenizer is None:
         raise ConfigError("generate needs a tokenizer", hint="pass the model's tokenizer, or a LoadedModel")
-    texts_in = _format_prompts(tokenizer, prompts, chat)
-    device = _model_device(model)
+    return model, tokenizer
 
-    eos_ids = _eos_ids(model, tokenizer)
+
+def _tokenize(tokenizer: Any, texts: list[str], chat: bool, device: torch.device) -> _Batch:
+    """``texts`` as one left-padded batch on ``device``; the caller's tokenizer is left as it was."""
     saved = (tokenizer.padding_side, tokenizer.pad_token)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -294,65 +347,35 @@ def generate(
     try:
         tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
         # a chat template already writes BOS; adding special tokens again would double it
-        batch = tokenizer(texts_in, return_tensors="pt", padding=True, add_special_tokens=not chat)
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
         pad_id = tokenizer.pad_token_id
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved
-    input_ids = batch["input_ids"].to(device)
-    attention_mask = batch["attention_mask"].to(device)
+    attention_mask = encoded["attention_mask"].to(device)
     prompt_tokens = [int(n) for n in attention_mask.sum(dim=1).tolist()]
     if min(prompt_tokens) == 0:
         raise ConfigError("a prompt tokenized to zero tokens", hint="pass a prompt with some text")
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(context, int) and not isinstance(context, bool):
-        check_context(prompt_tokens, max_new_tokens, context)
+    return _Batch(encoded["input_ids"].to(device), attention_mask, int(pad_id), prompt_tokens)
 
-    do_sample = temperature > 0.0
-    options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "pad_token_id": pad_id}
-    if do_sample:
-        # top_k=0 switches off transformers' default top-k of 50: only temperature and top_p shape sampling
-        options.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
-        if seed is not None:
-            torch.manual_seed(seed)
-    elif seed is not None:
-        torch.manual_seed(seed)  # harmless for greedy; keeps any stochastic module reproducible
-    streamer = _RunStreamer(tokenizer, stream, eos_ids)
+
+def _run(model: nn.Module, batch: _Batch, cache: Any, options: DecodeOptions,
+         streamer: _RunStreamer) -> tuple[torch.Tensor, _Clock]:
+    """Prefill and decode under inference mode, timed; the new tokens as (B, steps) int64 on the CPU."""
+    device = batch.input_ids.device
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
-
-    cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=model.config)
-    options[cache_kwarg(model)] = cache
     start = time.perf_counter()
     with torch.inference_mode():
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, streamer=streamer, **options)
+        state = prefill(model, batch.input_ids, batch.attention_mask, cache)
+        new = decode(model, state, options, on_tokens=streamer.put)
+    streamer.end()
     if on_cuda:
         torch.cuda.synchronize(device)
     end = time.perf_counter()
-
-    new = output[:, input_ids.shape[1]:].cpu()
-    texts: list[str] = []
-    new_tokens: list[int] = []
-    for row in new.tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))  # through the first eos
-        new_tokens.append(cut)
-        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-
-    first = streamer.first_token_time if streamer.first_token_time is not None else end
-    last = streamer.last_token_time if streamer.last_token_time is not None else end
-    decode_seconds = max(0.0, last - first)
-    steps = streamer.steps
-    tps = (steps - 1) * len(prompts) / decode_seconds if steps > 1 and decode_seconds > 0 else None
-    return GenerationResult(
-        texts=texts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, load_seconds=float(load_seconds),
-        ttft_seconds=first - start, decode_seconds=decode_seconds, total_seconds=end - start, tokens_per_second=tps,
-        peak_rss_bytes=_peak_rss_bytes(),
-        peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if on_cuda else None,
-        device=str(device), do_sample=do_sample,
-        kv_cache=f"int{kv_spec.bits}" if kv_spec is not None else str(model.dtype).removeprefix("torch."),
-        kv_cache_bytes=_cache_bytes(cache), kv_bytes_per_token=_kv_table(model, kv_spec),
-    )
+    first, last = (t if t is not None else end for t in (streamer.first_token_time, streamer.last_token_time))
+    return new.cpu(), _Clock(start=start, first=first, last=last, end=end, steps=streamer.steps)
 
 
 def _cache_bytes(cache: Any) -> int:
