@@ -10,15 +10,26 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec, Recipe, load_calibration_spec, load_recipe
+from squeeze.config import (
+    CALIBRATION_DIR,
+    DEFAULT_SINK_TOKENS,
+    RECIPES_DIR,
+    CalibrationSpec,
+    Recipe,
+    builtin_names,
+    load_calibration_spec,
+    load_recipe,
+)
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
+from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
+from squeeze.limits import MIN_SEQ_LEN, check_at_least, check_kv_bits
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
     from squeeze.compression.calibrate_kv import CalibrateKVResult
-    from squeeze.compression.pipeline import CompressResult
+    from squeeze.compression.pipeline import CompressResult as CompressResult
     from squeeze.eval.compare import EvalResult
-    from squeeze.runtime.generate import GenerationResult
+    from squeeze.runtime.generate import GenerationResult as GenerationResult
     from squeeze.runtime.loader import LoadedModel
 
 ProgressFn = Callable[[int, int], None]
@@ -51,6 +62,47 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
     return info
 
 
+def builtin_recipes() -> list[str]:
+    """Names of the built-in recipes (``w4``, ``w3-s045``, ``rtn-w4``, ...), sorted: what :func:`compress`
+    accepts as ``recipe`` besides a YAML path."""
+    return builtin_names(RECIPES_DIR)
+
+
+def builtin_calibration_specs() -> list[str]:
+    """Names of the built-in calibration specs, sorted: what ``calibration`` accepts besides a file path."""
+    return builtin_names(CALIBRATION_DIR)
+
+
+def check_generate_options(
+    prompts: str | Sequence[str],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    device: str = "cpu",
+    kv_bits: int | None = None,
+    kv_dynamic: bool = False,
+) -> list[str]:
+    """The checks :func:`generate` makes before anything loads; returns the prompts as a list.
+
+    ConfigError, in this order, for: no prompt or an empty one, ``max_new_tokens`` < 1, a negative or
+    non-finite ``temperature``, ``top_p`` outside (0, 1]; an unknown or unavailable ``device``; ``kv_bits``
+    other than 4, 8, 16 or None, or ``kv_dynamic`` without 4 / 8 bits. Cheap: reads no file.
+    """
+    from squeeze.runtime.generate import resolve_device, validate_options
+    from squeeze.runtime.kvcache import check_kv_options
+
+    prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    resolve_device(device)
+    check_kv_options(kv_bits, kv_dynamic)
+    return prompt_list
+
+
+def check_calibrate_kv_options(bits: int, sink_tokens: int) -> None:
+    """ConfigError when ``bits`` is not 8 or 4, or ``sink_tokens`` is negative (named as the CLI's
+    ``--bits`` / ``--sink-tokens``); checked before the artifact or the calibration text is read."""
+    check_kv_bits(bits, "--bits")
+    check_at_least(sink_tokens, 0, "--sink-tokens")
 
 
 def compress(
@@ -88,11 +140,12 @@ def compress(
     """
     from squeeze.compression.pipeline import needs_calibration, run_compress
 
-    resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, **dict(overrides or {}))
+    resolved = recipe if isinstance(recipe, Recipe) else load_recipe(os.fspath(recipe), **dict(overrides or {}))
     spec = None
     if needs_calibration(resolved) and calibration is not None:
         extra = {**dict(calibration_overrides or {}), **({"seed": seed} if seed is not None else {})}
-        spec = calibration if isinstance(calibration, CalibrationSpec) else load_calibration_spec(calibration, **extra)
+        spec = (calibration if isinstance(calibration, CalibrationSpec)
+                else load_calibration_spec(os.fspath(calibration), **extra))
     effective_seed = seed if seed is not None else (spec.seed if spec is not None else 0)
     return run_compress(model, output, resolved, spec, seed=effective_seed, overwrite=overwrite, resume=resume,
                         restart=restart, force=force, progress=progress)
@@ -127,7 +180,8 @@ def calibrate_kv(
 
     spec_arg = calibration if calibration is not None else default_calibration(target)
     overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
-    spec = spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(spec_arg, **overrides)
+    spec = (spec_arg if isinstance(spec_arg, CalibrationSpec)
+            else load_calibration_spec(os.fspath(spec_arg), **overrides))
     return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, key_group=key_group,
                             value_group=value_group, overwrite=overwrite, progress=progress)
 
@@ -168,7 +222,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool
     """
     from squeeze.runtime.loader import load_artifact
 
-    return load_artifact(path, verify=verify, dense_cache=dense_cache, check_memory=check_memory)
+    return load_artifact(os.fspath(path), verify=verify, dense_cache=dense_cache, check_memory=check_memory)
 
 
 def generate(
@@ -201,11 +255,11 @@ def generate(
     import time
 
     from squeeze.runtime.generate import generate as _generate
-    from squeeze.runtime.generate import resolve_device, validate_options
-    from squeeze.runtime.kvcache import check_kv_options, kv_spec_for
+    from squeeze.runtime.generate import resolve_device
+    from squeeze.runtime.kvcache import kv_spec_for
 
-    prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    check_kv_options(kv_bits, kv_dynamic)
+    prompt_list = check_generate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         top_p=top_p, device=device, kv_bits=kv_bits, kv_dynamic=kv_dynamic)
     target = resolve_device(device)
     load_seconds = 0.0
     if isinstance(model, (str, os.PathLike)):
@@ -225,5 +279,8 @@ def generate(
                      top_p=top_p, seed=seed, chat=chat, stream=stream, load_seconds=load_seconds, kv_spec=kv_spec)
 
 
-__all__ = ["verify_model_integrity", "inspect", "compress", "calibrate_kv", "evaluate", "load", "generate", "VerifyReport",
-           "ArtifactInfo"]
+__all__ = [
+    "verify_model_integrity", "inspect", "compress", "calibrate_kv", "evaluate", "load", "generate",
+    "check_generate_options", "check_calibrate_kv_options", "builtin_recipes", "builtin_calibration_specs",
+    "short_path", "VerifyReport", "ArtifactInfo", "DEFAULT_SINK_TOKENS", "MIN_SEQ_LEN",
+]

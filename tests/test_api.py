@@ -20,3 +20,55 @@ def test_every_error_class_is_exported():
     assert {"LockError", "ResumeError", "Interrupted"} <= classes
     for name in classes:
         assert getattr(squeeze, name) is getattr(errors, name) and name in squeeze.__all__
+
+
+def test_builtin_names_are_sorted_and_name_what_the_loaders_accept():
+    from squeeze import api
+    from squeeze.config import load_calibration_spec, load_recipe
+
+    recipes, specs = api.builtin_recipes(), api.builtin_calibration_specs()
+    assert {"w4", "rtn-w4"} <= set(recipes) and recipes == sorted(recipes)
+    assert specs and specs == sorted(specs)
+    load_recipe(recipes[0])
+    load_calibration_spec(specs[0])
+
+
+def test_check_generate_options_runs_the_cheap_checks_in_order():
+    import pytest
+
+    from squeeze import api
+    from squeeze.errors import ConfigError
+
+    assert api.check_generate_options("Hi") == ["Hi"]
+    assert api.check_generate_options(["a", "b"], kv_bits=16) == ["a", "b"]
+    # several bad options: the prompt options first, then the device, then the KV cache
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        api.check_generate_options("Hi", max_new_tokens=0, device="mps", kv_bits=5)
+    with pytest.raises(ConfigError, match="not supported"):
+        api.check_generate_options("Hi", device="mps", kv_bits=5)
+    with pytest.raises(ConfigError, match="--kv-bits"):
+        api.check_generate_options("Hi", kv_bits=5)
+    with pytest.raises(ConfigError, match="--kv-dynamic"):
+        api.check_generate_options("Hi", kv_dynamic=True)
+
+
+def test_check_calibrate_kv_options_names_the_flags():
+    import pytest
+
+    from squeeze import api
+    from squeeze.errors import ConfigError
+
+    api.check_calibrate_kv_options(8, 0)
+    api.check_calibrate_kv_options(4, 4)
+    with pytest.raises(ConfigError, match="--bits"):
+        api.check_calibrate_kv_options(5, 4)
+    with pytest.raises(ConfigError, match="--sink-tokens"):
+        api.check_calibrate_kv_options(8, -1)
+
+
+def test_short_path_keeps_the_tail():
+    from squeeze import api
+
+    assert api.short_path("a/b") == "a/b"
+    long = "d/" * 100 + "model.safetensors"
+    assert api.short_path(long).startswith("...") and api.short_path(long).endswith("model.safetensors")
