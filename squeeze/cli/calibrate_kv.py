@@ -9,9 +9,8 @@ import typer
 from rich.table import Table
 
 from squeeze import api
-from squeeze.config import DEFAULT_SINK_TOKENS
-from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
-from squeeze.limits import MIN_SEQ_LEN, check_at_least, check_kv_bits
+from squeeze.api import DEFAULT_SINK_TOKENS, MIN_SEQ_LEN
+from squeeze.cli.common import cli_errors, err_console, kv_bytes_line, out_console, print_json, stage_progress
 
 
 def calibrate_kv(
@@ -38,9 +37,7 @@ def calibrate_kv(
     complete and sealed; a failed run leaves it as it was.
     """
     with cli_errors():
-        # the options squeeze.limits describes, checked before the artifact or the calibration text is read
-        check_kv_bits(bits, "--bits")
-        check_at_least(sink_tokens, 0, "--sink-tokens")
+        api.check_calibrate_kv_options(bits, sink_tokens)  # before the artifact or the calibration text is read
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:
             result = api.calibrate_kv(
                 target, calibration, bits=bits, output=output, sink_tokens=sink_tokens, key_group=key_group,
@@ -65,9 +62,3 @@ def calibrate_kv(
     out_console.print(kv_bytes_line(result.bytes_per_token))
     err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")
 
-
-def kv_bytes_line(table: dict[str, int]) -> str:
-    """``KV bytes/token: fp16 23040, int8 11880 (0.516x), int4 6120 (0.266x)``."""
-    fp16 = table["fp16"]
-    parts = [f"fp16 {fp16}"] + [f"{k} {v} ({v / fp16:.3f}x)" for k, v in table.items() if k != "fp16"]
-    return "KV bytes/token (all layers, scales included): " + ", ".join(parts)

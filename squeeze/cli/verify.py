@@ -9,8 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from squeeze import api
+from squeeze.api import short_path
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, progress_bar
-from squeeze.format.paths import short_path
 
 EXIT_HELP = """
 
