@@ -1,4 +1,7 @@
-"""Compress as a job of named stages, and the one artifact writer both compress and calibrate-kv use."""
+"""Compress as a job of named stages, and the one artifact writer both compress and calibrate-kv use.
+
+On the tiny random Llama of conftest.py: nothing here needs ../shared.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def test_format_version_is_defined_once() -> None:
 
 
 def test_an_rtn_job_runs_its_stages_and_searches_the_targets_on_the_meta_model_only(
-    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     searched: list[str] = []
     real = pipeline.find_target_linears
@@ -55,7 +58,7 @@ def test_an_rtn_job_runs_its_stages_and_searches_the_targets_on_the_meta_model_o
 
     monkeypatch.setattr(pipeline, "find_target_linears", counting)
     monkeypatch.setattr(preflight, "find_target_linears", counting)
-    result = api.compress(str(stories_dir), tmp_path / "out", "rtn-w4")
+    result = api.compress(str(tiny_llama_dir), tmp_path / "out", "rtn-w4")
     # once for the job, on the meta-device build; the loaded model is never searched again, and estimate_size
     # takes the targets (preflight's estimate_peak_memory may still search the meta model itself)
     assert "cpu" not in searched and 1 <= searched.count("meta") <= 2, searched
@@ -66,19 +69,19 @@ def test_an_rtn_job_runs_its_stages_and_searches_the_targets_on_the_meta_model_o
     assert quant.items() >= quantization_header().items() and quant["method"] == "rtn"
 
 
-def test_a_fisher_job_times_every_stage(tmp_path: Path, stories_dir: Path, tinystories_file: Path) -> None:
-    result = api.compress(str(stories_dir), tmp_path / "out", "w3", str(tinystories_file),
+def test_a_fisher_job_times_every_stage(tmp_path: Path, tiny_llama_dir: Path, tiny_text_file: Path) -> None:
+    result = api.compress(str(tiny_llama_dir), tmp_path / "out", "w3", str(tiny_text_file),
                           calibration_overrides={"num_samples": 2, "seq_len": 32})
     assert [name for name in result.timings if name not in BREAKDOWNS] == list(STAGES)
     assert {"checkpoint", "kmeans"} <= set(result.timings)
     assert sum(result.timings[s] for s in STAGES) <= result.seconds
 
 
-def test_calibrate_kv_on_a_plain_model_writes_the_same_header(tmp_path: Path, stories_dir: Path,
-                                                              tinystories_file: Path) -> None:
+def test_calibrate_kv_on_a_plain_model_writes_the_same_header(tmp_path: Path, tiny_llama_dir: Path,
+                                                              tiny_text_file: Path) -> None:
     out = tmp_path / "kv"
-    api.calibrate_kv(str(stories_dir), tinystories_file, bits=8, output=out,
-                     calibration_overrides={"num_samples": 2, "seq_len": 64})
+    api.calibrate_kv(str(tiny_llama_dir), tiny_text_file, bits=8, output=out,
+                     calibration_overrides={"num_samples": 2, "seq_len": 32})
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant.items() >= quantization_header().items()
     assert quant["method"] == "none" and quant["modules"] == {} and "kv_cache" in quant
