@@ -88,10 +88,12 @@ def tinystories_text(tinystories_file: Path) -> str:
 # A tiny random Llama (no files, no downloads): for tests that need "some small model", not stories260K's
 # quality. Built once per session in well under a second (transformers' import aside).
 
-#: The tiny Llama's dimensions. intermediate_size 144: RTN groups of 32 leave a partial last group, and
-#: 512 positions match stories260K's context, so error messages naming it stay comparable.
+#: The tiny Llama's dimensions. intermediate_size 144: RTN groups of 32 leave a partial last group; 512
+#: positions as stories260K. Weights drawn with std 0.1 (not 0.02): logits spread (std ~0.8) instead of
+#: near-uniform, so a wrong weight moves the perplexity by percents, not per mille.
 TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 144, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+              "initializer_range": 0.1}
 TINY_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3: unk, bos, eos, pad
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|> {% endif %}")
