@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from squeeze.version import __version__
 from squeeze.cli import calibrate_kv as calibrate_kv_cmd
 from squeeze.cli import compress as compress_cmd
 from squeeze.cli import eval as eval_cmd
 from squeeze.cli import inspect as inspect_cmd
 from squeeze.cli import run as run_cmd
 from squeeze.cli import verify as verify_cmd
+from squeeze.version import __version__
 
 app = typer.Typer(
     name="squeeze",
@@ -35,10 +35,16 @@ def _root(
     quiet_third_party_progress()
 
 
-app.command("compress", short_help="Compress a model into a verified artifact (SqueezeLLM or RTN).")(compress_cmd.compress)
-app.command("calibrate-kv", short_help="Fit int8/int4 KV-cache scales and add them to an artifact.")(calibrate_kv_cmd.calibrate_kv)
+app.command("compress", short_help="Compress a model into a verified artifact (SqueezeLLM or RTN).")(
+    compress_cmd.compress
+)
+app.command("calibrate-kv", short_help="Fit int8/int4 KV-cache scales and add them to an artifact.")(
+    calibrate_kv_cmd.calibrate_kv
+)
 app.command("eval", short_help="Perplexity of a model or artifact, with a baseline side by side.")(eval_cmd.eval_)
-app.command("verify", short_help="Check an artifact against its manifest (exit 0 intact, 1 tampered, 2 malformed).")(verify_cmd.verify)
+app.command("verify", short_help="Check an artifact against its manifest (exit 0 intact, 1 tampered, 2 malformed).")(
+    verify_cmd.verify
+)
 app.command("inspect", short_help="Show what an artifact holds.")(inspect_cmd.inspect)
 app.command("run", short_help="Generate text from an artifact (verified while loading), streamed.")(run_cmd.run)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -12,22 +12,57 @@ from squeeze import api
 from squeeze.api import DEFAULT_SINK_TOKENS, MIN_SEQ_LEN
 from squeeze.cli.common import cli_errors, err_console, kv_bytes_line, out_console, print_json, stage_progress
 
-
-def calibrate_kv(
-    target: str = typer.Argument(..., help="An artifact directory (updated in place unless --output), or a model (then --output is required)."),
-    bits: int = typer.Option(8, "--bits", help="KV-cache bits: 8 or 4."),
-    calibration: Optional[str] = typer.Option(
-        None, "--calibration", "-c",
+# The options as Annotated aliases, so that the command's signature is one short line per option.
+Target = Annotated[
+    str,
+    typer.Argument(
+        help="An artifact directory (updated in place unless --output), or a model (then --output is required).",
+    ),
+]
+Bits = Annotated[int, typer.Option("--bits", help="KV-cache bits: 8 or 4.")]
+Calibration = Annotated[
+    Optional[str],
+    typer.Option(
+        "--calibration",
+        "-c",
         help="Calibration text file, spec YAML or built-in spec (default: the artifact's own built-in spec).",
     ),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write a new artifact here instead of updating TARGET."),
-    sink_tokens: int = typer.Option(DEFAULT_SINK_TOKENS, "--sink-tokens", help="Leading tokens kept in full precision (attention sink)."),
-    key_group: Optional[int] = typer.Option(None, "--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head)."),
-    value_group: Optional[int] = typer.Option(None, "--value-group-size", help="Channels per value grid (default: the whole head)."),
-    num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=MIN_SEQ_LEN, help="Calibration window length in tokens."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --output directory."),
-    json_out: bool = typer.Option(False, "--json", help="Print only a JSON summary to stdout."),
+]
+Output = Annotated[
+    Optional[Path], typer.Option("--output", "-o", help="Write a new artifact here instead of updating TARGET.")
+]
+SinkTokens = Annotated[
+    int, typer.Option("--sink-tokens", help="Leading tokens kept in full precision (attention sink).")
+]
+KeyGroup = Annotated[
+    Optional[int],
+    typer.Option("--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head)."),
+]
+ValueGroup = Annotated[
+    Optional[int], typer.Option("--value-group-size", help="Channels per value grid (default: the whole head).")
+]
+NumSamples = Annotated[
+    Optional[int], typer.Option("--num-samples", min=1, help="Calibration windows (overrides the spec).")
+]
+SeqLen = Annotated[
+    Optional[int], typer.Option("--seq-len", min=MIN_SEQ_LEN, help="Calibration window length in tokens.")
+]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary to stdout.")]
+
+
+def calibrate_kv(
+    target: Target,
+    bits: Bits = 8,
+    calibration: Calibration = None,
+    output: Output = None,
+    sink_tokens: SinkTokens = DEFAULT_SINK_TOKENS,
+    key_group: KeyGroup = None,
+    value_group: ValueGroup = None,
+    num_samples: NumSamples = None,
+    seq_len: SeqLen = None,
+    overwrite: Overwrite = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Capture keys and values on calibration text, fit their scales, and add them to the artifact.
 
@@ -40,9 +75,16 @@ def calibrate_kv(
         api.check_calibrate_kv_options(bits, sink_tokens)  # before the artifact or the calibration text is read
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:
             result = api.calibrate_kv(
-                target, calibration, bits=bits, output=output, sink_tokens=sink_tokens, key_group=key_group,
-                value_group=value_group, overwrite=overwrite,
-                calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
+                target,
+                calibration,
+                bits=bits,
+                output=output,
+                sink_tokens=sink_tokens,
+                key_group=key_group,
+                value_group=value_group,
+                overwrite=overwrite,
+                calibration_overrides={"num_samples": num_samples, "seq_len": seq_len},
+                progress=progress,
             )
     if json_out:
         print_json(result.to_dict())
@@ -61,4 +103,3 @@ def calibrate_kv(
     out_console.print(table)
     out_console.print(kv_bytes_line(result.bytes_per_token))
     err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")
-

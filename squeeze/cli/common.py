@@ -74,10 +74,20 @@ def show_progress(enabled: bool) -> bool:
     return enabled and err_console.is_terminal
 
 
-BYTE_COLUMNS = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                TimeRemainingColumn())
-STEP_COLUMNS = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                TimeRemainingColumn())
+BYTE_COLUMNS = (
+    TextColumn("{task.description}"),
+    BarColumn(),
+    DownloadColumn(),
+    TransferSpeedColumn(),
+    TimeRemainingColumn(),
+)
+STEP_COLUMNS = (
+    TextColumn("{task.description}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TaskProgressColumn(),
+    TimeRemainingColumn(),
+)
 
 
 @contextlib.contextmanager
@@ -103,7 +113,7 @@ def progress_bar(
 
 @contextlib.contextmanager
 def stage_progress(enabled: bool, labels: dict[str, str]) -> Iterator[Callable[[str, int, int], None] | None]:
-    """One N-of-M bar per pipeline stage, created on the stage's first report; yields ``progress(stage, done, total)``."""
+    """One N-of-M bar per pipeline stage, created on its first report; yields ``progress(stage, done, total)``."""
     if not show_progress(enabled):
         yield None
         return

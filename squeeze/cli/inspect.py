@@ -51,4 +51,5 @@ def inspect(
         kv = (info.quantization or {}).get("kv_cache")
         calibrated = f"calibrated for int{kv['bits']}" if isinstance(kv, dict) and "bits" in kv else "not calibrated"
         out_console.print(f"KV cache: {calibrated}; " + kv_bytes_line(info.kv_bytes_per_token))
-    out_console.print(f"manifest: {info.manifest_status}" + (f"; root digest {info.root_digest}" if info.root_digest else ""))
+    digest = f"; root digest {info.root_digest}" if info.root_digest else ""
+    out_console.print(f"manifest: {info.manifest_status}{digest}")

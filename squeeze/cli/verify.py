@@ -42,12 +42,16 @@ def verify(
         for problem in report.problems:
             out_console.print(f"[bold red]FAILED[/] {escape(problem)}")
         speed = report.bytes_hashed / report.seconds / 1e6 if report.seconds > 0 else 0.0
-        summary = f"{len(report.files)} files, {report.bytes_hashed:,} bytes hashed in {report.seconds:.2f} s ({speed:,.0f} MB/s)"
+        summary = (
+            f"{len(report.files)} files, {report.bytes_hashed:,} bytes hashed in {report.seconds:.2f} s "
+            f"({speed:,.0f} MB/s)"
+        )
         if report.ok:
             out_console.print(f"[bold green]intact[/]: {summary}; root digest {report.root_digest}")
     if not report.ok:
         if not json_out:
-            err_console.print(f"[bold red]Error:[/] integrity check failed: {escape(report.first_error() or '')}", soft_wrap=True)
+            first = escape(report.first_error() or "")
+            err_console.print(f"[bold red]Error:[/] integrity check failed: {first}", soft_wrap=True)
         raise typer.Exit(1)
 
 

@@ -1,0 +1,71 @@
+"""``squeeze compress`` hands every option to api.compress, and an interrupted run's hint repeats them all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from squeeze import api
+from squeeze.cli.app import app
+from squeeze.errors import Interrupted
+
+runner = CliRunner()
+ALL_OPTIONS = [
+    "my model", "-o", "out dir", "--recipe", "w3", "--calibration", "cal.txt", "--num-samples", "4",
+    "--seq-len", "64", "--method", "rtn", "--bits", "3", "--sensitivity", "uniform", "--sensitive-fraction",
+    "0.001", "--outlier-fraction", "0.002", "--group-size", "32", "--lut-dtype", "int8", "--max-shard-size",
+    "1GB", "--seed", "7", "--overwrite", "--force",
+]  # fmt: skip
+
+
+def _interrupted(resumable: bool, calls: list[dict[str, Any]]):
+    def fake(*args: Any, **kwargs: Any) -> None:
+        calls.append({"args": args, **kwargs})
+        raise Interrupted("interrupted", resumable=resumable)
+
+    return fake
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_every_option_reaches_api_and_the_resume_hint(monkeypatch: pytest.MonkeyPatch, resumable: bool) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(api, "compress", _interrupted(resumable, calls))
+    result = runner.invoke(app, ["compress", *ALL_OPTIONS], terminal_width=1000)
+    assert result.exit_code == 130, result.output
+    (call,) = calls
+    assert [str(a) for a in call["args"]] == ["my model", "out dir", "w3", "cal.txt"]
+    assert (call["seed"], call["overwrite"], call["resume"], call["restart"], call["force"]) == (
+        7,
+        True,
+        False,
+        False,
+        True,
+    )
+    assert call["overrides"] == {
+        "weights.method": "rtn",
+        "weights.bits": 3,
+        "weights.sensitivity": "uniform",
+        "weights.sensitive_fraction": 0.001,
+        "weights.outlier_fraction": 0.002,
+        "weights.group_size": 32,
+        "weights.lut_dtype": "int8",
+        "output.max_shard_size": "1GB",
+    }
+    assert call["calibration_overrides"] == {"num_samples": 4, "seq_len": 64}
+    command = (
+        "squeeze compress 'my model' --output 'out dir' --recipe w3 --calibration cal.txt --num-samples 4 "
+        "--seq-len 64 --seed 7 --method rtn --bits 3 --sensitivity uniform --sensitive-fraction 0.001 "
+        "--outlier-fraction 0.002 --group-size 32 --lut-dtype int8 --max-shard-size 1GB --overwrite"
+    )
+    hint = f"resume with: {command} --resume" if resumable else f"start again with: {command}"
+    assert hint in " ".join(result.stderr.split()), result.stderr
+
+
+def test_the_default_output_is_spelled_out_in_the_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "compress", _interrupted(True, []))
+    result = runner.invoke(app, ["compress", "models/tiny", "--recipe", "rtn-w4"], terminal_width=1000)
+    assert "resume with: squeeze compress models/tiny --output tiny-rtn-w4 --recipe rtn-w4 --resume" in " ".join(
+        result.stderr.split()
+    )
