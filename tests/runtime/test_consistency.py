@@ -24,11 +24,10 @@ RTOL = 1e-3
 
 
 @pytest.fixture(scope="module", params=["w3-s045", "rtn-w4"])
-def artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+def artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, compress_tiny) -> Path:
     out = tmp_path_factory.mktemp("consistency") / request.param
     overrides = {} if request.param.startswith("rtn") else {"weights.sensitivity": "uniform"}
-    api.compress(str(stories_dir), out, recipe=request.param, overrides=overrides)
-    return out
+    return compress_tiny(out, request.param, overrides=overrides)
 
 
 def dequantized_reference(model: nn.Module) -> nn.Module:
@@ -44,9 +43,9 @@ def dequantized_reference(model: nn.Module) -> nn.Module:
     return model
 
 
-def test_runtime_perplexity_equals_squeeze_eval(artifact: Path, tinystories_file: Path) -> None:
-    reference = evaluate(artifact, tinystories_file, seq_len=SEQ_LEN, max_windows=WINDOWS).result.perplexity
-    text = tinystories_file.read_text(encoding="utf-8")
+def test_runtime_perplexity_equals_squeeze_eval(artifact: Path, tiny_text_file: Path) -> None:
+    reference = evaluate(artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS).result.perplexity
+    text = tiny_text_file.read_text(encoding="utf-8")
 
     def ppl(model: nn.Module, tokenizer) -> float:
         return perplexity(model, tokenizer, text, seq_len=SEQ_LEN, max_windows=WINDOWS).perplexity
@@ -56,7 +55,7 @@ def test_runtime_perplexity_equals_squeeze_eval(artifact: Path, tinystories_file
     low = api.load(artifact, dense_cache=False)
     for module in low.model.modules():
         if isinstance(module, SqueezeLinear):
-            module.chunk_rows = 50  # several slices per matrix (up to 172 rows here), not one
+            module.chunk_rows = 50  # several slices per matrix (up to 144 rows here), not one
     paths = {
         "squeeze.load dense cache": ppl(dense.model, tokenizer),
         "squeeze.load low-memory": ppl(low.model, tokenizer),

@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from blocking import within
 from typer.testing import CliRunner
 
 import squeeze.runtime.loader as loader
+from blocking import within
 from squeeze import api
 from squeeze.cli.app import app
 from squeeze.errors import FormatError, IntegrityError
@@ -29,10 +29,9 @@ SHARD = "model-00001-of-00001.safetensors"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("hardening") / "a"
-    api.compress(str(stories_dir), out, recipe="w4-s045", overrides={"weights.sensitivity": "uniform"})
-    return out
+def built(tmp_path_factory: pytest.TempPathFactory, compress_tiny) -> Path:
+    out = tmp_path_factory.mktemp("hardening") / "a"  # the tiny Llama: 2 layers, vocab 320, hidden 64, mlp 144
+    return compress_tiny(out, "w4-s045", overrides={"weights.sensitivity": "uniform"})
 
 
 @pytest.fixture
@@ -70,12 +69,12 @@ def test_a_tampered_config_is_never_built(art: Path, no_skeleton: None) -> None:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers is 1000000, but the tensors hold 5"),  # before: hung
-    ({"num_hidden_layers": 7}, "num_hidden_layers is 7, but the tensors hold 5"),
-    ({"vocab_size": 10**12}, "vocab_size is 1000000000000, but model.embed_tokens.weight has 512 rows"),
+    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers is 1000000, but the tensors hold 2"),  # before: hung
+    ({"num_hidden_layers": 7}, "num_hidden_layers is 7, but the tensors hold 2"),
+    ({"vocab_size": 10**12}, "vocab_size is 1000000000000, but model.embed_tokens.weight has 320 rows"),
     ({"vocab_size": 1e12}, "vocab_size must be a non-negative integer"),
     ({"hidden_size": 128}, "hidden_size is 128, but model.embed_tokens.weight has 64 columns"),
-    ({"intermediate_size": 4096}, "intermediate_size is 4096, but model.layers.0.mlp.down_proj has in_features 172"),
+    ({"intermediate_size": 4096}, "intermediate_size is 4096, but model.layers.0.mlp.down_proj has in_features 144"),
 ])
 def test_a_resealed_config_that_disagrees_with_the_tensors_is_a_format_error(
     art: Path, no_skeleton: None, changes: dict, message: str
@@ -174,8 +173,8 @@ def test_a_symlinked_artifact_path_loads(art: Path) -> None:
 def test_from_pretrained_checks_the_config_before_building_the_model(art: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    edit_config(art, reseal=True, num_hidden_layers=7)  # before: 2 random layers were added, silently
-    with pytest.raises(FormatError, match="num_hidden_layers is 7, but the tensors hold 5"):
+    edit_config(art, reseal=True, num_hidden_layers=7)  # before: the extra layers were added, random, silently
+    with pytest.raises(FormatError, match="num_hidden_layers is 7, but the tensors hold 2"):
         AutoModelForCausalLM.from_pretrained(str(art))
 
 

@@ -16,10 +16,9 @@ from squeeze.runtime.linear import SqueezeLinear
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Path:
+def artifact(tmp_path_factory: pytest.TempPathFactory, compress_tiny) -> Path:
     out = tmp_path_factory.mktemp("memory") / "w4"
-    api.compress(str(stories_dir), out, recipe="w4-s045", overrides={"weights.sensitivity": "uniform"})
-    return out
+    return compress_tiny(out, "w4-s045", overrides={"weights.sensitivity": "uniform"})
 
 
 def _available(monkeypatch: pytest.MonkeyPatch, n: int | None) -> None:
