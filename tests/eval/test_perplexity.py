@@ -1,4 +1,5 @@
-"""Perplexity (paper protocol) and word perplexity on stories260K; SmolLM2/WikiText-2 with SQUEEZE_SLOW=1."""
+"""Perplexity (paper protocol) and word perplexity on the tiny random Llama; stories260K's reference value
+(with ../shared) and SmolLM2/WikiText-2 (SQUEEZE_SLOW=1) on the real models."""
 
 from __future__ import annotations
 
@@ -44,29 +45,30 @@ def test_tinystories_reference(stories: tuple, tinystories_text: str) -> None:
     assert math.isclose(result.perplexity, math.exp(result.nll), rel_tol=1e-12)
 
 
-def test_matches_transformers_loss(stories: tuple, tinystories_text: str) -> None:
-    model, tok = stories
-    ids = tokenize_text(tinystories_text, tok)
+def test_matches_transformers_loss(tiny_llama: tuple, tiny_text: str) -> None:
+    model, tok = tiny_llama
+    ids = tokenize_text(tiny_text, tok)
     result = perplexity_from_ids(model, ids[None], seq_len=256)
     assert math.isclose(result.perplexity, _hf_reference_ppl(model, ids, 256), rel_tol=1e-5)
     # Token ids given as (N,) are the same as (1, N).
     assert perplexity_from_ids(model, ids, seq_len=256).nll == pytest.approx(result.nll, rel=1e-9)
 
 
-def test_chunked_cross_entropy_is_exact(stories: tuple, tinystories_text: str,
+def test_chunked_cross_entropy_is_exact(tiny_llama: tuple, tiny_text: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    model, tok = stories
-    ids = tokenize_text(tinystories_text, tok)[None]
+    model, tok = tiny_llama
+    ids = tokenize_text(tiny_text, tok)[None]
     whole = perplexity_from_ids(model, ids, seq_len=300, max_windows=2)
     # sys.modules: the package re-exports the function `perplexity`, which shadows the submodule attribute.
-    monkeypatch.setattr(sys.modules["squeeze.eval.perplexity"], "_CE_CHUNK", 7)  # 299 predictions in chunks of 7: a ragged last chunk
+    # 299 predictions in chunks of 7: a ragged last chunk
+    monkeypatch.setattr(sys.modules["squeeze.eval.perplexity"], "_CE_CHUNK", 7)
     chunked = perplexity_from_ids(model, ids, seq_len=300, max_windows=2)
     assert chunked.nll == pytest.approx(whole.nll, rel=1e-6)
 
 
-def test_max_windows_batch_size_and_progress(stories: tuple, tinystories_text: str) -> None:
-    model, tok = stories
-    ids = tokenize_text(tinystories_text, tok)[None]
+def test_max_windows_batch_size_and_progress(tiny_llama: tuple, tiny_text: str) -> None:
+    model, tok = tiny_llama
+    ids = tokenize_text(tiny_text, tok)[None]
     calls: list[tuple[int, int]] = []
     one = perplexity_from_ids(model, ids, seq_len=64, max_windows=5, progress=lambda d, t: calls.append((d, t)))
     assert (one.n_windows, one.n_tokens) == (5, 5 * 63)
@@ -79,21 +81,21 @@ def test_max_windows_batch_size_and_progress(stories: tuple, tinystories_text: s
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_word_perplexity(stories: tuple, tinystories_text: str) -> None:
-    model, tok = stories
-    result = perplexity(model, tok, tinystories_text, seq_len=128, max_windows=3)
-    covered = tok.decode(tokenize_text(tinystories_text, tok)[: 3 * 128].tolist())
+def test_word_perplexity(tiny_llama: tuple, tiny_text: str) -> None:
+    model, tok = tiny_llama
+    result = perplexity(model, tok, tiny_text, seq_len=128, max_windows=3)
+    covered = tok.decode(tokenize_text(tiny_text, tok)[: 3 * 128].tolist())
     assert result.n_words == len(covered.split())
     assert result.word_perplexity == pytest.approx(math.exp(result.nll * result.n_tokens / result.n_words))
     assert result.word_perplexity > result.perplexity  # words are longer than tokens
 
-    no_tok = perplexity_from_ids(model, tokenize_text(tinystories_text, tok), seq_len=128, max_windows=3)
+    no_tok = perplexity_from_ids(model, tokenize_text(tiny_text, tok), seq_len=128, max_windows=3)
     assert math.isnan(no_tok.word_perplexity) and no_tok.n_words == 0
     assert no_tok.nll == pytest.approx(result.nll, rel=1e-12)
 
 
-def test_text_shorter_than_one_window(stories: tuple) -> None:
-    model, tok = stories
+def test_text_shorter_than_one_window(tiny_llama: tuple) -> None:
+    model, tok = tiny_llama
     n = len(tokenize_text("Once upon a time", tok))
     with pytest.raises(ConfigError) as info:
         perplexity(model, tok, "Once upon a time", seq_len=64)
@@ -109,14 +111,14 @@ def test_text_shorter_than_one_window(stories: tuple) -> None:
         ({"seq_len": 1024}, "exceeds the model's context length 512"),
     ],
 )
-def test_bad_arguments(stories: tuple, tinystories_text: str, kwargs: dict, match: str) -> None:
-    model, tok = stories
+def test_bad_arguments(tiny_llama: tuple, tiny_text: str, kwargs: dict, match: str) -> None:
+    model, tok = tiny_llama
     with pytest.raises(ConfigError, match=match):
-        perplexity(model, tok, tinystories_text, **kwargs)
+        perplexity(model, tok, tiny_text, **kwargs)
 
 
-def test_bad_ids(stories: tuple) -> None:
-    model, _ = stories
+def test_bad_ids(tiny_llama: tuple) -> None:
+    model, _ = tiny_llama
     with pytest.raises(ConfigError, match=r"shape \(1, N\)"):
         perplexity_from_ids(model, torch.zeros(2, 600, dtype=torch.long), seq_len=64)
     with pytest.raises(ConfigError, match="int64"):
@@ -147,11 +149,11 @@ def test_smollm2_wikitext2() -> None:
     assert 28.5 < result.perplexity < 30.5, result
 
 
-def test_train_mode_model_is_scored_in_eval_mode(stories: tuple, tinystories_text: str) -> None:
+def test_train_mode_model_is_scored_in_eval_mode(tiny_llama: tuple, tiny_text: str) -> None:
     import copy
 
-    model, tok = stories
-    ids = tokenize_text(tinystories_text, tok)
+    model, tok = tiny_llama
+    ids = tokenize_text(tiny_text, tok)
     reference = perplexity_from_ids(model, ids, seq_len=128, max_windows=2)
     training = copy.deepcopy(model)
     training.train()
