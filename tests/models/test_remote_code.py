@@ -26,10 +26,10 @@ AUTO_MAP = {
 }
 
 
-def _model_with_code(stories_dir: Path, tmp_path: Path, model_type: str) -> tuple[Path, Path]:
-    """A copy of stories260K whose config has auto_map and whose .py files leave a marker when imported."""
+def _model_with_code(tiny_llama_dir: Path, tmp_path: Path, model_type: str) -> tuple[Path, Path]:
+    """A copy of the tiny Llama whose config has auto_map and whose .py files leave a marker when imported."""
     model = tmp_path / f"model-{model_type}"
-    shutil.copytree(stories_dir, model)
+    shutil.copytree(tiny_llama_dir, model)
     for f in model.iterdir():
         f.chmod(0o644)
     marker = tmp_path / "MARKER"
@@ -45,15 +45,15 @@ def _model_with_code(stories_dir: Path, tmp_path: Path, model_type: str) -> tupl
 
 
 @pytest.fixture
-def remote_model(stories_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+def remote_model(tiny_llama_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """An architecture that exists only in the directory's own code (a model_type transformers lacks)."""
-    return _model_with_code(stories_dir, tmp_path, "x-custom")
+    return _model_with_code(tiny_llama_dir, tmp_path, "x-custom")
 
 
 @pytest.fixture
-def known_model(stories_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+def known_model(tiny_llama_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A llama checkpoint whose config also carries an auto_map (common on the Hub)."""
-    return _model_with_code(stories_dir, tmp_path, "llama")
+    return _model_with_code(tiny_llama_dir, tmp_path, "llama")
 
 
 def _assert_refusal(text: str, model: Path) -> None:
@@ -83,11 +83,11 @@ def test_load_of_a_hand_built_source_is_refused_too(remote_model) -> None:
 
 @pytest.mark.parametrize("answer", ["", "y\n"])
 @pytest.mark.parametrize("command", ["compress", "eval"])
-def test_cli_refuses_without_a_prompt(remote_model, tmp_path, tinystories_file, command, answer) -> None:
+def test_cli_refuses_without_a_prompt(remote_model, tmp_path, tiny_text_file, command, answer) -> None:
     model, marker = remote_model
     args = (["compress", str(model), "-o", str(tmp_path / "out"), "--recipe", "rtn-w4", "--json"]
             if command == "compress" else
-            ["eval", str(model), "--text", str(tinystories_file), "--seq-len", "64", "--max-windows", "1", "--json"])
+            ["eval", str(model), "--text", str(tiny_text_file), "--seq-len", "64", "--max-windows", "1", "--json"])
     result = runner.invoke(app, args, input=answer)  # "y" is what would have run the code at a prompt
     assert result.exit_code == 2, result.output
     assert result.stdout == ""  # no [y/N] prompt, nothing that breaks --json
@@ -96,14 +96,14 @@ def test_cli_refuses_without_a_prompt(remote_model, tmp_path, tinystories_file, 
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
-def test_auto_map_with_a_known_model_type_loads_the_builtin_class(known_model, tmp_path, tinystories_file) -> None:
+def test_auto_map_with_a_known_model_type_loads_the_builtin_class(known_model, tmp_path, tiny_text_file) -> None:
     model, marker = known_model
     out = tmp_path / "out"
     compressed = runner.invoke(app, ["compress", str(model), "-o", str(out), "--recipe", "rtn-w4", "--json"], input="")
     assert compressed.exit_code == 0, compressed.output
     assert json.loads(compressed.stdout)["quantized_modules"] > 0
     for target in (model, out):  # the source model and the artifact (its config keeps the auto_map)
-        evaluated = runner.invoke(app, ["eval", str(target), "--text", str(tinystories_file), "--seq-len", "64",
+        evaluated = runner.invoke(app, ["eval", str(target), "--text", str(tiny_text_file), "--seq-len", "64",
                                         "--max-windows", "1", "--json"], input="")
         assert evaluated.exit_code == 0, evaluated.output
         assert json.loads(evaluated.stdout)["windows"] == 1

@@ -1,4 +1,4 @@
-"""resolve_model / source_digest / load_model on real files (stories260K, a fake local HF cache, GGUF)."""
+"""resolve_model / source_digest / load_model on real files (the tiny Llama, a fake local HF cache, GGUF)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def _fake_cached_repo(cache: Path, repo_id: str, files_from: Path, commit: str =
 # ---------------------------------------------------------------------------------------------- resolve
 
 
-def test_resolve_hf_dir(stories_dir: Path) -> None:
-    source = resolve_model(str(stories_dir))
-    assert source == ModelSource(kind="hf_dir", path=stories_dir.resolve(), model_id=str(stories_dir))
+def test_resolve_hf_dir(tiny_llama_dir: Path) -> None:
+    source = resolve_model(str(tiny_llama_dir))
+    assert source == ModelSource(kind="hf_dir", path=tiny_llama_dir.resolve(), model_id=str(tiny_llama_dir))
     assert source.directory == source.path and source.gguf_file is None
 
 
@@ -98,23 +98,23 @@ def test_hub_id_not_in_cache(empty_hf_cache: Path) -> None:
     assert info.value.hint
 
 
-def test_hf_home_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stories_dir: Path) -> None:
+def test_hf_home_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
-    _fake_cached_repo(tmp_path / "home" / "hub", "org/tiny", stories_dir)
+    _fake_cached_repo(tmp_path / "home" / "hub", "org/tiny", tiny_llama_dir)
     assert resolve_model("org/tiny").kind == "hub_cache"
 
 
-def test_hub_id_in_cache_resolves_and_loads(empty_hf_cache: Path, stories_dir: Path) -> None:
-    snapshot = _fake_cached_repo(empty_hf_cache, "org/tiny-llama", stories_dir, commit="b" * 40)
+def test_hub_id_in_cache_resolves_and_loads(empty_hf_cache: Path, tiny_llama_dir: Path) -> None:
+    snapshot = _fake_cached_repo(empty_hf_cache, "org/tiny-llama", tiny_llama_dir, commit="b" * 40)
     source = resolve_model("org/tiny-llama")
     assert source.kind == "hub_cache"
     assert source.path == snapshot.resolve() and source.revision == "b" * 40
     assert source.model_id == "org/tiny-llama"
     # Symlinks into the blob store are followed: same bytes, same digest as the original directory.
-    assert source_digest(source) == source_digest(resolve_model(str(stories_dir)))
+    assert source_digest(source) == source_digest(resolve_model(str(tiny_llama_dir)))
     model, tokenizer = load_model(source)
-    assert model.config.vocab_size == 512 and tokenizer is not None
+    assert model.config.vocab_size == 320 and tokenizer is not None
 
 
 def test_cached_repo_without_config(empty_hf_cache: Path, tmp_path: Path) -> None:
@@ -151,14 +151,14 @@ def test_alias_resolves_to_packaged_gguf() -> None:
 # ----------------------------------------------------------------------------------------------- digest
 
 
-def test_source_digest_covers_model_files_only(tmp_path: Path, stories_dir: Path) -> None:
+def test_source_digest_covers_model_files_only(tmp_path: Path, tiny_llama_dir: Path) -> None:
     copy = tmp_path / "model"
-    shutil.copytree(stories_dir, copy)
+    shutil.copytree(tiny_llama_dir, copy)
     for f in copy.iterdir():
-        f.chmod(0o644)  # ../shared is read-only; the copy must be writable
+        f.chmod(0o644)  # a read-only source (../shared) gives read-only copies
     source = resolve_model(str(copy))
     base = source_digest(source)
-    assert base == source_digest(resolve_model(str(stories_dir)))  # location-independent
+    assert base == source_digest(resolve_model(str(tiny_llama_dir)))  # location-independent
     assert len(base) == 64 and int(base, 16) >= 0
 
     (copy / "README.md").write_text("a model card")
@@ -181,12 +181,12 @@ def test_source_digest_gguf_framing(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- load
 
 
-def test_load_model_eval_mode_and_dtype(stories: tuple, stories_dir: Path) -> None:
-    model, tokenizer = stories
+def test_load_model_eval_mode_and_dtype(tiny_llama: tuple, tiny_llama_dir: Path) -> None:
+    model, tokenizer = tiny_llama
     assert not model.training
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
-    bf16, _ = load_model(resolve_model(str(stories_dir)), dtype=torch.bfloat16)
+    bf16, _ = load_model(resolve_model(str(tiny_llama_dir)), dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
 
 
