@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from squeeze.compression.job import CompressJob, timed
+from squeeze.compression.quantize import weight_format
 from squeeze.compression.writer import (
     quantization_header,
     seal,
@@ -60,7 +61,6 @@ def _artifact_tensors(job: CompressJob) -> Iterator[tuple[str, torch.Tensor]]:
     group_of = {name: index for index, names in enumerate(job.groups) for name in names}
     remaining = {index: len(names) for index, names in enumerate(job.groups)}
     loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
-    recipe = job.recipe
     for key, tensor in unique_tensors(job.loaded_model().state_dict()):
         module_name = key.removesuffix(".weight") if key.endswith(".weight") else None
         if module_name not in group_of:
@@ -75,13 +75,9 @@ def _artifact_tensors(job: CompressJob) -> Iterator[tuple[str, torch.Tensor]]:
         remaining[index] -= 1
         if not remaining[index]:
             del loaded[index]
-        out_f, in_f = tensor.shape
-        quantized = job.modules
-        quantized[module_name] = {"method": recipe.weights.method, "bits": recipe.weights.bits,
-                                  "in_features": in_f, "out_features": out_f}
-        if recipe.weights.method == "rtn":
-            quantized[module_name]["group_size"] = recipe.weights.group_size or in_f
-        job.n_weights += out_f * in_f
+        spec = dict(meta["specs"][module_name])  # written by the weight's format when it was quantized
+        job.modules[module_name] = spec
+        job.n_weights += int(spec["out_features"]) * int(spec["in_features"])
         job.storage_bits += int(meta["storage_bits"][module_name])
 
 
@@ -91,6 +87,9 @@ def _load_group(job: CompressJob, index: int) -> tuple[dict[str, torch.Tensor], 
     if group is None:  # removed or corrupted since it was committed: the run must start that group over
         raise ResumeError(f"layer group checkpoint {job.work.group_path(index)} is missing or unreadable",
                           hint="rerun the same command: the group is quantized again")
+    if "specs" not in group[1]:  # committed by a squeeze that kept no module entries in its checkpoints
+        raise ResumeError(f"layer group checkpoint {job.work.group_path(index)} was written by an older squeeze",
+                          hint="rerun with --restart to quantize again")
     return group
 
 
@@ -109,7 +108,7 @@ def write_metadata(
         "outlier_fraction": w.outlier_fraction,
         "sensitivity": w.sensitivity,
         "group_size": w.group_size,
-        "lut_dtype": w.lut_dtype if w.method == "squeeze" else None,
+        "lut_dtype": w.lut_dtype if "lut_dtype" in weight_format(recipe).recipe_options else None,
         "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else None,
         "modules": quantized,
     }

@@ -39,7 +39,7 @@ from squeeze.compression.preflight import (
     meta_model,
 )
 from squeeze.compression.publish import finish_publish, publish_stage
-from squeeze.compression.quantize import layer_groups, quantize_module, quantize_stage
+from squeeze.compression.quantize import layer_groups, quantize_module, quantize_stage, weight_format
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.compression.writer import FORMAT_VERSION
 from squeeze.config import CalibrationSpec, Recipe
@@ -51,7 +51,8 @@ from squeeze.version import __version__
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    return recipe.weights.method == "squeeze" and recipe.weights.sensitivity == "fisher"
+    """Whether compress needs calibration text: the recipe's format uses the Fisher and the recipe asks for it."""
+    return weight_format(recipe).uses_fisher and recipe.weights.sensitivity == "fisher"
 
 
 def run_compress(
@@ -140,7 +141,8 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibration else 0)
     already = 0 if job.restart else job.work.disk_bytes()
     check_disk(job.work.output, estimate, checkpoint_bytes - already, force)
-    check_memory(estimate_peak_memory(skeleton, job.recipe, calibration.seq_len if calibration else None), force)
+    seq_len = calibration.seq_len if calibration else None
+    check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
     job.target_names = tuple(targets)

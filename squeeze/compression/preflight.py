@@ -124,8 +124,10 @@ def check_disk(output: Path, estimate: SizeEstimate, extra_bytes: int = 0, force
 BASE_PROCESS_BYTES = 600 * 2**20
 
 
-def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: int | None) -> int:
+def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: int | None, *,
+                         targets: dict[str, nn.Linear] | None = None) -> int:
     """Rough peak resident bytes of a compress run of ``model`` (meta) with ``recipe``; None seq_len: no Fisher.
+    ``targets``: the model's target linears when the caller already found them (else found here).
 
     fp32 weights stay loaded throughout; loading briefly holds a second copy (GGUF dequantization, state
     dict); Fisher adds one fp32 accumulator per target weight plus one window's activations (logits,
@@ -137,7 +139,8 @@ def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: 
         if id(tensor) not in seen:
             seen.add(id(tensor))
             params += tensor.numel() * 4
-    targets = find_target_linears(model, recipe.weights.targets, recipe.weights.ignore)
+    if targets is None:
+        targets = find_target_linears(model, recipe.weights.targets, recipe.weights.ignore)
     largest = max((m.weight.numel() for m in targets.values()), default=0) * 4
     working = largest * 8  # k-means / sparse selection scratch on one layer
     if calibration_seq_len is not None:

@@ -14,32 +14,27 @@ from torch import nn
 
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import Recipe
-from squeeze.quant.nuq import quantize_lut
-from squeeze.quant.qweight import QuantizedWeight
-from squeeze.quant.rtn import rtn_quantize
-from squeeze.quant.sparse import select_sparse
+from squeeze.quant.schemes import WeightFormat, format_for_recipe
+
+
+def weight_format(recipe: Recipe) -> type[WeightFormat]:
+    """The registered format ``recipe.weights`` selects (recipes are checked against the registry when built)."""
+    fmt = format_for_recipe(recipe.weights)
+    if fmt is None:
+        raise ValueError(f"no registered weight format for method {recipe.weights.method!r}")
+    return fmt
 
 
 def quantize_module(
     weight: torch.Tensor, fisher: torch.Tensor | None, recipe: Recipe, timings: dict[str, float] | None = None
-) -> QuantizedWeight:
-    """Quantize one (out, in) fp32 weight as ``recipe.weights`` says.
+) -> WeightFormat:
+    """Quantize one (out, in) fp32 weight by the format ``recipe.weights`` selects.
 
-    Adds "sparse" / "kmeans" / "rtn" seconds to ``timings``.
+    The format's named parts (e.g. "sparse" / "kmeans", "rtn") add their seconds to ``timings``.
     """
-    w = recipe.weights
     timings = {} if timings is None else timings
-    if w.method == "rtn":
-        with timed(timings, "rtn"):
-            return rtn_quantize(weight, w.bits, w.group_size)
-    fisher = fisher if w.sensitivity == "fisher" else None
-    mask = None
-    if w.sensitive_fraction or w.outlier_fraction:
-        with timed(timings, "sparse"):
-            mask = select_sparse(weight, fisher, w.sensitive_fraction, w.outlier_fraction)
-    with timed(timings, "kmeans"):
-        return quantize_lut(weight, fisher, w.bits, w.sensitive_fraction, w.outlier_fraction, mask=mask,
-                            lut_dtype=w.lut_dtype)
+    fisher = fisher if recipe.weights.sensitivity == "fisher" else None
+    return weight_format(recipe).quantize(weight, fisher, recipe.weights, lambda part: timed(timings, part))
 
 
 def layer_groups(net: nn.Module, targets: dict[str, nn.Linear]) -> list[list[str]]:
@@ -78,7 +73,7 @@ def quantize_stage(job: CompressJob) -> None:
 def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One group's tensors ({tensor name: tensor}) and checkpoint metadata (modules, tensor names, bits)."""
     tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}}
+    meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}, "specs": {}}
     for name in names:
         weight = job.targets[name].weight.detach().float()
         qweight = quantize_module(weight, job.fisher.pop(name, None), job.recipe, job.timings)
@@ -86,7 +81,8 @@ def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch
         tensors.update(parts)
         meta["tensors"][name] = list(parts)
         meta["storage_bits"][name] = qweight.storage_bits()
+        meta["specs"][name] = qweight.module_spec()  # the artifact's module entry: the weight actually written
     return tensors, meta
 
 
-__all__ = ["quantize_module", "layer_groups", "quantize_stage"]
+__all__ = ["quantize_module", "weight_format", "layer_groups", "quantize_stage"]

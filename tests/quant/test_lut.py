@@ -186,11 +186,13 @@ def test_precomputed_mask_gives_the_same_result_and_bad_masks_are_refused():
     f = torch.rand(8, 40, generator=g)
     mask = select_sparse(w, f, 0.01, 0.02)
     direct = quantize_lut(w, f, 3, 0.01, 0.02)
-    given = quantize_lut(w, f, 3, 0.01, 0.02, mask=mask)
+    given = quantize_lut(w, f, 3, mask=mask)
     assert torch.equal(direct.dequantize(), given.dequantize())
     assert torch.equal(direct.packed, given.packed)
     with pytest.raises(ValueError, match="mask must be a bool tensor"):
-        quantize_lut(w, f, 3, 0.01, 0.02, mask=mask[:, :5])
+        quantize_lut(w, f, 3, mask=mask[:, :5])
+    with pytest.raises(ValueError, match="either the sparse fractions or a precomputed mask"):
+        quantize_lut(w, f, 3, 0.01, 0.02, mask=mask)  # the fractions would be silently ignored
 
 
 def test_int8_lut_round_trips_exactly_and_costs_half_the_lut_bits():

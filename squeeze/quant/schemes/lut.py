@@ -194,8 +194,8 @@ def quantize_lut(
     # contract checks (ValueError): recipes were validated against squeeze.limits at the boundary
     check_bits(bits)
     _check_inputs(weight, fisher, mask, lut_dtype)
-    if mask is not None and (sensitive_fraction or outlier_fraction):  # transitional: until compress passes mask only
-        sensitive_fraction = outlier_fraction = 0.0
+    if mask is not None and (sensitive_fraction or outlier_fraction):
+        raise ValueError("give either the sparse fractions or a precomputed mask, not both")
     weight = weight.detach()
     w32 = weight.to(torch.float32)
     if mask is None and (sensitive_fraction > 0 or outlier_fraction > 0):
