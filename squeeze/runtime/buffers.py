@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -78,14 +79,14 @@ def buffer_skeleton(model: nn.Module) -> nn.Module:
 
 def no_init_weights() -> contextlib.AbstractContextManager[Any]:
     """transformers' context that skips weight initialisation (a no-op context if this version lacks it)."""
-    try:
-        from transformers.initialization import no_init_weights as skip
-    except ImportError:  # pragma: no cover - older transformers
+    for where in ("transformers.initialization", "transformers.modeling_utils"):  # 5.x, then 4.x
         try:
-            from transformers.modeling_utils import no_init_weights as skip
+            skip = getattr(importlib.import_module(where), "no_init_weights", None)
         except ImportError:
-            return contextlib.nullcontext()
-    return skip()
+            continue
+        if skip is not None:
+            return cast(contextlib.AbstractContextManager[Any], skip())
+    return contextlib.nullcontext()
 
 
 def _is_non_persistent(model: nn.Module, name: str) -> bool:
