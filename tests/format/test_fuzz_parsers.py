@@ -29,9 +29,11 @@ NASTY_PATHS = ["../secret.txt", "/etc/passwd", "extra/../../secret.txt", "..", "
                "model-00001-of-00002.safetensors", "x" * 300, "\udcff", "extra/./notes.txt"]
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
                          st.floats(allow_nan=False), st.text(max_size=20), st.sampled_from(NASTY_PATHS))
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                                 st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                           max_leaves=12)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 def mutate(document: object, data: st.DataObject) -> object:

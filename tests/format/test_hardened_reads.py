@@ -14,9 +14,9 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from blocking import within
 from typer.testing import CliRunner
 
+from blocking import within
 from squeeze import verify_model_integrity
 from squeeze.cli.app import app
 from squeeze.errors import FormatError

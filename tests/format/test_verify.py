@@ -6,7 +6,7 @@ import pytest
 
 from squeeze import verify_model_integrity
 from squeeze.errors import FormatError
-from squeeze.format.manifest import MANIFEST_NAME, root_digest, FileEntry
+from squeeze.format.manifest import MANIFEST_NAME, FileEntry, root_digest
 from squeeze.format.shards import INDEX_NAME
 
 SHARD = "model-00001-of-00002.safetensors"
