@@ -19,7 +19,7 @@ from squeeze.config import WeightsConfig, load_recipe
 from squeeze.errors import ConfigError, FormatError
 from squeeze.quant import kv_spec as quant_kv
 from squeeze.quant import packing, schemes
-from squeeze.quant.nuq import quantize_lut
+from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.runtime.kernels.layout import GROUPS
 
 PACKAGE = Path(limits.__file__).resolve().parent

@@ -42,8 +42,9 @@ from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetenso
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
-from squeeze.quant.qweight import LutWeight, QuantizedWeight, RtnWeight
-from squeeze.runtime.linear import SqueezeLinear
+from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
+from squeeze.runtime.linear import SqueezeLinear, replace_linear
+from squeeze.runtime.buffers import materialise_computed_buffers
 from squeeze.runtime.memory import check_load_memory
 
 QUANT_METHOD = "squeeze"
@@ -114,7 +115,7 @@ def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
     return no_init_weights()
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     dtypes = {
         "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
         "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
@@ -193,21 +194,34 @@ def _read_shard(root_fd: int, relative: str) -> tuple[SafetensorsHeader, torch.T
 def _tensor_views(header: SafetensorsHeader, data: torch.Tensor) -> dict[str, torch.Tensor]:
     """The header's tensors as views into ``data`` (the whole file as uint8), shapes and dtypes as declared."""
     base = header.data_start
-    return {name: data[base + info.begin : base + info.end].view(_torch_dtype(info.dtype)).reshape(info.shape)
+    return {name: data[base + info.begin : base + info.end].view(torch_dtype(info.dtype)).reshape(info.shape)
             for name, info in header.tensors.items()}
 
 
-def quantized_weight_from(tensors: dict[str, torch.Tensor], name: str, spec: dict[str, Any]) -> QuantizedWeight:
-    """Rebuild one module's quantized weight from artifact tensors and its quantization_config entry."""
-    method, bits, in_features = spec.get("method"), spec.get("bits"), spec.get("in_features")
-    if not isinstance(bits, int) or not isinstance(in_features, int):
-        raise FormatError(f"quantization_config.modules[{name!r}] lacks integer 'bits' / 'in_features'")
-    if method == "squeeze":
-        return LutWeight.from_tensors(tensors, name, bits=bits, in_features=in_features)
-    if method == "rtn":
-        return RtnWeight.from_tensors(tensors, name, bits=bits, in_features=in_features,
-                                      group_size=spec.get("group_size") or in_features)
-    raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {method!r}")
+def quantized_weight_from(tensors: Mapping[str, torch.Tensor], name: str, spec: Mapping[str, Any], *,
+                          check_values: bool = True) -> WeightFormat:
+    """One module's quantized weight, rebuilt by its registered format from artifact tensors (or meta
+    tensors shaped like them, with ``check_values=False``) and its ``quantization_config.modules`` entry."""
+    dtypes = {role: t.dtype for role in stored_roles() if (t := tensors.get(f"{name}.{role}")) is not None}
+    cls = format_for_module(spec.get("method"), dtypes)
+    if cls is None:
+        raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {short_repr(spec.get('method'), 60)}",
+                          hint="this squeeze reads methods " + ", ".join(repr(m) for m in methods()))
+    return cls.from_spec(tensors, name, spec, check_values=check_values)
+
+
+def swap_in_quantized(model: nn.Module, name: str, qweight: WeightFormat, bias: torch.Tensor | None, *,
+                      dense_cache: bool = True) -> None:
+    """Replace the linear ``name`` of ``model`` by a SqueezeLinear holding ``qweight`` (FormatError when the
+    model has no such linear, or one of another size): the module swap of both loaders."""
+    def build(old: nn.Linear) -> SqueezeLinear:
+        if (old.out_features, old.in_features) != (qweight.out_features, qweight.in_features):
+            raise FormatError(f"{name}: config.json builds a {old.out_features} x {old.in_features} linear, but the "
+                              f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
+                              hint="config.json does not belong to these tensors; re-create the artifact")
+        return SqueezeLinear(qweight, bias, dense_cache=dense_cache)
+
+    replace_linear(model, name, build)
 
 
 def verified_report(directory: Path, *, capture: bool = False) -> VerifyReport:
@@ -237,48 +251,51 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
     directory = resolve_root(path)
     if check_memory:
         check_load_memory(directory, dense_cache=dense_cache)
-    report = None
-    if verify:
-        report = verified_report(directory, capture=True)
-        tensors = tensors_from_captured(report)
-        files = {p: bytes(h.data.numpy()) for p, h in report.captured.items()
-                 if h.data is not None and not p.endswith(".safetensors")}
-        kv_header = report.headers.get(KV_FILE)
-        kv_names = list(kv_header.tensors) if kv_header is not None else []
-    else:
-        tensors, files, kv_names = _read_unverified(directory)
+    report = verified_report(directory, capture=True) if verify else None
+    tensors, files, kv_names = _read_verified(report) if report is not None else _read_unverified(directory)
     kv_tensors = {k: tensors.pop(k) for k in kv_names if k in tensors}
     tensor_bytes = sum(t.nbytes for t in tensors.values())
     if "config.json" not in files:
         raise FormatError(f"{short_path(directory / 'config.json')} is missing",
                           hint="an artifact needs the config.json written by squeeze compress")
     config = parse_config(files["config.json"], "config.json")
+    quant, modules = quantized_modules(config)
+    check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
+    model = build_skeleton(config)
+    for name, spec in modules.items():
+        qweight = quantized_weight_from(tensors, name, spec)
+        for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
+            del tensors[key]
+        swap_in_quantized(model, name, qweight, tensors.pop(f"{name}.bias", None), dense_cache=dense_cache)
+    _load_other_tensors(model, tensors)
+    materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
+    model.eval()
+    kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
+    return LoadedModel(model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report,
+                       kv_spec=kv_spec)
+
+
+def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
+    """(tensors, small files, KV-file tensor names) from the bytes verification hashed (no second read)."""
+    files = {p: bytes(h.data.numpy()) for p, h in report.captured.items()
+             if h.data is not None and not p.endswith(".safetensors")}
+    kv_header = report.headers.get(KV_FILE)
+    return tensors_from_captured(report), files, list(kv_header.tensors) if kv_header is not None else []
+
+
+def quantized_modules(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(quantization_config, its ``modules``: name -> module entry) of an artifact's config.json."""
     quant = config.get("quantization_config") or {}
     if not isinstance(quant, dict):
         raise FormatError("config.json: quantization_config must be an object")
     modules = quant.get("modules", {}) if quant.get("quant_method") == QUANT_METHOD else {}
     if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
         raise FormatError("config.json: quantization_config.modules must map module names to objects")
-    check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
-    model = build_skeleton(config)
-    for name, spec in modules.items():
-        parent_name, _, child = name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name) if parent_name else model
-        except AttributeError:
-            parent = None
-        old = getattr(parent, child, None) if parent is not None else None
-        if not isinstance(old, nn.Linear):
-            raise FormatError(f"quantization_config names {name!r}, which is not a linear layer of this architecture")
-        bias = tensors.pop(f"{name}.bias", None)
-        qweight = quantized_weight_from(tensors, name, spec)
-        if (old.out_features, old.in_features) != (qweight.out_features, qweight.in_features):
-            raise FormatError(f"{name}: config.json builds a {old.out_features} x {old.in_features} linear, but the "
-                              f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
-                              hint="config.json does not belong to these tensors; re-create the artifact")
-        for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
-            del tensors[key]
-        setattr(parent, child, SqueezeLinear(qweight, bias, dense_cache=dense_cache))
+    return quant, modules
+
+
+def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor that is not a quantized weight, assigned by name; FormatError for extra or missing ones."""
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:  # shape mismatches: the config and the tensors disagree
@@ -292,12 +309,7 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
     if missing:
         raise FormatError(f"artifact lacks tensors the architecture needs: {sorted(missing)[:3]}")
     if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    _materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
-    model.eval()
-    kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
-    return LoadedModel(model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report,
-                       kv_spec=kv_spec)
+        model.tie_weights()  # type: ignore[operator]
 
 
 #: Integer dimensions of a config that size what the skeleton builds (checked before building it).
@@ -361,17 +373,6 @@ def _expect(config: Mapping[str, Any], key: str, found: object, what: str, hint:
     value = config.get(key)
     if isinstance(value, int) and value != found:  # absent or per-layer (a list): nothing to compare
         raise FormatError(f"config.json: {key} is {short_repr(value, 60)}, but {what}", hint=hint)
-
-
-def _materialise_computed_buffers(model: nn.Module, limit: int) -> None:
-    """Buffers computed from the config at init (rotary ``inv_freq``) are still on meta: rebuild them on CPU.
-
-    FormatError, before allocating any, when they would take more than ``limit`` bytes (a config can ask
-    for tables sized by e.g. max_position_embeddings that no tensor of the artifact bounds).
-    """
-    from squeeze.runtime.buffers import materialise_computed_buffers  # one general rebuild, no per-class code
-
-    materialise_computed_buffers(model, limit)
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> Any:

@@ -14,7 +14,7 @@ from squeeze.cli.app import app
 from squeeze.compression import preflight
 from squeeze.models import load_model, resolve_model
 from squeeze.models.targets import find_target_linears
-from squeeze.quant.nuq import quantize_lut
+from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.runtime.linear import SqueezeLinear
 
 runner = CliRunner()
