@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
+from squeeze.runtime.checks import check_context, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.kvcache import SqueezeKVCache
 
@@ -87,53 +88,6 @@ class GenerationResult:
         }
 
 
-def validate_options(
-    prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float
-) -> list[str]:
-    """Check generation options before anything expensive runs; returns the prompts as a list.
-
-    Raises ConfigError for no prompts, an empty (or whitespace-only) prompt, max_new_tokens <= 0,
-    temperature < 0 or top_p outside (0, 1].
-    """
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ConfigError("no prompt given", hint="pass a PROMPT, or --prompts-file with one prompt per line")
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) or not prompt.strip():
-            where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
-            raise ConfigError(f"{where} is empty; expected some text to continue", hint="pass a non-empty prompt")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, found {max_new_tokens!r}",
-                          hint="e.g. --max-new-tokens 128")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
-        raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), found {temperature!r}",
-                          hint="use 0 for greedy decoding, or e.g. 0.7 to sample")
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1], found {top_p!r}", hint="1.0 keeps the whole distribution")
-    return prompts
-
-
-def resolve_device(name: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``cuda:N`` as a torch.device; ConfigError when it is unknown or unavailable."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"unknown device {name!r}; expected cpu, cuda or cuda:N", hint="--device cpu") from exc
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise ConfigError(f"device {name!r} is not supported; expected cpu, cuda or cuda:N", hint="--device cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested, but torch.cuda.is_available() is False on this machine",
-                          hint="use --device cpu, or install a CUDA build of torch on a machine with a GPU")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {name!r} requested, but only {torch.cuda.device_count()} CUDA device(s) exist",
-                          hint="--device cuda:0")
-    return device
-
-
 class _RunStreamer:
     """Times decoding and streams the first row's text: ``put(next_tokens (B,))`` per step, then ``end()``.
 
@@ -170,14 +124,14 @@ class _RunStreamer:
         # a trailing U+FFFD is a multi-byte character whose bytes have not all arrived yet
         ready = len(text) if not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
         if ready > self._printed:
-            self.stream(text[self._printed:ready])
+            self.stream(text[self._printed : ready])
             self._printed = ready
 
     def end(self) -> None:
         if self.stream is not None:
             text = self._decode()
             if len(text) > self._printed:
-                self.stream(text[self._printed:])
+                self.stream(text[self._printed :])
                 self._printed = len(text)
 
     def _decode(self) -> str:
@@ -207,8 +161,10 @@ def _format_prompts(tokenizer: Any, prompts: list[str], chat: bool) -> list[str]
     if not chat:
         return prompts
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("chat mode (--chat) needs a chat template, but this model's tokenizer has none",
-                          hint="drop --chat to continue the raw prompt (base models have no template)")
+        raise ConfigError(
+            "chat mode (--chat) needs a chat template, but this model's tokenizer has none",
+            hint="drop --chat to continue the raw prompt (base models have no template)",
+        )
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in prompts
@@ -220,30 +176,6 @@ def _peak_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
-def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: int) -> None:
-    """Refuse (ConfigError) prompts that leave no room for ``max_new_tokens`` in a ``context``-token model.
-
-    ``prompt_tokens``: each prompt's token count (a batch is padded to the longest). A prompt that alone
-    fills the context is too long whatever ``--max-new-tokens`` is, so the hint says to shorten it; only
-    when at least one new token fits does the hint suggest a smaller ``--max-new-tokens``.
-    """
-    longest = max(prompt_tokens)
-    if longest + max_new_tokens <= context:
-        return
-    which = (f"prompt {prompt_tokens.index(longest) + 1} of {len(prompt_tokens)}" if len(prompt_tokens) > 1
-             else "the prompt")
-    if longest >= context:  # no --max-new-tokens helps: not even one new token fits
-        room = context - max_new_tokens
-        raise ConfigError(
-            f"{which} is too long: it has {longest} tokens, and the model's context is {context} tokens for the "
-            "prompt and the new tokens together",
-            hint=(f"shorten {which} to at most {room} tokens for --max-new-tokens {max_new_tokens}" if room >= 1
-                  else f"shorten {which} and lower --max-new-tokens so that together they fit in {context} tokens"))
-    raise ConfigError(
-        f"{which} ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
-        f"{context} tokens", hint=f"use --max-new-tokens {context - longest} or less, or shorten {which}")
-
-
 @dataclass(frozen=True)
 class _Batch:
     """Prompts as (B, T) int64 ids and mask on the model's device, left-padded with ``pad_id``; unpadded lengths."""
@@ -252,17 +184,6 @@ class _Batch:
     attention_mask: torch.Tensor
     pad_id: int
     prompt_tokens: list[int]
-
-
-@dataclass(frozen=True)
-class _Clock:
-    """perf_counter readings of one run: start, first and last new token, end; and the decoding steps."""
-
-    start: float
-    first: float
-    last: float
-    end: float
-    steps: int
 
 
 def generate(
@@ -296,31 +217,43 @@ def generate(
     if isinstance(context, int) and not isinstance(context, bool):
         check_context(batch.prompt_tokens, max_new_tokens, context)
     eos_ids = _eos_ids(model, tokenizer)
-    options = DecodeOptions(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
-                            pad_id=batch.pad_id, eos_ids=frozenset(eos_ids))
+    options = DecodeOptions(
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        pad_id=batch.pad_id,
+        eos_ids=frozenset(eos_ids),
+    )
     if seed is not None:  # for greedy too: harmless, and keeps any stochastic module reproducible
         torch.manual_seed(seed)
     cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=getattr(model, "config", None))
-    streamer = _RunStreamer(tokenizer, stream, eos_ids)
-    new, clock = _run(model, batch, cache, options, streamer)
-    texts: list[str] = []
-    new_tokens: list[int] = []
-    for row in new.tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))  # through the first eos
-        new_tokens.append(cut)
-        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    device = batch.input_ids.device
-    decode_seconds = max(0.0, clock.last - clock.first)
-    tps = (clock.steps - 1) * len(prompts) / decode_seconds if clock.steps > 1 and decode_seconds > 0 else None
-    return GenerationResult(
-        texts=texts, prompt_tokens=batch.prompt_tokens, new_tokens=new_tokens, load_seconds=float(load_seconds),
-        ttft_seconds=clock.first - clock.start, decode_seconds=decode_seconds, total_seconds=clock.end - clock.start,
-        tokens_per_second=tps, peak_rss_bytes=_peak_rss_bytes(),
-        peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-        device=str(device), do_sample=options.do_sample,
-        kv_cache=f"int{kv_spec.bits}" if kv_spec is not None else str(model.dtype).removeprefix("torch."),
-        kv_cache_bytes=_cache_bytes(cache), kv_bytes_per_token=_kv_table(model, kv_spec),
-    )
+    run = _Run(model, tokenizer, batch, options, cache, kv_spec, float(load_seconds))
+    return _result(run, *_decode_timed(run, _RunStreamer(tokenizer, stream, eos_ids)))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One generate call, prepared: the model and tokenizer, the tokenized batch, how to decode, the KV cache
+    (and the spec it was built from, None for transformers' DynamicCache), the load time to report."""
+
+    model: nn.Module
+    tokenizer: Any
+    batch: _Batch
+    options: DecodeOptions
+    cache: Any
+    kv_spec: KVSpec | None
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """perf_counter readings of one run: start, first and last new token, end; and the decoding steps."""
+
+    start: float
+    first: float
+    last: float
+    end: float
+    steps: int
 
 
 def _model_and_tokenizer(loaded_or_model: Any, tokenizer: Any | None) -> tuple[nn.Module, Any]:
@@ -341,8 +274,9 @@ def _tokenize(tokenizer: Any, texts: list[str], chat: bool, device: torch.device
     saved = (tokenizer.padding_side, tokenizer.pad_token)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ConfigError("the tokenizer has neither a pad nor an eos token; cannot pad a batch",
-                              hint="run one prompt at a time")
+            raise ConfigError(
+                "the tokenizer has neither a pad nor an eos token; cannot pad a batch", hint="run one prompt at a time"
+            )
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any id will do, eos is always there
     try:
         tokenizer.padding_side = "left"  # decoder-only: new tokens must follow the prompt directly
@@ -358,18 +292,17 @@ def _tokenize(tokenizer: Any, texts: list[str], chat: bool, device: torch.device
     return _Batch(encoded["input_ids"].to(device), attention_mask, int(pad_id), prompt_tokens)
 
 
-def _run(model: nn.Module, batch: _Batch, cache: Any, options: DecodeOptions,
-         streamer: _RunStreamer) -> tuple[torch.Tensor, _Clock]:
+def _decode_timed(run: _Run, streamer: _RunStreamer) -> tuple[torch.Tensor, _Clock]:
     """Prefill and decode under inference mode, timed; the new tokens as (B, steps) int64 on the CPU."""
-    device = batch.input_ids.device
+    device = run.batch.input_ids.device
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        state = prefill(model, batch.input_ids, batch.attention_mask, cache)
-        new = decode(model, state, options, on_tokens=streamer.put)
+        state = prefill(run.model, run.batch.input_ids, run.batch.attention_mask, run.cache)
+        new = decode(run.model, state, run.options, on_tokens=streamer.put)
     streamer.end()
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -378,11 +311,46 @@ def _run(model: nn.Module, batch: _Batch, cache: Any, options: DecodeOptions,
     return new.cpu(), _Clock(start=start, first=first, last=last, end=end, steps=streamer.steps)
 
 
+def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
+    """The texts (each row through its first end-of-sequence token) and the run's statistics."""
+    texts: list[str] = []
+    new_tokens: list[int] = []
+    for row in new.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in run.options.eos_ids), len(row))
+        new_tokens.append(cut)
+        texts.append(run.tokenizer.decode(row[:cut], skip_special_tokens=True))
+    device = run.batch.input_ids.device
+    decode_seconds = max(0.0, clock.last - clock.first)
+    rows = len(texts)
+    tps = (clock.steps - 1) * rows / decode_seconds if clock.steps > 1 and decode_seconds > 0 else None
+    return GenerationResult(
+        texts=texts,
+        prompt_tokens=run.batch.prompt_tokens,
+        new_tokens=new_tokens,
+        load_seconds=run.load_seconds,
+        ttft_seconds=clock.first - clock.start,
+        decode_seconds=decode_seconds,
+        total_seconds=clock.end - clock.start,
+        tokens_per_second=tps,
+        peak_rss_bytes=_peak_rss_bytes(),
+        peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+        device=str(device),
+        do_sample=run.options.do_sample,
+        kv_cache=f"int{run.kv_spec.bits}" if run.kv_spec is not None else str(run.model.dtype).removeprefix("torch."),
+        kv_cache_bytes=_cache_bytes(run.cache),
+        kv_bytes_per_token=_kv_table(run.model, run.kv_spec),
+    )
+
+
 def _cache_bytes(cache: Any) -> int:
     if isinstance(cache, SqueezeKVCache):
         return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _kv_table(model: nn.Module, kv_spec: KVSpec | None) -> dict[str, int] | None:
