@@ -89,7 +89,7 @@ def check_generate_options(
     non-finite ``temperature``, ``top_p`` outside (0, 1]; an unknown or unavailable ``device``; ``kv_bits``
     other than 4, 8, 16 or None, or ``kv_dynamic`` without 4 / 8 bits. Cheap: reads no file.
     """
-    from squeeze.runtime.generate import resolve_device, validate_options
+    from squeeze.runtime.checks import resolve_device, validate_options
     from squeeze.runtime.kvcache import check_kv_options
 
     prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
@@ -144,11 +144,24 @@ def compress(
     spec = None
     if needs_calibration(resolved) and calibration is not None:
         extra = {**dict(calibration_overrides or {}), **({"seed": seed} if seed is not None else {})}
-        spec = (calibration if isinstance(calibration, CalibrationSpec)
-                else load_calibration_spec(os.fspath(calibration), **extra))
+        spec = (
+            calibration
+            if isinstance(calibration, CalibrationSpec)
+            else load_calibration_spec(os.fspath(calibration), **extra)
+        )
     effective_seed = seed if seed is not None else (spec.seed if spec is not None else 0)
-    return run_compress(model, output, resolved, spec, seed=effective_seed, overwrite=overwrite, resume=resume,
-                        restart=restart, force=force, progress=progress)
+    return run_compress(
+        model,
+        output,
+        resolved,
+        spec,
+        seed=effective_seed,
+        overwrite=overwrite,
+        resume=resume,
+        restart=restart,
+        force=force,
+        progress=progress,
+    )
 
 
 def calibrate_kv(
@@ -180,10 +193,20 @@ def calibrate_kv(
 
     spec_arg = calibration if calibration is not None else default_calibration(target)
     overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
-    spec = (spec_arg if isinstance(spec_arg, CalibrationSpec)
-            else load_calibration_spec(os.fspath(spec_arg), **overrides))
-    return run_calibrate_kv(target, spec, bits, output=output, sink_tokens=sink_tokens, key_group=key_group,
-                            value_group=value_group, overwrite=overwrite, progress=progress)
+    spec = (
+        spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(os.fspath(spec_arg), **overrides)
+    )
+    return run_calibrate_kv(
+        target,
+        spec,
+        bits,
+        output=output,
+        sink_tokens=sink_tokens,
+        key_group=key_group,
+        value_group=value_group,
+        overwrite=overwrite,
+        progress=progress,
+    )
 
 
 def evaluate(
@@ -207,12 +230,21 @@ def evaluate(
     """
     from squeeze.eval.compare import evaluate as _evaluate
 
-    return _evaluate(model, text, baseline=baseline, seq_len=seq_len, max_windows=max_windows, progress=progress,
-                     kv_bits=kv_bits, kv_dynamic=kv_dynamic)
+    return _evaluate(
+        model,
+        text,
+        baseline=baseline,
+        seq_len=seq_len,
+        max_windows=max_windows,
+        progress=progress,
+        kv_bits=kv_bits,
+        kv_dynamic=kv_dynamic,
+    )
 
 
-def load(path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool = True,
-         check_memory: bool = True) -> LoadedModel:
+def load(
+    path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool = True, check_memory: bool = True
+) -> LoadedModel:
     """Verify an artifact against its manifest and load it (CPU, reference dequantization path).
 
     ``dense_cache=False`` dequantizes in row slices on every call instead of caching dense weights.
@@ -252,14 +284,43 @@ def generate(
     ``kv_bits``: the KV cache, as in :func:`evaluate` (default: what the artifact was calibrated for).
     Returns texts plus load time, time to first token, tokens/s, peak memory and KV-cache bytes.
     """
-    import time
-
     from squeeze.runtime.generate import generate as _generate
-    from squeeze.runtime.generate import resolve_device
     from squeeze.runtime.kvcache import kv_spec_for
 
-    prompt_list = check_generate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         top_p=top_p, device=device, kv_bits=kv_bits, kv_dynamic=kv_dynamic)
+    prompt_list = check_generate_options(
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        device=device,
+        kv_bits=kv_bits,
+        kv_dynamic=kv_dynamic,
+    )
+    loaded, load_seconds = _loaded_on(model, device, verify=verify, low_memory=low_memory)
+    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, kv_bits, dynamic=kv_dynamic)
+    return _generate(
+        loaded,
+        loaded.tokenizer,
+        prompt_list,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        chat=chat,
+        stream=stream,
+        load_seconds=load_seconds,
+        kv_spec=kv_spec,
+    )
+
+
+def _loaded_on(
+    model: str | os.PathLike[str] | LoadedModel, device: str, *, verify: bool, low_memory: bool
+) -> tuple[LoadedModel, float]:
+    """``model`` loaded (a path; a LoadedModel is taken as is) and moved to ``device``; the seconds loading took."""
+    import time
+
+    from squeeze.runtime.checks import resolve_device
+
     target = resolve_device(device)
     load_seconds = 0.0
     if isinstance(model, (str, os.PathLike)):
@@ -274,13 +335,24 @@ def generate(
         loaded = model
     if target.type != "cpu":
         loaded.model.to(target)
-    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, kv_bits, dynamic=kv_dynamic)
-    return _generate(loaded, loaded.tokenizer, prompt_list, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, seed=seed, chat=chat, stream=stream, load_seconds=load_seconds, kv_spec=kv_spec)
+    return loaded, load_seconds
 
 
 __all__ = [
-    "verify_model_integrity", "inspect", "compress", "calibrate_kv", "evaluate", "load", "generate",
-    "check_generate_options", "check_calibrate_kv_options", "builtin_recipes", "builtin_calibration_specs",
-    "short_path", "VerifyReport", "ArtifactInfo", "DEFAULT_SINK_TOKENS", "MIN_SEQ_LEN",
+    "verify_model_integrity",
+    "inspect",
+    "compress",
+    "calibrate_kv",
+    "evaluate",
+    "load",
+    "generate",
+    "check_generate_options",
+    "check_calibrate_kv_options",
+    "builtin_recipes",
+    "builtin_calibration_specs",
+    "short_path",
+    "VerifyReport",
+    "ArtifactInfo",
+    "DEFAULT_SINK_TOKENS",
+    "MIN_SEQ_LEN",
 ]
