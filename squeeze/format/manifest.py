@@ -232,28 +232,8 @@ def parse_manifest(data: bytes | str, name: str = MANIFEST_NAME) -> Manifest:
     digest = _field(obj, "root_digest", str, name)
     if not _SHA256_RE.fullmatch(digest):
         raise FormatError(f"{name}: root_digest must be 64 lowercase hex digits, found {digest[:80]!r}")
-    files: list[FileEntry] = []
     seen: set[str] = set()
-    for i, raw in enumerate(raw_files):
-        where = f"{name} files[{i}]"
-        if not isinstance(raw, dict):
-            raise FormatError(f"{where} must be an object, found {type(raw).__name__}")
-        extra = sorted(set(raw) - _FILE_KEYS)
-        if extra:
-            raise FormatError(f"{where}: unknown field(s) {', '.join(map(repr, extra))}")
-        path = check_relative_path(_field(raw, "path", str, where), where)
-        if path == MANIFEST_NAME:
-            raise FormatError(f"{where}: the manifest cannot list itself")
-        if path in seen:
-            raise FormatError(f"{where}: path {path!r} is listed twice")
-        seen.add(path)
-        size = _field(raw, "size", int, where)
-        if size < 0:
-            raise FormatError(f"{where}: size must be >= 0, found {size}")
-        sha = _field(raw, "sha256", str, where)
-        if not _SHA256_RE.fullmatch(sha):
-            raise FormatError(f"{where}: sha256 must be 64 lowercase hex digits, found {sha[:80]!r}")
-        files.append(FileEntry(path, size, sha))
+    files = [_file_entry(raw, f"{name} files[{i}]", seen) for i, raw in enumerate(raw_files)]
     prov_raw = _field(obj, "provenance", dict, name)
     provenance = Provenance(
         source_model=_optional_str(prov_raw, "source_model", name),
@@ -270,6 +250,28 @@ def parse_manifest(data: bytes | str, name: str = MANIFEST_NAME) -> Manifest:
         provenance=provenance,
         format_version=version,
     )
+
+
+def _file_entry(raw: object, where: str, seen: set[str]) -> FileEntry:
+    """One validated ``files[i]`` entry; ``seen`` collects the paths so far (a path listed twice is refused)."""
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where} must be an object, found {type(raw).__name__}")
+    extra = sorted(set(raw) - _FILE_KEYS)
+    if extra:
+        raise FormatError(f"{where}: unknown field(s) {', '.join(map(repr, extra))}")
+    path = check_relative_path(_field(raw, "path", str, where), where)
+    if path == MANIFEST_NAME:
+        raise FormatError(f"{where}: the manifest cannot list itself")
+    if path in seen:
+        raise FormatError(f"{where}: path {path!r} is listed twice")
+    seen.add(path)
+    size = _field(raw, "size", int, where)
+    if size < 0:
+        raise FormatError(f"{where}: size must be >= 0, found {size}")
+    sha = _field(raw, "sha256", str, where)
+    if not _SHA256_RE.fullmatch(sha):
+        raise FormatError(f"{where}: sha256 must be 64 lowercase hex digits, found {sha[:80]!r}")
+    return FileEntry(path, size, sha)
 
 
 def _optional_str(obj: dict[str, Any], key: str, where: str) -> str | None:
