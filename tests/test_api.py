@@ -15,8 +15,9 @@ def test_every_error_class_is_exported():
 
     from squeeze import errors
 
-    classes = {name for name, obj in vars(errors).items()
-               if inspect.isclass(obj) and issubclass(obj, errors.SqueezeError)}
+    classes = {
+        name for name, obj in vars(errors).items() if inspect.isclass(obj) and issubclass(obj, errors.SqueezeError)
+    }
     assert {"LockError", "ResumeError", "Interrupted"} <= classes
     for name in classes:
         assert getattr(squeeze, name) is getattr(errors, name) and name in squeeze.__all__

@@ -79,7 +79,8 @@ def test_memory_estimate_is_plausible(stories_dir):
 
 
 def test_resume_command_adds_resume_keeps_inputs_and_quotes():
-    command = resume_command("my model", {"--output": "out dir", "--recipe": "w3", "--seed": None, "--bits": 3},
-                             overwrite=True)
+    command = resume_command(
+        "my model", {"--output": "out dir", "--recipe": "w3", "--seed": None, "--bits": 3}, overwrite=True
+    )
     assert command == "squeeze compress 'my model' --output 'out dir' --recipe w3 --bits 3 --overwrite --resume"
     assert "--restart" not in command

@@ -44,12 +44,23 @@ def test_json_prints_only_json_with_the_stats(rtn_artifact: Path) -> None:
     result = run(PROMPT, "-m", str(rtn_artifact), "-n", "8", "--json", "--temperature", "0.8", "--seed", "3")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert {"text", "texts", "load_seconds", "ttft_seconds", "tokens_per_second", "new_tokens",
-            "peak_memory_bytes", "prompt_tokens", "verified", "model"} <= set(data)
+    assert {
+        "text",
+        "texts",
+        "load_seconds",
+        "ttft_seconds",
+        "tokens_per_second",
+        "new_tokens",
+        "peak_memory_bytes",
+        "prompt_tokens",
+        "verified",
+        "model",
+    } <= set(data)
     assert data["texts"] == [data["text"]] and 1 <= data["new_tokens"] <= 8 and data["verified"] is True
     assert data["load_seconds"] > 0 and data["ttft_seconds"] > 0 and data["peak_memory_bytes"] > 0
-    again = json.loads(run(PROMPT, "-m", str(rtn_artifact), "-n", "8", "--json", "--temperature", "0.8",
-                           "--seed", "3").stdout)
+    again = json.loads(
+        run(PROMPT, "-m", str(rtn_artifact), "-n", "8", "--json", "--temperature", "0.8", "--seed", "3").stdout
+    )
     assert again["text"] == data["text"]  # seeded sampling is reproducible
 
 
@@ -60,8 +71,9 @@ def test_prompts_file_runs_one_batch_and_low_memory_agrees(rtn_artifact: Path, t
     assert dense.exit_code == 0, dense.output
     data = json.loads(dense.stdout)
     assert len(data["texts"]) == 2 and len(data["prompt_tokens_per_prompt"]) == 2
-    low = json.loads(run("-m", str(rtn_artifact), "--prompts-file", str(prompts), "-n", "10", "--json",
-                         "--low-memory").stdout)
+    low = json.loads(
+        run("-m", str(rtn_artifact), "--prompts-file", str(prompts), "-n", "10", "--json", "--low-memory").stdout
+    )
     assert low["texts"] == data["texts"] and low["low_memory"] is True
     text_mode = run("-m", str(rtn_artifact), "--prompts-file", str(prompts), "-n", "10")
     assert text_mode.stdout.startswith(data["texts"][0]) and "--- prompt 2 ---" in text_mode.stdout

@@ -115,7 +115,7 @@ def test_artifact_generation_matches_the_models_own_generate(loaded) -> None:
     ids = loaded.tokenizer(PROMPT, return_tensors="pt")
     with torch.inference_mode():
         direct = loaded.model.generate(**ids, max_new_tokens=24, do_sample=False)
-    expected = loaded.tokenizer.decode(direct[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    expected = loaded.tokenizer.decode(direct[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert result.text == expected and result.text.strip()
     assert any(isinstance(m, SqueezeLinear) for m in loaded.model.modules())
 
@@ -173,8 +173,9 @@ def test_chat_with_a_template_wraps_the_prompt(loaded) -> None:
     tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Bot:"
     try:
         result = generate(loaded, None, "Tell a story", chat=True, max_new_tokens=6)
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Tell a story"}], tokenize=False,
-                                                 add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Tell a story"}], tokenize=False, add_generation_prompt=True
+        )
     finally:
         tokenizer.chat_template = None
     assert rendered.startswith("<s>User: Tell a story") and rendered.endswith("Bot:")
