@@ -106,7 +106,7 @@ def _window_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _only_targets_require_grad(model: nn.Module, targets: Iterable[nn.Parameter]) -> Iterator[None]:
+def _only_targets_require_grad(model: nn.Module, targets: Iterable[torch.Tensor]) -> Iterator[None]:
     # Freezing everything else means autograd computes no weight gradient for embeddings, norms, lm_head
     # (a large (V, d) matmul saved per window) or untargeted linears; activations' gradients are still
     # propagated where a target lies below them.
@@ -122,11 +122,11 @@ def _only_targets_require_grad(model: nn.Module, targets: Iterable[nn.Parameter]
 
 
 @contextmanager
-def _square_and_drop_hooks(weights: Mapping[str, nn.Parameter], fisher: Mapping[str, torch.Tensor]
+def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]
                            ) -> Iterator[None]:
     # One hook per distinct parameter: a weight shared by two target names (tied linears) must feed both
     # accumulators from the same gradient, not have the first hook drop it before the second runs.
-    by_param: dict[int, tuple[nn.Parameter, list[torch.Tensor]]] = {}
+    by_param: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for name, w in weights.items():
         by_param.setdefault(id(w), (w, []))[1].append(fisher[name])
 

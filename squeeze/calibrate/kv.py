@@ -72,15 +72,19 @@ def capture_kv(
     device = input_device(model)
     with torch.inference_mode(), eval_mode(model):
         for i in range(n):
-            cache = DynamicCache(config=model.config)
+            cache = DynamicCache(config=getattr(model, "config", None))
             model(input_ids=windows[i:i + 1].to(device), use_cache=True, **{cache_kwarg(model): cache})
             for layer_idx, layer in enumerate(cache.layers):
                 if layer_idx == len(keys):
                     keys.append([])
                     values.append([])
+                k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+                    raise ModelError(f"layer {layer_idx} caches no keys and values (linear attention?)",
+                                     hint="calibrate-kv quantizes the key/value cache of softmax attention only")
                 # (1, H, T, D) -> (T - sink, H, D): tokens first, sink dropped
-                keys[layer_idx].append(layer.keys[0, :, sink_tokens:].transpose(0, 1).float().cpu())
-                values[layer_idx].append(layer.values[0, :, sink_tokens:].transpose(0, 1).float().cpu())
+                keys[layer_idx].append(k[0, :, sink_tokens:].transpose(0, 1).float().cpu())
+                values[layer_idx].append(v[0, :, sink_tokens:].transpose(0, 1).float().cpu())
             if progress is not None:
                 progress(i + 1, n)
     return [_strided(torch.cat(k)) for k in keys], [_strided(torch.cat(v)) for v in values]

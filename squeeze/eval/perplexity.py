@@ -107,8 +107,8 @@ def perplexity_from_ids(
     word_ppl = float("nan")
     if tokenizer is not None:
         covered = windows.flatten().tolist()
-        n_words = len(tokenizer.decode(covered, skip_special_tokens=False,
-                                       clean_up_tokenization_spaces=False).split())
+        text = tokenizer.decode(covered, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        n_words = len(str(text).split())  # one sequence in, one string out
         word_ppl = _safe_exp(total_nll / n_words) if n_words else float("nan")
     return PerplexityResult(
         perplexity=_safe_exp(nll), word_perplexity=word_ppl, nll=nll, n_windows=n, n_tokens=n_tokens,

@@ -63,6 +63,9 @@ class SqueezeQuantConfig(QuantizationConfigMixin):
     Only pre-quantized artifacts load this way: squeeze compresses offline (``squeeze compress``).
     """
 
+    #: quantization_config.modules: module name -> module entry (set from the config's keys in __init__)
+    modules: dict[str, Any]
+
     def __init__(self, **kwargs: Any) -> None:
         version = kwargs.get("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
@@ -73,7 +76,8 @@ class SqueezeQuantConfig(QuantizationConfigMixin):
             raise FormatError("quantization_config.modules must map module names to objects")
         for key, value in kwargs.items():
             setattr(self, key, value)
-        self.quant_method = QUANT_METHOD
+        # transformers types quant_method as its own enum; registered out-of-tree methods are plain strings
+        self.quant_method = QUANT_METHOD  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.__dict__)
@@ -100,7 +104,8 @@ class SqueezeHfQuantizer(HfQuantizer):
         report = self._verified
         if report is None or Path(report.artifact_dir) != directory:
             report = verified_report(directory)
-        _check_shapes(model.config.to_dict(), report, self.quantization_config.modules)
+        config: Any = model.config  # a PreTrainedModel's config (nn.Module's typing knows no such attribute)
+        _check_shapes(config.to_dict(), report, self.quantization_config.modules)
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
         for name, spec in self.quantization_config.modules.items():
             _swap_in_squeeze_linear(model, name, spec, infos)

@@ -180,7 +180,7 @@ def _read_shard(root_fd: int, relative: str) -> tuple[SafetensorsHeader, torch.T
         head = read_header_prefix(handle)
         header = parse_safetensors_header(head, size, short_path(relative))  # before sizing anything by it
         data = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(data.numpy())
+        view = data.numpy().data  # a writable memoryview of the tensor's bytes
         view[: len(head)] = head
         done = len(head)
         while done < size:

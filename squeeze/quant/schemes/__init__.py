@@ -66,7 +66,8 @@ def formats_of(method: str) -> tuple[type[WeightFormat], ...]:
 
 def format_for_recipe(options: Any) -> type[WeightFormat] | None:
     """The format ``options`` (a recipe's weights: ``method`` and the keys of ``recipe_match``) selects."""
-    for cls in formats_of(getattr(options, "method", None)):
+    method = getattr(options, "method", None)
+    for cls in formats_of(method) if isinstance(method, str) else ():
         if all(getattr(options, key, None) == value for key, value in cls.recipe_match.items()):
             return cls
     return None
