@@ -9,7 +9,6 @@ scales), and every other tensor is loaded as is.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
@@ -43,8 +42,8 @@ from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
+from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
-from squeeze.runtime.buffers import materialise_computed_buffers
 from squeeze.runtime.memory import check_load_memory
 
 QUANT_METHOD = "squeeze"
@@ -98,21 +97,12 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
         config = AutoConfig.for_model(model_type, **plain)
         # no weight init: on the meta device it computes nothing, yet torch runs kaiming_uniform_ through its
         # Python decompositions for every linear (0.5 s of a 1.4 s SmolLM2 load, measured)
-        with torch.device("meta"), _no_init_weights(), warnings.catch_warnings():
+        with torch.device("meta"), no_init_weights(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - unknown model types and bad configs raise many kinds
         raise FormatError(f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}") from None
     return model.eval()
-
-
-def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
-    """transformers' context that skips weight initialisation (a no-op context if this version lacks it)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # pragma: no cover - older transformers
-        return contextlib.nullcontext()
-    return no_init_weights()
 
 
 def torch_dtype(name: str) -> torch.dtype:
