@@ -10,8 +10,8 @@ import torch
 
 from squeeze import api
 from squeeze.errors import ConfigError
-from squeeze.quant.nuq import quantize_lut
-from squeeze.quant.rtn import rtn_quantize
+from squeeze.quant.schemes.lut import quantize_lut
+from squeeze.quant.schemes.rtn import rtn_quantize
 from squeeze.runtime.generate import GenerationResult, generate, resolve_device, validate_options
 from squeeze.runtime.linear import SqueezeLinear
 
