@@ -82,7 +82,9 @@ def grid_value_quantizers(values: list[Tensor]) -> list[Quantizer]:
 
         # defaults bind this layer's fit (a closure would see the loop's last one)
         def quantizer(
-            x: Tensor, clip: Tensor = fit.clip.reshape(1, -1, 1, 1), symmetric: bool = fit.symmetric  # noqa: B008
+            x: Tensor,
+            clip: Tensor = fit.clip.reshape(1, -1, 1, 1),  # noqa: B008 - bound per closure on purpose
+            symmetric: bool = fit.symmetric,
         ) -> Tensor:
             scale, offset = token_grid(x, 4, clip, symmetric)
             return dequantize(quantize(x, scale, offset, 4), scale, offset)
@@ -124,8 +126,9 @@ def main() -> None:
 
     def ppl(kq: list[Quantizer] | None, vq: list[Quantizer] | None, sink: int) -> float:
         factory = None if kq is None and vq is None else (lambda: FakeQuantCache(model.config, kq, vq, sink))
-        return perplexity_from_ids(model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows,
-                                   kv_cache=factory).perplexity
+        return perplexity_from_ids(
+            model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, kv_cache=factory
+        ).perplexity
 
     k_head, k_32 = key_quantizers(keys, None), key_quantizers(keys, 32)
     v_grid, v_codebook = grid_value_quantizers(values), codebook_value_quantizers(values)

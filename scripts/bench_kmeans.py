@@ -73,11 +73,11 @@ def bench_one(rows: int, cols: int, bits: int, args: argparse.Namespace) -> dict
             t0 = time.perf_counter()
             fits = [
                 KMeans(n_clusters=k, n_init="auto", max_iter=50, random_state=0).fit(x.reshape(-1, 1), sample_weight=f)
-                for x, f in zip(rows_x, rows_f)
+                for x, f in zip(rows_x, rows_f, strict=True)
             ]
             passes.append(time.perf_counter() - t0)
     ratios = []
-    for r, x, f, fit in zip(sample, rows_x, rows_f, fits):
+    for r, x, f, fit in zip(sample, rows_x, rows_f, fits, strict=True):
         ref = weighted_sse(x, f, fit.cluster_centers_.ravel())
         ours = weighted_sse(x, f, centroids[int(r)].numpy())
         ratios.append(ours / ref if ref > 0 else 1.0)

@@ -100,33 +100,49 @@ def calibrate_specs(model, windows: torch.Tensor, sink_tokens: int):  # noqa: AN
     return specs, fits
 
 
-def score_specs(model, eval_ids: torch.Tensor, specs: dict[str, KVSpec | None],  # noqa: ANN001
-                args: argparse.Namespace) -> dict[str, dict[str, float | None]]:
+def score_specs(
+    model,
+    eval_ids: torch.Tensor,
+    specs: dict[str, KVSpec | None],  # noqa: ANN001
+    args: argparse.Namespace,
+) -> dict[str, dict[str, float | None]]:
     """Per cache: perplexity (NaN with --skip-eval) and bytes per token, also as a ratio to fp16."""
     layers, kv_heads, head_dim = kv_geometry(model.config)
     fp16 = fp_bytes_per_token(layers, kv_heads, head_dim)
     rows: dict[str, dict[str, float | None]] = {}
     for name, spec in specs.items():
         per_token = fp16 if spec is None else spec.bytes_per_token(kv_heads, head_dim)
-        rows[name] = {"perplexity": float("nan"), "bytes_per_token": per_token, "bytes_ratio": per_token / fp16,
-                      "tokens_per_second_ratio": None}
+        rows[name] = {
+            "perplexity": float("nan"),
+            "bytes_per_token": per_token,
+            "bytes_ratio": per_token / fp16,
+            "tokens_per_second_ratio": None,
+        }
         if args.skip_eval:
             continue
         t = time.perf_counter()
         factory = None if spec is None else (lambda s=spec: SqueezeKVCache(s))
-        result = perplexity_from_ids(model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows,
-                                     kv_cache=factory)
+        result = perplexity_from_ids(
+            model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, kv_cache=factory
+        )
         rows[name]["perplexity"] = result.perplexity
         print(f"{name}: perplexity {result.perplexity:.4f} ({time.perf_counter() - t:.0f} s)", flush=True)
     return rows
 
 
-def time_decode(model, eval_ids: torch.Tensor, specs: dict[str, KVSpec | None],  # noqa: ANN001
-                args: argparse.Namespace) -> dict[str, list[float]]:
+def time_decode(
+    model,
+    eval_ids: torch.Tensor,
+    specs: dict[str, KVSpec | None],  # noqa: ANN001
+    args: argparse.Namespace,
+) -> dict[str, list[float]]:
     """Decode seconds per repeat for fp, int8 and int4, taken in turns so machine noise hits every cache alike."""
     prompt = eval_ids[None, : args.context]
-    makers = {"fp": lambda: DynamicCache(config=model.config),
-              "int8": lambda: SqueezeKVCache(specs["int8"]), "int4": lambda: SqueezeKVCache(specs["int4"])}
+    makers = {
+        "fp": lambda: DynamicCache(config=model.config),
+        "int8": lambda: SqueezeKVCache(specs["int8"]),
+        "int4": lambda: SqueezeKVCache(specs["int4"]),
+    }
     decode_seconds(model, prompt[:, :64], 4, makers["fp"])  # warm-up
     decode: dict[str, list[float]] = {}
     for _ in range(args.repeats):
@@ -137,13 +153,17 @@ def time_decode(model, eval_ids: torch.Tensor, specs: dict[str, KVSpec | None], 
 
 def print_table(args: argparse.Namespace, rows: dict[str, dict[str, float | None]]) -> None:
     full = rows["fp"]["perplexity"]
-    print(f"\nSmolLM2 KV cache, {args.eval_windows} x {args.seq_len} windows of {Path(args.eval_text).name}, "
-          f"calibrated on {args.calib_windows} x {args.seq_len} of {Path(args.calibration).name}")
+    print(
+        f"\nSmolLM2 KV cache, {args.eval_windows} x {args.seq_len} windows of {Path(args.eval_text).name}, "
+        f"calibrated on {args.calib_windows} x {args.seq_len} of {Path(args.calibration).name}"
+    )
     print(f"{'cache':<14}{'perplexity':>11}{'vs fp':>9}{'bytes/token':>13}{'vs fp16':>9}{'decode vs fp':>14}")
     for name, row in rows.items():
         ratio = row["tokens_per_second_ratio"]
-        print(f"{name:<14}{row['perplexity']:>11.4f}{row['perplexity'] / full - 1:>+9.2%}{row['bytes_per_token']:>13}"
-              f"{row['bytes_ratio']:>9.3f}{'' if ratio is None else f'{ratio:.2f}x':>14}")
+        print(
+            f"{name:<14}{row['perplexity']:>11.4f}{row['perplexity'] / full - 1:>+9.2%}{row['bytes_per_token']:>13}"
+            f"{row['bytes_ratio']:>9.3f}{'' if ratio is None else f'{ratio:.2f}x':>14}"
+        )
 
 
 def main() -> None:

@@ -33,8 +33,13 @@ from squeeze.models.targets import find_target_linears  # noqa: E402
 from squeeze.quant.schemes.lut import quantize_lut  # noqa: E402
 from squeeze.quant.schemes.rtn import rtn_quantize  # noqa: E402
 
-SQUEEZE = {"w4": (4, 0.0, 0.0), "w4-s045": (4, 0.0005, 0.004), "w3": (3, 0.0, 0.0), "w3-s045": (3, 0.0005, 0.004),
-           "w3-uniform": (3, 0.0, 0.0)}
+SQUEEZE = {
+    "w4": (4, 0.0, 0.0),
+    "w4-s045": (4, 0.0005, 0.004),
+    "w3": (3, 0.0, 0.0),
+    "w3-s045": (3, 0.0005, 0.004),
+    "w3-uniform": (3, 0.0, 0.0),
+}
 SQUEEZE.update({f"{name}-lut8": spec for name, spec in list(SQUEEZE.items()) if not name.endswith("uniform")})
 RTN = {"rtn-w4": (4, None), "rtn-w3": (3, None), "rtn-w4-g128": (4, 128), "rtn-w3-g128": (3, 128)}
 HQQ = {"hqq-w4-g128": 4, "hqq-w3-g128": 3}
@@ -46,8 +51,13 @@ def hqq_dequantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
 
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data.copy_(weight)
-    quantized = HQQLinear(linear, BaseQuantizeConfig(nbits=bits, group_size=128), compute_dtype=torch.float32,
-                          device="cpu", del_orig=False)
+    quantized = HQQLinear(
+        linear,
+        BaseQuantizeConfig(nbits=bits, group_size=128),
+        compute_dtype=torch.float32,
+        device="cpu",
+        del_orig=False,
+    )
     w = quantized.dequantize().detach().float().reshape(weight.shape)
     groups = math.ceil(weight.numel() / 128)
     return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
@@ -64,8 +74,11 @@ def main() -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="bench-out/quality.json")
-    parser.add_argument("--fisher-cache", default=None,
-                        help="safetensors file: load the Fisher from it if present, else compute and save it there")
+    parser.add_argument(
+        "--fisher-cache",
+        default=None,
+        help="safetensors file: load the Fisher from it if present, else compute and save it there",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,7 +90,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tokenizer = load_model(resolve_model(args.model))
     load_seconds = time.perf_counter() - t0
-    targets = find_target_linears(model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), ("lm_head",))
+    targets = find_target_linears(
+        model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), ("lm_head",)
+    )
     originals = {name: module.weight.detach().clone() for name, module in targets.items()}
     n_weights = sum(w.numel() for w in originals.values())
     eval_ids = tokenize_text(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer)[None, :]
@@ -115,8 +130,7 @@ def main() -> None:
                 if method in SQUEEZE:
                     bits, s, o = SQUEEZE[method]
                     f = None if method.endswith("uniform") else fisher[name]
-                    q = quantize_lut(weight, f, bits, s, o,
-                                     lut_dtype="int8" if method.endswith("lut8") else "float16")
+                    q = quantize_lut(weight, f, bits, s, o, lut_dtype="int8" if method.endswith("lut8") else "float16")
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:
                     q = rtn_quantize(weight, *RTN[method])
@@ -127,28 +141,54 @@ def main() -> None:
                 bits_total += b
         quant_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
-        result = perplexity_from_ids(model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, tokenizer=tokenizer)
+        result = perplexity_from_ids(
+            model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, tokenizer=tokenizer
+        )
         eval_seconds = time.perf_counter() - t0
         for name, module in targets.items():
             module.weight.data.copy_(originals[name])
-        row = {"method": method, "perplexity": result.perplexity, "word_perplexity": result.word_perplexity,
-               "bits_per_weight": bits_total / n_weights, "quantize_seconds": quant_seconds,
-               "eval_seconds": eval_seconds}
+        row = {
+            "method": method,
+            "perplexity": result.perplexity,
+            "word_perplexity": result.word_perplexity,
+            "bits_per_weight": bits_total / n_weights,
+            "quantize_seconds": quant_seconds,
+            "eval_seconds": eval_seconds,
+        }
         rows.append(row)
-        print(f"{method:14s} ppl {result.perplexity:9.3f}  bpw {row['bits_per_weight']:.3f}  "
-              f"quantize {quant_seconds:6.1f} s  eval {eval_seconds:5.1f} s", flush=True)
+        print(
+            f"{method:14s} ppl {result.perplexity:9.3f}  bpw {row['bits_per_weight']:.3f}  "
+            f"quantize {quant_seconds:6.1f} s  eval {eval_seconds:5.1f} s",
+            flush=True,
+        )
 
-    print(f"\n{args.model}: calibration {Path(args.calibration).name} ({args.num_samples} x {args.seq_len}), "
-          f"eval {Path(args.eval_text).name} ({args.eval_windows} x {args.seq_len}); load {load_seconds:.1f} s, "
-          f"Fisher {fisher_seconds:.1f} s; {torch.get_num_threads()} threads")
-    print(f"| method | perplexity | bits/weight | quantize s |\n|---|---|---|---|")
+    print(
+        f"\n{args.model}: calibration {Path(args.calibration).name} ({args.num_samples} x {args.seq_len}), "
+        f"eval {Path(args.eval_text).name} ({args.eval_windows} x {args.seq_len}); load {load_seconds:.1f} s, "
+        f"Fisher {fisher_seconds:.1f} s; {torch.get_num_threads()} threads"
+    )
+    print("| method | perplexity | bits/weight | quantize s |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row['method']} | {row['perplexity']:.2f} | {row['bits_per_weight']:.3f} | {row['quantize_seconds']:.1f} |")
+        print(
+            f"| {row['method']} | {row['perplexity']:.2f} | {row['bits_per_weight']:.3f} "
+            f"| {row['quantize_seconds']:.1f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "num_samples": args.num_samples, "seq_len": args.seq_len,
-                               "eval_windows": args.eval_windows, "fisher_seconds": fisher_seconds,
-                               "load_seconds": load_seconds, "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "num_samples": args.num_samples,
+                "seq_len": args.seq_len,
+                "eval_windows": args.eval_windows,
+                "fisher_seconds": fisher_seconds,
+                "load_seconds": load_seconds,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,22 @@ CLI = [sys.executable, "-c", "from squeeze.cli.app import main; main()"]
 
 
 def compress_args(args: argparse.Namespace, output: Path) -> list[str]:
-    return [*CLI, "compress", args.model, "-o", str(output), "--recipe", args.recipe, "--calibration",
-            str(args.calibration), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--json"]
+    return [
+        *CLI,
+        "compress",
+        args.model,
+        "-o",
+        str(output),
+        "--recipe",
+        args.recipe,
+        "--calibration",
+        str(args.calibration),
+        "--num-samples",
+        str(args.num_samples),
+        "--seq-len",
+        str(args.seq_len),
+        "--json",
+    ]
 
 
 def run_to_end(command: list[str]) -> tuple[float, dict]:
@@ -57,8 +71,11 @@ def run_interrupted(command: list[str], output: Path, after_groups: int) -> tupl
 
 
 def files(directory: Path) -> dict[str, bytes]:
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != "squeeze.manifest.json"}
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != "squeeze.manifest.json"
+    }
 
 
 def main() -> None:
@@ -91,15 +108,22 @@ def main() -> None:
     identical = files(plain) == files(resumed) and plain_summary["root_digest"] == resumed_summary["root_digest"]
 
     result = {
-        "model": args.model, "recipe": args.recipe, "num_samples": args.num_samples, "seq_len": args.seq_len,
+        "model": args.model,
+        "recipe": args.recipe,
+        "num_samples": args.num_samples,
+        "seq_len": args.seq_len,
         "interrupt_after_groups": args.interrupt_after,
-        "uninterrupted_wall_s": round(plain_seconds, 2), "uninterrupted_run_s": plain_summary["seconds"],
+        "uninterrupted_wall_s": round(plain_seconds, 2),
+        "uninterrupted_run_s": plain_summary["seconds"],
         "uninterrupted_timings": plain_summary["timings"],
-        "checkpoint_s": checkpoint, "checkpoint_share": round(checkpoint / plain_summary["seconds"], 4),
-        "interrupted_part_wall_s": round(first_seconds, 2), "resumed_part_wall_s": round(second_seconds, 2),
+        "checkpoint_s": checkpoint,
+        "checkpoint_share": round(checkpoint / plain_summary["seconds"], 4),
+        "interrupted_part_wall_s": round(first_seconds, 2),
+        "resumed_part_wall_s": round(second_seconds, 2),
         "resumed_timings": resumed_summary["timings"],
         "interrupted_plus_resumed_wall_s": round(first_seconds + second_seconds, 2),
-        "byte_identical": identical, "root_digest": resumed_summary["root_digest"],
+        "byte_identical": identical,
+        "root_digest": resumed_summary["root_digest"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -107,11 +131,15 @@ def main() -> None:
     print("| measure | result |")
     print("|---|---|")
     print(f"| uninterrupted compress (wall) | {plain_seconds:.1f} s |")
-    print(f"| checkpoint stage (Fisher and every layer group written, groups read back) "
-          f"| {checkpoint:.2f} s = {100 * result['checkpoint_share']:.2f}% of the run |")
-    print(f"| interrupted run (SIGTERM after {args.interrupt_after} groups) + resumed run | "
-          f"{first_seconds:.1f} s + {second_seconds:.1f} s = {first_seconds + second_seconds:.1f} s "
-          f"({(first_seconds + second_seconds) / plain_seconds:.2f}x) |")
+    print(
+        f"| checkpoint stage (Fisher and every layer group written, groups read back) "
+        f"| {checkpoint:.2f} s = {100 * result['checkpoint_share']:.2f}% of the run |"
+    )
+    print(
+        f"| interrupted run (SIGTERM after {args.interrupt_after} groups) + resumed run | "
+        f"{first_seconds:.1f} s + {second_seconds:.1f} s = {first_seconds + second_seconds:.1f} s "
+        f"({(first_seconds + second_seconds) / plain_seconds:.2f}x) |"
+    )
     print(f"| artifacts byte-identical | {identical} |")
     print(f"\nwrote {args.out}")
 

@@ -90,16 +90,21 @@ def median_time(fn: Any, repeats: int) -> float:
 
 COLD_SNIPPETS = {
     "artifact": "import squeeze; squeeze.load({path!r})",
-    "original": ("from transformers import AutoModelForCausalLM, AutoTokenizer; import torch; "
-                 "AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval(); "
-                 "AutoTokenizer.from_pretrained({path!r})"),
+    "original": (
+        "from transformers import AutoModelForCausalLM, AutoTokenizer; import torch; "
+        "AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval(); "
+        "AutoTokenizer.from_pretrained({path!r})"
+    ),
 }
 
 
 def cold_start(kind: str, path: Path, repeats: int) -> float:
     """Median seconds, in a fresh interpreter, from before the first import to the loaded model."""
-    code = ("import time; _t = time.perf_counter(); " + COLD_SNIPPETS[kind].format(path=str(path))
-            + "; print(time.perf_counter() - _t)")
+    code = (
+        "import time; _t = time.perf_counter(); "
+        + COLD_SNIPPETS[kind].format(path=str(path))
+        + "; print(time.perf_counter() - _t)"
+    )
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     times = []
     for _ in range(repeats):
@@ -119,8 +124,11 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     artifact = Path(args.artifact) if args.artifact else work / "artifact-w4-uniform"
     if not (artifact / "squeeze.manifest.json").is_file():
         print(f"compressing {args.model} -> {artifact} (w4, uniform sensitivity) ...", flush=True)
-        seconds, _ = timed(lambda: api.compress(args.model, artifact, recipe="w4", overwrite=True,
-                                                overrides={"weights.sensitivity": "uniform"}))
+        seconds, _ = timed(
+            lambda: api.compress(
+                args.model, artifact, recipe="w4", overwrite=True, overrides={"weights.sensitivity": "uniform"}
+            )
+        )
         print(f"  done in {seconds:.0f} s", flush=True)
     original = work / "original-fp32"
     if not (original / "config.json").is_file():
@@ -152,8 +160,11 @@ def decode_rates(args: argparse.Namespace, artifact: Path, original: Path) -> di
     low = api.load(artifact, dense_cache=False)
     base = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
     base_tok = AutoTokenizer.from_pretrained(original)
-    runs = {"artifact dense-cache": (dense.model, dense.tokenizer), "artifact low-memory": (low.model, low.tokenizer),
-            "original fp32": (base, base_tok)}
+    runs = {
+        "artifact dense-cache": (dense.model, dense.tokenizer),
+        "artifact low-memory": (low.model, low.tokenizer),
+        "original fp32": (base, base_tok),
+    }
     for model, _ in runs.values():
         # exactly new_tokens steps for everyone: an early EOS would make the runs incomparable
         model.generation_config.min_new_tokens = args.new_tokens
@@ -173,13 +184,23 @@ def decode_rates(args: argparse.Namespace, artifact: Path, original: Path) -> di
                 rates[name].append(result.tokens_per_second or 0.0)
                 ttfts[name].append(result.ttft_seconds)
             print(f"  round {round_} {name:22s} {result.tokens_per_second:8.1f} tok/s", flush=True)
-    cached = sum(m._dense.numel() * m._dense.element_size() for m in dense.model.modules()
-                 if isinstance(m, SqueezeLinear) and m._dense is not None)
-    packed = sum(b.numel() * b.element_size() for m in dense.model.modules() if isinstance(m, SqueezeLinear)
-                 for b in m.buffers(recurse=False))
-    linear = sum(m.weight.numel() * m.weight.element_size() for name, m in base.named_modules()
-                 if isinstance(m, torch.nn.Linear) and name in {n for n, s in dense.model.named_modules()
-                                                                  if isinstance(s, SqueezeLinear)})
+    cached = sum(
+        m._dense.numel() * m._dense.element_size()
+        for m in dense.model.modules()
+        if isinstance(m, SqueezeLinear) and m._dense is not None
+    )
+    packed = sum(
+        b.numel() * b.element_size()
+        for m in dense.model.modules()
+        if isinstance(m, SqueezeLinear)
+        for b in m.buffers(recurse=False)
+    )
+    linear = sum(
+        m.weight.numel() * m.weight.element_size()
+        for name, m in base.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and name in {n for n, s in dense.model.named_modules() if isinstance(s, SqueezeLinear)}
+    )
     return {
         "tokens_per_second": {k: statistics.median(v) for k, v in rates.items()},
         "tokens_per_second_all": rates,
@@ -211,8 +232,14 @@ def perplexity_paths(args: argparse.Namespace, artifact: Path) -> dict[str, Any]
     values["squeeze.load low-memory"] = ppl(api.load(artifact, dense_cache=False).model)
     values["from_pretrained (import squeeze)"] = ppl(AutoModelForCausalLM.from_pretrained(artifact))
     worst = max(abs(v - reference.perplexity) / reference.perplexity for v in values.values())
-    return {"text": args.ppl_text, "seq_len": args.ppl_seq_len, "windows": reference.n_windows,
-            "perplexity": values, "max_relative_difference": worst, "within_1e-3": worst <= 1e-3}
+    return {
+        "text": args.ppl_text,
+        "seq_len": args.ppl_seq_len,
+        "windows": reference.n_windows,
+        "perplexity": values,
+        "max_relative_difference": worst,
+        "within_1e-3": worst <= 1e-3,
+    }
 
 
 def main() -> None:
@@ -225,8 +252,11 @@ def main() -> None:
     parser.add_argument("--cold-repeats", type=int, default=2)
     parser.add_argument("--low-memory-repeats", type=int, default=1, help="decode runs of the low-memory path")
     parser.add_argument("--out", default="bench-out/runtime.json")
-    parser.add_argument("--ppl-text", default=str(REPO.parent / "shared" / "corpora" / "wikitext2_raw_test.txt"),
-                        help="text for the perplexity consistency check ('' to skip it)")
+    parser.add_argument(
+        "--ppl-text",
+        default=str(REPO.parent / "shared" / "corpora" / "wikitext2_raw_test.txt"),
+        help="text for the perplexity consistency check ('' to skip it)",
+    )
     parser.add_argument("--ppl-seq-len", type=int, default=256)
     parser.add_argument("--ppl-windows", type=int, default=4)
     parser.add_argument("--skip-decode", action="store_true", help="skip (b), the decode-speed comparison")
@@ -246,8 +276,10 @@ def main() -> None:
     # (a) cold start, page cache warm
     artifact_bytes, original_bytes = read_all(artifact), read_all(original)  # warm the page cache
     print("cold start (fresh process, page cache warm) ...", flush=True)
-    cold = {"artifact squeeze.load": cold_start("artifact", artifact, args.cold_repeats),
-            "original from_pretrained": cold_start("original", original, args.cold_repeats)}
+    cold = {
+        "artifact squeeze.load": cold_start("artifact", artifact, args.cold_repeats),
+        "original from_pretrained": cold_start("original", original, args.cold_repeats),
+    }
     print("load (this process, imports warm) ...", flush=True)
     one_token = torch.tensor([[1]])
 
@@ -260,19 +292,27 @@ def main() -> None:
         "artifact squeeze.load (no verify)": median_time(lambda: api.load(artifact, verify=False), args.repeats),
         "artifact squeeze.load + first forward (dense caches built)": median_time(load_and_forward, args.repeats),
         "artifact from_pretrained (import squeeze; verify, then load)": median_time(
-            lambda: AutoModelForCausalLM.from_pretrained(artifact), args.repeats),
+            lambda: AutoModelForCausalLM.from_pretrained(artifact), args.repeats
+        ),
         "original from_pretrained": median_time(
-            lambda: (AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval(),
-                     AutoTokenizer.from_pretrained(original)), args.repeats),
+            lambda: (
+                AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval(),
+                AutoTokenizer.from_pretrained(original),
+            ),
+            args.repeats,
+        ),
         "artifact read floor (page cache)": median_time(lambda: read_all(artifact), args.repeats),
         "original read floor (page cache)": median_time(lambda: read_all(original), args.repeats),
-        "artifact SHA-256 floor (page cache, one thread per file)": median_time(lambda: hash_all(artifact),
-                                                                                args.repeats),
+        "artifact SHA-256 floor (page cache, one thread per file)": median_time(
+            lambda: hash_all(artifact), args.repeats
+        ),
     }
     floor = warm["artifact read floor (page cache)"]
     ratios = {
-        "cold start: artifact / original (fresh process)": cold["artifact squeeze.load"] / cold["original from_pretrained"],
-        "load: artifact verified / original": warm["artifact squeeze.load (verified)"] / warm["original from_pretrained"],
+        "cold start: artifact / original (fresh process)": cold["artifact squeeze.load"]
+        / cold["original from_pretrained"],
+        "load: artifact verified / original": warm["artifact squeeze.load (verified)"]
+        / warm["original from_pretrained"],
         "load: artifact verified / artifact read floor (goal <= 2)": warm["artifact squeeze.load (verified)"] / floor,
         "load + first forward / artifact read floor": warm["artifact squeeze.load + first forward (dense caches built)"]
         / floor,
@@ -295,32 +335,50 @@ def main() -> None:
         print(f"perplexity consistency ({args.ppl_windows} x {args.ppl_seq_len} tokens) ...", flush=True)
         consistency = perplexity_paths(args, artifact)
 
-    print(f"\nartifact {artifact}: {artifact_bytes / 1e6:.1f} MB; original fp32 {original}: {original_bytes / 1e6:.1f} MB")
+    print(
+        f"\nartifact {artifact}: {artifact_bytes / 1e6:.1f} MB; original fp32 {original}: {original_bytes / 1e6:.1f} MB"
+    )
     print(f"{'seconds':>10s}  what")
     for name, seconds in {**{f"cold {k}": v for k, v in cold.items()}, **warm}.items():
         print(f"{seconds:10.3f}  {name}")
     if decode:
-        print(f"\n{'tok/s':>10s}  {'ttft s':>8s}  decode ({args.new_tokens} tokens, median of {args.repeats}; "
-              f"low-memory: {args.low_memory_repeats})")
+        print(
+            f"\n{'tok/s':>10s}  {'ttft s':>8s}  decode ({args.new_tokens} tokens, median of {args.repeats}; "
+            f"low-memory: {args.low_memory_repeats})"
+        )
         for name, rate in decode["tokens_per_second"].items():
             print(f"{rate:10.1f}  {decode['ttft_seconds'][name]:8.3f}  {name}")
     if consistency:
-        print(f"\n{'perplexity':>10s}  path ({consistency['windows']} x {consistency['seq_len']} tokens of "
-              f"{Path(consistency['text']).name})")
+        print(
+            f"\n{'perplexity':>10s}  path ({consistency['windows']} x {consistency['seq_len']} tokens of "
+            f"{Path(consistency['text']).name})"
+        )
         for name, value in consistency["perplexity"].items():
             print(f"{value:10.4f}  {name}")
-        print(f"max relative difference to squeeze eval: {consistency['max_relative_difference']:.2e} "
-              f"({'within' if consistency['within_1e-3'] else 'NOT within'} 1e-3)")
+        print(
+            f"max relative difference to squeeze eval: {consistency['max_relative_difference']:.2e} "
+            f"({'within' if consistency['within_1e-3'] else 'NOT within'} 1e-3)"
+        )
     print(f"\n{'ratio':>10s}  what")
     for name, ratio in ratios.items():
         print(f"{ratio:10.3f}  {name}")
 
     report = {
-        "model": args.model, "artifact": str(artifact), "artifact_bytes": artifact_bytes,
-        "original_fp32_bytes": original_bytes, "new_tokens": args.new_tokens, "prompt": PROMPT,
-        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "platform": platform.platform(),
-        "torch": torch.__version__, "cold_start_seconds": cold, "load_seconds": warm, "decode": decode,
-        "perplexity_consistency": consistency, "ratios": ratios,
+        "model": args.model,
+        "artifact": str(artifact),
+        "artifact_bytes": artifact_bytes,
+        "original_fp32_bytes": original_bytes,
+        "new_tokens": args.new_tokens,
+        "prompt": PROMPT,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cold_start_seconds": cold,
+        "load_seconds": warm,
+        "decode": decode,
+        "perplexity_consistency": consistency,
+        "ratios": ratios,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

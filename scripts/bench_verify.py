@@ -67,7 +67,11 @@ def main() -> None:
                 raise SystemExit("sha256sum failed")
 
         results = {}
-        for name, fn in (("squeeze verify", ours), ("sha256sum", theirs), ("sha256sum x N (parallel)", theirs_parallel)):
+        for name, fn in (
+            ("squeeze verify", ours),
+            ("sha256sum", theirs),
+            ("sha256sum x N (parallel)", theirs_parallel),
+        ):
             fn()  # warm-up: page cache and imports
             times = [timed(fn) for _ in range(args.repeats)]
             results[name] = statistics.median(times)

@@ -74,29 +74,70 @@ class Plan:
 
 
 FULL = Plan(
-    shapes=[(4096, 4096), (8192, 8192)], ms=[1, 4, 8, 128, 2048], bits=[4, 3],
-    llama={"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "vocab_size": 32000},
-    gemv_sweep=[GemvConfig(block_r=8), GemvConfig(block_r=4), GemvConfig(block_r=16),
-                GemvConfig(block_r=32, num_warps=8), GemvConfig(block_r=8, num_warps=2),
-                GemvConfig(block_r=16, num_warps=8), GemvConfig(block_r=8, prefetch=1),
-                GemvConfig(block_r=8, prefetch=0, num_stages=1), GemvConfig(block_r=8, prefetch=0, num_stages=3),
-                GemvConfig(block_r=8, split_k=2), GemvConfig(block_r=16, split_k=4)],
+    shapes=[(4096, 4096), (8192, 8192)],
+    ms=[1, 4, 8, 128, 2048],
+    bits=[4, 3],
+    llama={
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+    },
+    gemv_sweep=[
+        GemvConfig(block_r=8),
+        GemvConfig(block_r=4),
+        GemvConfig(block_r=16),
+        GemvConfig(block_r=32, num_warps=8),
+        GemvConfig(block_r=8, num_warps=2),
+        GemvConfig(block_r=16, num_warps=8),
+        GemvConfig(block_r=8, prefetch=1),
+        GemvConfig(block_r=8, prefetch=0, num_stages=1),
+        GemvConfig(block_r=8, prefetch=0, num_stages=3),
+        GemvConfig(block_r=8, split_k=2),
+        GemvConfig(block_r=16, split_k=4),
+    ],
     gemv_sweep_tiles=[64],
-    gemv_sweep_m8=[GemvConfig(block_r=16, prefetch=1), GemvConfig(block_r=16, prefetch=2, num_warps=8),
-                   GemvConfig(block_r=32, prefetch=1, num_warps=8), GemvConfig(block_r=16, prefetch=1, split_k=2),
-                   GemvConfig(block_r=8, mma=False)],
-    gemm_sweep=[GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-                for bm, bn, bk, nw, ns in [(128, 128, 32, 8, 2), (128, 128, 64, 8, 3), (64, 128, 32, 4, 2),
-                                           (128, 64, 32, 4, 2), (64, 64, 64, 4, 3)]],
+    gemv_sweep_m8=[
+        GemvConfig(block_r=16, prefetch=1),
+        GemvConfig(block_r=16, prefetch=2, num_warps=8),
+        GemvConfig(block_r=32, prefetch=1, num_warps=8),
+        GemvConfig(block_r=16, prefetch=1, split_k=2),
+        GemvConfig(block_r=8, mma=False),
+    ],
+    gemm_sweep=[
+        GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        for bm, bn, bk, nw, ns in [
+            (128, 128, 32, 8, 2),
+            (128, 128, 64, 8, 3),
+            (64, 128, 32, 4, 2),
+            (128, 64, 32, 4, 2),
+            (64, 64, 64, 4, 3),
+        ]
+    ],
 )
 DRY = Plan(
-    shapes=[(40, 172), (64, 96)], ms=[1, 4, 8, 16, 40], bits=[4, 3], l2_multiple=0.0, reps=2,
-    llama={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "vocab_size": 128},
-    decode_tokens=3, prompt_tokens=5,
-    gemv_sweep=[GemvConfig(block_r=8, split_k=2), GemvConfig(block_r=16, prefetch=1),
-                GemvConfig(block_r=8, prefetch=0, num_stages=2)],
+    shapes=[(40, 172), (64, 96)],
+    ms=[1, 4, 8, 16, 40],
+    bits=[4, 3],
+    l2_multiple=0.0,
+    reps=2,
+    llama={
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+    },
+    decode_tokens=3,
+    prompt_tokens=5,
+    gemv_sweep=[
+        GemvConfig(block_r=8, split_k=2),
+        GemvConfig(block_r=16, prefetch=1),
+        GemvConfig(block_r=8, prefetch=0, num_stages=2),
+    ],
     gemv_sweep_tiles=[16],
     gemv_sweep_m8=[GemvConfig(block_r=16, prefetch=1, split_k=2), GemvConfig(block_r=8, mma=False)],
     gemm_sweep=[GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4)],
@@ -121,8 +162,7 @@ class Report:
 
     def add(self, section: str, **row: Any) -> None:
         self.sections.setdefault(section, []).append(row)
-        print(f"[{self.elapsed():6.1f}s] {section}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()),
-              flush=True)
+        print(f"[{self.elapsed():6.1f}s] {section}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
 
     def run(self, name: str, fn: Callable[[], None], min_left_s: float = 0.0) -> None:
         """Run one section; a failure is recorded and the run goes on."""
@@ -159,8 +199,9 @@ def _fmt(v: Any) -> str:
 # data, references, timers
 
 
-def random_lut_weight(rows: int, cols: int, bits: int, sparse: float, device: torch.device, seed: int,
-                      scale: float = 1.0) -> LutWeight:
+def random_lut_weight(
+    rows: int, cols: int, bits: int, sparse: float, device: torch.device, seed: int, scale: float = 1.0
+) -> LutWeight:
     """Random codes, ascending fp16 LUTs (N(0, scale) entries) and a random sparse part of bf16 values."""
     g = torch.Generator(device=device).manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, cols), dtype=torch.uint8, device=device, generator=g)
@@ -176,8 +217,9 @@ def random_lut_weight(rows: int, cols: int, bits: int, sparse: float, device: to
 def clone_prepared(p: PreparedLut) -> PreparedLut:
     """The same weight at new addresses: rotating copies keep the timed calls from hitting the L2."""
     c = lambda t: None if t is None else t.clone()  # noqa: E731
-    return PreparedLut(p.bits, p.in_features, p.out_features, p.tile, c(p.codes), c(p.lut), c(p.rowptr),
-                       c(p.cols), c(p.resid))
+    return PreparedLut(
+        p.bits, p.in_features, p.out_features, p.tile, c(p.codes), c(p.lut), c(p.rowptr), c(p.cols), c(p.resid)
+    )
 
 
 def n_copies(plan: Plan, nbytes: int, l2_bytes: int) -> int:
@@ -246,9 +288,13 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 def section_env(rep: Report, device: torch.device) -> dict[str, Any]:
     import triton
 
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "triton": triton.__version__, "device": str(device),
-                            "interpret": os.environ.get("TRITON_INTERPRET", "")}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(device),
+        "interpret": os.environ.get("TRITON_INTERPRET", ""),
+    }
     try:
         import transformers
 
@@ -257,8 +303,12 @@ def section_env(rep: Report, device: torch.device) -> dict[str, Any]:
         info["transformers"] = "absent"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, sms=props.multi_processor_count, mem_gib=round(props.total_memory / 2**30, 1),
-                    l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
+        info.update(
+            gpu=props.name,
+            sms=props.multi_processor_count,
+            mem_gib=round(props.total_memory / 2**30, 1),
+            l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+        )
     rep.add("env", **info)
     return info
 
@@ -271,16 +321,21 @@ def section_copy(rep: Report, device: torch.device, plan: Plan) -> float:
     t, method = time_calls([lambda: dst.copy_(src)], device, max(plan.reps, 5))
     gbps = 2 * nbytes / t / 1e9
     rep.add("copy", bytes=nbytes, us=t * 1e6, gbps=gbps, method=method)
-    del src, dst
-    return gbps
+    return gbps  # src and dst are freed on return
 
 
 def _check(rep: Report, name: str, y: torch.Tensor, ref: torch.Tensor, **row: Any) -> None:
     err = rel_err(y, ref)
     ok = bool(torch.isfinite(y).all()) and err <= TOL[y.dtype]
     rep.failed_checks += not ok
-    rep.add("correctness", case=name, **row, dtype=str(y.dtype).replace("torch.", ""), max_rel_err=err,
-            ok="yes" if ok else "NO")
+    rep.add(
+        "correctness",
+        case=name,
+        **row,
+        dtype=str(y.dtype).replace("torch.", ""),
+        max_rel_err=err,
+        ok="yes" if ok else "NO",
+    )
 
 
 def section_correctness(rep: Report, device: torch.device, plan: Plan) -> None:
@@ -312,8 +367,16 @@ def section_correctness(rep: Report, device: torch.device, plan: Plan) -> None:
         for m in (1, plan.ms[3]):
             x = torch.randn(m, n, device=device, dtype=dtype)
             ref = x.float() @ w.T + bias.to(dtype).float()
-            _check(rep, "gemv" if m <= 8 else "gemm", lut_linear(x, p, bias.to(dtype), prefill="fused"), ref,
-                   bits=4, shape=f"{r}x{n}", sparse=SPARSE, m=m)
+            _check(
+                rep,
+                "gemv" if m <= 8 else "gemm",
+                lut_linear(x, p, bias.to(dtype), prefill="fused"),
+                ref,
+                bits=4,
+                shape=f"{r}x{n}",
+                sparse=SPARSE,
+                m=m,
+            )
 
 
 def _bytes_lut(p: PreparedLut, m: int, elem: int) -> int:
@@ -341,9 +404,20 @@ def section_timing(rep: Report, device: torch.device, plan: Plan, copy_gbps: flo
                         kw = {} if path == "gemv" else {"prefill": path}
                         t, method = time_calls([lambda c=c: lut_linear(x, c, **kw) for c in copies], device, plan.reps)
                         gbps = _bytes_lut(p0, m, 2) / t / 1e9
-                        rep.add("timing", bits=bits, shape=f"{r}x{n}", sparse=sparse, m=m, path=path,
-                                us=t * 1e6, bf16_us=base[m] * 1e6, speedup=base[m] / t, gbps=gbps,
-                                frac_copy=gbps / copy_gbps, method=method)
+                        rep.add(
+                            "timing",
+                            bits=bits,
+                            shape=f"{r}x{n}",
+                            sparse=sparse,
+                            m=m,
+                            path=path,
+                            us=t * 1e6,
+                            bf16_us=base[m] * 1e6,
+                            speedup=base[m] / t,
+                            gbps=gbps,
+                            frac_copy=gbps / copy_gbps,
+                            method=method,
+                        )
                 del copies, p0, q
         del dense_copies, dense
 
@@ -364,12 +438,25 @@ def section_sweeps(rep: Report, device: torch.device, plan: Plan, copy_gbps: flo
                 try:
                     t, _ = time_calls([lambda c=c: lut_linear(x, c, gemv=cfg) for c in copies], device, plan.reps)
                 except Exception as exc:
-                    rep.add("sweep_gemv", bits=bits, tile=p0.tile, config=_cfg(cfg),
-                            error=f"{type(exc).__name__}: {str(exc)[:120]}")
+                    rep.add(
+                        "sweep_gemv",
+                        bits=bits,
+                        tile=p0.tile,
+                        config=_cfg(cfg),
+                        error=f"{type(exc).__name__}: {str(exc)[:120]}",
+                    )
                     continue
                 gbps = _bytes_lut(p0, 1, 2) / t / 1e9
-                rep.add("sweep_gemv", bits=bits, shape=f"{r}x{n}", m=1, tile=p0.tile, config=_cfg(cfg), us=t * 1e6,
-                        frac_copy=gbps / copy_gbps)
+                rep.add(
+                    "sweep_gemv",
+                    bits=bits,
+                    shape=f"{r}x{n}",
+                    m=1,
+                    tile=p0.tile,
+                    config=_cfg(cfg),
+                    us=t * 1e6,
+                    frac_copy=gbps / copy_gbps,
+                )
             del copies, p0
     q = random_lut_weight(r, n, 4, SPARSE, device, 12)
     p0 = prepare(q, device)
@@ -382,11 +469,20 @@ def section_sweeps(rep: Report, device: torch.device, plan: Plan, copy_gbps: flo
         try:
             t, _ = time_calls([lambda c=c: lut_linear(x8, c, gemv=cfg) for c in copies], device, plan.reps)
         except Exception as exc:
-            rep.add("sweep_gemv", bits=4, m=x8.shape[0], config=_cfg(cfg),
-                    error=f"{type(exc).__name__}: {str(exc)[:120]}")
+            rep.add(
+                "sweep_gemv", bits=4, m=x8.shape[0], config=_cfg(cfg), error=f"{type(exc).__name__}: {str(exc)[:120]}"
+            )
             continue
-        rep.add("sweep_gemv", bits=4, shape=f"{r}x{n}", m=x8.shape[0], tile=p0.tile, config=_cfg(cfg), us=t * 1e6,
-                frac_copy=_bytes_lut(p0, x8.shape[0], 2) / t / 1e9 / copy_gbps)
+        rep.add(
+            "sweep_gemv",
+            bits=4,
+            shape=f"{r}x{n}",
+            m=x8.shape[0],
+            tile=p0.tile,
+            config=_cfg(cfg),
+            us=t * 1e6,
+            frac_copy=_bytes_lut(p0, x8.shape[0], 2) / t / 1e9 / copy_gbps,
+        )
     del copies
     for m in plan.ms[3:]:
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -399,8 +495,15 @@ def section_sweeps(rep: Report, device: torch.device, plan: Plan, copy_gbps: flo
             except Exception as exc:  # e.g. a tiling that needs more shared memory than a block may have
                 rep.add("sweep_gemm", bits=4, m=m, config=_cfg(cfg), error=f"{type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            rep.add("sweep_gemm", bits=4, shape=f"{r}x{n}", m=m, config=_cfg(cfg), us=t * 1e6,
-                    tflops=2 * m * r * n / t / 1e12)
+            rep.add(
+                "sweep_gemm",
+                bits=4,
+                shape=f"{r}x{n}",
+                m=m,
+                config=_cfg(cfg),
+                us=t * 1e6,
+                tflops=2 * m * r * n / t / 1e12,
+            )
 
 
 def _cfg(cfg: GemvConfig | GemmConfig) -> str:
@@ -444,8 +547,13 @@ def section_decode(rep: Report, device: torch.device, plan: Plan, dry: bool) -> 
 
     decode()  # warm-up (cuBLAS handles, kernels)
     bf16_tps, _ = decode()
-    rep.add("decode", model=f"llama {params / 1e9:.2f}B random", weights="bf16", tokens_per_s=bf16_tps,
-            new_tokens=plan.decode_tokens)
+    rep.add(
+        "decode",
+        model=f"llama {params / 1e9:.2f}B random",
+        weights="bf16",
+        tokens_per_s=bf16_tps,
+        new_tokens=plan.decode_tokens,
+    )
 
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     seed = 1000
@@ -467,10 +575,15 @@ def section_decode(rep: Report, device: torch.device, plan: Plan, dry: bool) -> 
         tri_logits = model(input_ids=prompt).logits.float()
     decode()
     sq_tps, _ = decode()
-    rep.add("decode", model=f"llama {params / 1e9:.2f}B random", weights="squeeze w4 s0.45% (triton)",
-            tokens_per_s=sq_tps, new_tokens=plan.decode_tokens, vs_bf16=sq_tps / bf16_tps,
-            prefill_logits_rel_err=rel_err(tri_logits, ref_logits))
-    del model
+    rep.add(
+        "decode",
+        model=f"llama {params / 1e9:.2f}B random",
+        weights="squeeze w4 s0.45% (triton)",
+        tokens_per_s=sq_tps,
+        new_tokens=plan.decode_tokens,
+        vs_bf16=sq_tps / bf16_tps,
+        prefill_logits_rel_err=rel_err(tri_logits, ref_logits),
+    )
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -499,10 +612,12 @@ def record_launches(plan: Plan, sms: int) -> list[dict[str, Any]]:
                 if "DOT_UPCAST" in kwargs_:
                     kwargs_["DOT_UPCAST"] = False  # recorded on CPU tensors; the device run uses CUDA ones
                 # one record per compiled variant: ints matter only as Triton specialises them
-                spec = [a if isinstance(a, str) else "one" if a == 1 else "d16" if a % 16 == 0 else "int"
-                        for a in args_]
+                spec = [
+                    a if isinstance(a, str) else "one" if a == 1 else "d16" if a % 16 == 0 else "int" for a in args_
+                ]
                 key = json.dumps([self.name, spec, kwargs_], sort_keys=True, default=str)
                 seen.setdefault(key, {"kernel": self.name, "args": args_, "kwargs": kwargs_})
+
             return launch
 
     saved = {n: getattr(K, n) for n in names}
@@ -512,8 +627,9 @@ def record_launches(plan: Plan, sms: int) -> list[dict[str, Any]]:
             setattr(K, n, Recorder(n))
         configs.sm_count = lambda device: sms  # the device's, so default configs match the device run
         # the dequantize + matmul path: no CPU matmul of the full shapes, only its launches matter
-        triton_lut.F = type("NoMatmul", (), {"linear": staticmethod(
-            lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0]))})
+        triton_lut.F = type(
+            "NoMatmul", (), {"linear": staticmethod(lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0]))}
+        )
         bf16 = torch.bfloat16
         for bits in plan.bits:  # correctness and timing
             for r, n in plan.shapes:
@@ -547,8 +663,9 @@ def record_launches(plan: Plan, sms: int) -> list[dict[str, Any]]:
             lut_linear(x8, _fake_prepared(4, r, n, None, True), gemv=cfg)
         for cfg in plan.gemm_sweep:
             for m in plan.ms[3:]:
-                lut_linear(torch.empty(m, n, dtype=bf16), _fake_prepared(4, r, n, None, True), gemm=cfg,
-                           prefill="fused")
+                lut_linear(
+                    torch.empty(m, n, dtype=bf16), _fake_prepared(4, r, n, None, True), gemm=cfg, prefill="fused"
+                )
     finally:
         for n, fn in saved.items():
             setattr(K, n, fn)
@@ -577,16 +694,20 @@ def compile_only(rep: Report, plan: Plan) -> None:
         if "error" in result:
             rep.failed_checks += 1
         consts = {k: v for k, v in launch["kwargs"].items() if k not in ("L", "CPG", "BPG")}
-        rep.add("compile", kernel=launch["kernel"].strip("_").replace("_kernel", ""),
-                config=" ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts.items()),
-                s=time.perf_counter() - t0, **result)
+        rep.add(
+            "compile",
+            kernel=launch["kernel"].strip("_").replace("_kernel", ""),
+            config=" ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts.items()),
+            s=time.perf_counter() - t0,
+            **result,
+        )
 
 
 def precompile(rep: Report, plan: Plan, device: torch.device, workers: int) -> None:
     """Compile the run's kernel variants in parallel worker processes (Triton's warmup, same cache keys
     as the launches), so the timed sections find them in the on-disk cache."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     variants = record_launches(plan, sms=torch.cuda.get_device_properties(device).multi_processor_count)
     t0 = time.perf_counter()
@@ -624,20 +745,33 @@ def _fake_prepared(bits: int, r: int, n: int, tile: int | None, sparse: bool) ->
     per_row = max(1, round(n * SPARSE))
     # contents never reach a kernel: only shapes, dtypes and valid sparse indices (column 0) matter
     e = lambda *s, dt: torch.empty(*s, dtype=dt)  # noqa: E731
-    sp = (torch.arange(r + 1, dtype=torch.int32) * per_row, torch.zeros(r * per_row, dtype=torch.int32),
-          torch.zeros(r * per_row)) if sparse else (None, None, None)
+    sp = (
+        (
+            torch.arange(r + 1, dtype=torch.int32) * per_row,
+            torch.zeros(r * per_row, dtype=torch.int32),
+            torch.zeros(r * per_row),
+        )
+        if sparse
+        else (None, None, None)
+    )
     return PreparedLut(bits, n, r, tile, e(r, nt, bpg, tile, dt=torch.uint8), torch.zeros(r, 1 << bits), *sp)
 
 
-_TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
-       torch.int32: "i32", torch.int64: "i64"}
+_TY = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 def _signature(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a launch specialises on, as Triton's JIT does: pointer dtypes (tensors recorded as dtype names,
     16-byte aligned), ints == 1 (constants), ints divisible by 16, every constexpr, warps and stages."""
     sig, consts, div16 = {}, {}, []
-    for name, value in zip(fn.arg_names, args):
+    for name, value in zip(fn.arg_names, args, strict=False):
         if isinstance(value, str):
             sig[name] = "*" + _TY[getattr(torch, value)]
             div16.append(name)
@@ -650,8 +784,13 @@ def _signature(fn: Any, args: list[Any], kwargs: dict[str, Any]) -> dict[str, An
     for name, value in kwargs.items():
         if name not in ("num_warps", "num_stages"):
             sig[name], consts[name] = "constexpr", value
-    return {"signature": sig, "constexprs": consts, "div16": div16,
-            "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3)}
+    return {
+        "signature": sig,
+        "constexprs": consts,
+        "div16": div16,
+        "num_warps": kwargs.get("num_warps", 4),
+        "num_stages": kwargs.get("num_stages", 3),
+    }
 
 
 def _compile_child(launch: dict[str, Any], conn: Any) -> None:
@@ -670,8 +809,11 @@ def _compile_child(launch: dict[str, Any], conn: Any) -> None:
         variant = _signature(fn, launch["args"], launch["kwargs"])
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in variant["div16"]}
         src = ASTSource(fn=fn, signature=variant["signature"], constexprs=variant["constexprs"], attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]})
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": variant["num_warps"], "num_stages": variant["num_stages"]},
+        )
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         with tempfile.TemporaryDirectory() as d:
             cubin = Path(d) / "k.cubin"
@@ -679,9 +821,15 @@ def _compile_child(launch: dict[str, Any], conn: Any) -> None:
             usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
             sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
         found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
-        conn.send({"regs": int(found.group(1)) if found else -1, "stack": int(found.group(2)) if found else -1,
-                   "hgmma": sass.count("HGMMA"), "hmma": sass.count("HMMA"),
-                   "smem": int(kernel.metadata.shared) if hasattr(kernel.metadata, "shared") else -1})
+        conn.send(
+            {
+                "regs": int(found.group(1)) if found else -1,
+                "stack": int(found.group(2)) if found else -1,
+                "hgmma": sass.count("HGMMA"),
+                "hmma": sass.count("HMMA"),
+                "smem": int(kernel.metadata.shared) if hasattr(kernel.metadata, "shared") else -1,
+            }
+        )
     except Exception as exc:
         conn.send({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
 
@@ -694,8 +842,12 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU tensors under TRITON_INTERPRET=1")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel variant for sm_90; no GPU")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what no longer fits after this many seconds")
-    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                    help="processes that compile the run's kernels ahead (0: compile on first use)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="processes that compile the run's kernels ahead (0: compile on first use)",
+    )
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: timing,decode,sweeps")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_check.json/.md (default $OUT)")
     args = ap.parse_args()
@@ -732,10 +884,21 @@ def main() -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_check.md").write_text(md + "\n")
-        (out / "gpu_check.json").write_text(json.dumps(
-            {"sections": rep.sections, "errors": rep.errors, "failed_checks": rep.failed_checks,
-             "elapsed_s": rep.elapsed(), "dry_run": args.dry_run, "compile_only": args.compile_only},
-            indent=1, default=str) + "\n")
+        (out / "gpu_check.json").write_text(
+            json.dumps(
+                {
+                    "sections": rep.sections,
+                    "errors": rep.errors,
+                    "failed_checks": rep.failed_checks,
+                    "elapsed_s": rep.elapsed(),
+                    "dry_run": args.dry_run,
+                    "compile_only": args.compile_only,
+                },
+                indent=1,
+                default=str,
+            )
+            + "\n"
+        )
     return 1 if rep.failed_checks or rep.errors else 0
 
 

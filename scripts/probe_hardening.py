@@ -42,8 +42,11 @@ MODEL_SRC = Path("/work/shared/models/stories260K")
 TEXT_SRC = Path("/work/shared/corpora/tinystories_sample.txt")
 MANIFEST = "squeeze.manifest.json"
 SHARD = "model-00001-of-00001.safetensors"
-USER_FILES = {"thesis.txt": b"chapter 1: a thesis nobody backed up\n", "sub/photo.jpg": b"\xff\xd8\xff\xe0 jpeg",
-              ".env": b"API_KEY=secret\n"}
+USER_FILES = {
+    "thesis.txt": b"chapter 1: a thesis nobody backed up\n",
+    "sub/photo.jpg": b"\xff\xd8\xff\xe0 jpeg",
+    ".env": b"API_KEY=secret\n",
+}
 CLI = "from squeeze.cli.app import main; main()"
 SEAL = "import sys; from squeeze.format.verify import seal_artifact; seal_artifact(sys.argv[1])"
 SMALL_KV = ["--num-samples", "2", "--seq-len", "32"]  # a calibrate-kv run of a few seconds
@@ -89,8 +92,9 @@ class Outcome:
 class Child:
     """A CLI process in its own session; reaped with wait4 so its peak RSS comes back with its status."""
 
-    def __init__(self, ctx: Ctx, args: list[str], cwd: Path, stdin: bytes | None = None,
-                 python_code: str = CLI) -> None:
+    def __init__(
+        self, ctx: Ctx, args: list[str], cwd: Path, stdin: bytes | None = None, python_code: str = CLI
+    ) -> None:
         ctx.count += 1
         stem = ctx.logs / f"{ctx.count:03d}"
         self.args, self.ctx = args, ctx
@@ -104,8 +108,14 @@ class Child:
             err = files.enter_context(open(self.err_path, "wb"))
             self.started = time.monotonic()
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", python_code, *args], cwd=cwd, env=ctx.env, stdin=source, stdout=out,
-                stderr=err, start_new_session=True, umask=0o022,
+                [sys.executable, "-c", python_code, *args],
+                cwd=cwd,
+                env=ctx.env,
+                stdin=source,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                umask=0o022,
             )
         self.status: int | None = None
         self.rusage: resource.struct_rusage | None = None
@@ -152,10 +162,14 @@ class Child:
             time.sleep(0.02)
         assert self.rusage is not None and self.ended is not None
         return Outcome(
-            args=self.args, rc=self.proc.returncode,
-            stdout=self.out_path.read_text(errors="replace"), stderr=self.err_path.read_text(errors="replace"),
-            wall=self.ended - self.started, rss_mb=self.rusage.ru_maxrss / 1024,
-            timed_out=timed_out, rss_killed=rss_killed,
+            args=self.args,
+            rc=self.proc.returncode,
+            stdout=self.out_path.read_text(errors="replace"),
+            stderr=self.err_path.read_text(errors="replace"),
+            wall=self.ended - self.started,
+            rss_mb=self.rusage.ru_maxrss / 1024,
+            timed_out=timed_out,
+            rss_killed=rss_killed,
         )
 
 
@@ -194,9 +208,14 @@ class Ctx:
             (self.root / name).mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SQUEEZE_", "PYTHON"))}
         env.update(
-            PYTHONPATH=str(self.repo), PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
-            HF_HOME=str(self.root / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-            TMPDIR=str(self.root / "tmp"), XDG_CACHE_HOME=str(self.root / "cache"),
+            PYTHONPATH=str(self.repo),
+            PYTHONDONTWRITEBYTECODE="1",
+            PYTHONUNBUFFERED="1",
+            HF_HOME=str(self.root / "hf_home"),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TMPDIR=str(self.root / "tmp"),
+            XDG_CACHE_HOME=str(self.root / "cache"),
             COLUMNS="10000",  # one rich line per message, so an Error: line is never wrapped
         )
         self.env = env
@@ -216,7 +235,9 @@ class Ctx:
         return dest
 
     # -- running
-    def cli(self, args: Sequence[object], cwd: Path, stdin: bytes | None = None, timeout: float | None = None) -> Outcome:
+    def cli(
+        self, args: Sequence[object], cwd: Path, stdin: bytes | None = None, timeout: float | None = None
+    ) -> Outcome:
         return Child(self, [str(a) for a in args], cwd, stdin).finish(timeout)
 
     def spawn(self, args: Sequence[object], cwd: Path) -> Child:
@@ -238,12 +259,16 @@ class Ctx:
         """The command as a reader would type it: temp paths replaced by MODEL / TEXT / ART / relative names."""
         shown = []
         for arg in map(str, args):
-            for path, name in ((self.model, "MODEL"), (self.text, "TEXT"), (self.base, "ART"),
-                               (self.root / "longtext.txt", "LONGTEXT")):
+            for path, name in (
+                (self.model, "MODEL"),
+                (self.text, "TEXT"),
+                (self.base, "ART"),
+                (self.root / "longtext.txt", "LONGTEXT"),
+            ):
                 if arg == str(path):
                     arg = name
             if cwd is not None and arg.startswith(f"{cwd}/"):
-                arg = arg[len(str(cwd)) + 1:]
+                arg = arg[len(str(cwd)) + 1 :]
             arg = self.mask(arg)
             if len(arg) > 60:
                 arg = f"{arg[:24]}...({len(arg)} chars)"
@@ -256,16 +281,27 @@ class Ctx:
             text = text.replace(str(path), name)
         return text
 
-    def row(self, probe: str, out: Outcome, verdict: str = "", *, cwd: Path | None = None,
-            command: str | None = None, refuse: bool = False) -> Row:
+    def row(
+        self,
+        probe: str,
+        out: Outcome,
+        verdict: str = "",
+        *,
+        cwd: Path | None = None,
+        command: str | None = None,
+        refuse: bool = False,
+    ) -> Row:
         """A table row for ``out``; ``verdict`` (probe-specific) goes first, then how the command ended."""
         ended = classify(out, self.timeout, self.rss_cap_mb, refuse)
         return Row(
-            probe=probe, command=command or self.show(out.args, cwd),
+            probe=probe,
+            command=command or self.show(out.args, cwd),
             exit="timeout" if out.timed_out else ("rss-kill" if out.rss_killed else str(out.rc)),
-            error=shorten(self.mask(out.error_line)), wall_s=f"{out.wall:.1f}",
+            error=shorten(self.mask(out.error_line)),
+            wall_s=f"{out.wall:.1f}",
             rss_mb=f"{out.rss_mb:.0f}" if out.rss_mb else "",
-            verdict=self.mask("; ".join(v for v in (verdict, ended) if v)), hint=self.mask(out.hint),
+            verdict=self.mask("; ".join(v for v in (verdict, ended) if v)),
+            hint=self.mask(out.hint),
         )
 
 
@@ -304,7 +340,9 @@ def plant_user_files(directory: Path) -> None:
 
 
 def user_files_state(directory: Path) -> str:
-    gone = [r for r, data in USER_FILES.items() if not (directory / r).is_file() or (directory / r).read_bytes() != data]
+    gone = [
+        r for r, data in USER_FILES.items() if not (directory / r).is_file() or (directory / r).read_bytes() != data
+    ]
     return f"DELETED {', '.join(gone)}" if gone else "user files intact"
 
 
@@ -389,8 +427,7 @@ def probe_kv_overwrite_user_dir(ctx: Ctx) -> list[Row]:
     d = ctx.workdir("1d")
     plant_user_files(d / "out")
     out = ctx.cli(["calibrate-kv", ctx.base, "-o", "out", "-c", ctx.text, *SMALL_KV, "--overwrite"], d)
-    return [ctx.row("1d calibrate-kv -o DIR --overwrite, dir of user files", out, user_files_state(d / "out"),
-                    cwd=d)]
+    return [ctx.row("1d calibrate-kv -o DIR --overwrite, dir of user files", out, user_files_state(d / "out"), cwd=d)]
 
 
 def probe_kv_sigkill(ctx: Ctx) -> list[Row]:
@@ -407,8 +444,9 @@ def probe_kv_sigkill(ctx: Ctx) -> list[Row]:
                 delay = ctx.rng.uniform(0.0, 0.02)
                 time.sleep(delay)
                 landed = child.signal(signal.SIGKILL)
-                note = (f"SIGKILL {delay * 1000:.0f} ms after the staging dir appeared (attempt {attempt})"
-                        + ("" if landed else ", but the run had already exited"))
+                note = f"SIGKILL {delay * 1000:.0f} ms after the staging dir appeared (attempt {attempt})" + (
+                    "" if landed else ", but the run had already exited"
+                )
                 break
             time.sleep(0.0005)
         killed = child.finish()
@@ -416,13 +454,25 @@ def probe_kv_sigkill(ctx: Ctx) -> list[Row]:
             break
     state = ctx.verifies(art)
     left = leftovers(d, "art")
-    rows = [ctx.row("2a calibrate-kv SIGKILLed mid-swap, then verify", killed,
-                    f"{note}; {state}; left: {', '.join(left) or 'nothing'}", cwd=d,
-                    command=ctx.show(args, d) + " & SIGKILL; squeeze verify art")]
+    rows = [
+        ctx.row(
+            "2a calibrate-kv SIGKILLed mid-swap, then verify",
+            killed,
+            f"{note}; {state}; left: {', '.join(left) or 'nothing'}",
+            cwd=d,
+            command=ctx.show(args, d) + " & SIGKILL; squeeze verify art",
+        )
+    ]
     again = ctx.cli(args, d)
     left = leftovers(d, "art")
-    rows.append(ctx.row("2b next calibrate-kv cleans staging", again,
-                        f"{'LEFT ' + ', '.join(left) if left else 'no .art.* leftovers'}; {ctx.verifies(art)}", cwd=d))
+    rows.append(
+        ctx.row(
+            "2b next calibrate-kv cleans staging",
+            again,
+            f"{'LEFT ' + ', '.join(left) if left else 'no .art.* leftovers'}; {ctx.verifies(art)}",
+            cwd=d,
+        )
+    )
     return rows
 
 
@@ -433,8 +483,14 @@ def probe_publish_leftover(ctx: Ctx) -> list[Row]:
     groups.mkdir(parents=True)
     shutil.copyfile(art / SHARD, groups / "00000.safetensors")
     check = ctx.cli(["verify", "art"], d)
-    rows = [ctx.row("3a artifact + .squeeze-work/groups/00000 -> verify", check,
-                    "fails as expected" if check.rc else "PASSES with extra files", cwd=d)]
+    rows = [
+        ctx.row(
+            "3a artifact + .squeeze-work/groups/00000 -> verify",
+            check,
+            "fails as expected" if check.rc else "PASSES with extra files",
+            cwd=d,
+        )
+    ]
     rerun = ctx.cli(["compress", ctx.model, "-o", "art", "--recipe", "rtn-w4"], d)
     work = "work area gone" if not (art / ".squeeze-work").exists() else "work area still there"
     rows.append(ctx.row("3b rerun the same compress", rerun, f"then: {ctx.verifies(art)}, {work}", cwd=d))
@@ -455,8 +511,9 @@ def probe_fifo(ctx: Ctx) -> list[Row]:
             "c": ["calibrate-kv", "art", "-c", ctx.text, *SMALL_KV],
         }
         for letter, args in commands.items():
-            rows.append(ctx.row(f"{probe[0]}{letter}{probe[1:]} FIFO {name}: {args[0]}", ctx.cli(args, d), cwd=d,
-                                refuse=True))
+            rows.append(
+                ctx.row(f"{probe[0]}{letter}{probe[1:]} FIFO {name}: {args[0]}", ctx.cli(args, d), cwd=d, refuse=True)
+            )
     return rows
 
 
@@ -477,15 +534,19 @@ def probe_sparse_manifest(ctx: Ctx) -> list[Row]:
         manifest.truncate(2**30)
     return [
         ctx.row("4e 1 GiB sparse manifest: verify", ctx.cli(["verify", "art"], d), cwd=d, refuse=True),
-        ctx.row("4f 1 GiB sparse manifest: run", ctx.cli(["run", "Once", "-m", "art", "-n", "2"], d), cwd=d,
-                refuse=True),
+        ctx.row(
+            "4f 1 GiB sparse manifest: run", ctx.cli(["run", "Once", "-m", "art", "-n", "2"], d), cwd=d, refuse=True
+        ),
     ]
 
 
 def probe_tampered_config(ctx: Ctx) -> list[Row]:
     rows = []
-    cases = [("5a", "num_hidden_layers", 20000), ("5b", "num_hidden_layers", 1000000),
-             ("5c", "vocab_size", 1000000000000)]
+    cases = [
+        ("5a", "num_hidden_layers", 20000),
+        ("5b", "num_hidden_layers", 1000000),
+        ("5c", "vocab_size", 1000000000000),
+    ]
     for probe, key, value in cases:
         d = ctx.workdir(probe)
         art = ctx.artifact_copy(d / "art")
@@ -512,10 +573,18 @@ def probe_nested_manifest(ctx: Ctx) -> list[Row]:
     art = ctx.artifact_copy(d / "art")
     (art / MANIFEST).write_text("[" * 100000 + "]" * 100000)
     return [
-        ctx.row("6a manifest nested 100,000 deep: run", ctx.cli(["run", "Once", "-m", "art", "-n", "2"], d), cwd=d,
-                refuse=True),
-        ctx.row("6b manifest nested 100,000 deep: eval",
-                ctx.cli(["eval", "art", "--text", ctx.text, "--max-windows", "1"], d), cwd=d, refuse=True),
+        ctx.row(
+            "6a manifest nested 100,000 deep: run",
+            ctx.cli(["run", "Once", "-m", "art", "-n", "2"], d),
+            cwd=d,
+            refuse=True,
+        ),
+        ctx.row(
+            "6b manifest nested 100,000 deep: eval",
+            ctx.cli(["eval", "art", "--text", ctx.text, "--max-windows", "1"], d),
+            cwd=d,
+            refuse=True,
+        ),
     ]
 
 
@@ -552,8 +621,12 @@ def probe_huge_shape(ctx: Ctx) -> list[Row]:
     note = f"{name} declared [0, 2^64] (0 bytes), resealed"
     return [
         ctx.row("6e shard header shape [0, 2^64]: verify", ctx.cli(["verify", "art"], d), note, cwd=d, refuse=True),
-        ctx.row("6f shard header shape [0, 2^64]: run", ctx.cli(["run", "Once", "-m", "art", "-n", "2"], d), cwd=d,
-                refuse=True),
+        ctx.row(
+            "6f shard header shape [0, 2^64]: run",
+            ctx.cli(["run", "Once", "-m", "art", "-n", "2"], d),
+            cwd=d,
+            refuse=True,
+        ),
     ]
 
 
@@ -578,12 +651,12 @@ def set_empty_huge_shape(shard: Path) -> str:
     return name
 
 
-REMOTE_CODE = '''import pathlib
+REMOTE_CODE = """import pathlib
 pathlib.Path({marker!r}).write_text("{module} was imported\\n")
 from transformers import {base}
 class {cls}({base}):
     model_type = "{model_type}"
-'''
+"""
 
 
 def probe_remote_code(ctx: Ctx) -> list[Row]:
@@ -600,10 +673,15 @@ def probe_remote_code(ctx: Ctx) -> list[Row]:
                 config["model_type"] = model_type
 
         edit_json(model / "config.json", edit)
-        for module, base, cls in (("configuration_x", "PretrainedConfig", "XConfig"),
-                                  ("modeling_x", "PreTrainedModel", "XModel")):
-            (model / f"{module}.py").write_text(REMOTE_CODE.format(
-                marker=str(marker), module=module, base=base, cls=cls, model_type=model_type or "llama"))
+        for module, base, cls in (
+            ("configuration_x", "PretrainedConfig", "XConfig"),
+            ("modeling_x", "PreTrainedModel", "XModel"),
+        ):
+            (model / f"{module}.py").write_text(
+                REMOTE_CODE.format(
+                    marker=str(marker), module=module, base=base, cls=cls, model_type=model_type or "llama"
+                )
+            )
         out = ctx.cli(["compress", "model", "-o", "out", "--recipe", "rtn-w4", "--json"], d, stdin=b"y\n")
         prompt = "[y/N] PROMPT on stdout" if "[y/N]" in out.stdout else "no prompt"
         try:
@@ -621,9 +699,11 @@ def probe_symlinked_artifact(ctx: Ctx) -> list[Row]:
     d = ctx.workdir("8")
     ctx.artifact_copy(d / "v3")
     os.symlink("v3", d / "current")
-    commands = {"8a current -> v3: verify": ["verify", "current"],
-                "8b current -> v3: inspect": ["inspect", "current"],
-                "8c current -> v3: run": ["run", "Once", "-m", "current", "-n", "2"]}
+    commands = {
+        "8a current -> v3: verify": ["verify", "current"],
+        "8b current -> v3: inspect": ["inspect", "current"],
+        "8c current -> v3: run": ["run", "Once", "-m", "current", "-n", "2"],
+    }
     return [ctx.row(name, ctx.cli(args, d), cwd=d) for name, args in commands.items()]
 
 
@@ -631,8 +711,9 @@ def probe_read_only_output(ctx: Ctx) -> list[Row]:
     d = ctx.workdir("9")
     ro = d / "ro"
     ro.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=False,
-                           capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=False, capture_output=True, text=True
+    )
     if mount.returncode != 0:
         reason = f"cannot make a read-only mount here ({shorten(mount.stderr, 60)})"
         return [Row("9 read-only output", "mount -t tmpfs -o ro tmpfs DIR", "-", "", "", "", f"skipped: {reason}")]
@@ -641,8 +722,10 @@ def probe_read_only_output(ctx: Ctx) -> list[Row]:
         kv = ctx.cli(["calibrate-kv", ctx.base, "-o", "ro/kv", "-c", ctx.text], d)
     finally:
         subprocess.run(["umount", str(ro)], check=False)
-    return [ctx.row("9a compress -o READ_ONLY_DIR", compress, cwd=d, refuse=True),
-            ctx.row("9b calibrate-kv -o READ_ONLY_DIR/kv (full text)", kv, cwd=d, refuse=True)]
+    return [
+        ctx.row("9a compress -o READ_ONLY_DIR", compress, cwd=d, refuse=True),
+        ctx.row("9b calibrate-kv -o READ_ONLY_DIR/kv (full text)", kv, cwd=d, refuse=True),
+    ]
 
 
 def probe_inspect_symlinks(ctx: Ctx) -> list[Row]:
@@ -672,9 +755,12 @@ def probe_deep_path(ctx: Ctx) -> list[Row]:
             out = ctx.cli(["inspect", target], d)
             longest = max((len(line) for line in (out.stderr + out.stdout).splitlines()), default=0)
             note = f"Error: line {len(out.error_line)} chars, longest output line {longest}"
-            shown = "squeeze inspect deep/a/a/...(1500 levels)" + target[len(deep):]
-            rows.append(ctx.row(f"{probe} inspect on a path 1500 dirs deep{target[len(deep):]}", out, note, cwd=d,
-                                command=shown))
+            shown = "squeeze inspect deep/a/a/...(1500 levels)" + target[len(deep) :]
+            rows.append(
+                ctx.row(
+                    f"{probe} inspect on a path 1500 dirs deep{target[len(deep) :]}", out, note, cwd=d, command=shown
+                )
+            )
     finally:
         while deep:  # from the deepest level that exists, up
             if (d / deep).is_dir():
@@ -719,14 +805,28 @@ def probe_long_prompt(ctx: Ctx) -> list[Row]:
         follow = ctx.cli(["run", prompt, "-m", "art", "-n", suggested.group(1)], d)
         rows.append(ctx.row(f"12b follow the hint: -n {suggested.group(1)}", follow, cwd=d))
     else:
-        rows.append(Row("12b follow the hint", "-", "-", "", "", "", "hint suggests no --max-new-tokens: nothing to follow"))
+        rows.append(
+            Row("12b follow the hint", "-", "-", "", "", "", "hint suggests no --max-new-tokens: nothing to follow")
+        )
     return rows
 
 
 def probe_sigint_resume(ctx: Ctx) -> list[Row]:
     d = ctx.workdir("12cd")
-    args = ["compress", ctx.model, "-o", "out", "--recipe", "w4", "-c", ctx.text, "--num-samples", "64",
-            "--seq-len", "256"]
+    args = [
+        "compress",
+        ctx.model,
+        "-o",
+        "out",
+        "--recipe",
+        "w4",
+        "-c",
+        ctx.text,
+        "--num-samples",
+        "64",
+        "--seq-len",
+        "256",
+    ]
     child = ctx.spawn(args, d)
     work = d / "out" / ".squeeze-work"
     # past preflight and the lock, loading (the fingerprint is written inside the signal guard), nothing committed
@@ -737,16 +837,30 @@ def probe_sigint_resume(ctx: Ctx) -> list[Row]:
     sent = child.signal(signal.SIGINT)
     at = time.monotonic() - child.started
     out = child.finish()
-    when = (f"SIGINT at {at:.1f} s (work area: {', '.join(state)}; {len(committed)} group(s) committed)" if sent
-            else "the run finished before SIGINT")
-    found = (re.search(r"resume with: (.+)$", out.stderr, re.MULTILINE)
-             or re.search(r"(squeeze \S+ .*--resume.*)$", out.stderr, re.MULTILINE))
+    when = (
+        f"SIGINT at {at:.1f} s (work area: {', '.join(state)}; {len(committed)} group(s) committed)"
+        if sent
+        else "the run finished before SIGINT"
+    )
+    found = re.search(r"resume with: (.+)$", out.stderr, re.MULTILINE) or re.search(
+        r"(squeeze \S+ .*--resume.*)$", out.stderr, re.MULTILINE
+    )
     words = shlex.split(found.group(1)) if found else []
     words = words[1:] if words[:1] == ["squeeze"] else words
-    printed = (f"printed: {ctx.show(words, d)}" if words
-               else f"no resume command printed ({shorten(out.hint, 80) or 'no hint'})")
-    rows = [ctx.row("12c compress, SIGINT before any commit", out, f"{when}; {printed}", cwd=d,
-                    command=ctx.show(args, d) + " & SIGINT")]
+    printed = (
+        f"printed: {ctx.show(words, d)}"
+        if words
+        else f"no resume command printed ({shorten(out.hint, 80) or 'no hint'})"
+    )
+    rows = [
+        ctx.row(
+            "12c compress, SIGINT before any commit",
+            out,
+            f"{when}; {printed}",
+            cwd=d,
+            command=ctx.show(args, d) + " & SIGINT",
+        )
+    ]
     if words:
         resumed = ctx.cli(words, d)
         first = next((ln.strip() for ln in (resumed.stderr + resumed.stdout).splitlines() if ln.strip()), "")
@@ -762,9 +876,11 @@ def probe_eval_missing_baseline(ctx: Ctx) -> list[Row]:
     missing = ctx.cli(["eval", "no-such-model", "--text", ctx.text], d)
     out = ctx.cli(["eval", "art", "--text", ctx.text, "--baseline", "/no/such/path"], d)
     loaded = (out.rss_mb or 0) > ((plain.rss_mb or 0) + (missing.rss_mb or 0)) / 2
-    note = (f"{'main model loaded first' if loaded else 'refused before loading the model'} (by RSS); "
-            f"eval alone: {plain.wall:.1f} s, {plain.rss_mb:.0f} MB; missing main model: {missing.wall:.1f} s, "
-            f"{missing.rss_mb:.0f} MB")
+    note = (
+        f"{'main model loaded first' if loaded else 'refused before loading the model'} (by RSS); "
+        f"eval alone: {plain.wall:.1f} s, {plain.rss_mb:.0f} MB; missing main model: {missing.wall:.1f} s, "
+        f"{missing.rss_mb:.0f} MB"
+    )
     return [ctx.row("12e eval --baseline /no/such/path", out, note, cwd=d, refuse=True)]
 
 
@@ -820,8 +936,9 @@ def setup(ctx: Ctx) -> Outcome:
 
 def describe_repo(repo: Path) -> str:
     def git(*args: str) -> str:
-        done = subprocess.run(["git", "--no-optional-locks", "-C", str(repo), *args], check=False, capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(repo), *args], check=False, capture_output=True, text=True
+        )
         return done.stdout.strip()
 
     dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -833,11 +950,26 @@ def markdown(rows: list[Row]) -> str:
         text = " ".join(str(text).split()).replace("|", "\\|")
         return f"`{text}`" if code and text and "`" not in text else text
 
-    lines = ["| probe | command | exit | first `Error:` line | wall s | peak RSS MB | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| probe | command | exit | first `Error:` line | wall s | peak RSS MB | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append("| " + " | ".join([cell(r.probe), cell(r.command, code=True), cell(r.exit), cell(r.error),
-                                         cell(r.wall_s), cell(r.rss_mb), cell(r.verdict)]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    cell(r.probe),
+                    cell(r.command, code=True),
+                    cell(r.exit),
+                    cell(r.error),
+                    cell(r.wall_s),
+                    cell(r.rss_mb),
+                    cell(r.verdict),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -883,7 +1015,9 @@ def main() -> int:
                 try:
                     rows.extend(probe(ctx))
                 except Exception as exc:  # noqa: BLE001 - one broken probe must not end the run
-                    rows.append(Row(key, "-", "-", "", "", "", f"probe error: {type(exc).__name__}: {shorten(str(exc), 120)}"))
+                    rows.append(
+                        Row(key, "-", "-", "", "", "", f"probe error: {type(exc).__name__}: {shorten(str(exc), 120)}")
+                    )
     finally:
         if options.keep:
             print(f"kept {root}", file=sys.stderr)
@@ -892,15 +1026,28 @@ def main() -> int:
 
     commit = describe_repo(repo)
     print(f"## squeeze hardening probes: {repo} at {commit}\n")
-    print(f"{started}, python {sys.version.split()[0]}, timeout {options.timeout:g} s per command, "
-          f"RSS cap {options.rss_cap_mb:.0f} MB, seed {seed}\n")
+    print(
+        f"{started}, python {sys.version.split()[0]}, timeout {options.timeout:g} s per command, "
+        f"RSS cap {options.rss_cap_mb:.0f} MB, seed {seed}\n"
+    )
     print(markdown(rows))
     if options.json:
-        options.json.write_text(json.dumps({
-            "repo": str(repo), "commit": commit, "started": started, "python": sys.version.split()[0],
-            "timeout_s": options.timeout, "rss_cap_mb": options.rss_cap_mb, "seed": seed,
-            "rows": [asdict(r) for r in rows],
-        }, indent=2) + "\n")
+        options.json.write_text(
+            json.dumps(
+                {
+                    "repo": str(repo),
+                    "commit": commit,
+                    "started": started,
+                    "python": sys.version.split()[0],
+                    "timeout_s": options.timeout,
+                    "rss_cap_mb": options.rss_cap_mb,
+                    "seed": seed,
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from squeeze.version import __version__
-
+from squeeze.api import (  # noqa: E402
+    calibrate_kv,
+    compress,
+    evaluate,
+    generate,
+    inspect,
+    load,
+    verify_model_integrity,
+)
 from squeeze.errors import (  # noqa: E402
     CalibrationError,
     ConfigError,
@@ -16,17 +23,8 @@ from squeeze.errors import (  # noqa: E402
     ResumeError,
     SqueezeError,
 )
-
-from squeeze.api import (  # noqa: E402
-    calibrate_kv,
-    compress,
-    evaluate,
-    generate,
-    inspect,
-    load,
-    verify_model_integrity,
-)
 from squeeze.runtime import hf_hook as _hf_hook  # noqa: E402
+from squeeze.version import __version__
 
 # `AutoModelForCausalLM.from_pretrained(artifact_dir)` after `import squeeze`: registers the "squeeze"
 # quantization method with transformers once its quantizer registry is imported (not before: seconds).

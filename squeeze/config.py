@@ -89,15 +89,18 @@ class WeightsConfig:
         """Every option the chosen format does not use keeps its default (the format registry says which)."""
         fmt = format_for_recipe(self)
         if fmt is None:
-            raise ConfigError(f"weights.method {self.method} has no format for lut_dtype {self.lut_dtype}",
-                              hint="remove lut_dtype")
+            raise ConfigError(
+                f"weights.method {self.method} has no format for lut_dtype {self.lut_dtype}", hint="remove lut_dtype"
+            )
         defaults = {f.name: f.default for f in fields(self)}
         for key in sorted(recipe_options() - fmt.recipe_options):
             if getattr(self, key) != defaults[key]:
                 users = list(dict.fromkeys(c.method for c in formats() if key in c.recipe_options))
-                raise ConfigError(f"weights.{key} applies to method {' / '.join(users)} only, found "
-                                  f"{getattr(self, key)!r} with method {self.method}",
-                                  hint=f"remove {key}, or use method: {users[0]}")
+                raise ConfigError(
+                    f"weights.{key} applies to method {' / '.join(users)} only, found "
+                    f"{getattr(self, key)!r} with method {self.method}",
+                    hint=f"remove {key}, or use method: {users[0]}",
+                )
 
 
 @dataclass(frozen=True)
@@ -181,9 +184,10 @@ def load_recipe(name_or_path: str | Path, **overrides: Any) -> Recipe:
     """
     data = _read_named_yaml(name_or_path, RECIPES_DIR, "recipe")
     if isinstance(data, dict) and "kv_cache" in data:  # read by nothing in compress; older recipes carried it
-        raise ConfigError("recipe key 'kv_cache' is not a compress setting: the KV cache is calibrated on the "
-                          "artifact afterwards", hint="remove the kv_cache section and run "
-                          "`squeeze calibrate-kv ARTIFACT --bits 4|8`")
+        raise ConfigError(
+            "recipe key 'kv_cache' is not a compress setting: the KV cache is calibrated on the artifact afterwards",
+            hint="remove the kv_cache section and run `squeeze calibrate-kv ARTIFACT --bits 4|8`",
+        )
     for dotted, value in overrides.items():
         if value is None:
             continue
@@ -320,8 +324,21 @@ def canonical_hash(data: Any) -> str:
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -341,7 +358,18 @@ def parse_size(size: int | str) -> int:
 
 
 __all__ = [
-    "CONFIG_VERSION", "DEFAULT_SINK_TOKENS", "SUPPORTED_BITS", "WeightsConfig", "OutputConfig", "Recipe",
-    "CalibrationSpec", "load_recipe", "load_calibration_spec", "from_dict", "to_plain", "canonical_hash",
-    "parse_size", "replace",
+    "CONFIG_VERSION",
+    "DEFAULT_SINK_TOKENS",
+    "SUPPORTED_BITS",
+    "WeightsConfig",
+    "OutputConfig",
+    "Recipe",
+    "CalibrationSpec",
+    "load_recipe",
+    "load_calibration_spec",
+    "from_dict",
+    "to_plain",
+    "canonical_hash",
+    "parse_size",
+    "replace",
 ]

@@ -63,8 +63,15 @@ class ResumeError(SqueezeError):
 class Interrupted(SqueezeError):
     """A run stopped on SIGINT or SIGTERM after committing its completed work; exit code 128 + signal."""
 
-    def __init__(self, message: str, hint: str | None = None, *, signum: int = 2, work_dir: str | None = None,
-                 resumable: bool = True) -> None:
+    def __init__(
+        self,
+        message: str,
+        hint: str | None = None,
+        *,
+        signum: int = 2,
+        work_dir: str | None = None,
+        resumable: bool = True,
+    ) -> None:
         super().__init__(message, hint)
         self.signum = signum
         self.exit_code = 128 + signum  # 130 for SIGINT, 143 for SIGTERM: what shells report for such deaths

@@ -84,8 +84,13 @@ def is_kv_group(group: object, head_dim: int) -> TypeGuard[int]:
 # Checks (boundary code: recipes, specs, options, artifact parsers)
 
 
-def check_weight_bits(value: object, where: str = "bits", error: type[SqueezeError] = ConfigError, *,
-                      hint: str | None = "use 3 or 4 for SqueezeLLM, 8 for near-lossless") -> int:
+def check_weight_bits(
+    value: object,
+    where: str = "bits",
+    error: type[SqueezeError] = ConfigError,
+    *,
+    hint: str | None = "use 3 or 4 for SqueezeLLM, 8 for near-lossless",
+) -> int:
     """``value`` if it is a supported weight code width, else ``error``."""
     if not is_weight_bits(value):
         raise error(f"{where} must be one of {list(WEIGHT_BITS)}, found {value!r}", hint=hint)
@@ -116,8 +121,13 @@ def check_sparse_fractions(sensitive: float, outlier: float, where: str = "weigh
         )
 
 
-def check_group_size(value: object, where: str = "group_size", error: type[SqueezeError] = ConfigError, *,
-                     hint: str | None = "e.g. 128, or null for one group per output channel") -> int | None:
+def check_group_size(
+    value: object,
+    where: str = "group_size",
+    error: type[SqueezeError] = ConfigError,
+    *,
+    hint: str | None = "e.g. 128, or null for one group per output channel",
+) -> int | None:
     """``value`` if it is a positive integer or None (one group per row), else ``error``."""
     if value is None:
         return None
@@ -126,8 +136,13 @@ def check_group_size(value: object, where: str = "group_size", error: type[Squee
     return value
 
 
-def check_kv_bits(value: object, where: str = "KV-cache bits", error: type[SqueezeError] = ConfigError, *,
-                  hint: str | None = "pass --bits 8 or --bits 4") -> int:
+def check_kv_bits(
+    value: object,
+    where: str = "KV-cache bits",
+    error: type[SqueezeError] = ConfigError,
+    *,
+    hint: str | None = "pass --bits 8 or --bits 4",
+) -> int:
     """``value`` if it is a supported KV-cache width, else ``error``."""
     if not is_kv_bits(value):
         raise error(f"{where} must be {' or '.join(map(str, KV_BITS))}, found {value!r}", hint=hint)
@@ -137,8 +152,10 @@ def check_kv_bits(value: object, where: str = "KV-cache bits", error: type[Squee
 def check_kv_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
     """``group`` if it is an even divisor of ``head_dim`` (channels per KV grid), else ``error``."""
     if not is_kv_group(group, head_dim):
-        raise error(f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
-                    hint=f"e.g. {head_dim // 2} or {head_dim}")
+        raise error(
+            f"{what} grids must span an even divisor of the head dimension {head_dim}, found {group!r}",
+            hint=f"e.g. {head_dim // 2} or {head_dim}",
+        )
     return group
 
 
@@ -150,9 +167,25 @@ def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeE
 
 
 __all__ = [
-    "WEIGHT_BITS", "Sensitivity", "SENSITIVITIES", "LutDtype", "LUT_DTYPES",
-    "MAX_SPARSE_FRACTION", "MIN_GROUP_SIZE", "KV_BITS", "DEFAULT_SINK_TOKENS", "MIN_SEQ_LEN",
-    "is_int", "is_weight_bits", "is_kv_bits", "is_kv_group",
-    "check_weight_bits", "check_choice", "check_sparse_fractions", "check_group_size", "check_kv_bits",
-    "check_kv_group", "check_at_least",
+    "WEIGHT_BITS",
+    "Sensitivity",
+    "SENSITIVITIES",
+    "LutDtype",
+    "LUT_DTYPES",
+    "MAX_SPARSE_FRACTION",
+    "MIN_GROUP_SIZE",
+    "KV_BITS",
+    "DEFAULT_SINK_TOKENS",
+    "MIN_SEQ_LEN",
+    "is_int",
+    "is_weight_bits",
+    "is_kv_bits",
+    "is_kv_group",
+    "check_weight_bits",
+    "check_choice",
+    "check_sparse_fractions",
+    "check_group_size",
+    "check_kv_bits",
+    "check_kv_group",
+    "check_at_least",
 ]

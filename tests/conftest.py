@@ -28,7 +28,6 @@ STORIES = SHARED / "models" / "stories260K"
 CORPORA = SHARED / "corpora"
 
 
-
 def require_shared(path: Path) -> Path:
     """Skip the calling test (with a reason) when a file or folder from ../shared is absent."""
     if not path.exists():
@@ -91,15 +90,26 @@ def tinystories_text(tinystories_file: Path) -> str:
 #: The tiny Llama's dimensions. intermediate_size 144: RTN groups of 32 leave a partial last group; 512
 #: positions as stories260K. Weights drawn with std 0.1 (not 0.02): logits spread (std ~0.8) instead of
 #: near-uniform, so a wrong weight moves the perplexity by percents, not per mille.
-TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 144, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-              "initializer_range": 0.1}
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 144,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.1,
+}
 TINY_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3: unk, bos, eos, pad
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|> {% endif %}")
-_WORDS = ("once upon a time there was little girl boy named lily tom who liked to play in the park with her his "
-          "dog cat one day found big red blue ball under tree and they were happy sad sun warm sky bright said "
-          "mom let us go home after lunch because it is late").split()
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+_WORDS = (
+    "once upon a time there was little girl boy named lily tom who liked to play in the park with her his "
+    "dog cat one day found big red blue ball under tree and they were happy sad sun warm sky bright said "
+    "mom let us go home after lunch because it is late"
+).split()
 
 
 def tiny_story_text(sentences: int = 250, seed: int = 0) -> str:
@@ -128,13 +138,20 @@ def build_tiny_tokenizer(text: str, vocab_size: int = 320) -> Any:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     alphabet = [chr(b) for b in range(33, 127)] + ["\u0120", "\u010a", "\u0109"]  # byte-level space, \n, \t
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIAL, initial_alphabet=alphabet,
-                                  limit_alphabet=len(alphabet), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIAL,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
     backend.train_from_iterator(text.splitlines(), trainer)
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                           special_tokens=[("<s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", pad_token="<pad>")
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
 
@@ -150,8 +167,17 @@ def tiny_llama_config(tokenizer: Any, **changes: Any) -> Any:
     """The tiny Llama's LlamaConfig (``changes`` override TINY_LLAMA, e.g. tie_word_embeddings=True)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 2,
-                          "pad_token_id": 3, "tie_word_embeddings": False, **changes})
+    return LlamaConfig(
+        **{
+            **TINY_LLAMA,
+            "vocab_size": len(tokenizer),
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 3,
+            "tie_word_embeddings": False,
+            **changes,
+        }
+    )
 
 
 @pytest.fixture(scope="session")

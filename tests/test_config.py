@@ -62,7 +62,9 @@ def test_sparsity_outside_range(fraction):
 
 
 def test_rtn_rejects_sparse_fractions_and_squeeze_rejects_groups():
-    with pytest.raises(ConfigError, match="outlier_fraction applies to method squeeze only, found 0.01 with method rtn"):
+    with pytest.raises(
+        ConfigError, match="outlier_fraction applies to method squeeze only, found 0.01 with method rtn"
+    ):
         WeightsConfig(method="rtn", outlier_fraction=0.01)
     with pytest.raises(ConfigError, match="lut_dtype applies to method squeeze only"):
         WeightsConfig(method="rtn", lut_dtype="int8")
@@ -135,7 +137,9 @@ def test_calibration_spec_errors():
         CalibrationSpec(path="x", version=2)
 
 
-@pytest.mark.parametrize("text, value", [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30), (1234, 1234), ("10 kb", 10_000)])
+@pytest.mark.parametrize(
+    "text, value", [("2GB", 2 * 10**9), ("500MB", 500 * 10**6), ("1GiB", 2**30), (1234, 1234), ("10 kb", 10_000)]
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 

@@ -204,8 +204,11 @@ def cycle_problems(edges: list[Edge], known: frozenset[tuple[str, str]] = KNOWN_
     closes one (stale: it must leave the allowlist)."""
     full = _graph(edges)
     knot_of = {m: i for i, component in enumerate(strongly_connected(full)) for m in component}
-    stale = sorted(pair for pair in known if pair[1] not in full.get(pair[0], set())
-                   or knot_of.get(pair[0], -1) != knot_of.get(pair[1], -2))
+    stale = sorted(
+        pair
+        for pair in known
+        if pair[1] not in full.get(pair[0], set()) or knot_of.get(pair[0], -1) != knot_of.get(pair[1], -2)
+    )
     problems = [f"KNOWN_CYCLE_EDGES entry {a} -> {b} no longer closes a cycle: remove it" for a, b in stale]
     cycles = describe_cycles(_graph(edges, known), edges)
     return problems + [f"import cycle: {c}" for c in cycles]
@@ -213,11 +216,15 @@ def cycle_problems(edges: list[Edge], known: frozenset[tuple[str, str]] = KNOWN_
 
 def layer_violations(edges: list[Edge]) -> list[str]:
     """Imports from squeeze/quant of anything but QUANT_ALLOWED (type-only ones included)."""
+
     def within(module: str, package: str) -> bool:
         return module == package or module.startswith(package + ".")
 
-    return sorted(f"{e.importer} imports {e.imported} (line {e.line})" for e in edges
-                  if within(e.importer, "squeeze.quant") and not any(within(e.imported, ok) for ok in QUANT_ALLOWED))
+    return sorted(
+        f"{e.importer} imports {e.imported} (line {e.line})"
+        for e in edges
+        if within(e.importer, "squeeze.quant") and not any(within(e.imported, ok) for ok in QUANT_ALLOWED)
+    )
 
 
 def _toy_package(root: Path) -> Path:
@@ -230,7 +237,8 @@ def _toy_package(root: Path) -> Path:
     (pkg / "sub" / "a.py").write_text("from . import b\nA = 1\n")
     (pkg / "sub" / "b.py").write_text("def f():\n    from squeeze import c\n")
     (pkg / "c.py").write_text(
-        "import typing\nif typing.TYPE_CHECKING:\n    import squeeze.d\nfrom squeeze.sub import a\n")
+        "import typing\nif typing.TYPE_CHECKING:\n    import squeeze.d\nfrom squeeze.sub import a\n"
+    )
     (pkg / "d.py").write_text("from squeeze.sub import A\n")
     return pkg
 
@@ -249,8 +257,8 @@ def test_the_graph_sees_lazy_relative_and_submodule_imports(tmp_path: Path) -> N
     assert strongly_connected(graph) == [knot]
     assert cycle_in(graph, knot) == ["squeeze.c", "squeeze.sub.a", "squeeze.sub.b", "squeeze.c"]  # a shortest one
     assert describe_cycles(graph, edges) == [
-        "squeeze.c (line 4) -> squeeze.sub.a (line 1) -> squeeze.sub.b (line 2) -> squeeze.c"
-        "   [4 modules in this knot]"]
+        "squeeze.c (line 4) -> squeeze.sub.a (line 1) -> squeeze.sub.b (line 2) -> squeeze.c   [4 modules in this knot]"
+    ]
 
 
 def test_the_allowlist_hides_only_live_cycles(tmp_path: Path) -> None:
@@ -259,7 +267,8 @@ def test_the_allowlist_hides_only_live_cycles(tmp_path: Path) -> None:
     assert cycle_problems(edges, frozenset({("squeeze.sub.b", "squeeze.c")})) == []  # the lazy import
     # an allowlisted edge that does not exist, or lies on no cycle, is stale
     assert cycle_problems(edges, frozenset({("squeeze.sub.b", "squeeze.c"), ("squeeze.d", "squeeze.sub")})) == [
-        "KNOWN_CYCLE_EDGES entry squeeze.d -> squeeze.sub no longer closes a cycle: remove it"]
+        "KNOWN_CYCLE_EDGES entry squeeze.d -> squeeze.sub no longer closes a cycle: remove it"
+    ]
 
 
 def test_the_quant_rule_counts_lazy_imports(tmp_path: Path) -> None:

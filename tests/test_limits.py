@@ -43,8 +43,11 @@ def test_every_table_is_the_one_in_limits() -> None:
 
 def test_no_other_module_spells_out_a_list_of_widths() -> None:
     spelled = re.compile(r"\(2, 3, 4, 8\)|\[2, 3, 4, 8\]|\(None, 4, 8\)")
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                 if p.name != "limits.py" and spelled.search(p.read_text(encoding="utf-8"))]
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "limits.py" and spelled.search(p.read_text(encoding="utf-8"))
+    ]
     assert offenders == []
 
 
@@ -72,8 +75,9 @@ def test_supported_weight_bits_pass(bits: int) -> None:
     assert limits.check_weight_bits(bits) == bits
 
 
-@pytest.mark.parametrize(("sensitive", "outlier"), [(0.5, 0.0), (0.0, 0.11), (-0.001, 0.0), (0.06, 0.05),
-                                                    (float("nan"), 0.0), ("0.01", 0.0)])
+@pytest.mark.parametrize(
+    ("sensitive", "outlier"), [(0.5, 0.0), (0.0, 0.11), (-0.001, 0.0), (0.06, 0.05), (float("nan"), 0.0), ("0.01", 0.0)]
+)
 def test_sparse_fractions_beyond_the_user_bound_are_refused(sensitive: object, outlier: object) -> None:
     with pytest.raises(ConfigError, match="fraction") as info:
         limits.check_sparse_fractions(sensitive, outlier)  # type: ignore[arg-type]
@@ -115,9 +119,14 @@ def test_checks_raise_the_error_a_parser_asks_for() -> None:
 
 
 def test_recipes_use_the_table() -> None:
-    for bad, match in (({"bits": 5}, "weights.bits"), ({"outlier_fraction": 0.5}, "outlier_fraction"),
-                       ({"method": "rtn", "group_size": 0}, "group_size"), ({"lut_dtype": "int4"}, "lut_dtype"),
-                       ({"method": "gptq"}, "method"), ({"sensitivity": "hessian"}, "sensitivity")):
+    for bad, match in (
+        ({"bits": 5}, "weights.bits"),
+        ({"outlier_fraction": 0.5}, "outlier_fraction"),
+        ({"method": "rtn", "group_size": 0}, "group_size"),
+        ({"lut_dtype": "int4"}, "lut_dtype"),
+        ({"method": "gptq"}, "method"),
+        ({"sensitivity": "hessian"}, "sensitivity"),
+    ):
         with pytest.raises(ConfigError, match=match):
             WeightsConfig(**bad)  # type: ignore[arg-type]
 
@@ -143,17 +152,21 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calibrate_kv_stage, "run_calibrate_kv", fail)
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    (["--bits", "5"], "weights.bits must be one of [2, 3, 4, 8], found 5"),
-    (["--outlier-fraction", "0.5"], "weights.outlier_fraction must be in [0, 0.1]"),
-    (["--sensitive-fraction", "0.08", "--outlier-fraction", "0.08"], "must not exceed 0.1"),
-    (["--recipe", "rtn-w4", "--group-size", "0"], "weights.group_size must be an integer >= 1"),
-    (["--lut-dtype", "int4"], "weights.lut_dtype must be one of ['float16', 'int8'], found 'int4'"),
-    (["--method", "gptq"], "weights.method must be one of ['squeeze', 'rtn']"),
-    (["--sensitivity", "hessian"], "weights.sensitivity must be one of ['fisher', 'uniform']"),
-])
-def test_bad_compress_options_are_one_clean_usage_error(tmp_path: Path, nothing_runs: None, options: list[str],
-                                                        match: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (["--bits", "5"], "weights.bits must be one of [2, 3, 4, 8], found 5"),
+        (["--outlier-fraction", "0.5"], "weights.outlier_fraction must be in [0, 0.1]"),
+        (["--sensitive-fraction", "0.08", "--outlier-fraction", "0.08"], "must not exceed 0.1"),
+        (["--recipe", "rtn-w4", "--group-size", "0"], "weights.group_size must be an integer >= 1"),
+        (["--lut-dtype", "int4"], "weights.lut_dtype must be one of ['float16', 'int8'], found 'int4'"),
+        (["--method", "gptq"], "weights.method must be one of ['squeeze', 'rtn']"),
+        (["--sensitivity", "hessian"], "weights.sensitivity must be one of ['fisher', 'uniform']"),
+    ],
+)
+def test_bad_compress_options_are_one_clean_usage_error(
+    tmp_path: Path, nothing_runs: None, options: list[str], match: str
+) -> None:
     result = runner.invoke(app, ["compress", str(tmp_path / "no-model"), "-o", str(tmp_path / "out"), *options])
     _clean_usage_error(result, match)
     assert not (tmp_path / "out").exists()
@@ -162,20 +175,25 @@ def test_bad_compress_options_are_one_clean_usage_error(tmp_path: Path, nothing_
 def test_a_bad_recipe_file_is_one_clean_usage_error(tmp_path: Path, nothing_runs: None) -> None:
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("version: 1\nweights:\n  bits: 5\n")
-    result = runner.invoke(app, ["compress", str(tmp_path / "no-model"), "-o", str(tmp_path / "out"),
-                                 "--recipe", str(recipe)])
+    result = runner.invoke(
+        app, ["compress", str(tmp_path / "no-model"), "-o", str(tmp_path / "out"), "--recipe", str(recipe)]
+    )
     _clean_usage_error(result, "weights.bits must be one of")
     recipe.write_text("version: 1\nweights:\n  method: squeeze\n  group_size: 64\n")
     with pytest.raises(ConfigError, match="weights.group_size applies to method rtn only"):
         load_recipe(recipe)
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    (["--bits", "6"], "--bits must be 4 or 8, found 6"),
-    (["--sink-tokens", "-1"], "--sink-tokens must be >= 0, found -1"),
-])
-def test_bad_calibrate_kv_options_are_one_clean_usage_error(tmp_path: Path, nothing_runs: None, options: list[str],
-                                                            match: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (["--bits", "6"], "--bits must be 4 or 8, found 6"),
+        (["--sink-tokens", "-1"], "--sink-tokens must be >= 0, found -1"),
+    ],
+)
+def test_bad_calibrate_kv_options_are_one_clean_usage_error(
+    tmp_path: Path, nothing_runs: None, options: list[str], match: str
+) -> None:
     result = runner.invoke(app, ["calibrate-kv", str(tmp_path / "no-artifact"), *options])
     _clean_usage_error(result, match)
 

@@ -28,7 +28,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(REPO / "squeeze", source / "squeeze", ignore=shutil.ignore_patterns("__pycache__"))
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)],
-        capture_output=True, text=True, cwd=dist,
+        capture_output=True,
+        text=True,
+        cwd=dist,
     )
     if build.returncode != 0 and "No module named" in build.stderr:
         pytest.skip(f"cannot build a wheel here: {build.stderr.strip().splitlines()[-1]}")
@@ -52,23 +54,41 @@ def test_installed_wheel_compresses_from_outside_the_checkout(wheel: Path, tmp_p
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(purelib, "borrowed-dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", purelib, str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", purelib, str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run([str(python), "-c", "import squeeze, squeeze.config as c; print(squeeze.__file__); "
-                            "print(c.RECIPES_DIR)"], capture_output=True, text=True, cwd=work, env=env, check=True)
+    where = subprocess.run(
+        [str(python), "-c", "import squeeze, squeeze.config as c; print(squeeze.__file__); print(c.RECIPES_DIR)"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=env,
+        check=True,
+    )
     module_file, recipes_dir = where.stdout.split()
     assert module_file.startswith(purelib) and recipes_dir.startswith(purelib)
     cli = [str(python), "-c", "from squeeze.cli.app import main; main()"]
     helped = subprocess.run([*cli, "compress", "--help"], capture_output=True, text=True, cwd=work, env=env)
     assert "w4-s045" in " ".join(helped.stdout.split())
-    result = subprocess.run([*cli, "compress", str(stories_dir), "-o", "out", "--recipe", "rtn-w4", "--json"],
-                            capture_output=True, text=True, cwd=work, env={**env, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [*cli, "compress", str(stories_dir), "-o", "out", "--recipe", "rtn-w4", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["recipe"] == "rtn-w4" and (work / "out" / "squeeze.manifest.json").is_file()

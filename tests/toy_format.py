@@ -38,27 +38,38 @@ class ToyAbsmaxWeight(WeightFormat):
         return {"weight_packed": self.packed, "weight_row_scale": self.row_scale}
 
     @classmethod
-    def from_roles(cls, bits: int, in_features: int, params: Mapping[str, Any],
-                   found: Mapping[str, Tensor]) -> ToyAbsmaxWeight:
-        return cls(bits=bits, in_features=in_features, packed=found["weight_packed"],
-                   row_scale=found["weight_row_scale"])
+    def from_roles(
+        cls, bits: int, in_features: int, params: Mapping[str, Any], found: Mapping[str, Tensor]
+    ) -> ToyAbsmaxWeight:
+        return cls(
+            bits=bits, in_features=in_features, packed=found["weight_packed"], row_scale=found["weight_row_scale"]
+        )
 
     def check_values(self, prefix: str) -> None:
         if not bool(torch.isfinite(self.row_scale).all()):
             raise FormatError(f"{prefix}.weight_row_scale must be finite")
 
     def row_slice(self, start: int, stop: int) -> ToyAbsmaxWeight:
-        return ToyAbsmaxWeight(bits=self.bits, in_features=self.in_features, packed=self.packed[start:stop],
-                               row_scale=self.row_scale[start:stop])
+        return ToyAbsmaxWeight(
+            bits=self.bits,
+            in_features=self.in_features,
+            packed=self.packed[start:stop],
+            row_scale=self.row_scale[start:stop],
+        )
 
     @classmethod
-    def quantize(cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions,
-                 timer: Timer = no_timer) -> ToyAbsmaxWeight:
+    def quantize(
+        cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions, timer: Timer = no_timer
+    ) -> ToyAbsmaxWeight:
         with timer("toy"):
             top = (1 << (options.bits - 1)) - 1
             w = weight.detach().to(torch.float32)
             scale = (w.abs().amax(dim=1, keepdim=True) / top).to(HALF)
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             codes = (w / scale.to(torch.float32)).round().clamp(-top, top) + (1 << (options.bits - 1))
-            return cls(bits=options.bits, in_features=int(w.shape[1]),
-                       packed=pack_codes(codes.to(torch.uint8), options.bits), row_scale=scale)
+            return cls(
+                bits=options.bits,
+                in_features=int(w.shape[1]),
+                packed=pack_codes(codes.to(torch.uint8), options.bits),
+                row_scale=scale,
+            )

@@ -11,5 +11,9 @@ from squeeze.calibrate.windows import (
 )
 
 __all__ = [
-    "calibration_windows", "load_calibration_text", "sample_windows", "tokenize_text", "fisher_information",
+    "calibration_windows",
+    "load_calibration_text",
+    "sample_windows",
+    "tokenize_text",
+    "fisher_information",
 ]

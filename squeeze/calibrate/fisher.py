@@ -46,22 +46,27 @@ def fisher_information(
     # Contract checks (ValueError: a bug in the caller, reported as an internal error). What users choose
     # (num_samples, seq_len) was checked against squeeze.limits when the calibration spec was read.
     if windows.ndim != 2 or windows.dtype != torch.long:
-        raise ValueError(f"Fisher windows must be an int64 tensor (n, T), found {windows.dtype} "
-                         f"{tuple(windows.shape)}; build them with calibration_windows()")
+        raise ValueError(
+            f"Fisher windows must be an int64 tensor (n, T), found {windows.dtype} "
+            f"{tuple(windows.shape)}; build them with calibration_windows()"
+        )
     n, seq_len = windows.shape
     if n < 1 or seq_len < MIN_SEQ_LEN:
         raise ValueError(f"Fisher needs at least one window of >= {MIN_SEQ_LEN} tokens, found shape {(n, seq_len)}")
     if batch_size < 1:
         raise ValueError(f"Fisher batch_size must be >= 1, found {batch_size}")
     if not modules:
-        raise ValueError("Fisher needs at least one target linear, found none; pass the result of "
-                         "find_target_linears()")
+        raise ValueError(
+            "Fisher needs at least one target linear, found none; pass the result of find_target_linears()"
+        )
     own = {id(p) for p in model.parameters()}
     foreign = [name for name, mod in modules.items() if id(mod.weight) not in own]
     if foreign:
         # A weight that is not a parameter of `model` never receives a gradient: F would silently be 0.
-        raise ValueError(f"target linear(s) {foreign[:3]} are not part of the model passed to fisher_information; "
-                         "find the targets on the same model instance")
+        raise ValueError(
+            f"target linear(s) {foreign[:3]} are not part of the model passed to fisher_information; "
+            "find the targets on the same model instance"
+        )
 
     weights = {name: mod.weight for name, mod in modules.items()}
     device = input_device(model)
@@ -69,25 +74,30 @@ def fisher_information(
     # would be inference tensors, which cannot be updated in place or take part in autograd.
     with torch.inference_mode(False), torch.enable_grad():
         fisher = {
-            name: torch.zeros(w.shape, dtype=torch.float32,
-                              device=w.device if accumulator_device is None else accumulator_device)
+            name: torch.zeros(
+                w.shape, dtype=torch.float32, device=w.device if accumulator_device is None else accumulator_device
+            )
             for name, w in weights.items()
         }
         if windows.is_inference():
             windows = windows.clone()
-        with _only_targets_require_grad(model, weights.values()), eval_mode(model), \
-                _square_and_drop_hooks(weights, fisher):
+        with (
+            _only_targets_require_grad(model, weights.values()),
+            eval_mode(model),
+            _square_and_drop_hooks(weights, fisher),
+        ):
             _run_windows(model, windows, batch_size, device, progress)
     return fisher
 
 
-def _run_windows(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
-                 progress: Progress | None) -> None:
+def _run_windows(
+    model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device, progress: Progress | None
+) -> None:
     """Forward + backward over int64 ``windows (n, T)`` in batches; the hooks do the accumulation."""
     n = windows.shape[0]
     done = 0
     for start in range(0, n, batch_size):
-        batch = windows[start:start + batch_size].to(device)  # (B, T)
+        batch = windows[start : start + batch_size].to(device)  # (B, T)
         _window_loss(model, batch).backward()
         done += batch.shape[0]
         if progress is not None:
@@ -122,8 +132,7 @@ def _only_targets_require_grad(model: nn.Module, targets: Iterable[torch.Tensor]
 
 
 @contextmanager
-def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]
-                           ) -> Iterator[None]:
+def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]) -> Iterator[None]:
     # One hook per distinct parameter: a weight shared by two target names (tied linears) must feed both
     # accumulators from the same gradient, not have the first hook drop it before the second runs.
     by_param: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}

@@ -40,9 +40,13 @@ class KVCalibration:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "bits": self.spec.bits, "sink_tokens": self.spec.sink_tokens, "tokens": self.tokens,
-            "key_error": sum(self.key_error), "value_error": sum(self.value_error),
-            "dynamic_key_error": sum(self.dynamic_key_error), "dynamic_value_error": sum(self.dynamic_value_error),
+            "bits": self.spec.bits,
+            "sink_tokens": self.spec.sink_tokens,
+            "tokens": self.tokens,
+            "key_error": sum(self.key_error),
+            "value_error": sum(self.value_error),
+            "dynamic_key_error": sum(self.dynamic_key_error),
+            "dynamic_value_error": sum(self.dynamic_value_error),
             "asymmetric_key_layers": sum(1 for x in self.spec.layers if x is not None and not x.k_symmetric),
             "asymmetric_value_layers": sum(1 for x in self.spec.layers if x is not None and not x.v_symmetric),
             "key_group": next((x.key_group for x in self.spec.layers if x is not None), None),
@@ -73,15 +77,17 @@ def capture_kv(
     with torch.inference_mode(), eval_mode(model):
         for i in range(n):
             cache = DynamicCache(config=getattr(model, "config", None))
-            model(input_ids=windows[i:i + 1].to(device), use_cache=True, **{cache_kwarg(model): cache})
+            model(input_ids=windows[i : i + 1].to(device), use_cache=True, **{cache_kwarg(model): cache})
             for layer_idx, layer in enumerate(cache.layers):
                 if layer_idx == len(keys):
                     keys.append([])
                     values.append([])
                 k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
                 if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-                    raise ModelError(f"layer {layer_idx} caches no keys and values (linear attention?)",
-                                     hint="calibrate-kv quantizes the key/value cache of softmax attention only")
+                    raise ModelError(
+                        f"layer {layer_idx} caches no keys and values (linear attention?)",
+                        hint="calibrate-kv quantizes the key/value cache of softmax attention only",
+                    )
                 # (1, H, T, D) -> (T - sink, H, D): tokens first, sink dropped
                 keys[layer_idx].append(k[0, :, sink_tokens:].transpose(0, 1).float().cpu())
                 values[layer_idx].append(v[0, :, sink_tokens:].transpose(0, 1).float().cpu())
@@ -96,8 +102,14 @@ def _strided(samples: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate_kv(
-    model: nn.Module, windows: torch.Tensor, bits: int, *, sink_tokens: int = DEFAULT_SINK_TOKENS,
-    key_group: int | None = None, value_group: int | None = None, progress: Progress | None = None,
+    model: nn.Module,
+    windows: torch.Tensor,
+    bits: int,
+    *,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    key_group: int | None = None,
+    value_group: int | None = None,
+    progress: Progress | None = None,
 ) -> KVCalibration:
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
 
@@ -110,8 +122,11 @@ def calibrate_kv(
         raise CalibrationError(f"sink_tokens must be >= 0, found {sink_tokens}")
     names = attention_modules(model)
     _, _, head_dim = kv_geometry(model.config)
-    key_group = default_key_group(bits, head_dim) if key_group is None else \
-        check_kv_group(key_group, head_dim, "key", CalibrationError)
+    key_group = (
+        default_key_group(bits, head_dim)
+        if key_group is None
+        else check_kv_group(key_group, head_dim, "key", CalibrationError)
+    )
     if value_group is not None:
         check_kv_group(value_group, head_dim, "value", CalibrationError)
     keys, values = capture_kv(model, windows, sink_tokens, progress)

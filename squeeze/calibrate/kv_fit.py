@@ -135,6 +135,12 @@ def dynamic_error(samples: Tensor, bits: int) -> float:
 
 
 __all__ = [
-    "CLIP_GRID", "asymmetric_gain_needed", "KeyFit", "ValueFit", "fit_keys", "fit_values", "fit_value_codebook",
+    "CLIP_GRID",
+    "asymmetric_gain_needed",
+    "KeyFit",
+    "ValueFit",
+    "fit_keys",
+    "fit_values",
+    "fit_value_codebook",
     "dynamic_error",
 ]

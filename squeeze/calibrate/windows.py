@@ -36,8 +36,8 @@ def read_text_file(path: str | os.PathLike[str], what: str, error: type[SqueezeE
     if not path.is_file():
         raise error(
             f"{what} {str(path)!r} does not exist" + (" (it is a directory)" if path.is_dir() else ""),
-            hint="pass an existing UTF-8 text file" + (", or a calibration spec YAML naming one"
-                                                       if error is CalibrationError else ""),
+            hint="pass an existing UTF-8 text file"
+            + (", or a calibration spec YAML naming one" if error is CalibrationError else ""),
         )
     try:
         text = path.read_text(encoding="utf-8")
@@ -55,8 +55,10 @@ def read_text_file(path: str | os.PathLike[str], what: str, error: type[SqueezeE
 
 def _read_dataset(spec: CalibrationSpec) -> str:
     name = spec.dataset if spec.dataset_config is None else f"{spec.dataset}/{spec.dataset_config}"
-    hint = ("the dataset must already be in the local Hugging Face datasets cache (squeeze works offline); "
-            "or use a local text file (source: text, path: ...)")
+    hint = (
+        "the dataset must already be in the local Hugging Face datasets cache (squeeze works offline); "
+        "or use a local text file (source: text, path: ...)"
+    )
     try:
         import datasets
 
@@ -74,8 +76,10 @@ def _read_dataset(spec: CalibrationSpec) -> str:
         )
     texts = data[spec.field]
     if not all(isinstance(t, str) for t in texts):
-        raise CalibrationError(f"calibration dataset {name!r} field {spec.field!r} is not a text column",
-                               hint="set 'field' to a column of strings")
+        raise CalibrationError(
+            f"calibration dataset {name!r} field {spec.field!r} is not a text column",
+            hint="set 'field' to a column of strings",
+        )
     text = "\n\n".join(texts)
     if not text.strip():
         raise CalibrationError(f"calibration dataset {name!r} split {spec.split!r} has no text in {spec.field!r}")
@@ -103,8 +107,9 @@ def calibration_windows(spec: CalibrationSpec, tokenizer: PreTrainedTokenizerBas
     return sample_windows(ids, spec.num_samples, spec.seq_len, spec.seed, what=_describe(spec))
 
 
-def sample_windows(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int, *,
-                   what: str = "calibration text") -> torch.Tensor:
+def sample_windows(
+    ids: torch.Tensor, num_samples: int, seq_len: int, seed: int, *, what: str = "calibration text"
+) -> torch.Tensor:
     """Draw ``num_samples`` windows of ``seq_len`` tokens from int64 ``ids (N,)``: int64 ``(num_samples, seq_len)``.
 
     Start positions are uniform in ``[0, N - seq_len - 1]`` (the GPTQ convention: one token of slack after

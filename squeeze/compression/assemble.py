@@ -85,17 +85,26 @@ def _load_group(job: CompressJob, index: int) -> tuple[dict[str, torch.Tensor], 
     with timed(job.timings, "checkpoint"):
         group = job.work.load_group(index, job.groups[index])
     if group is None:  # removed or corrupted since it was committed: the run must start that group over
-        raise ResumeError(f"layer group checkpoint {job.work.group_path(index)} is missing or unreadable",
-                          hint="rerun the same command: the group is quantized again")
+        raise ResumeError(
+            f"layer group checkpoint {job.work.group_path(index)} is missing or unreadable",
+            hint="rerun the same command: the group is quantized again",
+        )
     if "specs" not in group[1]:  # committed by a squeeze that kept no module entries in its checkpoints
-        raise ResumeError(f"layer group checkpoint {job.work.group_path(index)} was written by an older squeeze",
-                          hint="rerun with --restart to quantize again")
+        raise ResumeError(
+            f"layer group checkpoint {job.work.group_path(index)} was written by an older squeeze",
+            hint="rerun with --restart to quantize again",
+        )
     return group
 
 
 def write_metadata(
-    net: nn.Module, tokenizer: Any, recipe: Recipe, quantized: dict[str, dict[str, Any]],
-    storage_bits: int, n_weights: int, staging: Path,
+    net: nn.Module,
+    tokenizer: Any,
+    recipe: Recipe,
+    quantized: dict[str, dict[str, Any]],
+    storage_bits: int,
+    n_weights: int,
+    staging: Path,
 ) -> None:
     """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
     config = net.config.to_dict()  # type: ignore[union-attr, operator]
@@ -131,10 +140,14 @@ def seal_stage(job: CompressJob) -> None:
         manifest = seal(job.work.staging, provenance)
     job.manifest = manifest
     job.summary = {
-        "output": str(job.work.output), "model": job.source.model_id, "recipe": job.recipe.name,
+        "output": str(job.work.output),
+        "model": job.source.model_id,
+        "recipe": job.recipe.name,
         "bits_per_weight": round(job.storage_bits / job.n_weights, 4) if job.n_weights else 0.0,
-        "quantized_modules": len(job.modules), "quantized_weights": job.n_weights,
-        "artifact_bytes": manifest.total_size, "original_bytes": job.original_bytes,
+        "quantized_modules": len(job.modules),
+        "quantized_weights": job.n_weights,
+        "artifact_bytes": manifest.total_size,
+        "original_bytes": job.original_bytes,
         "root_digest": manifest.root_digest,
     }
 

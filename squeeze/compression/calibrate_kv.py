@@ -61,10 +61,16 @@ class CalibrateKVResult:
     root_digest: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"output": self.output, "bits": self.bits, "sink_tokens": self.sink_tokens,
-                "calibration": self.calibration, "kv_bytes_per_token": self.bytes_per_token,
-                "seconds": round(self.seconds, 3), "timings": {k: round(v, 3) for k, v in self.timings.items()},
-                "root_digest": self.root_digest}
+        return {
+            "output": self.output,
+            "bits": self.bits,
+            "sink_tokens": self.sink_tokens,
+            "calibration": self.calibration,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "seconds": round(self.seconds, 3),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "root_digest": self.root_digest,
+        }
 
 
 def default_calibration(target: str | os.PathLike[str]) -> str:
@@ -83,7 +89,7 @@ def default_calibration(target: str | os.PathLike[str]) -> str:
     raise ConfigError(
         f"no calibration text given for {target}, and it records no built-in calibration spec to reuse",
         hint="pass --calibration (a text file, a spec YAML, or a built-in spec: "
-             f"{', '.join(builtin_names(CALIBRATION_DIR))}); never the text you evaluate on",
+        f"{', '.join(builtin_names(CALIBRATION_DIR))}); never the text you evaluate on",
     )
 
 
@@ -117,15 +123,21 @@ def run_calibrate_kv(
     with timed(timings, "calibrate"):
         windows = calibration_windows(calibration, inputs.tokenizer)  # (n, T)
         report = (lambda done, total: progress("kv", done, total)) if progress else None
-        result = calibrate_kv(model, windows, bits, sink_tokens=sink_tokens, key_group=key_group,
-                              value_group=value_group, progress=report)
+        result = calibrate_kv(
+            model, windows, bits, sink_tokens=sink_tokens, key_group=key_group, value_group=value_group, progress=report
+        )
 
     with timed(timings, "write"):
         config, manifest = _write_artifact(inputs, result, calibration, out, overwrite=overwrite or out == source)
     return CalibrateKVResult(
-        output=str(out), bits=bits, sink_tokens=sink_tokens, calibration=result.to_dict(),
-        bytes_per_token=kv_bytes_table(config), seconds=time.perf_counter() - started,
-        timings=timings, root_digest=manifest.root_digest,
+        output=str(out),
+        bits=bits,
+        sink_tokens=sink_tokens,
+        calibration=result.to_dict(),
+        bytes_per_token=kv_bytes_table(config),
+        seconds=time.perf_counter() - started,
+        timings=timings,
+        root_digest=manifest.root_digest,
     )
 
 
@@ -179,8 +191,9 @@ def _load(inputs: _Inputs) -> None:
         inputs.model, inputs.tokenizer = load_model(resolve_model(str(inputs.target)), dtype=torch.float32)
 
 
-def _write_artifact(inputs: _Inputs, result: KVCalibration, calibration: CalibrationSpec, out: Path, *,
-                    overwrite: bool) -> tuple[dict[str, Any], Manifest]:
+def _write_artifact(
+    inputs: _Inputs, result: KVCalibration, calibration: CalibrationSpec, out: Path, *, overwrite: bool
+) -> tuple[dict[str, Any], Manifest]:
     """Build and seal the new artifact next to ``out``, then swap it in; returns its config and manifest."""
     with kv_staging(out) as staging:
         if inputs.manifest is not None and inputs.config is not None:
@@ -200,9 +213,10 @@ def _check_output(inputs: _Inputs, out: Path, *, overwrite: bool, in_place: bool
     from squeeze.models.source import resolve_model
 
     if in_place and not inputs.artifact:
-        raise ConfigError(f"{inputs.target} is a model, not a squeeze artifact, and no --output was given",
-                          hint="pass --output DIR: an artifact with the original weights and calibrated KV is "
-                               "written there")
+        raise ConfigError(
+            f"{inputs.target} is a model, not a squeeze artifact, and no --output was given",
+            hint="pass --output DIR: an artifact with the original weights and calibrated KV is written there",
+        )
     if out != inputs.path or not inputs.artifact:
         # a new place: the usual output rules (refuse foreign files; never over, in or around the input)
         model_path = inputs.path if inputs.artifact else resolve_model(str(inputs.target)).path
@@ -239,8 +253,10 @@ def _check_linked(manifest: Manifest, linked: dict[str, str]) -> None:
     """The files carried over must still be the ones the old manifest signed (swapped since loading: refuse)."""
     for entry in manifest.files:
         if entry.path in linked and linked[entry.path] != entry.sha256:
-            raise IntegrityError(f"{entry.path} changed on disk while calibrate-kv ran; nothing was written",
-                                 hint="run `squeeze verify` on the artifact, then calibrate again")
+            raise IntegrityError(
+                f"{entry.path} changed on disk while calibrate-kv ran; nothing was written",
+                hint="run `squeeze verify` on the artifact, then calibrate again",
+            )
 
 
 def _write_plain_artifact(model: torch.nn.Module, tokenizer: Any, staging: Path) -> dict[str, Any]:
@@ -257,29 +273,36 @@ def _unquantized() -> dict[str, Any]:
     return {**quantization_header(), "method": "none", "modules": {}}
 
 
-def _write_kv(staging: Path, config: dict[str, Any], result: KVCalibration,
-              calibration: CalibrationSpec) -> dict[str, Any]:
+def _write_kv(
+    staging: Path, config: dict[str, Any], result: KVCalibration, calibration: CalibrationSpec
+) -> dict[str, Any]:
     """kv_cache.safetensors plus config.json with its ``quantization_config.kv_cache`` entry (returned)."""
     write_tensor_file(staging, KV_FILE, result.spec.to_tensors())
     config = dict(config)
     quant = dict(config.get("quantization_config") or _unquantized())
-    quant["kv_cache"] = {**result.spec.to_config(), "file": KV_FILE, "calibration": calibration.name,
-                         "calibration_hash": calibration.spec_hash()}
+    quant["kv_cache"] = {
+        **result.spec.to_config(),
+        "file": KV_FILE,
+        "calibration": calibration.name,
+        "calibration_hash": calibration.spec_hash(),
+    }
     config["quantization_config"] = quant
     write_config(staging, config)
     return config
 
 
-def _provenance(old: Provenance | None, target: str | os.PathLike[str], result: KVCalibration,
-                calibration: CalibrationSpec) -> Provenance:
+def _provenance(
+    old: Provenance | None, target: str | os.PathLike[str], result: KVCalibration, calibration: CalibrationSpec
+) -> Provenance:
     kv = {"bits": result.spec.bits, "calibration": calibration.name, "calibration_hash": calibration.spec_hash()}
     if old is None:
         from squeeze.models.source import resolve_model, source_digest
 
         source = resolve_model(str(target))
         return Provenance(source_model=source.model_id, source_digest=source_digest(source), extra={"kv_cache": kv})
-    return Provenance(old.source_model, old.source_digest, old.recipe_hash, old.calibration_hash,
-                      {**old.extra, "kv_cache": kv})
+    return Provenance(
+        old.source_model, old.source_digest, old.recipe_hash, old.calibration_hash, {**old.extra, "kv_cache": kv}
+    )
 
 
 __all__ = ["CalibrateKVResult", "default_calibration", "run_calibrate_kv"]

@@ -27,8 +27,14 @@ def file_sha256(path: Path) -> str:
 
 
 def build_fingerprint(
-    *, source_model: str, source_digest: str, recipe: Recipe, calibration: CalibrationSpec | None, seed: int,
-    squeeze_version: str, format_version: int,
+    *,
+    source_model: str,
+    source_digest: str,
+    recipe: Recipe,
+    calibration: CalibrationSpec | None,
+    seed: int,
+    squeeze_version: str,
+    format_version: int,
 ) -> dict[str, Any]:
     """A JSON-ready description of everything the artifact's bytes depend on."""
     calib: dict[str, Any] | None = None

@@ -51,11 +51,16 @@ class CompressResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "output": self.output, "model": self.model, "recipe": self.recipe,
-            "bits_per_weight": self.bits_per_weight, "seconds": round(self.seconds, 3),
+            "output": self.output,
+            "model": self.model,
+            "recipe": self.recipe,
+            "bits_per_weight": self.bits_per_weight,
+            "seconds": round(self.seconds, 3),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
-            "quantized_modules": self.quantized_modules, "quantized_weights": self.quantized_weights,
-            "artifact_bytes": self.artifact_bytes, "original_bytes": self.original_bytes,
+            "quantized_modules": self.quantized_modules,
+            "quantized_weights": self.quantized_weights,
+            "artifact_bytes": self.artifact_bytes,
+            "original_bytes": self.original_bytes,
             "root_digest": self.root_digest,
         }
 

@@ -31,7 +31,7 @@ def check_not_model_path(output: Path, protected: Iterable[Path], *, what: str =
     for path in protected:
         source = path.resolve()
         if out == source or source in out.parents or out in source.parents:
-            relation = ("is" if out == source else "lies inside" if source in out.parents else "contains")
+            relation = "is" if out == source else "lies inside" if source in out.parents else "contains"
             raise ConfigError(
                 f"output {output} {relation} {what} ({source}); squeeze never writes over its input",
                 hint="choose an --output outside the model's directory",
@@ -53,18 +53,24 @@ def output_path(output: str | os.PathLike[str]) -> Path:
     text = os.fspath(output)
     name_max, path_max = _limits(Path(text).parent if text else Path("."))
     if len(os.fsencode(text)) + _PATH_ROOM > path_max or any(
-            len(os.fsencode(part)) > name_max for part in Path(text).parts):
-        raise ConfigError(f"output path {short_path(text)} is too long for this filesystem "
-                          f"({len(os.fsencode(text))} bytes; squeeze needs it under {path_max - _PATH_ROOM})",
-                          hint="choose a shorter --output path")
+        len(os.fsencode(part)) > name_max for part in Path(text).parts
+    ):
+        raise ConfigError(
+            f"output path {short_path(text)} is too long for this filesystem "
+            f"({len(os.fsencode(text))} bytes; squeeze needs it under {path_max - _PATH_ROOM})",
+            hint="choose a shorter --output path",
+        )
     resolved = Path(text).resolve()
     if not resolved.name:
-        raise ConfigError(f"cannot write an artifact at {resolved}: it is the filesystem root",
-                          hint="choose another --output")
+        raise ConfigError(
+            f"cannot write an artifact at {resolved}: it is the filesystem root", hint="choose another --output"
+        )
     if len(os.fsencode(resolved.name)) + _NAME_ROOM > name_max:
-        raise ConfigError(f"output name {short_path(resolved.name)} is too long: squeeze adds up to {_NAME_ROOM} "
-                          f"characters to it for its staging names, and names here end at {name_max} bytes",
-                          hint="choose a shorter --output name")
+        raise ConfigError(
+            f"output name {short_path(resolved.name)} is too long: squeeze adds up to {_NAME_ROOM} "
+            f"characters to it for its staging names, and names here end at {name_max} bytes",
+            hint="choose a shorter --output name",
+        )
     return resolved
 
 
@@ -98,10 +104,12 @@ def check_writable(output: Path) -> None:
     try:
         _probe(probe)
     except OSError as exc:
-        reason = "read-only file system" if exc.errno == errno.EROFS else (os.strerror(exc.errno) if exc.errno
-                                                                            else str(exc))
-        raise ConfigError(f"cannot write into {output}: {reason} ({probe})",
-                          hint="choose an --output on a writable filesystem") from None
+        reason = (
+            "read-only file system" if exc.errno == errno.EROFS else (os.strerror(exc.errno) if exc.errno else str(exc))
+        )
+        raise ConfigError(
+            f"cannot write into {output}: {reason} ({probe})", hint="choose an --output on a writable filesystem"
+        ) from None
 
 
 #: Name prefix of the fallback write probe; such a leftover (a kill between create and unlink) is squeeze's own.
@@ -161,8 +169,9 @@ def foreign_entries(output: Path, owned: Iterable[str], ignore: Sequence[str] = 
     return found
 
 
-def check_output_dir(output: Path, overwrite: bool, *, ignore: Sequence[str] = (),
-                     protected: Iterable[Path] = ()) -> frozenset[str]:
+def check_output_dir(
+    output: Path, overwrite: bool, *, ignore: Sequence[str] = (), protected: Iterable[Path] = ()
+) -> frozenset[str]:
     """Check ``output`` before any work; returns the paths squeeze may replace there (empty: nothing to replace).
 
     Refused: a path that is not a directory; an output that is, lies in, or contains a ``protected`` path;
@@ -182,7 +191,7 @@ def check_output_dir(output: Path, overwrite: bool, *, ignore: Sequence[str] = (
         raise ConfigError(
             f"output directory {output} exists and {holds}",
             hint="choose another --output, or pass --overwrite to replace the squeeze artifact in it (the old "
-                 "one stays until the new one is complete)",
+            "one stays until the new one is complete)",
         )
     try:
         owned = owned_paths(output)
@@ -190,13 +199,14 @@ def check_output_dir(output: Path, overwrite: bool, *, ignore: Sequence[str] = (
         owned = frozenset()
     foreign = foreign_entries(output, owned, ignore)
     if foreign:
-        reason = ("files squeeze did not write" if owned
-                  else "no squeeze manifest, so it is not an artifact squeeze wrote")
+        reason = (
+            "files squeeze did not write" if owned else "no squeeze manifest, so it is not an artifact squeeze wrote"
+        )
         raise ConfigError(
             f"--overwrite refused: output directory {output} holds {reason}; squeeze replaces only the files an "
             "old artifact's manifest lists",
             hint=f"move these away or choose another --output: {', '.join(foreign)}"
-                 + (", ..." if len(foreign) >= SHOWN else ""),
+            + (", ..." if len(foreign) >= SHOWN else ""),
         )
     return owned
 
@@ -220,5 +230,12 @@ def remove_owned(output: Path, owned: Iterable[str], keep: Iterable[str] = ()) -
                 (output / directory).rmdir()
 
 
-__all__ = ["output_path", "check_output_dir", "check_not_model_path", "check_writable", "owned_paths",
-           "foreign_entries", "remove_owned"]
+__all__ = [
+    "output_path",
+    "check_output_dir",
+    "check_not_model_path",
+    "check_writable",
+    "owned_paths",
+    "foreign_entries",
+    "remove_owned",
+]

@@ -77,9 +77,18 @@ def run_compress(
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     work = WorkArea(output)
     _check_output(work, source, overwrite=overwrite, resume=resume)
-    job = CompressJob(source=source, recipe=recipe, calibration=_calibration_for(recipe, calibration), work=work,
-                      target_names=(), seed=seed, overwrite=overwrite, restart=restart, progress=progress,
-                      started=started)
+    job = CompressJob(
+        source=source,
+        recipe=recipe,
+        calibration=_calibration_for(recipe, calibration),
+        work=work,
+        target_names=(),
+        seed=seed,
+        overwrite=overwrite,
+        restart=restart,
+        progress=progress,
+        started=started,
+    )
     created_output = not output.exists()
     created_work = work.create()
     lock = OutputLock(work.root).acquire()  # a concurrent run into this output is refused here, at once
@@ -114,8 +123,10 @@ def _check_output(work: WorkArea, source: ModelSource, *, overwrite: bool, resum
     else:
         check_output_dir(output, overwrite, ignore=(WORK_NAME,), protected=[source.path])
     if resume and not work.root.is_dir():
-        raise ResumeError(f"nothing to resume: {output} has no work area ({WORK_NAME})",
-                          hint="run the command without --resume to start a new compression")
+        raise ResumeError(
+            f"nothing to resume: {output} has no work area ({WORK_NAME})",
+            hint="run the command without --resume to start a new compression",
+        )
 
 
 def _calibration_for(recipe: Recipe, calibration: CalibrationSpec | None) -> CalibrationSpec | None:
@@ -126,7 +137,7 @@ def _calibration_for(recipe: Recipe, calibration: CalibrationSpec | None) -> Cal
         raise ConfigError(
             "no calibration text given, and this recipe weights k-means by Fisher sensitivity",
             hint="pass a text file or spec (e.g. --calibration my_corpus.txt, or wikitext2-train), "
-                 "or use --sensitivity uniform",
+            "or use --sensitivity uniform",
         )
     return calibration
 
@@ -156,8 +167,14 @@ def _run_locked(job: CompressJob) -> CompressResult:
     if record is not None:  # killed while publishing: the artifact is complete in the work area
         run_stages(job, (("publish", lambda j: finish_publish(j, record)),))
     else:
-        run_stages(job, tuple((name, stage) for name, stage in STAGE_FUNCTIONS
-                              if job.calibration is not None or name not in _CALIBRATION_STAGES))
+        run_stages(
+            job,
+            tuple(
+                (name, stage)
+                for name, stage in STAGE_FUNCTIONS
+                if job.calibration is not None or name not in _CALIBRATION_STAGES
+            ),
+        )
     return job.result()
 
 
@@ -171,8 +188,13 @@ def fingerprint_stage(job: CompressJob) -> None:
     job.work.clean_temps()
     job.digest = source_digest(job.source)
     job.fingerprint = build_fingerprint(
-        source_model=job.source.model_id, source_digest=job.digest, recipe=job.recipe, calibration=job.calibration,
-        seed=job.seed, squeeze_version=__version__, format_version=FORMAT_VERSION,
+        source_model=job.source.model_id,
+        source_digest=job.digest,
+        recipe=job.recipe,
+        calibration=job.calibration,
+        seed=job.seed,
+        squeeze_version=__version__,
+        format_version=FORMAT_VERSION,
     )
     _check_fingerprint(job.work, job.fingerprint)
 
@@ -244,8 +266,10 @@ def _check_fingerprint(work: WorkArea, fingerprint: dict[str, Any]) -> None:
     saved = work.read_fingerprint()
     if saved is None:
         if work.has_checkpoints():
-            raise ResumeError(f"the work area {work.root} has checkpoints but no fingerprint, so it cannot be resumed",
-                              hint="pass --restart to discard it and start over")
+            raise ResumeError(
+                f"the work area {work.root} has checkpoints but no fingerprint, so it cannot be resumed",
+                hint="pass --restart to discard it and start over",
+            )
         work.write_fingerprint(fingerprint)
         return
     differences = fingerprint_differences(saved, fingerprint)
@@ -253,9 +277,11 @@ def _check_fingerprint(work: WorkArea, fingerprint: dict[str, Any]) -> None:
         more = f"; and {len(differences) - 6} more" if len(differences) > 6 else ""
         raise ResumeError(
             f"cannot resume the work area in {work.output}: it was made by a different job ("
-            + "; ".join(differences[:6]) + more + ")",
+            + "; ".join(differences[:6])
+            + more
+            + ")",
             hint="rerun with the original model, recipe, calibration and seed, or pass --restart to discard "
-                 "the work area and start over",
+            "the work area and start over",
         )
 
 
@@ -272,10 +298,18 @@ def _committed(work: WorkArea) -> str:
 def _interrupted(signum: int, work: WorkArea) -> Interrupted:
     name = signal.Signals(signum).name
     resumable = work.root.is_dir() and work.has_checkpoints()
-    hint = ("rerun the same command (or add --resume) to continue from the last committed layer group" if resumable
-            else "nothing was committed, so there is nothing to resume: rerun the same command to start again")
-    return Interrupted(f"interrupted by {name}; {_committed(work)}", hint=hint, signum=signum,
-                       work_dir=str(work.root), resumable=resumable)
+    hint = (
+        "rerun the same command (or add --resume) to continue from the last committed layer group"
+        if resumable
+        else "nothing was committed, so there is nothing to resume: rerun the same command to start again"
+    )
+    return Interrupted(
+        f"interrupted by {name}; {_committed(work)}",
+        hint=hint,
+        signum=signum,
+        work_dir=str(work.root),
+        resumable=resumable,
+    )
 
 
 def _disk_full(work: WorkArea, estimate: SizeEstimate | None) -> ResourceError:
@@ -283,7 +317,7 @@ def _disk_full(work: WorkArea, estimate: SizeEstimate | None) -> ResourceError:
     return ResourceError(
         f"no space left on the device while writing into {work.output}; {_committed(work)}",
         hint=f"free some disk space{size} and rerun the same command: it resumes from the last committed "
-             "layer group; the source model was only read, never written",
+        "layer group; the source model was only read, never written",
     )
 
 
@@ -301,5 +335,12 @@ def _is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-__all__ = ["CompressResult", "FORMAT_VERSION", "StageProgress", "layer_groups", "needs_calibration",
-           "quantize_module", "run_compress"]
+__all__ = [
+    "CompressResult",
+    "FORMAT_VERSION",
+    "StageProgress",
+    "layer_groups",
+    "needs_calibration",
+    "quantize_module",
+    "run_compress",
+]

@@ -44,8 +44,9 @@ def check_context_length(model: nn.Module, seq_len: int, option: str = "--seq-le
     """Refuse calibration windows longer than the model's context (``max_position_embeddings``)."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
-        raise ConfigError(f"{option} {seq_len} exceeds the model's context of {limit} tokens",
-                          hint=f"use {option} {limit} or less")
+        raise ConfigError(
+            f"{option} {seq_len} exceeds the model's context of {limit} tokens", hint=f"use {option} {limit} or less"
+        )
 
 
 def meta_model(source: ModelSource) -> nn.Module:
@@ -54,20 +55,23 @@ def meta_model(source: ModelSource) -> nn.Module:
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True, trust_remote_code=False,
-                                            **kwargs)
+        config = AutoConfig.from_pretrained(
+            str(source.directory), local_files_only=True, trust_remote_code=False, **kwargs
+        )
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
         raise ModelError(
-            f"cannot build the architecture of {source.model_id}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            f"cannot build the architecture of {source.model_id}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}",
             hint="squeeze compresses causal LMs that transformers can load with AutoModelForCausalLM",
         ) from exc
 
 
-def estimate_size(model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *,
-                  targets: dict[str, nn.Linear] | None = None) -> SizeEstimate:
+def estimate_size(
+    model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *, targets: dict[str, nn.Linear] | None = None
+) -> SizeEstimate:
     """Exact artifact tensor bytes for ``recipe`` applied to ``model`` (meta or real), sparse part included.
 
     ``targets``: the model's target linears when the caller already found them (else found here).
@@ -105,7 +109,9 @@ def free_disk_bytes(path: Path) -> int:
 
 
 def check_disk(output: Path, estimate: SizeEstimate, extra_bytes: int = 0, force: bool = False) -> int:
-    """Raise ResourceError (unless ``force``) if the artifact plus ``extra_bytes`` will not fit; returns the bytes needed.
+    """Raise ResourceError (unless ``force``) if the artifact plus ``extra_bytes`` will not fit.
+
+    Returns the bytes needed.
 
     ``extra_bytes``: what else the run still has to write next to the artifact (checkpoints).
     """
@@ -124,8 +130,9 @@ def check_disk(output: Path, estimate: SizeEstimate, extra_bytes: int = 0, force
 BASE_PROCESS_BYTES = 600 * 2**20
 
 
-def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: int | None, *,
-                         targets: dict[str, nn.Linear] | None = None) -> int:
+def estimate_peak_memory(
+    model: nn.Module, recipe: Recipe, calibration_seq_len: int | None, *, targets: dict[str, nn.Linear] | None = None
+) -> int:
     """Rough peak resident bytes of a compress run of ``model`` (meta) with ``recipe``; None seq_len: no Fisher.
     ``targets``: the model's target linears when the caller already found them (else found here).
 
@@ -155,7 +162,6 @@ def estimate_peak_memory(model: nn.Module, recipe: Recipe, calibration_seq_len: 
     return BASE_PROCESS_BYTES + params + max(params, working)
 
 
-
 def check_memory(needed: int, force: bool = False) -> int | None:
     """Raise ResourceError (unless ``force``) when ``needed`` bytes exceed the available memory; returns it."""
     available = available_memory_bytes()
@@ -168,5 +174,14 @@ def check_memory(needed: int, force: bool = False) -> int | None:
     return available
 
 
-__all__ = ["SizeEstimate", "check_context_length", "meta_model", "estimate_size", "free_disk_bytes", "check_disk",
-           "estimate_peak_memory", "available_memory_bytes", "check_memory"]
+__all__ = [
+    "SizeEstimate",
+    "check_context_length",
+    "meta_model",
+    "estimate_size",
+    "free_disk_bytes",
+    "check_disk",
+    "estimate_peak_memory",
+    "available_memory_bytes",
+    "check_memory",
+]

@@ -97,8 +97,9 @@ class WorkArea:
         """True for a work area with neither a fingerprint nor a publishing record: nothing in it can be
         resumed (what an older squeeze's clean-up left when killed half-way, or a run killed before its
         fingerprint was written)."""
-        return (self.root.is_dir() and not (self.root / _FINGERPRINT).is_file()
-                and not (self.root / _PUBLISHING).is_file())
+        return (
+            self.root.is_dir() and not (self.root / _FINGERPRINT).is_file() and not (self.root / _PUBLISHING).is_file()
+        )
 
     def has_checkpoints(self) -> bool:
         """True once anything worth resuming is committed (Fisher, a layer group, or a publish in progress)."""
@@ -123,8 +124,10 @@ class WorkArea:
         try:
             value = strict_json_loads(path.read_bytes(), str(path))
         except FormatError as exc:
-            raise ResumeError(f"the work area's fingerprint is unreadable: {exc.message}",
-                              hint="pass --restart to discard the work area and start over") from None
+            raise ResumeError(
+                f"the work area's fingerprint is unreadable: {exc.message}",
+                hint="pass --restart to discard the work area and start over",
+            ) from None
         if not isinstance(value, dict):
             raise ResumeError(f"{path} does not hold a JSON object", hint="pass --restart to start over")
         return value
@@ -216,11 +219,15 @@ class WorkArea:
         try:
             value = strict_json_loads(path.read_bytes(), str(path))
         except FormatError as exc:
-            raise ResumeError(f"the work area's publishing record is unreadable: {exc.message}",
-                              hint="pass --restart to discard the work area and start over") from None
+            raise ResumeError(
+                f"the work area's publishing record is unreadable: {exc.message}",
+                hint="pass --restart to discard the work area and start over",
+            ) from None
         if not isinstance(value, dict) or not {"summary", "fingerprint", "old_files"} <= set(value):
-            raise ResumeError(f"{path} is not a publishing record of this squeeze version",
-                              hint="pass --restart to discard the work area and start over")
+            raise ResumeError(
+                f"{path} is not a publishing record of this squeeze version",
+                hint="pass --restart to discard the work area and start over",
+            )
         return value
 
     def mark_publishing(self, summary: dict[str, Any], fingerprint: dict[str, Any], old_files: list[str]) -> None:

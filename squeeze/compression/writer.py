@@ -94,5 +94,17 @@ def seal(staging: Path, provenance: Provenance) -> Manifest:
     return seal_artifact(staging, provenance)
 
 
-__all__ = ["FORMAT_VERSION", "QUANT_METHOD", "quantization_header", "unique_tensors", "state_bytes", "write_tensors",
-           "write_tensor_file", "config_json", "write_config", "write_model_files", "write_recipe", "seal"]
+__all__ = [
+    "FORMAT_VERSION",
+    "QUANT_METHOD",
+    "quantization_header",
+    "unique_tensors",
+    "state_bytes",
+    "write_tensors",
+    "write_tensor_file",
+    "config_json",
+    "write_config",
+    "write_model_files",
+    "write_recipe",
+    "seal",
+]

@@ -84,7 +84,9 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
                 f"{prefix}{text} is a squeeze output without its manifest ({MANIFEST_NAME}): expected a complete "
                 "artifact",
                 hint="it is an unfinished squeeze compress: rerun that command with --resume to finish it"
-                if unfinished else "copy the whole artifact again (the manifest included), or compress again")
+                if unfinished
+                else "copy the whole artifact again (the manifest included), or compress again",
+            )
     try:
         return EvalTarget(text, source=resolve_model(text))
     except ModelError as exc:
@@ -112,8 +114,9 @@ def _open(target: EvalTarget) -> tuple[nn.Module, Any, KVSpec | None]:
     return model, tokenizer, None
 
 
-def kv_cache_factory(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None,
-                     dynamic: bool) -> tuple[CacheFactory | None, KVSpec | None]:
+def kv_cache_factory(
+    model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, dynamic: bool
+) -> tuple[CacheFactory | None, KVSpec | None]:
     """The cache every window is scored through (None: no cache), per squeeze.runtime.kvcache.select_kv_spec."""
     from squeeze.runtime.kvcache import SqueezeKVCache, kv_spec_for
 
@@ -156,8 +159,9 @@ def evaluate(
             factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)
             kv_used.append(chosen.bits if chosen is not None else 16)
         report = (lambda done, total: progress(label, done, total)) if progress else None
-        return perplexity(net, tokenizer, text, seq_len=seq_len, max_windows=max_windows, progress=report,
-                          kv_cache=factory)
+        return perplexity(
+            net, tokenizer, text, seq_len=seq_len, max_windows=max_windows, progress=report, kv_cache=factory
+        )
 
     result = measure("model", True)
     kv = {"kv_bits": kv_used[0], "kv_dynamic": kv_dynamic}

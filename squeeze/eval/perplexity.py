@@ -68,8 +68,16 @@ def perplexity(
     its error on every attention call, prefill included).
     """
     ids = tokenize_text(text, tokenizer)[None, :]  # (1, N)
-    return perplexity_from_ids(model, ids, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size,
-                               tokenizer=tokenizer, progress=progress, kv_cache=kv_cache)
+    return perplexity_from_ids(
+        model,
+        ids,
+        seq_len=seq_len,
+        max_windows=max_windows,
+        batch_size=batch_size,
+        tokenizer=tokenizer,
+        progress=progress,
+        kv_cache=kv_cache,
+    )
 
 
 def perplexity_from_ids(
@@ -97,7 +105,7 @@ def perplexity_from_ids(
     total_nll = 0.0  # float64 sum over windows: fp32 loses digits over tens of thousands of tokens
     with torch.inference_mode(), eval_mode(model):
         for start in range(0, n, batch_size):
-            batch = windows[start:start + batch_size].to(device)  # (B, T)
+            batch = windows[start : start + batch_size].to(device)  # (B, T)
             total_nll += float(_sum_nll(model, batch, kv_cache))
             if progress is not None:
                 progress(min(start + batch_size, n), n)
@@ -111,8 +119,13 @@ def perplexity_from_ids(
         n_words = len(str(text).split())  # one sequence in, one string out
         word_ppl = _safe_exp(total_nll / n_words) if n_words else float("nan")
     return PerplexityResult(
-        perplexity=_safe_exp(nll), word_perplexity=word_ppl, nll=nll, n_windows=n, n_tokens=n_tokens,
-        n_words=n_words, seq_len=seq_len,
+        perplexity=_safe_exp(nll),
+        word_perplexity=word_ppl,
+        nll=nll,
+        n_windows=n,
+        n_tokens=n_tokens,
+        n_words=n_words,
+        seq_len=seq_len,
     )
 
 
@@ -121,8 +134,10 @@ def _cut_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None) -> to
     if ids.ndim == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.ndim != 1:
-        raise ConfigError(f"perplexity ids must have shape (1, N) or (N,), found {tuple(ids.shape)}",
-                          hint="tokenize the joined text once into one row")
+        raise ConfigError(
+            f"perplexity ids must have shape (1, N) or (N,), found {tuple(ids.shape)}",
+            hint="tokenize the joined text once into one row",
+        )
     if ids.dtype != torch.long:
         raise ConfigError(f"perplexity ids must be int64 token ids, found {ids.dtype}")
     if seq_len < 2:
@@ -143,8 +158,9 @@ def _cut_windows(ids: torch.Tensor, seq_len: int, max_windows: int | None) -> to
 def _check_context_length(model: nn.Module, seq_len: int) -> None:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
-        raise ConfigError(f"seq_len {seq_len} exceeds the model's context length {limit}",
-                          hint=f"use seq_len <= {limit}")
+        raise ConfigError(
+            f"seq_len {seq_len} exceeds the model's context length {limit}", hint=f"use seq_len <= {limit}"
+        )
 
 
 def _sum_nll(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None = None) -> torch.Tensor:
@@ -158,7 +174,7 @@ def _sum_nll(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None 
     for s in range(0, t - 1, _CE_CHUNK):
         e = min(s + _CE_CHUNK, t - 1)
         chunk = logits[:, s:e].float()  # (B, c, V) fp32: log-softmax in fp32 even for bf16/fp16 models
-        target = ids[:, s + 1:e + 1].to(logits.device)  # (B, c): position p predicts token p + 1
+        target = ids[:, s + 1 : e + 1].to(logits.device)  # (B, c): position p predicts token p + 1
         total += F.cross_entropy(chunk.flatten(0, 1), target.flatten(), reduction="sum").double()
     return total
 

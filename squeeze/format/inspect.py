@@ -30,7 +30,6 @@ from squeeze.limits import is_int
 from squeeze.quant.schemes import stored_roles
 
 
-
 @dataclass
 class RoleSummary:
     """All tensors sharing one role (the name's last dotted part, e.g. ``weight_lut``)."""

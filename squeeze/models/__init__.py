@@ -17,6 +17,16 @@ from squeeze.models.source import (
 from squeeze.models.targets import find_target_linears
 
 __all__ = [
-    "BUILTIN_MODELS", "ModelSource", "SourceKind", "hub_cache_dir", "load_model", "load_tokenizer", "model_files",
-    "resolve_model", "source_digest", "find_target_linears", "eval_mode", "input_device",
+    "BUILTIN_MODELS",
+    "ModelSource",
+    "SourceKind",
+    "hub_cache_dir",
+    "load_model",
+    "load_tokenizer",
+    "model_files",
+    "resolve_model",
+    "source_digest",
+    "find_target_linears",
+    "eval_mode",
+    "input_device",
 ]

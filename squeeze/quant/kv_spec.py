@@ -118,11 +118,19 @@ class KVSpec:
             "sink_tokens": self.sink_tokens,
             "keys": "per-channel normaliser (k_scale, k_zero) then per-token grids of k_group channels, post-RoPE",
             "values": "per-token grids of v_group channels: a calibrated clipping ratio per head (v_clip), or a "
-                      "codebook of levels scaled by the grid's absmax (v_levels, when v_codebook)",
-            "layers": [{"module": name, "k_symmetric": layer.k_symmetric, "k_group": layer.key_group,
-                        "v_symmetric": layer.v_symmetric, "v_group": layer.value_group,
-                        "v_codebook": layer.v_levels is not None}
-                       for name, layer in zip(self.names, self.layers, strict=True) if layer is not None],
+            "codebook of levels scaled by the grid's absmax (v_levels, when v_codebook)",
+            "layers": [
+                {
+                    "module": name,
+                    "k_symmetric": layer.k_symmetric,
+                    "k_group": layer.key_group,
+                    "v_symmetric": layer.v_symmetric,
+                    "v_group": layer.value_group,
+                    "v_codebook": layer.v_levels is not None,
+                }
+                for name, layer in zip(self.names, self.layers, strict=True)
+                if layer is not None
+            ],
         }
 
     @classmethod
@@ -148,40 +156,70 @@ class KVSpec:
             value_role = "v_levels" if codebook else "v_clip"
             parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
             if any(p is None for p in parts):
-                raise FormatError(f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
-                                  hint="re-run squeeze calibrate-kv on the artifact")
+                raise FormatError(
+                    f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
+                    hint="re-run squeeze calibrate-kv on the artifact",
+                )
             k_scale, k_zero, v_part = (p.float() for p in parts if p is not None)
             v_shape = (1 << int(bits),) if codebook else k_scale.shape[:1]
             if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_part.shape != v_shape:
-                raise FormatError(f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
-                                  f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}")
+                raise FormatError(
+                    f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
+                    f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}"
+                )
             if codebook and not (bool(torch.isfinite(v_part).all()) and bool((v_part[1:] >= v_part[:-1]).all())):
-                raise FormatError(f"KV value codebook {name}.v_levels must be finite and ascending",
-                                  hint="re-run squeeze calibrate-kv on the artifact")
+                raise FormatError(
+                    f"KV value codebook {name}.v_levels must be finite and ascending",
+                    hint="re-run squeeze calibrate-kv on the artifact",
+                )
             head_dim = int(k_scale.shape[-1])
             groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
             for key, group in zip(("k_group", "v_group"), groups, strict=True):
                 if not is_kv_group(group, head_dim):
-                    raise FormatError(f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, "
-                                      f"found {group!r}")
+                    raise FormatError(
+                        f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, found {group!r}"
+                    )
             names.append(name)
-            layers.append(LayerKV(k_scale, k_zero, torch.ones(k_scale.shape[0]) if codebook else v_part,
-                                  bool(entry.get("k_symmetric")), bool(entry.get("v_symmetric")) or codebook,
-                                  groups[1], groups[0], v_part if codebook else None))
+            layers.append(
+                LayerKV(
+                    k_scale,
+                    k_zero,
+                    torch.ones(k_scale.shape[0]) if codebook else v_part,
+                    bool(entry.get("k_symmetric")),
+                    bool(entry.get("v_symmetric")) or codebook,
+                    groups[1],
+                    groups[0],
+                    v_part if codebook else None,
+                )
+            )
         return cls(int(bits), sink, tuple(names), tuple(layers))
 
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> int:
         """Cache bytes one token adds over all layers: packed codes plus per-token fp16 scales / offsets."""
         return sum(
-            layer_bytes_per_token(kv_heads, head_dim, self.bits) if layer is None else
-            layer_bytes_per_token(kv_heads, head_dim, self.bits, asymmetric_values=not layer.v_symmetric,
-                                  value_groups=head_dim // layer.value_group, key_groups=head_dim // layer.key_group)
+            layer_bytes_per_token(kv_heads, head_dim, self.bits)
+            if layer is None
+            else layer_bytes_per_token(
+                kv_heads,
+                head_dim,
+                self.bits,
+                asymmetric_values=not layer.v_symmetric,
+                value_groups=head_dim // layer.value_group,
+                key_groups=head_dim // layer.key_group,
+            )
             for layer in self.layers
         )
 
 
-def layer_bytes_per_token(kv_heads: int, head_dim: int, bits: int, *, asymmetric_values: bool = False,
-                          value_groups: int = 1, key_groups: int = 1) -> int:
+def layer_bytes_per_token(
+    kv_heads: int,
+    head_dim: int,
+    bits: int,
+    *,
+    asymmetric_values: bool = False,
+    value_groups: int = 1,
+    key_groups: int = 1,
+) -> int:
     """Bytes one token adds to one quantized layer: key and value codes, an fp16 scale per key grid, and
     an fp16 scale (plus an offset when asymmetric) per value grid. Key normalisers and value codebooks are
     per layer."""
@@ -204,21 +242,36 @@ def kv_bytes_table(model_config: object) -> dict[str, int]:
     default one (symmetric values, :func:`default_key_group`, :func:`default_value_group`).
     """
     layers, kv_heads, head_dim = kv_geometry(model_config)
-    quant = model_config.get("quantization_config") if isinstance(model_config, dict) else \
-        getattr(model_config, "quantization_config", None)
+    quant = (
+        model_config.get("quantization_config")
+        if isinstance(model_config, dict)
+        else getattr(model_config, "quantization_config", None)
+    )
     kv = quant.get("kv_cache") if isinstance(quant, dict) else None
     entries = kv.get("layers") if isinstance(kv, dict) else None
     table = {"fp16": fp_bytes_per_token(layers, kv_heads, head_dim)}
     for bits in sorted(KV_BITS, reverse=True):
-        default = layer_bytes_per_token(kv_heads, head_dim, bits,
-                                        value_groups=head_dim // default_value_group(bits, head_dim),
-                                        key_groups=head_dim // default_key_group(bits, head_dim))
+        default = layer_bytes_per_token(
+            kv_heads,
+            head_dim,
+            bits,
+            value_groups=head_dim // default_value_group(bits, head_dim),
+            key_groups=head_dim // default_key_group(bits, head_dim),
+        )
         if isinstance(kv, dict) and kv.get("bits") == bits and isinstance(entries, list) and len(entries) == layers:
             table[f"int{bits}"] = sum(
-                layer_bytes_per_token(kv_heads, head_dim, bits, asymmetric_values=e.get("v_symmetric") is False,
-                                      value_groups=head_dim // int(e.get("v_group") or head_dim),
-                                      key_groups=head_dim // int(e.get("k_group") or head_dim))
-                if isinstance(e, dict) else default for e in entries)
+                layer_bytes_per_token(
+                    kv_heads,
+                    head_dim,
+                    bits,
+                    asymmetric_values=e.get("v_symmetric") is False,
+                    value_groups=head_dim // int(e.get("v_group") or head_dim),
+                    key_groups=head_dim // int(e.get("k_group") or head_dim),
+                )
+                if isinstance(e, dict)
+                else default
+                for e in entries
+            )
         else:
             table[f"int{bits}"] = layers * default
     return table
@@ -226,6 +279,7 @@ def kv_bytes_table(model_config: object) -> dict[str, int]:
 
 def kv_geometry(model_config: object) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a decoder config (object or dict)."""
+
     def get(key: str) -> Any:
         return model_config.get(key) if isinstance(model_config, dict) else getattr(model_config, key, None)
 
@@ -237,6 +291,15 @@ def kv_geometry(model_config: object) -> tuple[int, int, int]:
 
 
 __all__ = [
-    "KV_BITS", "KV_FILE", "check_kv_bits", "default_key_group", "default_value_group", "LayerKV", "KVSpec",
-    "layer_bytes_per_token", "fp_bytes_per_token", "kv_bytes_table", "kv_geometry",
+    "KV_BITS",
+    "KV_FILE",
+    "check_kv_bits",
+    "default_key_group",
+    "default_value_group",
+    "LayerKV",
+    "KVSpec",
+    "layer_bytes_per_token",
+    "fp_bytes_per_token",
+    "kv_bytes_table",
+    "kv_geometry",
 ]

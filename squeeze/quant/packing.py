@@ -66,8 +66,7 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
         raise FormatError(f"packed codes must be a 2-D uint8 tensor, found {found}")
     if packed.shape[1] != expected:
         raise FormatError(
-            f"packed codes for {n} {bits}-bit codes per row need {expected} bytes per row, "
-            f"found {packed.shape[1]}"
+            f"packed codes for {n} {bits}-bit codes per row need {expected} bytes per row, found {packed.shape[1]}"
         )
     R = packed.shape[0]
     if bits == 8:

@@ -23,9 +23,7 @@ from squeeze.errors import FormatError, ModelError
 INT16_MAX_COLS = 32767
 
 
-def select_sparse(
-    weight: Tensor, fisher: Tensor | None, sensitive_fraction: float, outlier_fraction: float
-) -> Tensor:
+def select_sparse(weight: Tensor, fisher: Tensor | None, sensitive_fraction: float, outlier_fraction: float) -> Tensor:
     """Boolean mask (R, N) of the weights that go to the sparse part.
 
     Exactly ``round(sensitive_fraction * numel)`` positions with the largest Fisher, plus exactly
@@ -164,9 +162,7 @@ class SparseCSR:
             raise FormatError(f"sparse part has shape {tuple(self.shape)}, expected {(rows, cols)}")
         rowptr, col, vals = self.rowptr, self.cols, self.vals
         if rowptr.dtype != torch.int32 or rowptr.dim() != 1 or rowptr.numel() != rows + 1:
-            raise FormatError(
-                f"sparse rowptr must be int32 of length {rows + 1} (rows + 1), found {_describe(rowptr)}"
-            )
+            raise FormatError(f"sparse rowptr must be int32 of length {rows + 1} (rows + 1), found {_describe(rowptr)}")
         want = self.col_dtype(cols)
         if col.dtype != want or col.dim() != 1:
             raise FormatError(f"sparse cols must be a 1-D {want} tensor for {cols} columns, found {_describe(col)}")

@@ -36,8 +36,11 @@ def materialise_computed_buffers(model: nn.Module, limit: int) -> None:
     that no tensor of the artifact bounds); FormatError too when any parameter or buffer is still on meta
     afterwards (a persistent one belongs in the artifact). Each buffer keeps the dtype it has in ``model``.
     """
-    wanted = {name: buffer for name, buffer in model.named_buffers(remove_duplicate=False)
-              if buffer.is_meta and _is_non_persistent(model, name)}
+    wanted = {
+        name: buffer
+        for name, buffer in model.named_buffers(remove_duplicate=False)
+        if buffer.is_meta and _is_non_persistent(model, name)
+    }
     size = meta_buffer_bytes(model)
     if size > limit:
         raise FormatError(f"config.json asks for {size} bytes of computed buffers, more than the {limit} allowed")
@@ -51,8 +54,11 @@ def materialise_computed_buffers(model: nn.Module, limit: int) -> None:
                 raise ValueError(f"{name}: the rebuilt buffer is {tuple(value.shape)}, the model's {tuple(meta.shape)}")
             module_name, _, leaf = name.rpartition(".")
             model.get_submodule(module_name)._buffers[leaf] = value.to(meta.dtype)  # stays non-persistent
-    leftovers = [n for n, t in (*model.named_parameters(remove_duplicate=False),
-                                *model.named_buffers(remove_duplicate=False)) if t.is_meta]
+    leftovers = [
+        n
+        for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+        if t.is_meta
+    ]
     if leftovers:
         raise FormatError(f"artifact lacks tensors the architecture needs: {leftovers[:3]}")
 
@@ -71,8 +77,7 @@ def buffer_skeleton(model: nn.Module) -> nn.Module:
         raise TypeError(f"{type(model).__name__} has no config: only transformers models can be rebuilt")
     cls: Any = type(model)
     build = cls._from_config if hasattr(cls, "_from_config") else cls
-    with torch.device("cpu"), init_empty_weights(include_buffers=False), no_init_weights(), \
-            warnings.catch_warnings():
+    with torch.device("cpu"), init_empty_weights(include_buffers=False), no_init_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return build(copy.deepcopy(config))  # a copy: _from_config writes the resolved dtype into it
 

@@ -69,8 +69,10 @@ class SqueezeQuantConfig(QuantizationConfigMixin):
     def __init__(self, **kwargs: Any) -> None:
         version = kwargs.get("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
-            raise FormatError(f"quantization_config.format_version is {version!r}; this squeeze reads {FORMAT_VERSION}",
-                              hint="upgrade squeeze, or re-create the artifact with this version")
+            raise FormatError(
+                f"quantization_config.format_version is {version!r}; this squeeze reads {FORMAT_VERSION}",
+                hint="upgrade squeeze, or re-create the artifact with this version",
+            )
         modules = kwargs.get("modules", {})
         if not isinstance(modules, dict) or not all(isinstance(v, dict) for v in modules.values()):
             raise FormatError("quantization_config.modules must map module names to objects")
@@ -98,8 +100,9 @@ class SqueezeHfQuantizer(HfQuantizer):
             _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
         return super().update_attn_implementation(config)
 
-    def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: list[str] | None = None,
-                                             **kwargs: Any) -> nn.Module:
+    def _process_model_before_weight_loading(
+        self, model: nn.Module, checkpoint_files: list[str] | None = None, **kwargs: Any
+    ) -> nn.Module:
         directory = _artifact_directory(checkpoint_files)
         report = self._verified
         if report is None or Path(report.artifact_dir) != directory:
@@ -142,8 +145,10 @@ def _artifact_directory(checkpoint_files: list[str] | None) -> Path:
     """
     parents = {resolve_root(Path(f).parent) for f in checkpoint_files or []}
     if len(parents) != 1:
-        raise FormatError(f"a squeeze artifact's shards live in one directory, found {sorted(map(str, parents))}",
-                          hint="load the artifact directory written by `squeeze compress`")
+        raise FormatError(
+            f"a squeeze artifact's shards live in one directory, found {sorted(map(str, parents))}",
+            hint="load the artifact directory written by `squeeze compress`",
+        )
     return parents.pop()
 
 

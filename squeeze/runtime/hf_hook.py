@@ -29,15 +29,19 @@ def _register() -> None:
 
         register()
     except Exception as exc:  # noqa: BLE001 - a failure here must not break `import transformers` for others
-        warnings.warn(f"squeeze could not register its transformers quantizer: {type(exc).__name__}: {exc}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"squeeze could not register its transformers quantizer: {type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the real loader of the registry module so registration follows its execution."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != REGISTRY_MODULE:
             return None
         uninstall()  # one shot, and the lookup below must not find this finder again

@@ -51,8 +51,16 @@ class QuantizedStream:
     normaliser (scale, centre) fp32 (H, D) applied first (calibrated keys; their grid is symmetric).
     """
 
-    def __init__(self, bits: int, *, channel: tuple[Tensor, Tensor] | None, clip: Tensor | float, symmetric: bool,
-                 group: int | None = None, levels: Tensor | None = None):
+    def __init__(
+        self,
+        bits: int,
+        *,
+        channel: tuple[Tensor, Tensor] | None,
+        clip: Tensor | float,
+        symmetric: bool,
+        group: int | None = None,
+        levels: Tensor | None = None,
+    ):
         self.bits = bits
         self.group = group  # channels per grid; None: the whole head
         self.channel = channel
@@ -83,8 +91,9 @@ class QuantizedStream:
         if key not in self._table_cache:
             levels = self.levels.to(device, dtype)
             byte = torch.arange(256, device=device)
-            self._table_cache[key] = (torch.stack((levels[byte & 0x0F], levels[byte >> 4]), dim=-1)
-                                      if self.bits == 4 else levels)
+            self._table_cache[key] = (
+                torch.stack((levels[byte & 0x0F], levels[byte >> 4]), dim=-1) if self.bits == 4 else levels
+            )
         return self._table_cache[key]
 
     def _clip(self, device: torch.device) -> Tensor | float:
@@ -115,10 +124,10 @@ class QuantizedStream:
         self._reserve(x, self.length + n, codes.dtype, groups=scale.shape[-2])
         assert self.codes is not None and self.scale is not None
         end = self.length + n
-        self.codes[:, :, self.length:end] = codes
-        self.scale[:, :, self.length:end] = scale[..., 0]
+        self.codes[:, :, self.length : end] = codes
+        self.scale[:, :, self.length : end] = scale[..., 0]
         if self.offset is not None and offset is not None:
-            self.offset[:, :, self.length:end] = offset[..., 0]
+            self.offset[:, :, self.length : end] = offset[..., 0]
         self.length = end
 
     def dequantize_into(self, out: Tensor) -> None:
@@ -202,10 +211,17 @@ class SqueezeKVLayer(DynamicLayer):
             self.k_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
             self.v_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
         else:
-            self.k_stream = QuantizedStream(self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True,
-                                            group=layer.k_group)
-            self.v_stream = QuantizedStream(self.bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric,
-                                            group=layer.v_group, levels=layer.v_levels)
+            self.k_stream = QuantizedStream(
+                self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True, group=layer.k_group
+            )
+            self.v_stream = QuantizedStream(
+                self.bits,
+                channel=None,
+                clip=layer.v_clip,
+                symmetric=layer.v_symmetric,
+                group=layer.v_group,
+                levels=layer.v_levels,
+            )
         self.sink_keys: Tensor | None = None  # (B, H, <= sink_tokens, D), as given
         self.sink_values: Tensor | None = None
 
@@ -298,8 +314,6 @@ class SqueezeKVCache(Cache):
         return sum(layer.nbytes() for layer in self.layers if isinstance(layer, SqueezeKVLayer))
 
 
-
-
 #: ``kv_bits`` value meaning "do not quantize the cache".
 FULL_PRECISION_BITS = 16
 
@@ -312,8 +326,9 @@ def check_kv_options(kv_bits: int | None, dynamic: bool) -> None:
         raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
 
 
-def kv_spec_for(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, *,
-                dynamic: bool = False) -> KVSpec | None:
+def kv_spec_for(
+    model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, *, dynamic: bool = False
+) -> KVSpec | None:
     """:func:`select_kv_spec` for ``model``: its attention modules are looked up only for a dynamic spec
     without calibration, so a plain full-precision run never depends on recognising the architecture."""
     from squeeze.models.targets import attention_modules
@@ -328,7 +343,11 @@ def kv_spec_for(model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None
 
 
 def select_kv_spec(
-    calibrated: KVSpec | None, names: tuple[str, ...], kv_bits: int | None, *, dynamic: bool = False,
+    calibrated: KVSpec | None,
+    names: tuple[str, ...],
+    kv_bits: int | None,
+    *,
+    dynamic: bool = False,
     sink_tokens: int = DEFAULT_SINK_TOKENS,
 ) -> KVSpec | None:
     """Which KV cache to run with; None means an ordinary full-precision cache.
@@ -347,18 +366,23 @@ def select_kv_spec(
         raise ConfigError(
             f"--kv-bits {kv_bits} needs calibrated KV scales, and this model has none",
             hint=f"run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}` first, or add --kv-dynamic for "
-                 "uncalibrated per-token scales",
+            "uncalibrated per-token scales",
         )
     if calibrated.bits != kv_bits:
         raise ConfigError(
             f"--kv-bits {kv_bits} asked, but the artifact's KV scales were calibrated for int{calibrated.bits}",
             hint=f"use --kv-bits {calibrated.bits}, re-run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}`, "
-                 "or add --kv-dynamic",
+            "or add --kv-dynamic",
         )
     return calibrated
 
 
 __all__ = [
-    "QuantizedStream", "SqueezeKVLayer", "SqueezeKVCache", "FULL_PRECISION_BITS", "check_kv_options", "kv_spec_for",
+    "QuantizedStream",
+    "SqueezeKVLayer",
+    "SqueezeKVCache",
+    "FULL_PRECISION_BITS",
+    "check_kv_options",
+    "kv_spec_for",
     "select_kv_spec",
 ]

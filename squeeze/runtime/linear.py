@@ -69,8 +69,9 @@ class SqueezeLinear(nn.Module):
     def _from_buffers(self, prefix: str = "", *, check: bool) -> WeightFormat:
         tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
         q = self._qweight
-        return type(q).from_tensors(tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check,
-                                    **q.params())
+        return type(q).from_tensors(
+            tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check, **q.params()
+        )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SqueezeLinear:
         # .to() / .cuda() / .half() replace the buffers: rebuild the weight object over them (shapes are
@@ -121,8 +122,10 @@ class SqueezeLinear(nn.Module):
         return torch.cat(outs, dim=-1) if len(outs) != 1 else outs[0]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self._qweight.name}, "
-                f"bits={self._qweight.bits}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, format={self._qweight.name}, "
+            f"bits={self._qweight.bits}, bias={self.bias is not None}"
+        )
 
 
 def replace_linear(model: nn.Module, name: str, build: Callable[[nn.Linear], nn.Module]) -> None:

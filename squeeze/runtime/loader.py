@@ -101,14 +101,24 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - unknown model types and bad configs raise many kinds
-        raise FormatError(f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}") from None
+        raise FormatError(
+            f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}"
+        ) from None
     return model.eval()
 
 
 def torch_dtype(name: str) -> torch.dtype:
     dtypes = {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "I16": torch.int16,
+        "I32": torch.int32,
+        "I64": torch.int64,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F32": torch.float32,
+        "F64": torch.float64,
     }
     if name not in dtypes:
         raise FormatError(f"tensor dtype {name} is not supported by the squeeze loader")
@@ -152,8 +162,11 @@ def _read_unverified(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str
             tensors.update(views)
             if shard == KV_FILE:
                 kv_names = list(views)
-        files = {rel: read_inside(root_fd, rel, MAX_CONFIG_BYTES) for rel in sorted(top)
-                 if not rel.endswith(".safetensors") and rel != MANIFEST_NAME}
+        files = {
+            rel: read_inside(root_fd, rel, MAX_CONFIG_BYTES)
+            for rel in sorted(top)
+            if not rel.endswith(".safetensors") and rel != MANIFEST_NAME
+        }
     finally:
         os.close(root_fd)
     return tensors, files, kv_names
@@ -184,31 +197,40 @@ def _read_shard(root_fd: int, relative: str) -> tuple[SafetensorsHeader, torch.T
 def _tensor_views(header: SafetensorsHeader, data: torch.Tensor) -> dict[str, torch.Tensor]:
     """The header's tensors as views into ``data`` (the whole file as uint8), shapes and dtypes as declared."""
     base = header.data_start
-    return {name: data[base + info.begin : base + info.end].view(torch_dtype(info.dtype)).reshape(info.shape)
-            for name, info in header.tensors.items()}
+    return {
+        name: data[base + info.begin : base + info.end].view(torch_dtype(info.dtype)).reshape(info.shape)
+        for name, info in header.tensors.items()
+    }
 
 
-def quantized_weight_from(tensors: Mapping[str, torch.Tensor], name: str, spec: Mapping[str, Any], *,
-                          check_values: bool = True) -> WeightFormat:
+def quantized_weight_from(
+    tensors: Mapping[str, torch.Tensor], name: str, spec: Mapping[str, Any], *, check_values: bool = True
+) -> WeightFormat:
     """One module's quantized weight, rebuilt by its registered format from artifact tensors (or meta
     tensors shaped like them, with ``check_values=False``) and its ``quantization_config.modules`` entry."""
     dtypes = {role: t.dtype for role in stored_roles() if (t := tensors.get(f"{name}.{role}")) is not None}
     cls = format_for_module(spec.get("method"), dtypes)
     if cls is None:
-        raise FormatError(f"quantization_config.modules[{name!r}] has unknown method {short_repr(spec.get('method'), 60)}",
-                          hint="this squeeze reads methods " + ", ".join(repr(m) for m in methods()))
+        raise FormatError(
+            f"quantization_config.modules[{name!r}] has unknown method {short_repr(spec.get('method'), 60)}",
+            hint="this squeeze reads methods " + ", ".join(repr(m) for m in methods()),
+        )
     return cls.from_spec(tensors, name, spec, check_values=check_values)
 
 
-def swap_in_quantized(model: nn.Module, name: str, qweight: WeightFormat, bias: torch.Tensor | None, *,
-                      dense_cache: bool = True) -> None:
+def swap_in_quantized(
+    model: nn.Module, name: str, qweight: WeightFormat, bias: torch.Tensor | None, *, dense_cache: bool = True
+) -> None:
     """Replace the linear ``name`` of ``model`` by a SqueezeLinear holding ``qweight`` (FormatError when the
     model has no such linear, or one of another size): the module swap of both loaders."""
+
     def build(old: nn.Linear) -> SqueezeLinear:
         if (old.out_features, old.in_features) != (qweight.out_features, qweight.in_features):
-            raise FormatError(f"{name}: config.json builds a {old.out_features} x {old.in_features} linear, but the "
-                              f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
-                              hint="config.json does not belong to these tensors; re-create the artifact")
+            raise FormatError(
+                f"{name}: config.json builds a {old.out_features} x {old.in_features} linear, but the "
+                f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
+                hint="config.json does not belong to these tensors; re-create the artifact",
+            )
         return SqueezeLinear(qweight, bias, dense_cache=dense_cache)
 
     replace_linear(model, name, build)
@@ -225,8 +247,9 @@ def verified_report(directory: Path, *, capture: bool = False) -> VerifyReport:
     return report
 
 
-def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = True,
-                  check_memory: bool = True) -> LoadedModel:
+def load_artifact(
+    path: str | Path, *, verify: bool = True, dense_cache: bool = True, check_memory: bool = True
+) -> LoadedModel:
     """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
 
     Every file is read once into private memory while it is hashed; tensors are views of those bytes,
@@ -246,8 +269,10 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
     kv_tensors = {k: tensors.pop(k) for k in kv_names if k in tensors}
     tensor_bytes = sum(t.nbytes for t in tensors.values())
     if "config.json" not in files:
-        raise FormatError(f"{short_path(directory / 'config.json')} is missing",
-                          hint="an artifact needs the config.json written by squeeze compress")
+        raise FormatError(
+            f"{short_path(directory / 'config.json')} is missing",
+            hint="an artifact needs the config.json written by squeeze compress",
+        )
     config = parse_config(files["config.json"], "config.json")
     quant, modules = quantized_modules(config)
     check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
@@ -261,14 +286,18 @@ def load_artifact(path: str | Path, *, verify: bool = True, dense_cache: bool = 
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
     model.eval()
     kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
-    return LoadedModel(model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report,
-                       kv_spec=kv_spec)
+    return LoadedModel(
+        model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report, kv_spec=kv_spec
+    )
 
 
 def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
     """(tensors, small files, KV-file tensor names) from the bytes verification hashed (no second read)."""
-    files = {p: bytes(h.data.numpy()) for p, h in report.captured.items()
-             if h.data is not None and not p.endswith(".safetensors")}
+    files = {
+        p: bytes(h.data.numpy())
+        for p, h in report.captured.items()
+        if h.data is not None and not p.endswith(".safetensors")
+    }
     kv_header = report.headers.get(KV_FILE)
     return tensors_from_captured(report), files, list(kv_header.tensors) if kv_header is not None else []
 
@@ -290,8 +319,10 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:  # shape mismatches: the config and the tensors disagree
         first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
-        raise FormatError(f"artifact tensors do not fit the architecture config.json describes: {first[:300]}",
-                          hint="config.json does not belong to these tensors; re-create the artifact") from None
+        raise FormatError(
+            f"artifact tensors do not fit the architecture config.json describes: {first[:300]}",
+            hint="config.json does not belong to these tensors; re-create the artifact",
+        ) from None
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not _is_quantized_param(model, k)]
     if unexpected:
@@ -303,8 +334,16 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 #: Integer dimensions of a config that size what the skeleton builds (checked before building it).
-_DIMENSION_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "max_position_embeddings")
+_DIMENSION_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 #: ``<prefix>.layers.<i>.`` (Llama, Qwen, Mistral, Gemma, NeoX, OPT...) or ``<prefix>.h.<i>.`` (GPT-2, Falcon).
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
@@ -312,8 +351,9 @@ _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.wei
 COMPUTED_BUFFER_BYTES = 256 * 2**20
 
 
-def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
-                        modules: Mapping[str, Mapping[str, Any]]) -> None:
+def check_config_shapes(
+    config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], modules: Mapping[str, Mapping[str, Any]]
+) -> None:
     """FormatError unless config.json's dimensions agree with the (verified) tensors, before any skeleton.
 
     ``shapes``: every tensor's name -> shape; ``modules``: quantization_config.modules (name -> spec with
@@ -335,11 +375,16 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
     if layers is not None and indices:
         present = sum(1 for i in indices if i < layers)
         if present != layers:
-            raise FormatError(f"config.json: num_hidden_layers is {layers}, but the tensors hold {present} of those "
-                              f"layers (indices {min(indices)}..{max(indices)})", hint=hint)
+            raise FormatError(
+                f"config.json: num_hidden_layers is {layers}, but the tensors hold {present} of those "
+                f"layers (indices {min(indices)}..{max(indices)})",
+                hint=hint,
+            )
     elif layers is not None and layers > len(shapes) + len(modules):  # every layer holds some tensor
-        raise FormatError(f"config.json: num_hidden_layers is {layers}, more than the artifact's "
-                          f"{len(shapes)} tensors could fill", hint=hint)
+        raise FormatError(
+            f"config.json: num_hidden_layers is {layers}, more than the artifact's {len(shapes)} tensors could fill",
+            hint=hint,
+        )
     for name, shape in shapes.items():
         if name.endswith(_EMBEDDING_SUFFIXES) and len(shape) == 2:
             _expect(config, "vocab_size", shape[0], f"{name} has {shape[0]} rows", hint)
@@ -349,11 +394,21 @@ def check_config_shapes(config: Mapping[str, Any], shapes: Mapping[str, tuple[in
             _expect(config, "intermediate_size", shape[1], f"{name} has {shape[1]} columns", hint)
     for name, spec in modules.items():
         if re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj$", name):
-            _expect(config, "intermediate_size", spec.get("in_features"), f"{name} has in_features "
-                    f"{short_repr(spec.get('in_features'), 60)}", hint)
+            _expect(
+                config,
+                "intermediate_size",
+                spec.get("in_features"),
+                f"{name} has in_features {short_repr(spec.get('in_features'), 60)}",
+                hint,
+            )
         elif name == "lm_head" or name.endswith(".lm_head"):
-            _expect(config, "vocab_size", spec.get("out_features"), f"{name} has out_features "
-                    f"{short_repr(spec.get('out_features'), 60)}", hint)
+            _expect(
+                config,
+                "vocab_size",
+                spec.get("out_features"),
+                f"{name} has out_features {short_repr(spec.get('out_features'), 60)}",
+                hint,
+            )
     head = shapes.get("lm_head.weight")
     if head is not None and len(head) == 2:
         _expect(config, "vocab_size", head[0], f"lm_head.weight has {head[0]} rows", hint)
@@ -384,5 +439,12 @@ def _is_quantized_param(model: nn.Module, key: str) -> bool:
         return False
 
 
-__all__ = ["LoadedModel", "load_artifact", "verified_report", "is_artifact", "parse_config", "build_skeleton",
-           "tensors_from_captured"]
+__all__ = [
+    "LoadedModel",
+    "load_artifact",
+    "verified_report",
+    "is_artifact",
+    "parse_config",
+    "build_skeleton",
+    "tensors_from_captured",
+]

@@ -84,8 +84,10 @@ def _dense_cache_bytes(root_fd: int, artifact_bytes: int, chunk_rows: int) -> tu
         config = strict_json_loads(read_inside(root_fd, "config.json", MAX_CONFIG_BYTES), "config.json")
         quant = config.get("quantization_config") or {}
         width = _FLOAT_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
-        shapes = [(module_dim(spec, "out_features"), module_dim(spec, "in_features"))
-                  for spec in (quant.get("modules") or {}).values()]
+        shapes = [
+            (module_dim(spec, "out_features"), module_dim(spec, "in_features"))
+            for spec in (quant.get("modules") or {}).values()
+        ]
     except (SqueezeError, TypeError, AttributeError):
         return 0, 0
     if sum(rows * cols for rows, cols in shapes) > 8 * artifact_bytes:
@@ -110,12 +112,17 @@ def check_load_memory(directory: str | os.PathLike[str], *, dense_cache: bool) -
     parts += f" + overhead {_gb(estimate.overhead_bytes)}"
     low = estimate.total(dense_cache=False)
     if dense_cache and low <= available:
-        hint = (f"use --low-memory (squeeze.load(..., dense_cache=False)): it needs about {_gb(low)}, "
-                "dequantizing in row slices (slower)")
+        hint = (
+            f"use --low-memory (squeeze.load(..., dense_cache=False)): it needs about {_gb(low)}, "
+            "dequantizing in row slices (slower)"
+        )
     else:
         hint = "free memory (close other programs) or use a machine with more memory"
-    raise ResourceError(f"not enough memory to load {short_path(directory)}: needs about {_gb(needed)} ({parts}), "
-                        f"{_gb(available)} available", hint=hint)
+    raise ResourceError(
+        f"not enough memory to load {short_path(directory)}: needs about {_gb(needed)} ({parts}), "
+        f"{_gb(available)} available",
+        hint=hint,
+    )
 
 
 def _gb(n: int) -> str:

@@ -30,7 +30,7 @@ def _naive_fisher(model, windows: torch.Tensor, names: list[str], batch_size: in
     acc = {name: torch.zeros_like(modules[name].weight) for name in names}
     model.eval()
     for start in range(0, windows.shape[0], batch_size):
-        ids = windows[start:start + batch_size]
+        ids = windows[start : start + batch_size]
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))

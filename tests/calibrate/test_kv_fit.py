@@ -50,9 +50,12 @@ def test_fit_values_picks_the_best_clip_per_head(bits: int) -> None:
     assert all(min(abs(c - g) for g in CLIP_GRID) < 1e-6 for c in fit.clip.tolist())
 
     def head_error(clip: float, head: int) -> float:
-        scale, offset = token_grid(x[:, head:head + 1], bits, clip, fit.symmetric)
-        return float((dequantize(quantize(x[:, head:head + 1], scale, offset, bits), scale, offset)
-                      - x[:, head:head + 1]).square().sum())
+        scale, offset = token_grid(x[:, head : head + 1], bits, clip, fit.symmetric)
+        return float(
+            (dequantize(quantize(x[:, head : head + 1], scale, offset, bits), scale, offset) - x[:, head : head + 1])
+            .square()
+            .sum()
+        )
 
     for head in range(3):  # brute force: no clip of the grid does better on any head
         best = min(head_error(c, head) for c in CLIP_GRID)
@@ -78,8 +81,12 @@ def test_fit_value_codebook_is_the_weighted_kmeans_and_beats_uniform_grids(group
     weights = scale.square().expand_as(grouped).reshape(-1).numpy()
     ref = KMeans(16, n_init=3, random_state=0).fit(scaled.reshape(-1, 1).numpy(), sample_weight=weights)
     ones = torch.ones_like(scale)
-    ours = float(((scaled - dequantize_codebook(quantize_codebook(scaled, ones, fit.levels), ones, fit.levels))
-                  .square() * scale.square()).sum())
+    ours = float(
+        (
+            (scaled - dequantize_codebook(quantize_codebook(scaled, ones, fit.levels), ones, fit.levels)).square()
+            * scale.square()
+        ).sum()
+    )
     assert ours <= float(ref.inertia_) * 1.01
     # and a codebook beats the best clipped uniform grid on heavy-tailed values (what it is for)
     assert fit.sse < fit_values(x, 4, g).sse

@@ -10,8 +10,20 @@ runner = CliRunner()
 
 
 def test_eval_of_a_plain_model_prints_json(tiny_llama_dir, tiny_llama, tiny_text_file):
-    result = runner.invoke(app, ["eval", str(tiny_llama_dir), "--text", str(tiny_text_file), "--seq-len", "128",
-                                 "--max-windows", "3", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(tiny_llama_dir),
+            "--text",
+            str(tiny_text_file),
+            "--seq-len",
+            "128",
+            "--max-windows",
+            "3",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["windows"] == 3 and report["tokens"] == 3 * 127
@@ -22,8 +34,21 @@ def test_eval_of_a_plain_model_prints_json(tiny_llama_dir, tiny_llama, tiny_text
 
 
 def test_eval_table_shows_model_and_baseline(tiny_llama_dir, tiny_text_file):
-    result = runner.invoke(app, ["eval", str(tiny_llama_dir), "--text", str(tiny_text_file), "--seq-len", "128",
-                                 "--max-windows", "2", "--baseline", str(tiny_llama_dir)])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(tiny_llama_dir),
+            "--text",
+            str(tiny_text_file),
+            "--seq-len",
+            "128",
+            "--max-windows",
+            "2",
+            "--baseline",
+            str(tiny_llama_dir),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "(baseline)" in result.stdout and "perplexity" in result.stdout
 

@@ -23,8 +23,11 @@ CALIB = ["--num-samples", "4", "--seq-len", "64"]
 
 
 def tree_digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +38,14 @@ def rtn_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) ->
 
 
 @pytest.fixture(scope="module")
-def kv4_artifact(tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path) -> tuple[Path, dict]:
+def kv4_artifact(
+    tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path
+) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("kv4") / "stories-rtn-w4-kv4"
     shutil.copytree(rtn_artifact, out)
-    result = runner.invoke(app, ["calibrate-kv", str(out), "--bits", "4", "-c", str(tinystories_file), *CALIB, "--json"])
+    result = runner.invoke(
+        app, ["calibrate-kv", str(out), "--bits", "4", "-c", str(tinystories_file), *CALIB, "--json"]
+    )
     assert result.exit_code == 0, result.output
     return out, json.loads(result.stdout)
 
@@ -81,7 +88,9 @@ def test_run_cli_shows_kv_bytes_and_uses_the_calibrated_cache(kv4_artifact) -> N
     assert "KV bytes/token" in lines[-2] and "int4" in lines[-2]
     assert "KV cache int4" in lines[-1]
     as_json = json.loads(runner.invoke(app, ["run", "Once upon a time", "-m", str(out), "-n", "4", "--json"]).stdout)
-    assert as_json["kv_cache"] == "int4" and as_json["kv_bytes_per_token"]["int4"] < as_json["kv_bytes_per_token"]["fp16"]
+    assert (
+        as_json["kv_cache"] == "int4" and as_json["kv_bytes_per_token"]["int4"] < as_json["kv_bytes_per_token"]["fp16"]
+    )
 
 
 def test_eval_through_the_cache(kv4_artifact, rtn_artifact: Path, tinystories_file: Path) -> None:
@@ -94,8 +103,21 @@ def test_eval_through_the_cache(kv4_artifact, rtn_artifact: Path, tinystories_fi
     assert full["perplexity"] < calibrated["perplexity"] < full["perplexity"] * 1.5
     assert calibrated["perplexity"] != dynamic["perplexity"]
     # the plain artifact with dynamic scales works without any calibration
-    plain = runner.invoke(app, ["eval", str(rtn_artifact), "--text", str(tinystories_file), "--seq-len", "128",
-                                "--kv-bits", "8", "--kv-dynamic", "--json"])
+    plain = runner.invoke(
+        app,
+        [
+            "eval",
+            str(rtn_artifact),
+            "--text",
+            str(tinystories_file),
+            "--seq-len",
+            "128",
+            "--kv-bits",
+            "8",
+            "--kv-dynamic",
+            "--json",
+        ],
+    )
     assert plain.exit_code == 0, plain.output
 
 
@@ -118,11 +140,25 @@ def test_inspect_shows_kv_bytes_per_token(kv4_artifact, rtn_artifact: Path) -> N
     assert "not calibrated" in runner.invoke(app, ["inspect", str(rtn_artifact)]).stdout
 
 
-def test_a_plain_model_becomes_an_artifact_with_calibrated_kv(tmp_path: Path, stories_dir: Path,
-                                                              tinystories_file: Path, stories) -> None:
+def test_a_plain_model_becomes_an_artifact_with_calibrated_kv(
+    tmp_path: Path, stories_dir: Path, tinystories_file: Path, stories
+) -> None:
     out = tmp_path / "stories-kv8"
-    result = runner.invoke(app, ["calibrate-kv", str(stories_dir), "--bits", "8", "-c", str(tinystories_file),
-                                 *CALIB, "-o", str(out), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate-kv",
+            str(stories_dir),
+            "--bits",
+            "8",
+            "-c",
+            str(tinystories_file),
+            *CALIB,
+            "-o",
+            str(out),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert api.verify_model_integrity(out).ok
     loaded = api.load(out)
@@ -155,13 +191,17 @@ def _refused(args: list[str], message: str, artifact: Path | None = None) -> Non
 
 @pytest.mark.parametrize("bits", ["2", "16", "3"])
 def test_bits_not_4_or_8(rtn_artifact: Path, tinystories_file: Path, bits: str) -> None:
-    _refused(["calibrate-kv", str(rtn_artifact), "--bits", bits, "-c", str(tinystories_file)], "must be 4 or 8",
-             rtn_artifact)
+    _refused(
+        ["calibrate-kv", str(rtn_artifact), "--bits", bits, "-c", str(tinystories_file)], "must be 4 or 8", rtn_artifact
+    )
 
 
 def test_windows_not_longer_than_the_sink(rtn_artifact: Path, tinystories_file: Path) -> None:
-    _refused(["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), "--seq-len", "4", "--sink-tokens", "4"],
-             "sink", rtn_artifact)
+    _refused(
+        ["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), "--seq-len", "4", "--sink-tokens", "4"],
+        "sink",
+        rtn_artifact,
+    )
 
 
 def test_model_without_output(stories_dir: Path, tinystories_file: Path) -> None:
@@ -184,7 +224,9 @@ def test_kv_width_mismatch_and_bad_kv_bits(kv4_artifact) -> None:
     assert result.exit_code == 2 and "4, 8 or 16" in result.stderr
 
 
-def test_tampered_artifact_is_refused_before_any_work(rtn_artifact: Path, tmp_path: Path, tinystories_file: Path) -> None:
+def test_tampered_artifact_is_refused_before_any_work(
+    rtn_artifact: Path, tmp_path: Path, tinystories_file: Path
+) -> None:
     copy = tmp_path / "tampered"
     shutil.copytree(rtn_artifact, copy)
     shard = next(copy.glob("model*.safetensors"))
@@ -196,8 +238,9 @@ def test_tampered_artifact_is_refused_before_any_work(rtn_artifact: Path, tmp_pa
     assert not (copy / KV_FILE).exists()
 
 
-def test_a_failure_while_writing_leaves_the_artifact_as_it_was(rtn_artifact: Path, tmp_path: Path,
-                                                               tinystories_file: Path, monkeypatch) -> None:
+def test_a_failure_while_writing_leaves_the_artifact_as_it_was(
+    rtn_artifact: Path, tmp_path: Path, tinystories_file: Path, monkeypatch
+) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(rtn_artifact, copy)
     before = tree_digest(copy)
@@ -215,7 +258,11 @@ def test_a_failure_while_writing_leaves_the_artifact_as_it_was(rtn_artifact: Pat
 
 @pytest.mark.parametrize("option", ["--value-group-size", "--key-group-size"])
 @pytest.mark.parametrize("size", ["3", "6", "0"])
-def test_group_sizes_must_be_even_divisors_of_the_head(rtn_artifact: Path, tinystories_file: Path, option: str,
-                                                       size: str) -> None:
-    _refused(["calibrate-kv", str(rtn_artifact), "--bits", "4", "-c", str(tinystories_file), *CALIB,
-              option, size], f"{option.split('-')[2]} grids must span an even divisor", rtn_artifact)
+def test_group_sizes_must_be_even_divisors_of_the_head(
+    rtn_artifact: Path, tinystories_file: Path, option: str, size: str
+) -> None:
+    _refused(
+        ["calibrate-kv", str(rtn_artifact), "--bits", "4", "-c", str(tinystories_file), *CALIB, option, size],
+        f"{option.split('-')[2]} grids must span an even divisor",
+        rtn_artifact,
+    )

@@ -18,16 +18,16 @@ from squeeze import api
 GOLDEN = {
     "rtn-w4-g32": {
         "model-00001-of-00001.safetensors": "c9d1ba3c8b7cdb01317e233eafc2d56b90c0c0b80befcec3cdf4c357f2371fa6",
-        "model.safetensors.index.json": "3bdca79a2da2c56e5499cb16d4c95646ebf7e2e69651ba2876e0c845038b4351"
+        "model.safetensors.index.json": "3bdca79a2da2c56e5499cb16d4c95646ebf7e2e69651ba2876e0c845038b4351",
     },
     "w3-s045": {
         "model-00001-of-00001.safetensors": "771615d87f5bbd66fcbb24dbf5b1e1304a8443a72cae0cd4e6782b64d4ab50f2",
-        "model.safetensors.index.json": "a5054579a0bee6a464df07228f535b5a636b96274b0d951015a148762323a2bf"
+        "model.safetensors.index.json": "a5054579a0bee6a464df07228f535b5a636b96274b0d951015a148762323a2bf",
     },
     "w4-lut8": {
         "model-00001-of-00001.safetensors": "a25891c3c522714a78d0a84aeb9055ce2348601a0c304f459fae1d75c8b0c97b",
-        "model.safetensors.index.json": "0b75899fbf7beea54cef9fa85042fae1898d35b6eb3730c77d6f6b2a52216062"
-    }
+        "model.safetensors.index.json": "0b75899fbf7beea54cef9fa85042fae1898d35b6eb3730c77d6f6b2a52216062",
+    },
 }
 
 CASES = {
@@ -37,16 +37,27 @@ CASES = {
 }
 
 
-@pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="golden digests were recorded with torch 2.13 "
-                    "on CPU; other versions may round k-means differently")
+@pytest.mark.skipif(
+    not torch.__version__.startswith("2.13"),
+    reason="golden digests were recorded with torch 2.13 on CPU; other versions may round k-means differently",
+)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_shards_are_bit_identical_to_the_recorded_ones(case, tmp_path: Path, stories_dir: Path,
-                                                       tinystories_file: Path) -> None:
+def test_shards_are_bit_identical_to_the_recorded_ones(
+    case, tmp_path: Path, stories_dir: Path, tinystories_file: Path
+) -> None:
     spec = CASES[case]
     out = tmp_path / case
-    api.compress(str(stories_dir), out, spec["recipe"],
-                 str(tinystories_file) if spec.get("with_calibration") else None,
-                 overrides=spec.get("overrides"), calibration_overrides={"num_samples": 4, "seq_len": 64})
-    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())
-               if p.suffix == ".safetensors" or p.name == "model.safetensors.index.json"}
+    api.compress(
+        str(stories_dir),
+        out,
+        spec["recipe"],
+        str(tinystories_file) if spec.get("with_calibration") else None,
+        overrides=spec.get("overrides"),
+        calibration_overrides={"num_samples": 4, "seq_len": 64},
+    )
+    digests = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.iterdir())
+        if p.suffix == ".safetensors" or p.name == "model.safetensors.index.json"
+    }
     assert digests == GOLDEN[case]

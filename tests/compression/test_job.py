@@ -41,8 +41,9 @@ def test_unique_tensors_keeps_a_tied_weight_under_its_first_name_only() -> None:
 
 def test_format_version_is_defined_once() -> None:
     root = Path(squeeze.__file__).parent
-    defining = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                      if "\nFORMAT_VERSION = " in p.read_text())
+    defining = sorted(
+        p.relative_to(root).as_posix() for p in root.rglob("*.py") if "\nFORMAT_VERSION = " in p.read_text()
+    )
     assert defining == ["compression/writer.py"]
 
 
@@ -70,18 +71,25 @@ def test_an_rtn_job_runs_its_stages_and_searches_the_targets_on_the_meta_model_o
 
 
 def test_a_fisher_job_times_every_stage(tmp_path: Path, tiny_llama_dir: Path, tiny_text_file: Path) -> None:
-    result = api.compress(str(tiny_llama_dir), tmp_path / "out", "w3", str(tiny_text_file),
-                          calibration_overrides={"num_samples": 2, "seq_len": 32})
+    result = api.compress(
+        str(tiny_llama_dir),
+        tmp_path / "out",
+        "w3",
+        str(tiny_text_file),
+        calibration_overrides={"num_samples": 2, "seq_len": 32},
+    )
     assert [name for name in result.timings if name not in BREAKDOWNS] == list(STAGES)
     assert {"checkpoint", "kmeans"} <= set(result.timings)
     assert sum(result.timings[s] for s in STAGES) <= result.seconds
 
 
-def test_calibrate_kv_on_a_plain_model_writes_the_same_header(tmp_path: Path, tiny_llama_dir: Path,
-                                                              tiny_text_file: Path) -> None:
+def test_calibrate_kv_on_a_plain_model_writes_the_same_header(
+    tmp_path: Path, tiny_llama_dir: Path, tiny_text_file: Path
+) -> None:
     out = tmp_path / "kv"
-    api.calibrate_kv(str(tiny_llama_dir), tiny_text_file, bits=8, output=out,
-                     calibration_overrides={"num_samples": 2, "seq_len": 32})
+    api.calibrate_kv(
+        str(tiny_llama_dir), tiny_text_file, bits=8, output=out, calibration_overrides={"num_samples": 2, "seq_len": 32}
+    )
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant.items() >= quantization_header().items()
     assert quant["method"] == "none" and quant["modules"] == {} and "kv_cache" in quant

@@ -124,14 +124,15 @@ def test_a_file_that_appears_during_the_run_is_never_overwritten_or_deleted(tmp_
         api.compress(str(stories_dir), out, "rtn-w4", overwrite=True, progress=meddle)
     assert "config.json.orig" in caught.value.hint
     assert {k: v for k, v in snapshot(out).items() if not k.startswith(WORK_NAME)} == {
-        **before, "config.json.orig": b"the user's"}
+        **before,
+        "config.json.orig": b"the user's",
+    }
     (out / "config.json.orig").unlink()
     api.compress(str(stories_dir), out, "rtn-w4", overwrite=True)  # resumes from the checkpoints
     assert api.verify_model_integrity(out).ok and not (out / WORK_NAME).exists()
 
 
-def test_calibrate_kv_overwrite_refuses_user_files_and_the_model(tmp_path, rtn_artifact, model_copy,
-                                                                 tinystories_file):
+def test_calibrate_kv_overwrite_refuses_user_files_and_the_model(tmp_path, rtn_artifact, model_copy, tinystories_file):
     home = user_directory(tmp_path / "home")
     before = snapshot(home)
     args = ["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), *CALIB, "--overwrite", "--json"]
@@ -139,8 +140,10 @@ def test_calibrate_kv_overwrite_refuses_user_files_and_the_model(tmp_path, rtn_a
     assert result.exit_code == 2 and "no squeeze manifest" in result.stderr and snapshot(home) == before
     model_before = snapshot(model_copy)
     for out in (model_copy, model_copy / "kv", model_copy.parent):
-        result = runner.invoke(app, ["calibrate-kv", str(model_copy), "-c", str(tinystories_file), *CALIB,
-                                     "--overwrite", "--output", str(out)])
+        result = runner.invoke(
+            app,
+            ["calibrate-kv", str(model_copy), "-c", str(tinystories_file), *CALIB, "--overwrite", "--output", str(out)],
+        )
         assert result.exit_code == 2 and "never writes over its input" in result.stderr, result.output
     assert snapshot(model_copy) == model_before
 
@@ -240,8 +243,12 @@ def test_sigkill_during_calibrate_kv_leaves_the_artifact_and_the_next_run_cleans
     art = tmp_path / "art"
     shutil.copytree(rtn_artifact, art)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(art), str(tinystories_file)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLER, str(art), str(tinystories_file)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline and not list(tmp_path.glob(".art.kv-*.partial")):
         time.sleep(0.005)
@@ -326,8 +333,9 @@ def test_a_live_run_without_a_fingerprint_yet_is_not_taken_for_a_leftover(tmp_pa
 # -- 9, 10, 11: preflight refusals before any work
 
 
-def test_unwritable_output_is_refused_before_any_work(tmp_path, stories_dir, rtn_artifact, tinystories_file,
-                                                      monkeypatch):
+def test_unwritable_output_is_refused_before_any_work(
+    tmp_path, stories_dir, rtn_artifact, tinystories_file, monkeypatch
+):
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
@@ -356,8 +364,9 @@ def test_output_paths_too_long_are_one_line_errors(tmp_path, stories_dir, rtn_ar
     out = tmp_path / ("c" * 240) if shape == "long_name" else tmp_path.joinpath(*["b" * 200] * 25)
     result = compress(stories_dir, out)
     assert result.exit_code == 2 and "too long" in result.stderr and "internal error" not in result.stderr
-    result = runner.invoke(app, ["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), *CALIB,
-                                 "--output", str(out)])
+    result = runner.invoke(
+        app, ["calibrate-kv", str(rtn_artifact), "-c", str(tinystories_file), *CALIB, "--output", str(out)]
+    )
     assert result.exit_code == 2 and "too long" in result.stderr and "internal error" not in result.stderr
     assert len(result.stderr) < 600
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -383,18 +392,33 @@ def test_symlinked_artifact_is_updated_at_its_target(tmp_path, rtn_artifact, tin
     real = tmp_path / "v3"
     shutil.copytree(rtn_artifact, real)
     (tmp_path / "current").symlink_to("v3")
-    api.calibrate_kv(tmp_path / "current", tinystories_file, bits=8,
-                     calibration_overrides={"num_samples": 2, "seq_len": 32})
+    api.calibrate_kv(
+        tmp_path / "current", tinystories_file, bits=8, calibration_overrides={"num_samples": 2, "seq_len": 32}
+    )
     assert (tmp_path / "current").is_symlink() and (real / "kv_cache.safetensors").is_file()
     assert api.verify_model_integrity(real).ok
 
 
 @pytest.mark.parametrize("seq_len", ["1024", "100000"])
-def test_seq_len_beyond_the_context_is_refused_before_any_work(tmp_path, stories_dir, rtn_artifact,
-                                                               tinystories_file, monkeypatch, seq_len):
+def test_seq_len_beyond_the_context_is_refused_before_any_work(
+    tmp_path, stories_dir, rtn_artifact, tinystories_file, monkeypatch, seq_len
+):
     monkeypatch.setattr(pipeline, "fisher_information", lambda *a, **k: pytest.fail("computed the Fisher"))
-    result = runner.invoke(app, ["compress", str(stories_dir), "-o", str(tmp_path / "out"), "--recipe", "w4",
-                                 "-c", str(tinystories_file), "--seq-len", seq_len])
+    result = runner.invoke(
+        app,
+        [
+            "compress",
+            str(stories_dir),
+            "-o",
+            str(tmp_path / "out"),
+            "--recipe",
+            "w4",
+            "-c",
+            str(tinystories_file),
+            "--seq-len",
+            seq_len,
+        ],
+    )
     assert result.exit_code == 2 and "exceeds the model's context of 512" in result.stderr, result.output
     assert not (tmp_path / "out").exists()
     monkeypatch.setattr(calibrate_kv_module, "calibrate_kv", lambda *a, **k: pytest.fail("calibrated"))
@@ -412,8 +436,14 @@ def test_interrupt_before_any_commit_says_start_again(tmp_path, stories_dir, tin
         os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(Interrupted) as caught:
-        api.compress(str(stories_dir), out, "w4", str(tinystories_file),
-                     calibration_overrides={"num_samples": 2, "seq_len": 32}, progress=stop)
+        api.compress(
+            str(stories_dir),
+            out,
+            "w4",
+            str(tinystories_file),
+            calibration_overrides={"num_samples": 2, "seq_len": 32},
+            progress=stop,
+        )
     assert caught.value.resumable is False and "nothing to resume" in caught.value.hint
     assert not out.exists()
     command = resume_command(str(stories_dir), {"--output": out}, overwrite=False, resume=caught.value.resumable)

@@ -47,8 +47,14 @@ def test_compress_summary_and_artifact_contents(w3_artifact):
     # dim 64: the fp16 LUT alone costs 8 * 16 / 64 = 2 bits per weight on top of the 3-bit codes
     assert 5.0 < summary["bits_per_weight"] < 6.0
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "recipe.yaml", "squeeze.manifest.json", "model.safetensors.index.json",
-            "generation_config.json", "tokenizer.json"} <= names
+    assert {
+        "config.json",
+        "recipe.yaml",
+        "squeeze.manifest.json",
+        "model.safetensors.index.json",
+        "generation_config.json",
+        "tokenizer.json",
+    } <= names
     config = json.loads((out / "config.json").read_text())
     quant = config["quantization_config"]
     assert quant["quant_method"] == "squeeze" and quant["bits"] == 3 and quant["format_version"] == 1
@@ -73,8 +79,20 @@ def test_inspect_reports_the_same_bits_per_weight(w3_artifact):
 
 def test_eval_of_the_artifact_against_the_original(w3_artifact, stories_dir, tinystories_file):
     out, _ = w3_artifact
-    result = runner.invoke(app, ["eval", str(out), "--text", str(tinystories_file), "--baseline", str(stories_dir),
-                                 "--seq-len", "128", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(out),
+            "--text",
+            str(tinystories_file),
+            "--baseline",
+            str(stories_dir),
+            "--seq-len",
+            "128",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     # stories260K is tiny (dim 64): 3 bits costs it real quality, but it must stay a language model
@@ -116,7 +134,10 @@ def test_int8_lut_artifact_round_trips_and_estimate_matches(tmp_path, stories_di
 def test_same_inputs_and_seed_give_byte_identical_shards(tmp_path, stories_dir, tinystories_file):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for out, seed in ((a, "0"), (b, "0"), (c, "1")):
-        assert compress_cli(stories_dir, out, "--recipe", "w3", "--seed", seed, calibration=tinystories_file).exit_code == 0
+        assert (
+            compress_cli(stories_dir, out, "--recipe", "w3", "--seed", seed, calibration=tinystories_file).exit_code
+            == 0
+        )
     assert shard_bytes(a) == shard_bytes(b)
     assert shard_bytes(a) != shard_bytes(c)
 
@@ -184,7 +205,9 @@ def test_recipe_with_unknown_keys(tmp_path, stories_dir, tinystories_file):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("version: 1\nweights:\n  bitz: 4\n")
     out = tmp_path / "out"
-    assert_clean_refusal(compress_cli(stories_dir, out, "--recipe", str(recipe), calibration=tinystories_file), out, "'bitz'")
+    assert_clean_refusal(
+        compress_cli(stories_dir, out, "--recipe", str(recipe), calibration=tinystories_file), out, "'bitz'"
+    )
 
 
 def test_calibration_text_shorter_than_one_window(tmp_path, stories_dir):

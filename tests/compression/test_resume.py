@@ -49,8 +49,11 @@ N_GROUPS = 5  # stories260K: 5 decoder blocks, 7 target linears each
 
 
 def artifact_files(directory: Path) -> dict[str, bytes]:
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != MANIFEST_NAME}
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
 
 
 def root_digest(directory: Path) -> str:
@@ -83,8 +86,22 @@ def reference(tmp_path_factory, stories_dir, tinystories_file) -> Path:
 
 
 def cli_command(stories_dir, tinystories_file, out) -> list[str]:
-    return [*CLI, "compress", str(stories_dir), "-o", str(out), "--recipe", "w3", "--calibration",
-            str(tinystories_file), "--num-samples", "4", "--seq-len", "64", "--json"]
+    return [
+        *CLI,
+        "compress",
+        str(stories_dir),
+        "-o",
+        str(out),
+        "--recipe",
+        "w3",
+        "--calibration",
+        str(tinystories_file),
+        "--num-samples",
+        "4",
+        "--seq-len",
+        "64",
+        "--json",
+    ]
 
 
 def child_env() -> dict[str, str]:

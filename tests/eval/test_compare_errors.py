@@ -31,6 +31,7 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         def record(*args, **kwargs):
             calls.append(what)
             raise AssertionError(f"{what} ran before the inputs were checked")
+
         return record
 
     monkeypatch.setattr("squeeze.models.source.load_model", forbidden("load_model"))
@@ -39,16 +40,18 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def test_a_mistyped_baseline_is_found_before_the_model_is_evaluated(rtn_artifact, tiny_text_file, tmp_path,
-                                                                    no_loading) -> None:
+def test_a_mistyped_baseline_is_found_before_the_model_is_evaluated(
+    rtn_artifact, tiny_text_file, tmp_path, no_loading
+) -> None:
     with pytest.raises(ModelError) as info:
         api.evaluate(rtn_artifact, tiny_text_file, baseline=tmp_path / "tiny-typo", seq_len=64)
     assert info.value.message.startswith("--baseline: ") and "does not exist" in info.value.message
     assert no_loading == []
 
 
-def test_a_mistyped_model_is_named_without_the_baseline_prefix(tiny_llama_dir, tiny_text_file, tmp_path,
-                                                               no_loading) -> None:
+def test_a_mistyped_model_is_named_without_the_baseline_prefix(
+    tiny_llama_dir, tiny_text_file, tmp_path, no_loading
+) -> None:
     with pytest.raises(ModelError, match="^model path .* does not exist"):
         api.evaluate(tmp_path / "typo", tiny_text_file, baseline=tiny_llama_dir, seq_len=64)
     assert no_loading == []
@@ -61,8 +64,9 @@ def test_the_text_is_checked_first(tmp_path, no_loading) -> None:
 
 
 @pytest.mark.parametrize("unfinished", [False, True])
-def test_a_squeeze_output_without_its_manifest_is_refused_up_front(rtn_artifact, tiny_text_file, tmp_path,
-                                                                  no_loading, unfinished) -> None:
+def test_a_squeeze_output_without_its_manifest_is_refused_up_front(
+    rtn_artifact, tiny_text_file, tmp_path, no_loading, unfinished
+) -> None:
     partial = tmp_path / "partial"
     shutil.copytree(rtn_artifact, partial)
     (partial / "squeeze.manifest.json").unlink()
@@ -75,8 +79,9 @@ def test_a_squeeze_output_without_its_manifest_is_refused_up_front(rtn_artifact,
     assert no_loading == []
 
 
-def test_a_baseline_that_needs_remote_code_is_refused_up_front(rtn_artifact, tiny_llama_dir, tiny_text_file,
-                                                               tmp_path, no_loading) -> None:
+def test_a_baseline_that_needs_remote_code_is_refused_up_front(
+    rtn_artifact, tiny_llama_dir, tiny_text_file, tmp_path, no_loading
+) -> None:
     model = tmp_path / "custom"
     shutil.copytree(tiny_llama_dir, model)
     config = json.loads((model / "config.json").read_text())
@@ -88,10 +93,23 @@ def test_a_baseline_that_needs_remote_code_is_refused_up_front(rtn_artifact, tin
     assert no_loading == []
 
 
-def test_cli_mistyped_baseline_is_one_error_line_and_nothing_is_evaluated(rtn_artifact, tiny_text_file,
-                                                                         tmp_path, no_loading) -> None:
-    result = runner.invoke(app, ["eval", str(rtn_artifact), "--text", str(tiny_text_file), "--seq-len", "64",
-                                 "--baseline", str(tmp_path / "tiny-typo"), "--json"])
+def test_cli_mistyped_baseline_is_one_error_line_and_nothing_is_evaluated(
+    rtn_artifact, tiny_text_file, tmp_path, no_loading
+) -> None:
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(rtn_artifact),
+            "--text",
+            str(tiny_text_file),
+            "--seq-len",
+            "64",
+            "--baseline",
+            str(tmp_path / "tiny-typo"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert result.stdout == ""
     assert result.stderr.startswith(f"Error: --baseline: model path '{tmp_path / 'tiny-typo'}' does not exist")

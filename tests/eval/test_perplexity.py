@@ -54,8 +54,7 @@ def test_matches_transformers_loss(tiny_llama: tuple, tiny_text: str) -> None:
     assert perplexity_from_ids(model, ids, seq_len=256).nll == pytest.approx(result.nll, rel=1e-9)
 
 
-def test_chunked_cross_entropy_is_exact(tiny_llama: tuple, tiny_text: str,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_cross_entropy_is_exact(tiny_llama: tuple, tiny_text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model, tok = tiny_llama
     ids = tokenize_text(tiny_text, tok)[None]
     whole = perplexity_from_ids(model, ids, seq_len=300, max_windows=2)
@@ -74,8 +73,9 @@ def test_max_windows_batch_size_and_progress(tiny_llama: tuple, tiny_text: str) 
     assert (one.n_windows, one.n_tokens) == (5, 5 * 63)
     assert calls == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
     calls.clear()
-    batched = perplexity_from_ids(model, ids, seq_len=64, max_windows=5, batch_size=2,
-                                  progress=lambda d, t: calls.append((d, t)))
+    batched = perplexity_from_ids(
+        model, ids, seq_len=64, max_windows=5, batch_size=2, progress=lambda d, t: calls.append((d, t))
+    )
     assert calls == [(2, 5), (4, 5), (5, 5)]
     assert batched.nll == pytest.approx(one.nll, rel=1e-5)
     assert all(p.grad is None for p in model.parameters())
@@ -126,8 +126,9 @@ def test_bad_ids(tiny_llama: tuple) -> None:
 
 
 def test_result_is_frozen() -> None:
-    r = PerplexityResult(perplexity=2.0, word_perplexity=3.0, nll=math.log(2), n_windows=1, n_tokens=1,
-                         n_words=1, seq_len=2)
+    r = PerplexityResult(
+        perplexity=2.0, word_perplexity=3.0, nll=math.log(2), n_windows=1, n_tokens=1, n_words=1, seq_len=2
+    )
     with pytest.raises(AttributeError):
         r.perplexity = 1.0  # type: ignore[misc]
 

@@ -24,11 +24,34 @@ from squeeze.format.verify import seal_artifact, verify_artifact
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 FUZZ_VERIFY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-NASTY_PATHS = ["../secret.txt", "/etc/passwd", "extra/../../secret.txt", "..", ".", "", "a//b", "secret.txt\x00",
-               "..\\secret.txt", "C:/secret.txt", "extra/notes.txt/..", "extra", "config.json", MANIFEST_NAME,
-               "model-00001-of-00002.safetensors", "x" * 300, "\udcff", "extra/./notes.txt"]
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
-                         st.floats(allow_nan=False), st.text(max_size=20), st.sampled_from(NASTY_PATHS))
+NASTY_PATHS = [
+    "../secret.txt",
+    "/etc/passwd",
+    "extra/../../secret.txt",
+    "..",
+    ".",
+    "",
+    "a//b",
+    "secret.txt\x00",
+    "..\\secret.txt",
+    "C:/secret.txt",
+    "extra/notes.txt/..",
+    "extra",
+    "config.json",
+    MANIFEST_NAME,
+    "model-00001-of-00002.safetensors",
+    "x" * 300,
+    "\udcff",
+    "extra/./notes.txt",
+]
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.sampled_from(NASTY_PATHS),
+)
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),

@@ -27,7 +27,10 @@ def test_fresh_artifact_is_intact(artifact):
     report = verify_model_integrity(artifact)
     assert report.ok, report.to_dict()
     assert {r.path for r in report.files} == {
-        "config.json", "extra/notes.txt", INDEX_NAME, SHARD,
+        "config.json",
+        "extra/notes.txt",
+        INDEX_NAME,
+        SHARD,
         "model-00002-of-00002.safetensors",
     }
     assert report.bytes_hashed == sum((artifact / r.path).stat().st_size for r in report.files)

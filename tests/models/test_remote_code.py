@@ -85,9 +85,11 @@ def test_load_of_a_hand_built_source_is_refused_too(remote_model) -> None:
 @pytest.mark.parametrize("command", ["compress", "eval"])
 def test_cli_refuses_without_a_prompt(remote_model, tmp_path, tiny_text_file, command, answer) -> None:
     model, marker = remote_model
-    args = (["compress", str(model), "-o", str(tmp_path / "out"), "--recipe", "rtn-w4", "--json"]
-            if command == "compress" else
-            ["eval", str(model), "--text", str(tiny_text_file), "--seq-len", "64", "--max-windows", "1", "--json"])
+    args = (
+        ["compress", str(model), "-o", str(tmp_path / "out"), "--recipe", "rtn-w4", "--json"]
+        if command == "compress"
+        else ["eval", str(model), "--text", str(tiny_text_file), "--seq-len", "64", "--max-windows", "1", "--json"]
+    )
     result = runner.invoke(app, args, input=answer)  # "y" is what would have run the code at a prompt
     assert result.exit_code == 2, result.output
     assert result.stdout == ""  # no [y/N] prompt, nothing that breaks --json
@@ -103,8 +105,11 @@ def test_auto_map_with_a_known_model_type_loads_the_builtin_class(known_model, t
     assert compressed.exit_code == 0, compressed.output
     assert json.loads(compressed.stdout)["quantized_modules"] > 0
     for target in (model, out):  # the source model and the artifact (its config keeps the auto_map)
-        evaluated = runner.invoke(app, ["eval", str(target), "--text", str(tiny_text_file), "--seq-len", "64",
-                                        "--max-windows", "1", "--json"], input="")
+        evaluated = runner.invoke(
+            app,
+            ["eval", str(target), "--text", str(tiny_text_file), "--seq-len", "64", "--max-windows", "1", "--json"],
+            input="",
+        )
         assert evaluated.exit_code == 0, evaluated.output
         assert json.loads(evaluated.stdout)["windows"] == 1
     assert not marker.exists()

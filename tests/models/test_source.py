@@ -91,8 +91,9 @@ def test_other_file_is_rejected(tmp_path: Path) -> None:
 
 
 def test_hub_id_not_in_cache(empty_hf_cache: Path) -> None:
-    with pytest.raises(ModelError, match="not a local directory, a .gguf file, or a model in the local "
-                                         "Hugging Face cache") as info:
+    with pytest.raises(
+        ModelError, match="not a local directory, a .gguf file, or a model in the local Hugging Face cache"
+    ) as info:
         resolve_model("nobody/not-a-cached-model")
     assert str(empty_hf_cache) in info.value.message
     assert info.value.hint

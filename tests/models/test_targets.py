@@ -35,9 +35,18 @@ def test_tiny_llama_default_targets(tiny_llama: tuple) -> None:
     found = find_target_linears(model, DEFAULT_TARGETS, ["lm_head"])
     assert len(found) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
     names = list(found)
-    assert names[:7] == [f"model.layers.0.{m}" for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert names[:7] == [
+        f"model.layers.0.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     state = model.state_dict()
     for name, module in found.items():
         assert isinstance(module, nn.Linear)

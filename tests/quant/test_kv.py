@@ -101,5 +101,11 @@ def test_codebook_scale_is_the_fp16_absmax() -> None:
     scale = codebook_scale(x)
     assert scale[0].item() == torch.tensor(3.14159).half().item()
     assert scale[1].item() > 0  # an all-zero token gets a tiny scale, not a division by zero
-    assert torch.equal(dequantize_codebook(quantize_codebook(x[1:], scale[1:], torch.tensor([-1.0, 0.0, 1.0])),
-                                           scale[1:], torch.tensor([-1.0, 0.0, 1.0])), x[1:])
+    assert torch.equal(
+        dequantize_codebook(
+            quantize_codebook(x[1:], scale[1:], torch.tensor([-1.0, 0.0, 1.0])),
+            scale[1:],
+            torch.tensor([-1.0, 0.0, 1.0]),
+        ),
+        x[1:],
+    )

@@ -26,8 +26,9 @@ def test_check_kv_bits() -> None:
 
 
 def _spec(v_symmetric: bool = True, v_group: int | None = None) -> KVSpec:
-    layer = LayerKV(torch.rand(2, 8) + 0.1, torch.full((2, 8), 8.0), torch.tensor([0.9, 1.0]), False, v_symmetric,
-                    v_group)
+    layer = LayerKV(
+        torch.rand(2, 8) + 0.1, torch.full((2, 8), 8.0), torch.tensor([0.9, 1.0]), False, v_symmetric, v_group
+    )
     return KVSpec(4, 1, ("model.layers.0.self_attn", "model.layers.1.self_attn"), (layer, layer))
 
 
@@ -45,8 +46,9 @@ def test_spec_round_trips_through_config_and_tensors() -> None:
 
 
 def test_codebook_spec_round_trips_and_bad_codebooks_are_format_errors() -> None:
-    layer = LayerKV(torch.rand(2, 8) + 0.1, torch.zeros(2, 8), torch.ones(2), True, True, None, 4,
-                    torch.linspace(-1, 1, 16))
+    layer = LayerKV(
+        torch.rand(2, 8) + 0.1, torch.zeros(2, 8), torch.ones(2), True, True, None, 4, torch.linspace(-1, 1, 16)
+    )
     spec = KVSpec(4, 4, ("a", "b"), (layer, layer))
     tensors = spec.to_tensors()
     assert sorted(tensors) == sorted(f"{n}.{r}" for n in "ab" for r in ("k_scale", "k_zero", "v_levels"))
@@ -112,8 +114,9 @@ def test_bytes_per_token_smollm2_geometry_meets_the_ratios() -> None:
     assert int4.bytes_per_token(3, 64) / fp16 <= 0.28
     assert layer_bytes_per_token(3, 64, 4, asymmetric_values=True) == 2 * 3 * 32 + 3 * 2 + 3 * 2 * 2
     assert KVSpec.dynamic(4, names).bytes_per_token(3, 64) == 30 * (2 * 3 * 32 + 3 * 2 * 2)
-    table = kv_bytes_table({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                            "hidden_size": 576})
+    table = kv_bytes_table(
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    )
     assert table == {"fp16": 23040, "int8": int8.bytes_per_token(3, 64), "int4": 6300}
     assert table["int4"] / fp16 <= 0.28
     assert default_value_group(4, 64) == 64 and default_value_group(8, 64) == 64

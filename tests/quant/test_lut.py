@@ -101,10 +101,13 @@ def test_half_precision_weights() -> None:
 def test_misuse_is_a_value_error_not_a_usage_error() -> None:
     # squeeze's own code passing the wrong thing is a bug (exit 3), not the user's fault (ConfigError, exit 2)
     w, f = layer()
-    for call, match in ((lambda: quantize_lut(w, f, 5), "bits"), (lambda: quantize_lut(w, f[:, :10], 4), "fisher"),
-                        (lambda: quantize_lut(w[0], None, 4), "2-D"),
-                        (lambda: quantize_lut(w[None], None, 4), "2-D"),  # a 3-D tensor
-                        (lambda: quantize_lut(w, -f, 4), "nonnegative")):
+    for call, match in (
+        (lambda: quantize_lut(w, f, 5), "bits"),
+        (lambda: quantize_lut(w, f[:, :10], 4), "fisher"),
+        (lambda: quantize_lut(w[0], None, 4), "2-D"),
+        (lambda: quantize_lut(w[None], None, 4), "2-D"),  # a 3-D tensor
+        (lambda: quantize_lut(w, -f, 4), "nonnegative"),
+    ):
         with pytest.raises(ValueError, match=match) as info:
             call()
         assert not isinstance(info.value, ConfigError)
@@ -148,7 +151,9 @@ def test_from_tensors_wrong_dtypes_and_shapes(good_tensors: dict[str, torch.Tens
         load(good_tensors, weight_lut=torch.cat([lut, lut], 1))
     with pytest.raises(FormatError, match=expected + r"torch.float16 \(3, 8\)"):
         load(good_tensors, weight_lut=lut[:3])
-    with pytest.raises(FormatError, match=r"m.weight_packed: expected torch.uint8 \(4, 65\), found torch.uint8 \(4, 64\)"):
+    with pytest.raises(
+        FormatError, match=r"m.weight_packed: expected torch.uint8 \(4, 65\), found torch.uint8 \(4, 64\)"
+    ):
         load(good_tensors, weight_packed=packed[:, :64])
     with pytest.raises(FormatError, match=r"m.weight_packed.*found torch.int16"):
         load(good_tensors, weight_packed=packed.to(torch.int16))

@@ -43,8 +43,16 @@ def test_built_in_formats_and_their_methods() -> None:
     assert [cls.name for cls in schemes.formats()] == ["lut", "lut8", "rtn"]
     assert schemes.methods() == ("squeeze", "rtn")
     assert set(schemes.stored_roles()) == {
-        "weight_packed", "weight_lut", "weight_lut_scale", "weight_lut_zero", "weight_scales", "weight_zeros",
-        "weight_sparse_rowptr", "weight_sparse_cols", "weight_sparse_vals"}
+        "weight_packed",
+        "weight_lut",
+        "weight_lut_scale",
+        "weight_lut_zero",
+        "weight_scales",
+        "weight_zeros",
+        "weight_sparse_rowptr",
+        "weight_sparse_cols",
+        "weight_sparse_vals",
+    }
 
 
 def test_a_recipe_selects_its_format() -> None:
@@ -54,7 +62,9 @@ def test_a_recipe_selects_its_format() -> None:
 
 
 def test_an_artifact_entry_selects_its_format_by_method_and_role_dtypes() -> None:
-    assert schemes.format_for_module("squeeze", {"weight_packed": torch.uint8, "weight_lut": torch.float16}) is LutWeight
+    assert (
+        schemes.format_for_module("squeeze", {"weight_packed": torch.uint8, "weight_lut": torch.float16}) is LutWeight
+    )
     lut8 = {"weight_packed": torch.uint8, "weight_lut": torch.uint8, "weight_lut_scale": torch.float16}
     assert schemes.format_for_module("squeeze", lut8) is Lut8Weight  # its zero is missing: its checks say so
     assert schemes.format_for_module("rtn", {}) is RtnWeight
@@ -72,7 +82,10 @@ def test_byte_estimate_is_exact_and_the_module_entry_is_the_weight_written(case:
     assert cls.estimate_bytes(6, 172, options, value_bytes=4) * 8 == q.storage_bits()
     spec = q.module_spec()
     assert spec["method"] == options.method and (spec["bits"], spec["in_features"], spec["out_features"]) == (
-        options.bits, 172, 6)
+        options.bits,
+        172,
+        6,
+    )
     if cls is RtnWeight:
         assert spec["group_size"] == (options.group_size or 172)  # per channel: one group of the whole row
     else:
@@ -103,7 +116,9 @@ def test_meta_tensors_are_checked_for_shapes_only() -> None:
     rebuilt = quantized_weight_from(meta, "m", q.module_spec(), check_values=False)
     assert type(rebuilt) is LutWeight and rebuilt.packed.is_meta
     meta["m.weight_lut"] = torch.empty(5, 16, dtype=torch.float16, device="meta")
-    with pytest.raises(FormatError, match=r"m.weight_lut: expected torch.float16 \(6, 16\), found torch.float16 \(5, 16\)"):
+    with pytest.raises(
+        FormatError, match=r"m.weight_lut: expected torch.float16 \(6, 16\), found torch.float16 \(5, 16\)"
+    ):
         quantized_weight_from(meta, "m", q.module_spec(), check_values=False)
 
 

@@ -28,8 +28,9 @@ def toy_registered():
         schemes.unregister_format(ToyAbsmaxWeight.name)
 
 
-def test_a_toy_format_compresses_verifies_loads_and_evaluates(toy_registered, tiny_llama, tiny_llama_dir: Path,
-                                                              tiny_text_file: Path, tmp_path: Path) -> None:
+def test_a_toy_format_compresses_verifies_loads_and_evaluates(
+    toy_registered, tiny_llama, tiny_llama_dir: Path, tiny_text_file: Path, tmp_path: Path
+) -> None:
     recipe = load_recipe("w4", **{"weights.method": "toy", "weights.bits": 8})
     out = tmp_path / "toy"
     result = api.compress(str(tiny_llama_dir), out, recipe)  # the toy format uses no Fisher: no calibration

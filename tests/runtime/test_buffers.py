@@ -16,26 +16,71 @@ import squeeze.runtime.buffers as buffers
 from squeeze.errors import FormatError
 from squeeze.runtime.buffers import buffer_skeleton, materialise_computed_buffers, meta_buffer_bytes
 
-DIMS = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 3}
+DIMS = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+}
 
 # config class, extra settings: rope types whose tables depend on more than the head size, and Gemma's buffers
 CONFIGS = {
     "llama-default": (tf.LlamaConfig, {}),
-    "llama3-rope": (tf.LlamaConfig, {"rope_parameters": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 500000.0}}),
-    "qwen2-yarn": (tf.Qwen2Config, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                                        "original_max_position_embeddings": 32}}),
-    "phi3-longrope": (tf.Phi3Config, {"rope_parameters": {
-        "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [3.0] * 4, "rope_theta": 1e4,
-        "original_max_position_embeddings": 32}}),
+    "llama3-rope": (
+        tf.LlamaConfig,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 500000.0,
+            }
+        },
+    ),
+    "qwen2-yarn": (
+        tf.Qwen2Config,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 1e6,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "phi3-longrope": (
+        tf.Phi3Config,
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 4,
+                "long_factor": [3.0] * 4,
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
     "gemma2": (tf.Gemma2Config, {"head_dim": 8, "sliding_window": 4}),
-    "gemma3-two-ropes": (tf.Gemma3TextConfig, {
-        "head_dim": 8, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "gemma3-two-ropes": (
+        tf.Gemma3TextConfig,
+        {
+            "head_dim": 8,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+    ),
 }
 
 

@@ -33,9 +33,18 @@ SLIDING = 4  # shorter than the prompts below, so sliding-window layers really d
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 77, 300, 12, 2, 45, 200]])  # 16 tokens
 PROMPT = "Once upon a time there was a little"
 EVAL_SEQ_LEN, EVAL_WINDOWS = 16, 3
-DIMS = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 3, "tie_word_embeddings": False}
+DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+    "tie_word_embeddings": False,
+}
 FISHER = {"calibration_overrides": {"num_samples": 2, "seq_len": 32}}  # Fisher from 2 windows of 32 tokens
 
 
@@ -55,12 +64,31 @@ FAMILIES = {
     "qwen2": Family(tf.Qwen2Config, {}, "w4", FISHER),  # q/k/v biases
     "qwen3": Family(tf.Qwen3Config, {"head_dim": 16}, "w3-s045", {"overrides": {"weights.sensitivity": "uniform"}}),
     "gemma2": Family(tf.Gemma2Config, {"head_dim": 16, "sliding_window": SLIDING}, "w4-lut8", FISHER),
-    "gemma3": Family(tf.Gemma3TextConfig, {  # scaled embeddings, one local and one global layer, two rope tables
-        "head_dim": 16, "sliding_window": SLIDING, "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "w4", FISHER),
-    "phi3": Family(tf.Phi3Config, {}, "rtn-w4", {"overrides": {  # fused qkv_proj and gate_up_proj
-        "weights.targets": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "weights.group_size": 32}}),
+    "gemma3": Family(
+        tf.Gemma3TextConfig,
+        {  # scaled embeddings, one local and one global layer, two rope tables
+            "head_dim": 16,
+            "sliding_window": SLIDING,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+        "w4",
+        FISHER,
+    ),
+    "phi3": Family(
+        tf.Phi3Config,
+        {},
+        "rtn-w4",
+        {
+            "overrides": {  # fused qkv_proj and gate_up_proj
+                "weights.targets": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                "weights.group_size": 32,
+            }
+        },
+    ),
     "smollm": Family(tf.LlamaConfig, {"tie_word_embeddings": True}, "w4-lut8", FISHER),  # tied embeddings
 }
 
@@ -76,8 +104,9 @@ class Built:
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any,
-          tiny_text_file: Path) -> Built:
+def built(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any, tiny_text_file: Path
+) -> Built:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # module scope runs before conftest's one-thread fixture: tiny ops, busy machine
     try:
@@ -143,16 +172,33 @@ def test_squeeze_run_continues_like_the_reference(built: Built, tiny_tokenizer: 
     assert inputs["input_ids"].shape[1] > SLIDING  # the sliding-window layers drop keys while decoding
     with torch.no_grad():
         out = built.reference.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=3)
-    expected = tiny_tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    expected = tiny_tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text == expected
 
 
 def test_squeeze_eval_equals_the_reference_perplexity(built: Built, tiny_tokenizer: Any, tiny_text_file: Path) -> None:
-    result = runner.invoke(app, ["eval", str(built.artifact), "--text", str(tiny_text_file), "--seq-len",
-                                 str(EVAL_SEQ_LEN), "--max-windows", str(EVAL_WINDOWS), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            str(built.artifact),
+            "--text",
+            str(tiny_text_file),
+            "--seq-len",
+            str(EVAL_SEQ_LEN),
+            "--max-windows",
+            str(EVAL_WINDOWS),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["windows"] == EVAL_WINDOWS
-    reference = perplexity(built.reference, tiny_tokenizer, tiny_text_file.read_text(encoding="utf-8"),
-                           seq_len=EVAL_SEQ_LEN, max_windows=EVAL_WINDOWS).perplexity
+    reference = perplexity(
+        built.reference,
+        tiny_tokenizer,
+        tiny_text_file.read_text(encoding="utf-8"),
+        seq_len=EVAL_SEQ_LEN,
+        max_windows=EVAL_WINDOWS,
+    ).perplexity
     assert report["perplexity"] == pytest.approx(reference, rel=1e-4)

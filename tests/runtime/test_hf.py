@@ -50,8 +50,11 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory, compress_tiny) -> dict[s
             overrides["weights.sensitivity"] = "uniform"  # no calibration needed
         out[key] = compress_tiny(root / key, recipe, overrides=overrides)
     # the fixture really covers what it claims: sparse parts, 8-bit LUT grids, RTN groups, several shards
-    for key, role in (("w4-s045", "weight_sparse_vals"), ("w3-s045-lut8", "weight_lut_scale"),
-                      ("rtn-w4-g32", "weight_scales")):
+    for key, role in (
+        ("w4-s045", "weight_sparse_vals"),
+        ("w3-s045-lut8", "weight_lut_scale"),
+        ("rtn-w4-g32", "weight_scales"),
+    ):
         index = json.loads((out[key] / "model.safetensors.index.json").read_text())["weight_map"]
         assert any(name.endswith(role) for name in index) and len(set(index.values())) > 1, key
     return out
@@ -89,7 +92,7 @@ def test_generate_equals_squeeze_greedy_output(artifacts: dict[str, Path]) -> No
     tokenizer = AutoTokenizer.from_pretrained(path)
     inputs = tokenizer(PROMPT, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     ours = api.generate(api.load(path), PROMPT, max_new_tokens=16)
     assert ours.new_tokens == [16]  # no early end of sequence: both ran 16 steps
     assert text == ours.text and text.strip()

@@ -44,8 +44,15 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-def make_weight(rows: int, cols: int, bits: int, sparse_fraction: float = 0.0, *, seed: int = 0,
-                vals_dtype: torch.dtype = torch.float32) -> LutWeight:
+def make_weight(
+    rows: int,
+    cols: int,
+    bits: int,
+    sparse_fraction: float = 0.0,
+    *,
+    seed: int = 0,
+    vals_dtype: torch.dtype = torch.float32,
+) -> LutWeight:
     """A random LutWeight: random codes, ascending fp16 LUTs, and (optionally) a random sparse part."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, cols), dtype=torch.uint8, generator=g)
@@ -199,9 +206,11 @@ def test_gemv_configs_agree() -> None:
         x = torch.randn(m, 300)
         ref = lut_matmul_reference(x, q, bias)
         p = prepare(q, "cpu", tile=tile)
-        for cfg in (GemvConfig(block_r=4, split_k=3, sparse_block=4, mma=False, prefetch=1),
-                    GemvConfig(block_r=32, num_warps=2, sparse_block=32, prefetch=0, num_stages=2),
-                    GemvConfig(block_r=16, split_k=2)):
+        for cfg in (
+            GemvConfig(block_r=4, split_k=3, sparse_block=4, mma=False, prefetch=1),
+            GemvConfig(block_r=32, num_warps=2, sparse_block=32, prefetch=0, num_stages=2),
+            GemvConfig(block_r=16, split_k=2),
+        ):
             assert rel_err(lut_linear(x, p, bias, gemv=cfg), ref) < 1e-5, (tile, cfg)
 
 

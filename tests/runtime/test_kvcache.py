@@ -26,14 +26,23 @@ from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for,
 H, D = 2, 8
 
 
-def _layer_spec(bits: int, v_symmetric: bool, v_group: int | None = None, *, k_group: int | None = None,
-                codebook: bool = False) -> LayerKV:
+def _layer_spec(
+    bits: int, v_symmetric: bool, v_group: int | None = None, *, k_group: int | None = None, codebook: bool = False
+) -> LayerKV:
     gen = torch.Generator().manual_seed(bits)
     scale = torch.rand(H, D, generator=gen) * 3 + 0.1
     zero = torch.randn(H, D, generator=gen)
     levels = (torch.rand(1 << bits, generator=gen) * 2.2 - 1.1).sort().values if codebook else None
-    return LayerKV(scale, zero, torch.tensor([0.9, 1.0]), k_symmetric=False, v_symmetric=v_symmetric or codebook,
-                   v_group=v_group, k_group=k_group, v_levels=levels)
+    return LayerKV(
+        scale,
+        zero,
+        torch.tensor([0.9, 1.0]),
+        k_symmetric=False,
+        v_symmetric=v_symmetric or codebook,
+        v_group=v_group,
+        k_group=k_group,
+        v_levels=levels,
+    )
 
 
 def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, keys: bool) -> torch.Tensor:
@@ -42,8 +51,9 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
     if layer is None:
         scale, offset = token_grid(rest, bits, 1.0, True)
     elif keys:
-        fake = fake_quantize_keys(rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits,
-                                  layer.key_group)
+        fake = fake_quantize_keys(
+            rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits, layer.key_group
+        )
         return torch.cat([x[:, :, :sink], fake], dim=2)
     else:
         grouped = rest.unflatten(-1, (-1, layer.value_group))  # (B, H, T, G, g)
@@ -58,12 +68,23 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("kind", ["calibrated-sym", "calibrated-asym", "grouped-sym", "grouped-asym", "dynamic",
-                                  "codebook", "codebook-grouped"])
+@pytest.mark.parametrize(
+    "kind",
+    ["calibrated-sym", "calibrated-asym", "grouped-sym", "grouped-asym", "dynamic", "codebook", "codebook-grouped"],
+)
 def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) -> None:
     group = 4 if "grouped" in kind else None  # two key / value grids per 8-channel head
-    layer = None if kind == "dynamic" else _layer_spec(bits, v_symmetric=kind.endswith("sym") and "asym" not in kind,
-                                                       v_group=group, k_group=group, codebook="codebook" in kind)
+    layer = (
+        None
+        if kind == "dynamic"
+        else _layer_spec(
+            bits,
+            v_symmetric=kind.endswith("sym") and "asym" not in kind,
+            v_group=group,
+            k_group=group,
+            codebook="codebook" in kind,
+        )
+    )
     cache_layer = SqueezeKVLayer(bits, layer, sink_tokens=2)
     k, v = torch.randn(3, H, 70, D), torch.randn(3, H, 70, D) * 2
     # prefill of 5, then single tokens, then a chunk crossing the 64-token capacity boundary
@@ -76,8 +97,9 @@ def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_history_is_stored_as_codes_not_floats(bits: int) -> None:
-    spec = KVSpec(bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True, v_group=4, k_group=4,
-                                                                             codebook=True)))
+    spec = KVSpec(
+        bits, 1, ("a", "b"), (_layer_spec(bits, False), _layer_spec(bits, True, v_group=4, k_group=4, codebook=True))
+    )
     cache = SqueezeKVCache(spec)
     for idx in range(2):
         cache.update(torch.randn(1, H, 100, D), torch.randn(1, H, 100, D), idx)
@@ -143,7 +165,7 @@ def test_calibrated_spec_covers_every_attention_layer(stories_kv) -> None:
 
 def test_perplexity_through_the_cache(stories_kv, tinystories_text) -> None:
     model, tokenizer, specs = stories_kv
-    text = tinystories_text[len(tinystories_text) // 2:]  # not the calibration half
+    text = tinystories_text[len(tinystories_text) // 2 :]  # not the calibration half
 
     def ppl(factory):  # noqa: ANN001, ANN202
         return perplexity(model, tokenizer, text, seq_len=128, kv_cache=factory).perplexity
@@ -164,8 +186,7 @@ def test_generate_with_the_quantized_cache(stories_kv) -> None:
         plain = model.generate(**ids, max_new_tokens=12, do_sample=False)
         cache = SqueezeKVCache(specs[8])
         quantized = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=cache)
-        beams = model.generate(**ids, max_new_tokens=6, num_beams=2, do_sample=False,
-                               cache=SqueezeKVCache(specs[4]))
+        beams = model.generate(**ids, max_new_tokens=6, num_beams=2, do_sample=False, cache=SqueezeKVCache(specs[4]))
     assert torch.equal(quantized, plain)  # int8 KV does not change this greedy continuation
     assert cache.get_seq_length() == quantized.shape[1] - 1
     assert beams.shape[1] == ids["input_ids"].shape[1] + 6

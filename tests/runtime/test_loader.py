@@ -22,8 +22,10 @@ SHARD = "model-00001-of-00001.safetensors"
 def artifacts(tmp_path_factory, compress_tiny):
     root = tmp_path_factory.mktemp("loader")
     uniform = {"weights.sensitivity": "uniform"}
-    return (compress_tiny(root / "a", "w4-s045", overrides=uniform),
-            compress_tiny(root / "b", "w4-s045", overrides={**uniform, "weights.bits": 3}))
+    return (
+        compress_tiny(root / "a", "w4-s045", overrides=uniform),
+        compress_tiny(root / "b", "w4-s045", overrides={**uniform, "weights.bits": 3}),
+    )
 
 
 def test_loads_and_runs_without_an_fp32_copy_of_the_linears(artifacts):
@@ -114,5 +116,3 @@ def test_skeleton_and_tokenizer_are_built_once_after_verification(artifacts, mon
     loaded = api.load(a)
     assert events == ["verified", "skeleton"] and tokenizers == [1]  # nothing built from unverified bytes
     assert loaded.tokenizer("Once upon a time")["input_ids"]
-
-

@@ -68,14 +68,20 @@ def test_a_tampered_config_is_never_built(art: Path, no_skeleton: None) -> None:
         api.load(art)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers is 1000000, but the tensors hold 2"),  # before: hung
-    ({"num_hidden_layers": 7}, "num_hidden_layers is 7, but the tensors hold 2"),
-    ({"vocab_size": 10**12}, "vocab_size is 1000000000000, but model.embed_tokens.weight has 320 rows"),
-    ({"vocab_size": 1e12}, "vocab_size must be a non-negative integer"),
-    ({"hidden_size": 128}, "hidden_size is 128, but model.embed_tokens.weight has 64 columns"),
-    ({"intermediate_size": 4096}, "intermediate_size is 4096, but model.layers.0.mlp.down_proj has in_features 144"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_hidden_layers": 1_000_000}, "num_hidden_layers is 1000000, but the tensors hold 2"),  # before: hung
+        ({"num_hidden_layers": 7}, "num_hidden_layers is 7, but the tensors hold 2"),
+        ({"vocab_size": 10**12}, "vocab_size is 1000000000000, but model.embed_tokens.weight has 320 rows"),
+        ({"vocab_size": 1e12}, "vocab_size must be a non-negative integer"),
+        ({"hidden_size": 128}, "hidden_size is 128, but model.embed_tokens.weight has 64 columns"),
+        (
+            {"intermediate_size": 4096},
+            "intermediate_size is 4096, but model.layers.0.mlp.down_proj has in_features 144",
+        ),
+    ],
+)
 def test_a_resealed_config_that_disagrees_with_the_tensors_is_a_format_error(
     art: Path, no_skeleton: None, changes: dict, message: str
 ) -> None:
@@ -93,14 +99,19 @@ def test_the_cli_reports_a_resealed_config_in_one_line(art: Path) -> None:
 
 
 def test_config_shapes_are_checked_against_tensors_and_quantized_modules() -> None:
-    shapes = {"model.embed_tokens.weight": (512, 64), "model.layers.0.norm.weight": (64,),
-              "model.layers.1.norm.weight": (64,)}
+    shapes = {
+        "model.embed_tokens.weight": (512, 64),
+        "model.layers.0.norm.weight": (64,),
+        "model.layers.1.norm.weight": (64,),
+    }
     modules = {"model.layers.1.mlp.down_proj": {"in_features": 172, "out_features": 64}}
     good = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 172}
     loader.check_config_shapes(good, shapes, modules)
-    for bad, message in (({"num_hidden_layers": 3}, "hold 2 of those layers"),
-                         ({"num_hidden_layers": True}, "non-negative integer"),
-                         ({"intermediate_size": 100}, "in_features 172")):
+    for bad, message in (
+        ({"num_hidden_layers": 3}, "hold 2 of those layers"),
+        ({"num_hidden_layers": True}, "non-negative integer"),
+        ({"intermediate_size": 100}, "in_features 172"),
+    ):
         with pytest.raises(FormatError, match=message):
             loader.check_config_shapes({**good, **bad}, shapes, modules)
     # names without a layer index (another architecture): the layer count is still bounded by the tensors

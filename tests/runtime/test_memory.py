@@ -35,8 +35,9 @@ def _no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_estimate_matches_what_the_load_holds(artifact: Path) -> None:
     estimate = memory.estimate_load(artifact)
     assert estimate is not None
-    assert estimate.artifact_bytes == sum(p.stat().st_size for p in artifact.iterdir() if p.is_file()
-                                          and p.name != "squeeze.manifest.json")
+    assert estimate.artifact_bytes == sum(
+        p.stat().st_size for p in artifact.iterdir() if p.is_file() and p.name != "squeeze.manifest.json"
+    )
     loaded = api.load(artifact)
     assert sum(h.data.numel() for h in loaded.report.captured.values()) == estimate.artifact_bytes
     loaded.model(torch.tensor([[1, 20, 30]]))  # builds every dense cache
@@ -69,8 +70,9 @@ def test_nothing_fits_hints_at_freeing_memory(artifact: Path, monkeypatch: pytes
     assert "free memory" in info.value.hint and "dense weight cache" not in info.value.message
 
 
-def test_the_memory_check_comes_before_verification(artifact: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_memory_check_comes_before_verification(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = tmp_path / "a"
     shutil.copytree(artifact, target)
     (target / "stray.txt").write_text("not in the manifest")
@@ -90,7 +92,6 @@ def test_available_memory_reads_proc_meminfo() -> None:
         assert n is not None and n > 0
     else:
         assert n is None
-
 
 
 # ------------------------------------------------------------------------------------------------------

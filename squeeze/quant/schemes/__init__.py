@@ -95,6 +95,21 @@ for _cls in (LutWeight, Lut8Weight, RtnWeight):
 
 QuantizedWeight = WeightFormat
 
-__all__ = ["WeightFormat", "Role", "QuantOptions", "QuantizedWeight", "LutWeight", "Lut8Weight", "RtnWeight",
-           "register_format", "unregister_format", "formats", "methods", "recipe_options", "stored_roles",
-           "formats_of", "format_for_recipe", "format_for_module"]
+__all__ = [
+    "WeightFormat",
+    "Role",
+    "QuantOptions",
+    "QuantizedWeight",
+    "LutWeight",
+    "Lut8Weight",
+    "RtnWeight",
+    "register_format",
+    "unregister_format",
+    "formats",
+    "methods",
+    "recipe_options",
+    "stored_roles",
+    "formats_of",
+    "format_for_recipe",
+    "format_for_module",
+]

@@ -101,8 +101,9 @@ class WeightFormat:
     # -- what subclasses implement -------------------------------------------------------------------
 
     @classmethod
-    def quantize(cls: type[W], weight: Tensor, fisher: Tensor | None, options: QuantOptions,
-                 timer: Timer = no_timer) -> W:
+    def quantize(
+        cls: type[W], weight: Tensor, fisher: Tensor | None, options: QuantOptions, timer: Timer = no_timer
+    ) -> W:
         """Quantize float (R, N) ``weight`` (``fisher``: (R, N) sensitivities or None)."""
         raise NotImplementedError
 
@@ -115,8 +116,9 @@ class WeightFormat:
         raise NotImplementedError
 
     @classmethod
-    def from_roles(cls: type[W], bits: int, in_features: int, params: Mapping[str, Any],
-                   found: Mapping[str, Tensor]) -> W:
+    def from_roles(
+        cls: type[W], bits: int, in_features: int, params: Mapping[str, Any], found: Mapping[str, Tensor]
+    ) -> W:
         """Build from checked tensors (role name -> tensor) and the module parameters."""
         raise NotImplementedError
 
@@ -157,8 +159,13 @@ class WeightFormat:
 
     def module_spec(self) -> dict[str, Any]:
         """The artifact's ``quantization_config.modules`` entry for this weight."""
-        return {"method": self.method, "bits": self.bits, "in_features": self.in_features,
-                "out_features": self.out_features, **self.spec_params()}
+        return {
+            "method": self.method,
+            "bits": self.bits,
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            **self.spec_params(),
+        }
 
     def to_tensors(self, prefix: str) -> dict[str, Tensor]:
         """The tensors to store, named ``{prefix}.{role}``."""
@@ -173,8 +180,16 @@ class WeightFormat:
         return tuple(role.name for role in cls.roles)
 
     @classmethod
-    def from_tensors(cls: type[W], tensors: Mapping[str, Tensor], prefix: str, *, bits: int, in_features: int,
-                     check_values: bool = True, **params: Any) -> W:
+    def from_tensors(
+        cls: type[W],
+        tensors: Mapping[str, Tensor],
+        prefix: str,
+        *,
+        bits: int,
+        in_features: int,
+        check_values: bool = True,
+        **params: Any,
+    ) -> W:
         """Rebuild from loaded tensors, checking every name, dtype, shape (and values unless told not to).
 
         ``check_values=False`` for meta tensors (shapes only). FormatError names the tensor, what was
@@ -183,9 +198,15 @@ class WeightFormat:
         _check_meta(bits, in_features, prefix)
         unknown = set(params) - set(cls.module_params)
         if unknown:
-            raise TypeError(f"{cls.__name__} takes module parameters {list(cls.module_params)}, found {sorted(unknown)}")
+            raise TypeError(
+                f"{cls.__name__} takes module parameters {list(cls.module_params)}, found {sorted(unknown)}"
+            )
         found = _present_roles(cls.roles, tensors, prefix)
-        dims = {"levels": 1 << bits, "packed": packed_row_bytes(in_features, bits), **cls.extra_dims(in_features, params)}
+        dims = {
+            "levels": 1 << bits,
+            "packed": packed_row_bytes(in_features, bits),
+            **cls.extra_dims(in_features, params),
+        }
         for role in cls.roles:
             if role.name in found:
                 _check_role(role, found[role.name], f"{prefix}.{role.name}", dims, in_features)
@@ -195,16 +216,23 @@ class WeightFormat:
         return weight
 
     @classmethod
-    def from_spec(cls: type[W], tensors: Mapping[str, Tensor], prefix: str, spec: Mapping[str, Any], *,
-                  check_values: bool = True) -> W:
+    def from_spec(
+        cls: type[W], tensors: Mapping[str, Tensor], prefix: str, spec: Mapping[str, Any], *, check_values: bool = True
+    ) -> W:
         """Rebuild from tensors and the artifact's module entry (``module_spec`` of the weight written)."""
         bits, in_features = spec.get("bits"), spec.get("in_features")
         if not is_int(bits) or not is_int(in_features):
             raise FormatError(f"quantization_config.modules[{prefix!r}] lacks integer 'bits' / 'in_features'")
         check_weight_bits(bits, f"quantization_config.modules[{prefix!r}].bits", FormatError, hint=None)
         params = {key: spec.get(key) for key in cls.module_params}
-        return cls.from_tensors(tensors, prefix, bits=bits, in_features=in_features, check_values=check_values,
-                                **cls.normalise_params(params, in_features))
+        return cls.from_tensors(
+            tensors,
+            prefix,
+            bits=bits,
+            in_features=in_features,
+            check_values=check_values,
+            **cls.normalise_params(params, in_features),
+        )
 
     @classmethod
     def normalise_params(cls, params: dict[str, Any], in_features: int) -> dict[str, Any]:
@@ -218,9 +246,14 @@ class WeightFormat:
         ``value_bytes``: bytes per sparse value (the model's dtype).
         """
         nnz = cls.expected_nnz(rows, cols, options)
-        dims = {"rows": rows, "rows+1": rows + 1, "nnz": nnz, "levels": 1 << options.bits,
-                "packed": packed_row_bytes(cols, options.bits),
-                **cls.extra_dims(cols, {"group_size": options.group_size})}
+        dims = {
+            "rows": rows,
+            "rows+1": rows + 1,
+            "nnz": nnz,
+            "levels": 1 << options.bits,
+            "packed": packed_row_bytes(cols, options.bits),
+            **cls.extra_dims(cols, {"group_size": options.group_size}),
+        }
         total = 0
         for role in cls.roles:
             if role.part and not nnz:
@@ -273,7 +306,7 @@ def _check_role(role: Role, tensor: Tensor, name: str, dims: dict[str, int], in_
         column_dtype = column_index_dtype(in_features)
         dtype_ok, want_dtype = tensor.dtype == column_dtype, str(column_dtype)
     shape_ok = tensor.dim() == len(role.shape)
-    for dim, size in zip(role.shape, tensor.shape):
+    for dim, size in zip(role.shape, tensor.shape, strict=False):  # a rank mismatch is reported below
         if isinstance(dim, str) and dim not in dims and shape_ok:
             dims[dim] = int(size)
             if dim == "rows":
@@ -297,5 +330,14 @@ def _dtype_bytes(dtype: torch.dtype | str, cols: int, value_bytes: int) -> int:
     return value_bytes if dtype == ANY_FLOAT else column_index_dtype(cols).itemsize
 
 
-__all__ = ["WeightFormat", "Role", "QuantOptions", "Timer", "no_timer", "HALF", "ANY_FLOAT",
-           "COLUMN_INDEX", "column_index_dtype"]
+__all__ = [
+    "WeightFormat",
+    "Role",
+    "QuantOptions",
+    "Timer",
+    "no_timer",
+    "HALF",
+    "ANY_FLOAT",
+    "COLUMN_INDEX",
+    "column_index_dtype",
+]

@@ -70,10 +70,16 @@ class LutWeight(WeightFormat):
         return {"weight_packed": self.packed, "weight_lut": self.lut} | _sparse_tensors(self.sparse)
 
     @classmethod
-    def from_roles(cls, bits: int, in_features: int, params: Mapping[str, Any],
-                   found: Mapping[str, Tensor]) -> LutWeight:
-        return cls(bits=bits, in_features=in_features, packed=found["weight_packed"], lut=found["weight_lut"],
-                   sparse=_sparse(found, in_features))
+    def from_roles(
+        cls, bits: int, in_features: int, params: Mapping[str, Any], found: Mapping[str, Tensor]
+    ) -> LutWeight:
+        return cls(
+            bits=bits,
+            in_features=in_features,
+            packed=found["weight_packed"],
+            lut=found["weight_lut"],
+            sparse=_sparse(found, in_features),
+        )
 
     def check_values(self, prefix: str) -> None:
         if self.sparse is not None:
@@ -83,16 +89,22 @@ class LutWeight(WeightFormat):
                 raise FormatError(f"{prefix}: {exc.message}") from exc
 
     def row_slice(self, start: int, stop: int) -> LutWeight:
-        return type(self)(bits=self.bits, in_features=self.in_features, packed=self.packed[start:stop],
-                          lut=self.lut[start:stop], sparse=_sparse_rows(self.sparse, start, stop))
+        return type(self)(
+            bits=self.bits,
+            in_features=self.in_features,
+            packed=self.packed[start:stop],
+            lut=self.lut[start:stop],
+            sparse=_sparse_rows(self.sparse, start, stop),
+        )
 
     @classmethod
     def expected_nnz(cls, rows: int, cols: int, options: QuantOptions) -> int:
         return round(options.sensitive_fraction * rows * cols) + round(options.outlier_fraction * rows * cols)
 
     @classmethod
-    def quantize(cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions,
-                 timer: Timer = no_timer) -> LutWeight:
+    def quantize(
+        cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions, timer: Timer = no_timer
+    ) -> LutWeight:
         mask = None
         if options.sensitive_fraction or options.outlier_fraction:
             with timer("sparse"):
@@ -125,16 +137,27 @@ class Lut8Weight(LutWeight):
         return values.to(dtype)
 
     def tensors_by_role(self) -> dict[str, Tensor]:
-        out = {"weight_packed": self.packed, "weight_lut": self.lut, "weight_lut_scale": self.lut_scale,
-               "weight_lut_zero": self.lut_zero}
+        out = {
+            "weight_packed": self.packed,
+            "weight_lut": self.lut,
+            "weight_lut_scale": self.lut_scale,
+            "weight_lut_zero": self.lut_zero,
+        }
         return out | _sparse_tensors(self.sparse)
 
     @classmethod
-    def from_roles(cls, bits: int, in_features: int, params: Mapping[str, Any],
-                   found: Mapping[str, Tensor]) -> Lut8Weight:
-        return cls(bits=bits, in_features=in_features, packed=found["weight_packed"], lut=found["weight_lut"],
-                   lut_scale=found["weight_lut_scale"], lut_zero=found["weight_lut_zero"],
-                   sparse=_sparse(found, in_features))
+    def from_roles(
+        cls, bits: int, in_features: int, params: Mapping[str, Any], found: Mapping[str, Tensor]
+    ) -> Lut8Weight:
+        return cls(
+            bits=bits,
+            in_features=in_features,
+            packed=found["weight_packed"],
+            lut=found["weight_lut"],
+            lut_scale=found["weight_lut_scale"],
+            lut_zero=found["weight_lut_zero"],
+            sparse=_sparse(found, in_features),
+        )
 
     def check_values(self, prefix: str) -> None:
         if not bool(torch.isfinite(self.lut_scale).all() & torch.isfinite(self.lut_zero).all()):
@@ -142,24 +165,33 @@ class Lut8Weight(LutWeight):
         super().check_values(prefix)
 
     def row_slice(self, start: int, stop: int) -> Lut8Weight:
-        return Lut8Weight(bits=self.bits, in_features=self.in_features, packed=self.packed[start:stop],
-                          lut=self.lut[start:stop], lut_scale=self.lut_scale[start:stop],
-                          lut_zero=self.lut_zero[start:stop], sparse=_sparse_rows(self.sparse, start, stop))
+        return Lut8Weight(
+            bits=self.bits,
+            in_features=self.in_features,
+            packed=self.packed[start:stop],
+            lut=self.lut[start:stop],
+            lut_scale=self.lut_scale[start:stop],
+            lut_zero=self.lut_zero[start:stop],
+            sparse=_sparse_rows(self.sparse, start, stop),
+        )
 
 
 def _sparse_tensors(sparse: SparseCSR | None) -> dict[str, Tensor]:
     if sparse is None:
         return {}
-    return {"weight_sparse_rowptr": sparse.rowptr, "weight_sparse_cols": sparse.cols,
-            "weight_sparse_vals": sparse.vals}
+    return {"weight_sparse_rowptr": sparse.rowptr, "weight_sparse_cols": sparse.cols, "weight_sparse_vals": sparse.vals}
 
 
 def _sparse(found: Mapping[str, Tensor], in_features: int) -> SparseCSR | None:
     if "weight_sparse_rowptr" not in found:
         return None
     rowptr = found["weight_sparse_rowptr"]
-    return SparseCSR(rowptr=rowptr, cols=found["weight_sparse_cols"], vals=found["weight_sparse_vals"],
-                     shape=(int(rowptr.shape[0]) - 1, in_features))
+    return SparseCSR(
+        rowptr=rowptr,
+        cols=found["weight_sparse_cols"],
+        vals=found["weight_sparse_vals"],
+        shape=(int(rowptr.shape[0]) - 1, in_features),
+    )
 
 
 def _sparse_rows(sparse: SparseCSR | None, start: int, stop: int) -> SparseCSR | None:
@@ -167,8 +199,12 @@ def _sparse_rows(sparse: SparseCSR | None, start: int, stop: int) -> SparseCSR |
     if sparse is None:
         return None
     lo, hi = int(sparse.rowptr[start]), int(sparse.rowptr[stop])
-    return SparseCSR(rowptr=sparse.rowptr[start:stop + 1] - sparse.rowptr[start], cols=sparse.cols[lo:hi],
-                     vals=sparse.vals[lo:hi], shape=(stop - start, sparse.shape[1]))
+    return SparseCSR(
+        rowptr=sparse.rowptr[start : stop + 1] - sparse.rowptr[start],
+        cols=sparse.cols[lo:hi],
+        vals=sparse.vals[lo:hi],
+        shape=(stop - start, sparse.shape[1]),
+    )
 
 
 def quantize_lut(
@@ -204,28 +240,44 @@ def quantize_lut(
     if mask is not None:
         sensitivity = sensitivity.masked_fill(mask, 0.0)  # sparse weights are stored exactly: ignore them
     # centroids are rounded to float16 before the codes are assigned: each code is the nearest LUT entry as stored
-    centroids, codes = weighted_kmeans_1d(w32, sensitivity, 1 << bits, centroid_dtype=LUT_DTYPE,
-                                          codes_dtype=torch.uint8)
+    centroids, codes = weighted_kmeans_1d(
+        w32, sensitivity, 1 << bits, centroid_dtype=LUT_DTYPE, codes_dtype=torch.uint8
+    )
     sparse = SparseCSR.from_mask(mask, weight) if mask is not None and bool(mask.any()) else None
     if lut_dtype == "int8":
         levels, scale, zero = affine_lut8(centroids)
         stored = levels.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)  # (R, K)
-        return Lut8Weight(bits=bits, in_features=int(weight.shape[1]), sparse=sparse, lut=levels, lut_scale=scale,
-                          lut_zero=zero, packed=pack_codes(nearest_codes(w32, stored).to(torch.uint8), bits))
-    return LutWeight(bits=bits, in_features=int(weight.shape[1]), packed=pack_codes(codes, bits),
-                     lut=centroids.to(LUT_DTYPE), sparse=sparse)
+        return Lut8Weight(
+            bits=bits,
+            in_features=int(weight.shape[1]),
+            sparse=sparse,
+            lut=levels,
+            lut_scale=scale,
+            lut_zero=zero,
+            packed=pack_codes(nearest_codes(w32, stored).to(torch.uint8), bits),
+        )
+    return LutWeight(
+        bits=bits,
+        in_features=int(weight.shape[1]),
+        packed=pack_codes(codes, bits),
+        lut=centroids.to(LUT_DTYPE),
+        sparse=sparse,
+    )
 
 
 def _check_inputs(weight: Tensor, fisher: Tensor | None, mask: Tensor | None, lut_dtype: str) -> None:
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError(f"weight must be a 2-D floating-point tensor, found {found}")
-    if fisher is not None and (not isinstance(fisher, Tensor) or fisher.shape != weight.shape
-                               or not fisher.is_floating_point()):
+    if fisher is not None and (
+        not isinstance(fisher, Tensor) or fisher.shape != weight.shape or not fisher.is_floating_point()
+    ):
         found = f"{fisher.dtype} {tuple(fisher.shape)}" if isinstance(fisher, Tensor) else type(fisher).__name__
         raise ValueError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
     if mask is not None and (mask.shape != weight.shape or mask.dtype != torch.bool):
-        raise ValueError(f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}"
+        )
     if lut_dtype not in LUT_DTYPES:
         raise ValueError(f"lut_dtype must be one of {list(LUT_DTYPES)}, found {lut_dtype!r}")
 

@@ -70,17 +70,33 @@ class RtnWeight(WeightFormat):
         return {"group_size": params.get("group_size") or in_features}
 
     @classmethod
-    def from_roles(cls, bits: int, in_features: int, params: Mapping[str, Any],
-                   found: Mapping[str, Tensor]) -> RtnWeight:
-        return cls(bits=bits, in_features=in_features, group_size=params.get("group_size"),
-                   packed=found["weight_packed"], scales=found["weight_scales"], zeros=found["weight_zeros"])
+    def from_roles(
+        cls, bits: int, in_features: int, params: Mapping[str, Any], found: Mapping[str, Tensor]
+    ) -> RtnWeight:
+        return cls(
+            bits=bits,
+            in_features=in_features,
+            group_size=params.get("group_size"),
+            packed=found["weight_packed"],
+            scales=found["weight_scales"],
+            zeros=found["weight_zeros"],
+        )
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Tensor], prefix: str, *, bits: int, in_features: int,
-                     check_values: bool = True, **params: Any) -> RtnWeight:
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, Tensor],
+        prefix: str,
+        *,
+        bits: int,
+        in_features: int,
+        check_values: bool = True,
+        **params: Any,
+    ) -> RtnWeight:
         check_group_size(params.get("group_size"), f"{prefix}: group_size", FormatError, hint=None)
-        return super().from_tensors(tensors, prefix, bits=bits, in_features=in_features, check_values=check_values,
-                                    **params)
+        return super().from_tensors(
+            tensors, prefix, bits=bits, in_features=in_features, check_values=check_values, **params
+        )
 
     def check_values(self, prefix: str) -> None:
         if not bool(torch.isfinite(self.scales).all()):
@@ -91,12 +107,19 @@ class RtnWeight(WeightFormat):
             raise FormatError(f"{prefix}.weight_zeros must hold integers in [0, {top}]")
 
     def row_slice(self, start: int, stop: int) -> RtnWeight:
-        return RtnWeight(bits=self.bits, in_features=self.in_features, group_size=self.group_size,
-                         packed=self.packed[start:stop], scales=self.scales[start:stop], zeros=self.zeros[start:stop])
+        return RtnWeight(
+            bits=self.bits,
+            in_features=self.in_features,
+            group_size=self.group_size,
+            packed=self.packed[start:stop],
+            scales=self.scales[start:stop],
+            zeros=self.zeros[start:stop],
+        )
 
     @classmethod
-    def quantize(cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions,
-                 timer: Timer = no_timer) -> RtnWeight:
+    def quantize(
+        cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions, timer: Timer = no_timer
+    ) -> RtnWeight:
         with timer("rtn"):
             return rtn_quantize(weight, options.bits, options.group_size)
 
@@ -141,8 +164,14 @@ def rtn_quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Rt
 
     q = (groups / s[:, :, None]).round() + zero[:, :, None]
     codes = q.clamp(0, qmax).to(torch.uint8).view(R, G * gs)[:, :N]
-    return RtnWeight(bits=bits, in_features=N, group_size=group_size, packed=pack_codes(codes.contiguous(), bits),
-                     scales=scale16, zeros=zero.to(HALF))
+    return RtnWeight(
+        bits=bits,
+        in_features=N,
+        group_size=group_size,
+        packed=pack_codes(codes.contiguous(), bits),
+        scales=scale16,
+        zeros=zero.to(HALF),
+    )
 
 
 def _scale_up(hi: Tensor, lo: Tensor, qmax: int) -> Tensor:

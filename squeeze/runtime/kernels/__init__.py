@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+from squeeze.runtime.kernels.configs import GemmConfig, GemvConfig
 from squeeze.runtime.kernels.layout import DEFAULT_TILE, PreparedLut, prepare, tile_pack, tile_unpack
 from squeeze.runtime.kernels.reference import (
     csr_spmv_reference,
@@ -23,7 +24,6 @@ from squeeze.runtime.kernels.reference import (
     lut_matmul_reference,
     sparse_residual,
 )
-from squeeze.runtime.kernels.configs import GemmConfig, GemvConfig
 from squeeze.runtime.kernels.triton_lut import lut_dequantize, lut_linear
 
 

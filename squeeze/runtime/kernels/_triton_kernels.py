@@ -46,9 +46,22 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _gemv_tile(acc, word, x_ptr, x_rows, lut_rows, k, offs_t, N,
-               BITS: tl.constexpr, CPG: tl.constexpr, T: tl.constexpr,
-               MODE: tl.constexpr, FP32_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr):
+def _gemv_tile(
+    acc,
+    word,
+    x_ptr,
+    x_rows,
+    lut_rows,
+    k,
+    offs_t,
+    N,
+    BITS: tl.constexpr,
+    CPG: tl.constexpr,
+    T: tl.constexpr,
+    MODE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
     """acc += the products of code tile k (its words (BLOCK_R, T)) with the activations.
 
     MODE 0 (one activation row at x_ptr): acc (BLOCK_R, T), elementwise. MODE 1: acc (BLOCK_M, BLOCK_R, T),
@@ -75,12 +88,36 @@ def _gemv_tile(acc, word, x_ptr, x_rows, lut_rows, k, offs_t, N,
 
 @triton.jit
 def _lut_gemv_kernel(
-    x_ptr, codes_ptr, lut_ptr, rowptr_ptr, cols_ptr, resid_ptr, bias_ptr, out_ptr,
-    M, R, N, NT, TILES_PER_SPLIT, stride_xm, stride_om,
-    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr, T: tl.constexpr, L: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SP: tl.constexpr,
-    HAS_SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr, MODE: tl.constexpr, FP32_DOT: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    lut_ptr,
+    rowptr_ptr,
+    cols_ptr,
+    resid_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    R,
+    N,
+    NT,
+    TILES_PER_SPLIT,
+    stride_xm,
+    stride_om,
+    BITS: tl.constexpr,
+    CPG: tl.constexpr,
+    BPG: tl.constexpr,
+    T: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SP: tl.constexpr,
+    HAS_SPARSE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    MODE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
     """Decode GEMV, out (M, R) = x (M, N) @ W^T (+ S) (+ bias), M <= BLOCK_M (<= 8, or 16 in MODE 2).
@@ -116,8 +153,7 @@ def _lut_gemv_kernel(
         # the LUT gathers there, which costs a lot of shared memory
         for k in tl.range(k_begin, k_end, num_stages=NUM_STAGES):
             word = _tile_words(code_ptrs + k * tile_bytes, BPG, T)  # (BLOCK_R, T)
-            acc = _gemv_tile(acc, word, x_ptr, x_rows, lut_rows, k, offs_t, N,
-                             BITS, CPG, T, MODE, FP32_DOT, DOT_UPCAST)
+            acc = _gemv_tile(acc, word, x_ptr, x_rows, lut_rows, k, offs_t, N, BITS, CPG, T, MODE, FP32_DOT, DOT_UPCAST)
     else:
         # register prefetch: the codes of the next PREFETCH tiles are in flight while this one is computed
         # (each thread holds only a few bytes of codes per tile). Past the end, the last tile is re-read.
@@ -127,8 +163,7 @@ def _lut_gemv_kernel(
             w1 = _tile_words(code_ptrs + tl.minimum(k_begin + 1, last) * tile_bytes, BPG, T)
         for k in range(k_begin, k_end):
             nxt = _tile_words(code_ptrs + tl.minimum(k + PREFETCH, last) * tile_bytes, BPG, T)
-            acc = _gemv_tile(acc, w0, x_ptr, x_rows, lut_rows, k, offs_t, N,
-                             BITS, CPG, T, MODE, FP32_DOT, DOT_UPCAST)
+            acc = _gemv_tile(acc, w0, x_ptr, x_rows, lut_rows, k, offs_t, N, BITS, CPG, T, MODE, FP32_DOT, DOT_UPCAST)
             if PREFETCH == 2:
                 w0 = w1
                 w1 = nxt
@@ -174,11 +209,31 @@ def _lut_gemv_kernel(
 
 @triton.jit
 def _lut_gemm_kernel(
-    x_ptr, codes_ptr, lut_ptr, sparse_ptr, bias_ptr, out_ptr,
-    M, R, N, NT, stride_xm, stride_om,
-    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr, T: tl.constexpr, L: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    lut_ptr,
+    sparse_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    R,
+    N,
+    NT,
+    stride_xm,
+    stride_om,
+    BITS: tl.constexpr,
+    CPG: tl.constexpr,
+    BPG: tl.constexpr,
+    T: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_SPARSE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     """Prefill GEMM, out (M, R) = x (M, N) @ W^T (+ sparse (M, R) float32) (+ bias).
 
@@ -230,8 +285,16 @@ def _lut_gemm_kernel(
 
 @triton.jit
 def _csr_spmm_kernel(
-    xt_ptr, rowptr_ptr, cols_ptr, resid_ptr, out_ptr, M, R,
-    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, SP: tl.constexpr,
+    xt_ptr,
+    rowptr_ptr,
+    cols_ptr,
+    resid_ptr,
+    out_ptr,
+    M,
+    R,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SP: tl.constexpr,
 ):
     """Sparse residual for the GEMM path: out (M, R) float32 = x @ S^T, from xt = x^T (N, M) contiguous.
 
@@ -265,8 +328,18 @@ def _csr_spmm_kernel(
 
 @triton.jit
 def _lut_dequant_kernel(
-    codes_ptr, lut_ptr, out_ptr, R, N, NT, stride_o,
-    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr, T: tl.constexpr, L: tl.constexpr,
+    codes_ptr,
+    lut_ptr,
+    out_ptr,
+    R,
+    N,
+    NT,
+    stride_o,
+    BITS: tl.constexpr,
+    CPG: tl.constexpr,
+    BPG: tl.constexpr,
+    T: tl.constexpr,
+    L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """Dense LUT values, out (R, N) = lut[r, code[r, c]] (no sparse part). Grid (cdiv(R, BLOCK_R), NT)."""

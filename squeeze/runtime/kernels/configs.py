@@ -95,11 +95,18 @@ def default_gemm_config(prepared: PreparedLut, m: int, dtype: torch.dtype) -> Ge
     block_k = min(prepared.tile, max(16, 64 // GROUPS[prepared.bits][0]))
     if dtype == torch.float32:  # float32 tiles take twice the registers
         return GemmConfig(block_m=min(block_m, 64), block_n=64, block_k=block_k, num_warps=4)
-    return GemmConfig(block_m=block_m, block_n=128 if block_m >= 64 else 64, block_k=block_k,
-                      num_warps=8 if block_m >= 64 else 4)
+    return GemmConfig(
+        block_m=block_m, block_n=128 if block_m >= 64 else 64, block_k=block_k, num_warps=8 if block_m >= 64 else 4
+    )
 
 
 __all__ = [
-    "GEMV_MAX_M", "DEQUANT_MIN_M", "GemvConfig", "GemmConfig", "default_gemv_config", "default_gemm_config",
-    "pow2_at_least", "sm_count",
+    "GEMV_MAX_M",
+    "DEQUANT_MIN_M",
+    "GemvConfig",
+    "GemmConfig",
+    "default_gemv_config",
+    "default_gemm_config",
+    "pow2_at_least",
+    "sm_count",
 ]

@@ -158,8 +158,15 @@ def prepare(qweight: LutWeight, device: torch.device | str, tile: int | None = N
     if qweight.sparse is not None and qweight.sparse.nnz > 0:
         rowptr, cols, resid = (t.contiguous() for t in sparse_residual(qweight, codes=plain))
     return PreparedLut(
-        bits=qweight.bits, in_features=qweight.in_features, out_features=qweight.out_features, tile=tile,
-        codes=codes, lut=lut, rowptr=rowptr, cols=cols, resid=resid,
+        bits=qweight.bits,
+        in_features=qweight.in_features,
+        out_features=qweight.out_features,
+        tile=tile,
+        codes=codes,
+        lut=lut,
+        rowptr=rowptr,
+        cols=cols,
+        resid=resid,
     )
 
 

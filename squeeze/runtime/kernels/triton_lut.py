@@ -100,8 +100,15 @@ def lut_dequantize(prepared: PreparedLut, dtype: torch.dtype = torch.float16, bl
     if r and n:
         grid = (_cdiv(r, block_r), prepared.n_tiles)
         K._lut_dequant_kernel[grid](
-            prepared.codes, prepared.lut, out, r, n, prepared.n_tiles, out.stride(0),
-            BLOCK_R=block_r, **_common_meta(prepared),
+            prepared.codes,
+            prepared.lut,
+            out,
+            r,
+            n,
+            prepared.n_tiles,
+            out.stride(0),
+            BLOCK_R=block_r,
+            **_common_meta(prepared),
         )
     if prepared.resid is not None:
         # additive residual -> replaced value: float32 lut + (v - lut), then ONE rounding to dtype (adding
@@ -123,8 +130,7 @@ def _common_meta(prepared: PreparedLut) -> dict[str, Any]:
 
 def _dot_meta(x2: Tensor) -> dict[str, bool]:
     # CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot cannot take bfloat16
-    return {"FP32_DOT": x2.dtype == torch.float32,
-            "DOT_UPCAST": x2.device.type == "cpu" and x2.dtype == torch.bfloat16}
+    return {"FP32_DOT": x2.dtype == torch.float32, "DOT_UPCAST": x2.device.type == "cpu" and x2.dtype == torch.bfloat16}
 
 
 def _launch_gemv(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: GemvConfig) -> Tensor:
@@ -138,8 +144,11 @@ def _launch_gemv(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: Ge
     split_k = _cdiv(prepared.n_tiles, tiles_per_split)  # no empty splits
     atomic = split_k > 1
     # split-K partials meet in a zeroed float32 buffer (atomics); otherwise store x's dtype directly
-    out = torch.zeros(m, r, dtype=torch.float32, device=x2.device) if atomic else torch.empty(
-        m, r, dtype=x2.dtype, device=x2.device)
+    out = (
+        torch.zeros(m, r, dtype=torch.float32, device=x2.device)
+        if atomic
+        else torch.empty(m, r, dtype=x2.dtype, device=x2.device)
+    )
     dummy = prepared.lut  # stands in for absent tensors: never read (HAS_SPARSE / HAS_BIAS False)
     # accumulation: elementwise for one row; for several, tensor cores (tl.dot needs 16 x 16 tiles: the
     # activation rows are padded to 16 by repeating the last one) or elementwise in 3-D
@@ -148,14 +157,33 @@ def _launch_gemv(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: Ge
     block_r = max(16, cfg.block_r) if mode == 2 else cfg.block_r
     grid = (_cdiv(r, block_r), split_k)
     K._lut_gemv_kernel[grid](
-        x2, prepared.codes, prepared.lut, prepared.rowptr if prepared.has_sparse else dummy,
-        prepared.cols if prepared.has_sparse else dummy, prepared.resid if prepared.has_sparse else dummy,
-        bias if bias is not None else dummy, out,
-        m, r, prepared.in_features, prepared.n_tiles, tiles_per_split, x2.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, SP=cfg.sparse_block,
-        HAS_SPARSE=prepared.has_sparse, HAS_BIAS=bias is not None, ATOMIC=atomic,
-        PREFETCH=cfg.prefetch, NUM_STAGES=cfg.num_stages, MODE=mode, **_dot_meta(x2),
-        num_warps=cfg.num_warps, **_common_meta(prepared),
+        x2,
+        prepared.codes,
+        prepared.lut,
+        prepared.rowptr if prepared.has_sparse else dummy,
+        prepared.cols if prepared.has_sparse else dummy,
+        prepared.resid if prepared.has_sparse else dummy,
+        bias if bias is not None else dummy,
+        out,
+        m,
+        r,
+        prepared.in_features,
+        prepared.n_tiles,
+        tiles_per_split,
+        x2.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        SP=cfg.sparse_block,
+        HAS_SPARSE=prepared.has_sparse,
+        HAS_BIAS=bias is not None,
+        ATOMIC=atomic,
+        PREFETCH=cfg.prefetch,
+        NUM_STAGES=cfg.num_stages,
+        MODE=mode,
+        **_dot_meta(x2),
+        num_warps=cfg.num_warps,
+        **_common_meta(prepared),
     )
     return out.to(x2.dtype) if atomic else out
 
@@ -171,17 +199,43 @@ def _launch_gemm(x2: Tensor, prepared: PreparedLut, bias: Tensor | None, cfg: Ge
         sparse = torch.empty(m, r, dtype=torch.float32, device=x2.device)
         grid_s = (_cdiv(r, cfg.spmm_block_r), _cdiv(m, cfg.spmm_block_m))
         K._csr_spmm_kernel[grid_s](
-            xt, prepared.rowptr, prepared.cols, prepared.resid, sparse, m, r,
-            BLOCK_R=cfg.spmm_block_r, BLOCK_M=cfg.spmm_block_m, SP=cfg.sparse_block, num_warps=4,
+            xt,
+            prepared.rowptr,
+            prepared.cols,
+            prepared.resid,
+            sparse,
+            m,
+            r,
+            BLOCK_R=cfg.spmm_block_r,
+            BLOCK_M=cfg.spmm_block_m,
+            SP=cfg.sparse_block,
+            num_warps=4,
         )
     out = torch.empty(m, r, dtype=x2.dtype, device=x2.device)
     grid = (_cdiv(m, cfg.block_m) * _cdiv(r, cfg.block_n),)
     K._lut_gemm_kernel[grid](
-        x2, prepared.codes, prepared.lut, sparse, bias if bias is not None else dummy, out,
-        m, r, prepared.in_features, prepared.n_tiles, x2.stride(0), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=min(cfg.block_k, prepared.tile), GROUP_M=cfg.group_m,
-        HAS_SPARSE=prepared.has_sparse, HAS_BIAS=bias is not None, **_dot_meta(x2),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_common_meta(prepared),
+        x2,
+        prepared.codes,
+        prepared.lut,
+        sparse,
+        bias if bias is not None else dummy,
+        out,
+        m,
+        r,
+        prepared.in_features,
+        prepared.n_tiles,
+        x2.stride(0),
+        out.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=min(cfg.block_k, prepared.tile),
+        GROUP_M=cfg.group_m,
+        HAS_SPARSE=prepared.has_sparse,
+        HAS_BIAS=bias is not None,
+        **_dot_meta(x2),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **_common_meta(prepared),
     )
     return out
 
