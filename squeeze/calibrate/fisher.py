@@ -43,6 +43,30 @@ def fisher_information(
     are restored when this returns (or raises), and the target weights are left with ``.grad = None`` (a
     stale ``.grad`` is cleared first, or it would be summed into the first window's gradient).
     """
+    _check_contract(model, windows, modules, batch_size)
+    weights = {name: mod.weight for name, mod in modules.items()}
+    device = input_device(model)
+    # Leave any caller's inference_mode/no_grad first: accumulators and inputs made inside inference mode
+    # would be inference tensors, which cannot be updated in place or take part in autograd.
+    with torch.inference_mode(False), torch.enable_grad():
+        fisher = {
+            name: torch.zeros(
+                w.shape, dtype=torch.float32, device=w.device if accumulator_device is None else accumulator_device
+            )
+            for name, w in weights.items()
+        }
+        if windows.is_inference():
+            windows = windows.clone()
+        with (
+            _only_targets_require_grad(model, weights.values()),
+            eval_mode(model),
+            _square_and_drop_hooks(weights, fisher),
+        ):
+            _run_windows(model, windows, batch_size, device, progress)
+    return fisher
+
+
+def _check_contract(model: nn.Module, windows: torch.Tensor, modules: Mapping[str, nn.Linear], batch_size: int) -> None:
     # Contract checks (ValueError: a bug in the caller, reported as an internal error). What users choose
     # (num_samples, seq_len) was checked against squeeze.limits when the calibration spec was read.
     if windows.ndim != 2 or windows.dtype != torch.long:
@@ -67,27 +91,6 @@ def fisher_information(
             f"target linear(s) {foreign[:3]} are not part of the model passed to fisher_information; "
             "find the targets on the same model instance"
         )
-
-    weights = {name: mod.weight for name, mod in modules.items()}
-    device = input_device(model)
-    # Leave any caller's inference_mode/no_grad first: accumulators and inputs made inside inference mode
-    # would be inference tensors, which cannot be updated in place or take part in autograd.
-    with torch.inference_mode(False), torch.enable_grad():
-        fisher = {
-            name: torch.zeros(
-                w.shape, dtype=torch.float32, device=w.device if accumulator_device is None else accumulator_device
-            )
-            for name, w in weights.items()
-        }
-        if windows.is_inference():
-            windows = windows.clone()
-        with (
-            _only_targets_require_grad(model, weights.values()),
-            eval_mode(model),
-            _square_and_drop_hooks(weights, fisher),
-        ):
-            _run_windows(model, windows, batch_size, device, progress)
-    return fisher
 
 
 def _run_windows(

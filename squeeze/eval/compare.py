@@ -67,7 +67,8 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
     """
     from squeeze.compression.workarea import WORK_NAME
     from squeeze.format.manifest import MANIFEST_NAME
-    from squeeze.models.source import read_small_json, resolve_model
+    from squeeze.models.remote_code import read_small_json
+    from squeeze.models.source import resolve_model
     from squeeze.runtime.loader import is_artifact
 
     text = os.fspath(spec)

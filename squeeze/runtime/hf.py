@@ -45,10 +45,10 @@ from squeeze.format.paths import resolve_root
 from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.verify import VerifyReport
 from squeeze.quant.schemes import WeightFormat, stored_roles
+from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
     QUANT_METHOD,
-    check_config_shapes,
     is_artifact,
     quantized_weight_from,
     swap_in_quantized,

@@ -10,7 +10,6 @@ scales), and every other tensor is loaded as is.
 from __future__ import annotations
 
 import os
-import re
 import stat
 import tempfile
 import warnings
@@ -43,6 +42,7 @@ from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
+from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
 
@@ -333,91 +333,8 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
         model.tie_weights()  # type: ignore[operator]
 
 
-#: Integer dimensions of a config that size what the skeleton builds (checked before building it).
-_DIMENSION_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-)
-#: ``<prefix>.layers.<i>.`` (Llama, Qwen, Mistral, Gemma, NeoX, OPT...) or ``<prefix>.h.<i>.`` (GPT-2, Falcon).
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
-_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 #: Buffers computed at init (rotary tables...) may take this much, or as much as the artifact's tensors.
 COMPUTED_BUFFER_BYTES = 256 * 2**20
-
-
-def check_config_shapes(
-    config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], modules: Mapping[str, Mapping[str, Any]]
-) -> None:
-    """FormatError unless config.json's dimensions agree with the (verified) tensors, before any skeleton.
-
-    ``shapes``: every tensor's name -> shape; ``modules``: quantization_config.modules (name -> spec with
-    ``out_features`` / ``in_features``). The skeleton's size comes from the config alone, so a config that
-    disagrees with the tensors (resealed, or from another model) must fail here, cheaply, not after
-    building (or hanging on) a million layers: layers must be exactly those the tensor names hold, the
-    embedding and a dense MLP must have the config's vocab / hidden / intermediate sizes.
-    """
-    for key in _DIMENSION_KEYS:
-        value = config.get(key)
-        if isinstance(value, (list, dict)):  # per-layer sizes (a few architectures): the shapes below decide
-            continue
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise FormatError(f"config.json: {key} must be a non-negative integer, found {short_repr(value, 60)}")
-    hint = "config.json does not belong to these tensors; re-create the artifact"
-    layers = config.get("num_hidden_layers")
-    layers = layers if isinstance(layers, int) else None
-    indices = {int(m.group(1)) for name in (*shapes, *modules) if (m := _LAYER_RE.search(name))}
-    if layers is not None and indices:
-        present = sum(1 for i in indices if i < layers)
-        if present != layers:
-            raise FormatError(
-                f"config.json: num_hidden_layers is {layers}, but the tensors hold {present} of those "
-                f"layers (indices {min(indices)}..{max(indices)})",
-                hint=hint,
-            )
-    elif layers is not None and layers > len(shapes) + len(modules):  # every layer holds some tensor
-        raise FormatError(
-            f"config.json: num_hidden_layers is {layers}, more than the artifact's {len(shapes)} tensors could fill",
-            hint=hint,
-        )
-    for name, shape in shapes.items():
-        if name.endswith(_EMBEDDING_SUFFIXES) and len(shape) == 2:
-            _expect(config, "vocab_size", shape[0], f"{name} has {shape[0]} rows", hint)
-            if "word_embed_proj_dim" not in config:  # OPT-style projected embeddings are narrower
-                _expect(config, "hidden_size", shape[1], f"{name} has {shape[1]} columns", hint)
-        elif re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj\.weight$", name) and len(shape) == 2:
-            _expect(config, "intermediate_size", shape[1], f"{name} has {shape[1]} columns", hint)
-    for name, spec in modules.items():
-        if re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj$", name):
-            _expect(
-                config,
-                "intermediate_size",
-                spec.get("in_features"),
-                f"{name} has in_features {short_repr(spec.get('in_features'), 60)}",
-                hint,
-            )
-        elif name == "lm_head" or name.endswith(".lm_head"):
-            _expect(
-                config,
-                "vocab_size",
-                spec.get("out_features"),
-                f"{name} has out_features {short_repr(spec.get('out_features'), 60)}",
-                hint,
-            )
-    head = shapes.get("lm_head.weight")
-    if head is not None and len(head) == 2:
-        _expect(config, "vocab_size", head[0], f"lm_head.weight has {head[0]} rows", hint)
-
-
-def _expect(config: Mapping[str, Any], key: str, found: object, what: str, hint: str) -> None:
-    value = config.get(key)
-    if isinstance(value, int) and value != found:  # absent or per-layer (a list): nothing to compare
-        raise FormatError(f"config.json: {key} is {short_repr(value, 60)}, but {what}", hint=hint)
 
 
 def _tokenizer_from_files(files: dict[str, bytes]) -> Any:

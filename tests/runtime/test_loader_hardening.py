@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import squeeze.runtime.config_shapes as config_shapes
 import squeeze.runtime.loader as loader
 from blocking import within
 from squeeze import api
@@ -106,17 +107,17 @@ def test_config_shapes_are_checked_against_tensors_and_quantized_modules() -> No
     }
     modules = {"model.layers.1.mlp.down_proj": {"in_features": 172, "out_features": 64}}
     good = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 172}
-    loader.check_config_shapes(good, shapes, modules)
+    config_shapes.check_config_shapes(good, shapes, modules)
     for bad, message in (
         ({"num_hidden_layers": 3}, "hold 2 of those layers"),
         ({"num_hidden_layers": True}, "non-negative integer"),
         ({"intermediate_size": 100}, "in_features 172"),
     ):
         with pytest.raises(FormatError, match=message):
-            loader.check_config_shapes({**good, **bad}, shapes, modules)
+            config_shapes.check_config_shapes({**good, **bad}, shapes, modules)
     # names without a layer index (another architecture): the layer count is still bounded by the tensors
     with pytest.raises(FormatError, match="more than the artifact's 1 tensors could fill"):
-        loader.check_config_shapes({"num_hidden_layers": 10**6}, {"w": (4,)}, {})
+        config_shapes.check_config_shapes({"num_hidden_layers": 10**6}, {"w": (4,)}, {})
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ def test_from_pretrained_does_not_follow_a_shard_link_to_another_directory(art: 
 def test_per_layer_size_lists_are_left_to_the_shapes() -> None:
     # a few architectures give sizes per layer: a list is not a malformed dimension
     shapes = {"model.layers.0.mlp.down_proj.weight": (64, 172), "model.layers.0.norm.weight": (64,)}
-    loader.check_config_shapes({"num_hidden_layers": 1, "intermediate_size": [172]}, shapes, {})
+    config_shapes.check_config_shapes({"num_hidden_layers": 1, "intermediate_size": [172]}, shapes, {})
 
 
 def test_eval_of_a_path_longer_than_the_os_allows_is_one_short_error_line(tmp_path: Path) -> None:
