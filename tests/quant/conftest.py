@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from squeeze.quant import schemes
+from toy_format import ToyAbsmaxWeight
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +21,13 @@ def stories_tensors(stories_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+@pytest.fixture()
+def toy_registered() -> Iterator[type[ToyAbsmaxWeight]]:
+    """The toy format (tests/toy_format.py) registered for one test, then removed again."""
+    schemes.register_format(ToyAbsmaxWeight)
+    try:
+        yield ToyAbsmaxWeight
+    finally:
+        schemes.unregister_format(ToyAbsmaxWeight.name)

@@ -16,15 +16,6 @@ from squeeze.runtime.loader import quantized_weight_from
 from toy_format import ToyAbsmaxWeight
 
 
-@pytest.fixture()
-def toy_registered():
-    schemes.register_format(ToyAbsmaxWeight)
-    try:
-        yield ToyAbsmaxWeight
-    finally:
-        schemes.unregister_format(ToyAbsmaxWeight.name)
-
-
 def weight(rows: int = 6, cols: int = 172, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, cols, generator=g) * 0.02, torch.rand(rows, cols, generator=g)

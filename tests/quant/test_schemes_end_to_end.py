@@ -14,18 +14,8 @@ import torch
 
 from squeeze import api
 from squeeze.config import load_recipe
-from squeeze.quant import schemes
 from squeeze.runtime.linear import SqueezeLinear
 from toy_format import ToyAbsmaxWeight
-
-
-@pytest.fixture()
-def toy_registered():
-    schemes.register_format(ToyAbsmaxWeight)
-    try:
-        yield ToyAbsmaxWeight
-    finally:
-        schemes.unregister_format(ToyAbsmaxWeight.name)
 
 
 def test_a_toy_format_compresses_verifies_loads_and_evaluates(
