@@ -41,10 +41,10 @@ from squeeze.compression.preflight import (
 from squeeze.compression.publish import finish_publish, publish_stage
 from squeeze.compression.quantize import layer_groups, quantize_module, quantize_stage, weight_format
 from squeeze.compression.workarea import WORK_NAME, WorkArea
-from squeeze.compression.writer import FORMAT_VERSION
 from squeeze.config import CalibrationSpec, Recipe
 from squeeze.errors import ConfigError, Interrupted, ResourceError, ResumeError
 from squeeze.format.manifest import MANIFEST_NAME
+from squeeze.format.quant_config import FORMAT_VERSION
 from squeeze.models.source import ModelSource, load_model, load_tokenizer, resolve_model, source_digest
 from squeeze.models.targets import find_target_linears
 from squeeze.version import __version__

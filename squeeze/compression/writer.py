@@ -20,15 +20,11 @@ from torch import nn
 
 from squeeze.format.atomic import atomic_write_bytes, atomic_write_text
 from squeeze.format.manifest import Manifest, Provenance
+from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD
 from squeeze.format.shards import SHARD_METADATA, ShardIndex, ShardWriter
 from squeeze.format.verify import seal_artifact
 from squeeze.version import __version__
 
-#: Version of the layout of config.json's ``quantization_config`` and the tensors it names; readers refuse
-#: any other (runtime/hf.py imports it from here).
-FORMAT_VERSION = 1
-#: ``quantization_config.quant_method`` of every squeeze artifact: what transformers dispatches on.
-QUANT_METHOD = "squeeze"
 CONFIG_NAME = "config.json"
 
 

@@ -39,9 +39,9 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from squeeze.compression.writer import FORMAT_VERSION
 from squeeze.errors import FormatError
 from squeeze.format.paths import resolve_root
+from squeeze.format.quant_config import FORMAT_VERSION
 from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.verify import VerifyReport
 from squeeze.quant.schemes import WeightFormat, stored_roles

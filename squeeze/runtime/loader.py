@@ -36,6 +36,7 @@ from squeeze.format.paths import (
     short_repr,
     walk_artifact,
 )
+from squeeze.format.quant_config import QUANT_METHOD
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import VerifyReport, verify_artifact
@@ -45,8 +46,6 @@ from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weight
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
-
-QUANT_METHOD = "squeeze"
 
 
 @dataclass

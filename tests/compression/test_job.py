@@ -39,12 +39,11 @@ def test_unique_tensors_keeps_a_tied_weight_under_its_first_name_only() -> None:
     assert state_bytes(model) == 4 * 3 * 4  # the tied weight once, fp32; empty tensors cost nothing
 
 
-def test_format_version_is_defined_once() -> None:
+def test_format_version_and_quant_method_are_defined_once() -> None:
     root = Path(squeeze.__file__).parent
-    defining = sorted(
-        p.relative_to(root).as_posix() for p in root.rglob("*.py") if "\nFORMAT_VERSION = " in p.read_text()
-    )
-    assert defining == ["compression/writer.py"]
+    for name in ("FORMAT_VERSION", "QUANT_METHOD"):
+        defining = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py") if f"\n{name} = " in p.read_text())
+        assert defining == ["format/quant_config.py"], name
 
 
 def test_an_rtn_job_runs_its_stages_and_searches_the_targets_on_the_meta_model_only(
