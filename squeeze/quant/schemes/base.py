@@ -91,7 +91,8 @@ class WeightFormat:
     uses_fisher: ClassVar[bool] = False
     #: Kernel family that may run this format instead of the reference path ("lut"), or None.
     kernel: ClassVar[str | None] = None
-    #: Per-module parameters beyond bits / in_features that the artifact's module entry carries.
+    #: Per-module parameters beyond bits / in_features that the artifact's module entry carries; each is also
+    #: the recipe option (``weights.<name>``) it is quantized with.
     module_params: ClassVar[tuple[str, ...]] = ()
 
     bits: int
@@ -252,7 +253,7 @@ class WeightFormat:
             "nnz": nnz,
             "levels": 1 << options.bits,
             "packed": packed_row_bytes(cols, options.bits),
-            **cls.extra_dims(cols, {"group_size": options.group_size}),
+            **cls.extra_dims(cols, {key: getattr(options, key, None) for key in cls.module_params}),
         }
         total = 0
         for role in cls.roles:
