@@ -43,6 +43,7 @@ class SqueezeLinear(nn.Module):
         self._dense: torch.Tensor | None = None
         #: rows per slice on the low-memory path (``dense_cache=False``)
         self.chunk_rows = DEFAULT_CHUNK_ROWS
+        self._layout_changed()  # a weight built on CUDA gets its kernel layout now, not in the first forward
 
     @property
     def qweight(self) -> WeightFormat:
