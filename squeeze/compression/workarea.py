@@ -121,13 +121,7 @@ class WorkArea:
         if not path.is_file():  # a clean-up cut short may have removed it: the publishing record keeps a copy
             record = self.publishing()
             return record["fingerprint"] if record is not None else None
-        try:
-            value = strict_json_loads(path.read_bytes(), str(path))
-        except FormatError as exc:
-            raise ResumeError(
-                f"the work area's fingerprint is unreadable: {exc.message}",
-                hint="pass --restart to discard the work area and start over",
-            ) from None
+        value = _read_own_json(path, "fingerprint")
         if not isinstance(value, dict):
             raise ResumeError(f"{path} does not hold a JSON object", hint="pass --restart to start over")
         return value
@@ -216,13 +210,7 @@ class WorkArea:
         path = self.root / _PUBLISHING
         if not path.is_file():
             return None
-        try:
-            value = strict_json_loads(path.read_bytes(), str(path))
-        except FormatError as exc:
-            raise ResumeError(
-                f"the work area's publishing record is unreadable: {exc.message}",
-                hint="pass --restart to discard the work area and start over",
-            ) from None
+        value = _read_own_json(path, "publishing record")
         if not isinstance(value, dict) or not {"summary", "fingerprint", "old_files"} <= set(value):
             raise ResumeError(
                 f"{path} is not a publishing record of this squeeze version",
@@ -248,6 +236,17 @@ def _save_atomic(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def _read_own_json(path: Path, what: str) -> object:
+    """A JSON file this squeeze wrote into its work area; ResumeError (start over) when it does not parse."""
+    try:
+        return strict_json_loads(path.read_bytes(), str(path))
+    except FormatError as exc:
+        raise ResumeError(
+            f"the work area's {what} is unreadable: {exc.message}",
+            hint="pass --restart to discard the work area and start over",
+        ) from None
 
 
 __all__ = ["WORK_NAME", "WorkArea"]
