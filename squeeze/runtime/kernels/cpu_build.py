@@ -1,0 +1,188 @@
+"""Build and load the native CPU LUT kernels (cpu_lut.cpp), once per machine.
+
+The source is plain C++ on raw pointers with no torch headers: any g++ builds it in about two seconds, and
+the library does not depend on the torch version. It is compiled on first use into a per-machine cache
+(``$SQUEEZE_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/squeeze/kernels``, else ``~/.cache/squeeze/kernels``),
+under a name that hashes the source, the compiler and its flags, so an edited source or another compiler
+builds anew. The build writes a temporary file and renames it into place (concurrent first uses are safe).
+
+Without a working compiler, :func:`cpu_kernels` warns once (:class:`KernelWarning`, one line) and returns
+None; SqueezeLinear then runs the dense reference path. ``$CXX`` names the compiler (default g++, then c++).
+``$SQUEEZE_CPU_ISA`` (avx512, avx2 or scalar) caps the instruction set the kernels use (tests run every path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Instruction sets of the kernels, best first, with the library's numbering (cpu_lut.cpp's SQ_* enum).
+ISAS: dict[str, int] = {"avx512": 2, "avx2": 1, "scalar": 0}
+SOURCE = Path(__file__).with_name("cpu_lut.cpp")
+#: -fopenmp: threads over output rows; the library then needs libgomp.so.1, the runtime torch itself loads.
+CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized")
+BUILD_TIMEOUT_S = 300
+
+
+class KernelWarning(RuntimeWarning):
+    """The native CPU kernels are unavailable; squeeze runs the dense reference path instead."""
+
+
+class SqWeight(ctypes.Structure):
+    """cpu_lut.cpp's ``sq_weight``: one weight's pointers and sizes (the tensors stay owned by Python)."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("lut", ctypes.c_void_p),
+        ("rowptr", ctypes.c_void_p),
+        ("pcols", ctypes.c_void_p),
+        ("resid", ctypes.c_void_p),
+        ("vals", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+    ]
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The loaded library and the instruction set it runs here."""
+
+    lib: ctypes.CDLL
+    isa: str
+    path: Path
+
+    @property
+    def isa_code(self) -> int:
+        return ISAS[self.isa]
+
+    def with_isa(self, isa: str) -> CpuKernels:
+        """The same library running ``isa`` (ValueError when this CPU lacks it)."""
+        if not self.supports(isa):
+            raise ValueError(f"this CPU does not run the {isa!r} kernels (it runs {self.isa!r})")
+        return CpuKernels(lib=self.lib, isa=isa, path=self.path)
+
+    def supports(self, isa: str) -> bool:
+        """True when this CPU runs ``isa``."""
+        return isa in ISAS and bool(self.lib.sq_isa_supported(ISAS[isa]))
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (see the module docstring)."""
+    explicit = os.environ.get("SQUEEZE_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "squeeze" / "kernels"
+
+
+def find_compiler() -> str | None:
+    """Path of the C++ compiler: ``$CXX`` if set (None when it is not found), else g++ or c++ on PATH."""
+    explicit = os.environ.get("CXX")
+    if explicit:
+        return shutil.which(explicit)
+    return shutil.which("g++") or shutil.which("c++")
+
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def cpu_kernels() -> CpuKernels | None:
+    """The native kernels, built on first use; None (after one KernelWarning) when they cannot be built/loaded."""
+    with _lock:
+        try:
+            path = _build()
+            lib = _load(path)
+        except KernelBuildError as exc:
+            warnings.warn(f"squeeze: native CPU kernels unavailable ({exc}); using the dense path", KernelWarning, 2)
+            return None
+        return CpuKernels(lib=lib, isa=_best_isa(lib), path=path)
+
+
+class KernelBuildError(Exception):
+    """Internal: why the kernels could not be built or loaded (turned into one KernelWarning)."""
+
+
+def _build() -> Path:
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX') or 'g++, c++'})")
+    source = SOURCE.read_bytes()
+    version = _compiler_version(compiler)
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(CXX_FLAGS).encode()])).hexdigest()[:16]
+    target = cache_dir() / f"squeeze_cpu_lut-{key}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the kernel cache {target.parent}: {exc.strerror}") from exc
+    try:
+        result = subprocess.run(
+            [compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if result.returncode != 0:
+            first = next((ln for ln in result.stderr.splitlines() if "error" in ln), result.stderr.strip()[:200])
+            raise KernelBuildError(f"{Path(compiler).name} failed: {first}")
+        os.replace(tmp, target)  # atomic: a concurrent loader sees the whole library or none
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"{Path(compiler).name} could not run: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
+    return compiler + "\n" + out.stdout
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    import torch  # noqa: F401 - torch first: its libgomp is the OpenMP runtime the library then shares
+
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load {path.name}: {exc}") from exc
+    weight, f32, i64, i32 = ctypes.POINTER(SqWeight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.sq_isa_supported.argtypes, lib.sq_isa_supported.restype = [ctypes.c_int], ctypes.c_int
+    lib.sq_permute_x.argtypes, lib.sq_permute_x.restype = [f32, f32, i64, i64, i32], None
+    lib.sq_gemv.argtypes, lib.sq_gemv.restype = [weight, f32, i64, f32, i32, i32], None
+    lib.sq_dequant_rows.argtypes, lib.sq_dequant_rows.restype = [weight, i64, i64, f32, i32, i32], None
+    return lib
+
+
+def _best_isa(lib: ctypes.CDLL) -> str:
+    cap = os.environ.get("SQUEEZE_CPU_ISA", "").strip().lower()
+    names = list(ISAS)
+    if cap in ISAS:
+        names = names[names.index(cap) :]
+    elif cap:
+        warnings.warn(
+            f"squeeze: SQUEEZE_CPU_ISA={cap!r} is not one of {', '.join(ISAS)}; ignoring it", KernelWarning, 3
+        )
+    return next(name for name in names if lib.sq_isa_supported(ISAS[name]))
+
+
+__all__ = ["CpuKernels", "KernelWarning", "SqWeight", "cpu_kernels", "cache_dir", "find_compiler", "ISAS"]

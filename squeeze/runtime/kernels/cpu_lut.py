@@ -1,0 +1,135 @@
+"""The native CPU LUT kernels from Python: a weight's prepared form, and ``y = x @ W^T + b`` through it.
+
+Decode (at most GEMV_MAX_ROWS rows of x): one fused GEMV reads each weight's codes once for every row of x.
+Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 1 MiB and
+multiplied by torch's GEMM (compute-bound there; oneDNN/MKL do it well), so the dense weight never exists.
+
+Memory: the codes ARE the module's own ``weight_packed`` buffer (no copy); the prepared form adds a float32
+LUT (R, 2**bits) and, with a sparse part, 12 bytes per sparse entry (position, exact value, residual).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from squeeze.quant.schemes.lut import LutWeight
+from squeeze.runtime.kernels.cpu_build import CpuKernels, SqWeight, cpu_kernels
+
+#: Rows of x up to which the fused GEMV runs; above, the dequantize-a-tile + GEMM path (scripts/bench_cpu_kernels.py).
+GEMV_MAX_ROWS = 8
+#: float32 elements of one dequantized tile of W (1 MiB: stays in L2 while the GEMM reads it).
+TILE_ELEMENTS = 1 << 18
+#: Code widths whose blocks the SIMD paths decode (others run the kernels' scalar path).
+SIMD_BITS = {4: 2, 3: 8}  # bits -> codes per group; a block is 16 groups
+
+
+@dataclass(frozen=True, eq=False)
+class CpuPreparedLut:
+    """A LutWeight as the native kernels read it. ``keep`` holds every tensor ``weight`` points into."""
+
+    kernels: CpuKernels
+    weight: SqWeight
+    keep: tuple[Tensor, ...]
+    rows: int
+    in_features: int
+    bits: int
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held beyond the module's own buffers (LUT in float32, the sparse part's kernel form)."""
+        return sum(t.numel() * t.element_size() for t in self.keep[1:])
+
+
+def covers(qweight: object) -> bool:
+    """True when the native kernels run this weight: a LUT format (fp16 or 8-bit LUT) on the CPU."""
+    return isinstance(qweight, LutWeight) and qweight.packed.device.type == "cpu"
+
+
+def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPreparedLut | None:
+    """The kernels' form of ``qweight`` (None when the kernels are unavailable or do not cover it).
+
+    ``kernels``: a specific build or instruction set (tests pin one with :meth:`CpuKernels.with_isa`);
+    default: this machine's, built on first use.
+    """
+    if not covers(qweight):
+        return None
+    kernels = kernels or cpu_kernels()
+    if kernels is None:
+        return None
+    packed = qweight.packed.contiguous()  # (R, ceil(N * bits / 8)) uint8: the module's buffer, no copy
+    lut = qweight.lut_values(torch.float32).contiguous()  # (R, 2**bits)
+    rows, n, bits = qweight.out_features, qweight.in_features, qweight.bits
+    keep: list[Tensor] = [packed, lut]
+    sparse_ptrs = [None, None, None, None]
+    if qweight.sparse is not None and qweight.sparse.nnz:
+        sparse = qweight.sparse
+        row_idx = sparse.row_indices().to(torch.int64)  # (nnz,)
+        cols = sparse.cols.to(torch.int64)  # (nnz,)
+        vals = sparse.vals.to(torch.float32).contiguous()  # (nnz,) exact values
+        resid = (vals - lut[row_idx, codes_at(packed, row_idx, cols, bits).to(torch.int64)]).contiguous()
+        rowptr = sparse.rowptr.to(torch.int32).contiguous()  # (R+1,)
+        pcols = permuted_positions(cols, n, bits).to(torch.int32).contiguous()  # (nnz,)
+        keep += [rowptr, pcols, resid, vals]
+        sparse_ptrs = [t.data_ptr() for t in (rowptr, pcols, resid, vals)]
+    weight = SqWeight(
+        packed.data_ptr(), lut.data_ptr(), *sparse_ptrs, rows, n, int(packed.shape[1]) if rows else 0, bits
+    )
+    return CpuPreparedLut(kernels=kernels, weight=weight, keep=tuple(keep), rows=rows, in_features=n, bits=bits)
+
+
+def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
+    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias``, accumulated in float32 by the native kernels."""
+    lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
+    x2 = x.reshape(-1, n).to(torch.float32).contiguous()  # (B, N)
+    batch = int(x2.shape[0])
+    lib, isa, threads = prepared.kernels.lib, prepared.kernels.isa_code, torch.get_num_threads()
+    xp = torch.empty_like(x2)  # (B, N) in the kernels' column order
+    lib.sq_permute_x(x2.data_ptr(), xp.data_ptr(), batch, n, prepared.bits)
+    weight = ctypes.byref(prepared.weight)
+    if batch <= GEMV_MAX_ROWS:
+        y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
+        if batch and rows:
+            lib.sq_gemv(weight, xp.data_ptr(), batch, y.data_ptr(), isa, threads)
+    else:
+        y_t = torch.empty(rows, batch, dtype=torch.float32)  # (R, B): row tiles of W give contiguous row slices
+        tile_rows = max(16, min(rows, TILE_ELEMENTS // max(n, 1)))
+        tile = torch.empty(tile_rows, n, dtype=torch.float32)  # (tile_rows, N), reused
+        for start in range(0, rows, tile_rows):
+            stop = min(start + tile_rows, rows)
+            lib.sq_dequant_rows(weight, start, stop, tile.data_ptr(), isa, threads)
+            torch.mm(tile[: stop - start], xp.T, out=y_t[start:stop])  # (rows, N) @ (N, B)
+        y = y_t.T.contiguous()
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, rows)
+
+
+def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:
+    """Positions of columns ``cols`` (int64) in the kernels' column order (cpu_lut.cpp's header comment)."""
+    cpg = SIMD_BITS.get(bits)
+    if cpg is None:
+        return cols.clone()
+    span = 16 * cpg
+    j = cols % span
+    pos = torch.where(cols < (n // span) * span, (cols - j) + (j % cpg) * 16 + j // cpg, cols)
+    half = (n // span) * span
+    if bits == 3 and n - half >= 64:  # the half block: 8 groups, position 8*s + i
+        j = cols - half
+        pos = torch.where((j >= 0) & (j < 64), half + (j % 8) * 8 + j // 8, pos)
+    return pos
+
+
+def codes_at(packed: Tensor, rows: Tensor, cols: Tensor, bits: int) -> Tensor:
+    """uint8 codes at (rows, cols) (int64, same shape) of LSB-first packed rows, without unpacking whole rows."""
+    bit = cols * bits
+    byte = bit >> 3
+    lo = packed[rows, byte].to(torch.int32)
+    hi = packed[rows, torch.clamp(byte + 1, max=packed.shape[1] - 1)].to(torch.int32)
+    return (((lo | (hi << 8)) >> (bit & 7)) & ((1 << bits) - 1)).to(torch.uint8)
+
+
+__all__ = ["CpuPreparedLut", "GEMV_MAX_ROWS", "covers", "prepare_cpu", "cpu_lut_linear", "permuted_positions"]
