@@ -20,6 +20,7 @@ from squeeze.config import (
     load_calibration_spec,
     load_recipe,
 )
+from squeeze.errors import ConfigError
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
@@ -243,18 +244,33 @@ def evaluate(
 
 
 def load(
-    path: str | os.PathLike[str], *, verify: bool = True, dense_cache: bool = True, check_memory: bool = True
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    dense_cache: bool = False,
+    low_memory: bool = False,
+    check_memory: bool = True,
 ) -> LoadedModel:
-    """Verify an artifact against its manifest and load it (CPU, reference dequantization path).
+    """Verify an artifact against its manifest and load it on the CPU, weights kept compressed.
 
-    ``dense_cache=False`` dequantizes in row slices on every call instead of caching dense weights.
+    Linears of a LUT format run the native CPU kernels on their packed codes (built on first use, once per
+    machine). ``dense_cache=True`` caches every weight dequantized instead (the fastest prefill, 8x the
+    memory at 4 bits); formats no kernel covers, or a machine without a C++ compiler, take that dense path
+    too, unless ``low_memory=True``, which dequantizes them in row slices on every call instead.
     Before reading any weight, the memory the load will hold is estimated from the manifest and config
     (artifact bytes + dense cache + a fixed overhead) and a ResourceError is raised when it exceeds the
     available memory (MemAvailable); ``check_memory=False`` skips that refusal.
     """
     from squeeze.runtime.loader import load_artifact
 
-    return load_artifact(os.fspath(path), verify=verify, dense_cache=dense_cache, check_memory=check_memory)
+    if dense_cache and low_memory:
+        raise ConfigError(
+            "dense_cache=True and low_memory=True contradict each other",
+            hint="dense_cache caches dequantized weights, low_memory never builds them: choose one",
+        )
+    return load_artifact(
+        os.fspath(path), verify=verify, dense_cache=dense_cache, low_memory=low_memory, check_memory=check_memory
+    )
 
 
 def generate(
@@ -272,15 +288,17 @@ def generate(
     device: str = "cpu",
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
+    dense_cache: bool = False,
 ) -> GenerationResult:
     """Load an artifact (verified unless ``verify=False``) and continue the prompts, all in one batch.
 
     ``model``: an artifact directory, or a LoadedModel from :func:`load` (reused as is: ``low_memory`` and
     ``verify`` then do not apply). Greedy when ``temperature == 0``; else sampling with ``top_p``, seeded
     by ``seed``. ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first
-    prompt's text as it is produced. ``low_memory`` dequantizes on the fly in row chunks instead of caching
-    dense weights. ``device``: ``cpu`` or ``cuda[:N]``. Options and the device are checked (ConfigError),
-    then whether the load fits in memory (ResourceError, see :func:`load`), before anything loads.
+    prompt's text as it is produced. ``dense_cache`` / ``low_memory``: the weights' path, as in
+    :func:`load` (default: compressed, native kernels). ``device``: ``cpu`` or ``cuda[:N]``. Options and
+    the device are checked (ConfigError), then whether the load fits in memory (ResourceError, see
+    :func:`load`), before anything loads.
     ``kv_bits``: the KV cache, as in :func:`evaluate` (default: what the artifact was calibrated for).
     Returns texts plus load time, time to first token, tokens/s, peak memory and KV-cache bytes.
     """
@@ -296,7 +314,7 @@ def generate(
         kv_bits=kv_bits,
         kv_dynamic=kv_dynamic,
     )
-    loaded, load_seconds = _loaded_on(model, device, verify=verify, low_memory=low_memory)
+    loaded, load_seconds = _loaded_on(model, device, verify=verify, low_memory=low_memory, dense_cache=dense_cache)
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, kv_bits, dynamic=kv_dynamic)
     return _generate(
         loaded,
@@ -314,7 +332,7 @@ def generate(
 
 
 def _loaded_on(
-    model: str | os.PathLike[str] | LoadedModel, device: str, *, verify: bool, low_memory: bool
+    model: str | os.PathLike[str] | LoadedModel, device: str, *, verify: bool, low_memory: bool, dense_cache: bool
 ) -> tuple[LoadedModel, float]:
     """``model`` loaded (a path; a LoadedModel is taken as is) and moved to ``device``; the seconds loading took."""
     import time
@@ -329,7 +347,10 @@ def _loaded_on(
             from squeeze.runtime.memory import check_load_memory
 
             check_load_memory(model, dense_cache=False)
-        loaded = load(model, verify=verify, dense_cache=not low_memory, check_memory=target.type == "cpu")
+        on_cpu = target.type == "cpu"
+        # off the CPU the native kernels do not run: load for the dense (or chunked) path the device takes
+        dense = dense_cache or (not on_cpu and not low_memory)
+        loaded = load(model, verify=verify, dense_cache=dense, low_memory=low_memory, check_memory=on_cpu)
         load_seconds = time.perf_counter() - start
     else:
         loaded = model

@@ -2,13 +2,19 @@
 
 The module holds a registered format's weight (:mod:`squeeze.quant.schemes`) as buffers named as in the
 artifact (``weight_packed``, ``weight_lut``...). Its reference path is the format's own ``dequantize``:
-exact, and the oracle every kernel is tested against. By default the dequantized weight is cached densely
-on first use (fast CPU decode); ``dense_cache=False`` dequantizes ``chunk_rows`` output rows per call, so
-the full dense weight never exists (peak extra memory: one (chunk_rows, in_features) slice).
+exact, and the oracle every kernel is tested against. Which path ``forward`` takes (``weight_path``):
+
+* ``native-<isa>`` (CPU, the default): the native LUT kernels (:mod:`.kernels.cpu_lut`) read the module's
+  own packed codes; resident weight memory stays the quantized bytes.
+* ``triton`` (CUDA): the Triton LUT kernels, for formats whose ``kernel`` is "lut".
+* ``dense``: the dequantized weight cached densely on first use. Asked for with ``dense_cache=True``, and
+  the fallback where no kernel covers the weight (a format without one, no C++ compiler).
+* ``chunked`` (``low_memory=True`` where no kernel covers the weight): ``chunk_rows`` output rows
+  dequantized per call, so the dense weight never exists (peak extra memory: one (chunk_rows, in) slice).
 
 Layouts are prepared when the buffers are set or moved (construction, ``rebind``, ``.to(device)``), never
-in ``forward``: the weight object is rebuilt from the moved buffers there, caches are dropped, and on CUDA
-the Triton kernels' layout is prepared for formats whose ``kernel`` is "lut".
+in ``forward``: the weight object is rebuilt from the moved buffers there, caches are dropped, and the
+kernels' layout for the new device is prepared.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from torch import nn
 
 from squeeze.errors import FormatError
 from squeeze.quant.schemes import WeightFormat
-from squeeze.runtime.kernels.dispatch import drop_prepared, lut_forward, prepare_module
+from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, prepare_cpu
+from squeeze.runtime.kernels.dispatch import drop_prepared, lut_forward, prepare_module, prepared_for
 
 #: Output rows dequantized at a time on the low-memory path (1024 x 4096 fp32 = 16 MiB per slice).
 DEFAULT_CHUNK_ROWS = 1024
@@ -31,17 +38,26 @@ DEFAULT_CHUNK_ROWS = 1024
 class SqueezeLinear(nn.Module):
     """y = x @ W^T + b with W stored quantized. Buffers are named as in the artifact (``weight_packed`` ...)."""
 
-    def __init__(self, qweight: WeightFormat, bias: torch.Tensor | None = None, *, dense_cache: bool = True):
+    def __init__(
+        self,
+        qweight: WeightFormat,
+        bias: torch.Tensor | None = None,
+        *,
+        dense_cache: bool = False,
+        low_memory: bool = False,
+    ):
         super().__init__()
         self.in_features = qweight.in_features
         self.out_features = qweight.out_features
         self.dense_cache = dense_cache
+        self.low_memory = low_memory
+        self._cpu: CpuPreparedLut | None = None
         self._qweight = qweight
         for name, tensor in qweight.tensors_by_role().items():
             self.register_buffer(name, tensor)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._dense: torch.Tensor | None = None
-        #: rows per slice on the low-memory path (``dense_cache=False``)
+        #: rows per slice on the chunked path
         self.chunk_rows = DEFAULT_CHUNK_ROWS
         self._layout_changed()  # a weight built on CUDA gets its kernel layout now, not in the first forward
 
@@ -85,17 +101,32 @@ class SqueezeLinear(nn.Module):
 
     def _layout_changed(self) -> None:
         self._dense = None
+        self._cpu = None
         drop_prepared(self)
         device = next(self.buffers(recurse=False)).device
         if device.type == "cuda":
             prepare_module(self, device)
+        elif device.type == "cpu" and not self.dense_cache:
+            self._cpu = prepare_cpu(self._qweight)  # type: ignore[arg-type]  # None unless a LUT format
+
+    @property
+    def weight_path(self) -> str:
+        """The path ``forward`` takes for inputs on the buffers' device (module docstring)."""
+        device = next(self.buffers(recurse=False)).device
+        if self._cpu is not None and device.type == "cpu":
+            return f"native-{self._cpu.kernels.isa}"
+        if device.type == "cuda" and prepared_for(self, device) is not None:
+            return "triton"
+        return "chunked" if self.low_memory and not self.dense_cache else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in_features)
         if x.is_cuda:  # Triton LUT kernels (GEMV for decode, tiled GEMM for prefill) when they apply
             y = lut_forward(x, self)
             if y is not None:
                 return y
-        if not self.dense_cache:
+        elif self._cpu is not None and not (torch.is_grad_enabled() and x.requires_grad):  # no backward
+            return cpu_lut_linear(x, self._cpu, self.bias)
+        if self.low_memory and not self.dense_cache:
             return self.chunked_forward(x)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
             self._dense = self._qweight.dequantize(x.dtype).to(x.device)

@@ -218,10 +218,17 @@ def quantized_weight_from(
 
 
 def swap_in_quantized(
-    model: nn.Module, name: str, qweight: WeightFormat, bias: torch.Tensor | None, *, dense_cache: bool = True
+    model: nn.Module,
+    name: str,
+    qweight: WeightFormat,
+    bias: torch.Tensor | None,
+    *,
+    dense_cache: bool = False,
+    low_memory: bool = False,
 ) -> None:
     """Replace the linear ``name`` of ``model`` by a SqueezeLinear holding ``qweight`` (FormatError when the
-    model has no such linear, or one of another size): the module swap of both loaders."""
+    model has no such linear, or one of another size): the module swap of both loaders. ``dense_cache`` and
+    ``low_memory``: as in SqueezeLinear."""
 
     def build(old: nn.Linear) -> SqueezeLinear:
         if (old.out_features, old.in_features) != (qweight.out_features, qweight.in_features):
@@ -230,7 +237,7 @@ def swap_in_quantized(
                 f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
                 hint="config.json does not belong to these tensors; re-create the artifact",
             )
-        return SqueezeLinear(qweight, bias, dense_cache=dense_cache)
+        return SqueezeLinear(qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
 
     replace_linear(model, name, build)
 
@@ -247,7 +254,12 @@ def verified_report(directory: Path, *, capture: bool = False) -> VerifyReport:
 
 
 def load_artifact(
-    path: str | Path, *, verify: bool = True, dense_cache: bool = True, check_memory: bool = True
+    path: str | Path,
+    *,
+    verify: bool = True,
+    dense_cache: bool = False,
+    low_memory: bool = False,
+    check_memory: bool = True,
 ) -> LoadedModel:
     """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
 
@@ -256,8 +268,10 @@ def load_artifact(
     ``squeeze verify`` is caught here (IntegrityError) before a single output is produced. Nothing sized
     by the artifact (skeleton, tokenizer) is built before verification succeeded, and config.json must
     agree with the tensors' shapes (FormatError) before the skeleton is built.
-    ``check_memory``: first estimate the memory the load will hold (artifact bytes, plus the dense cache
-    when ``dense_cache``) from the manifest and config, and raise ResourceError if it is not available.
+    ``dense_cache`` / ``low_memory``: the weights' path, as in SqueezeLinear (default: the native kernels
+    on the packed codes). ``check_memory``: first estimate the memory the load will hold (artifact bytes,
+    plus the dense cache when ``dense_cache``) from the manifest and config, and raise ResourceError if it
+    is not available.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
     """
     directory = resolve_root(path)
@@ -280,7 +294,8 @@ def load_artifact(
         qweight = quantized_weight_from(tensors, name, spec)
         for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
             del tensors[key]
-        swap_in_quantized(model, name, qweight, tensors.pop(f"{name}.bias", None), dense_cache=dense_cache)
+        bias = tensors.pop(f"{name}.bias", None)
+        swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
     _load_other_tensors(model, tensors)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
     model.eval()
