@@ -64,7 +64,7 @@ def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPre
     lut = qweight.lut_values(torch.float32).contiguous()  # (R, 2**bits)
     rows, n, bits = qweight.out_features, qweight.in_features, qweight.bits
     keep: list[Tensor] = [packed, lut]
-    sparse_ptrs = [None, None, None, None]
+    sparse_ptrs: list[int | None] = [None, None, None, None]
     if qweight.sparse is not None and qweight.sparse.nnz:
         sparse = qweight.sparse
         row_idx = sparse.row_indices().to(torch.int64)  # (nnz,)
