@@ -486,17 +486,30 @@ void sq_permute_x(const float* x, float* xp, int64_t batch, int64_t n, int32_t b
 void sq_gemv(const sq_weight* w, const float* xp, int64_t batch, float* y, int32_t isa, int32_t threads) {
     const sq_weight wt = *w;
     const int64_t g = grain(wt), tasks = (wt.rows + g - 1) / g;
+    // waking the other threads costs microseconds: small weights run on the calling thread
+    if (wt.rows * wt.row_bytes * (batch < 8 ? batch : 8) < (64 << 10)) threads = 1;
     for (int64_t b0 = 0; b0 < batch; b0 += 8) {
         const int64_t bn = batch - b0 < 8 ? batch - b0 : 8;
         const gemv_fn fn = gemv_for(isa, bn);
         const float* xb = xp + b0 * wt.n;
         float* yb = y + b0 * wt.rows;
-#pragma omp parallel for schedule(static) num_threads(threads) if (tasks > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) if (tasks > 1 && threads > 1)
         for (int64_t t = 0; t < tasks; ++t) {
             const int64_t r0 = t * g, r1 = r0 + g < wt.rows ? r0 + g : wt.rows;
             fn(wt, xb, yb, r0, r1);
         }
     }
+}
+
+// the decode path in one call (one ctypes crossing per linear): x (batch, n) natural order -> xp (scratch,
+// batch x n) -> y (batch, rows) = x @ W^T + bias (bias float32 (rows) or NULL)
+void sq_linear(const sq_weight* w, const float* x, float* xp, int64_t batch, float* y, const float* bias, int32_t isa,
+               int32_t threads) {
+    sq_permute_x(x, xp, batch, w->n, w->bits);
+    sq_gemv(w, xp, batch, y, isa, threads);
+    if (bias)
+        for (int64_t b = 0; b < batch; ++b)
+            for (int64_t r = 0; r < w->rows; ++r) y[b * w->rows + r] += bias[r];
 }
 
 // rows [r0, r1) dequantized into out float32 (r1 - r0, n), in the kernel's column order, sparse values in place

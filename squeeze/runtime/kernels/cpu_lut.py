@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +38,15 @@ class CpuPreparedLut:
     rows: int
     in_features: int
     bits: int
+
+    @property
+    def weight_ref(self) -> Any:
+        """``byref(weight)``, made once: the argument every kernel call passes."""
+        ref = self.__dict__.get("_ref")
+        if ref is None:
+            ref = ctypes.byref(self.weight)
+            object.__setattr__(self, "_ref", ref)
+        return ref
 
     @property
     def extra_bytes(self) -> int:
@@ -84,28 +94,49 @@ def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPre
 def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
     """(..., R) in x.dtype: ``x (..., N) @ W^T + bias``, accumulated in float32 by the native kernels."""
     lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
-    x2 = x.reshape(-1, n).to(torch.float32).contiguous()  # (B, N)
+    x2 = x.reshape(-1, n)  # (B, N)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
     batch = int(x2.shape[0])
     lib, isa, threads = prepared.kernels.lib, prepared.kernels.isa_code, torch.get_num_threads()
-    xp = torch.empty_like(x2)  # (B, N) in the kernels' column order
-    lib.sq_permute_x(x2.data_ptr(), xp.data_ptr(), batch, n, prepared.bits)
-    weight = ctypes.byref(prepared.weight)
-    if batch <= GEMV_MAX_ROWS:
+    xp = torch.empty_like(x2)  # (B, N): x in the kernels' column order
+    if batch <= GEMV_MAX_ROWS:  # decode: permute, GEMV and bias in one call (one ctypes crossing per linear)
         y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
         if batch and rows:
-            lib.sq_gemv(weight, xp.data_ptr(), batch, y.data_ptr(), isa, threads)
+            b32 = _bias32(bias)
+            b_ptr = b32.data_ptr() if b32 is not None else None
+            lib.sq_linear(prepared.weight_ref, x2.data_ptr(), xp.data_ptr(), batch, y.data_ptr(), b_ptr, isa, threads)
     else:
-        y_t = torch.empty(rows, batch, dtype=torch.float32)  # (R, B): row tiles of W give contiguous row slices
-        tile_rows = max(16, min(rows, TILE_ELEMENTS // max(n, 1)))
-        tile = torch.empty(tile_rows, n, dtype=torch.float32)  # (tile_rows, N), reused
-        for start in range(0, rows, tile_rows):
-            stop = min(start + tile_rows, rows)
-            lib.sq_dequant_rows(weight, start, stop, tile.data_ptr(), isa, threads)
-            torch.mm(tile[: stop - start], xp.T, out=y_t[start:stop])  # (rows, N) @ (N, B)
-        y = y_t.T.contiguous()
-    if bias is not None:
-        y += bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*lead, rows)
+        y = _tiled_linear(x2, xp, prepared, threads)
+        if bias is not None:
+            y += bias.to(torch.float32)
+    return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, rows)
+
+
+def _tiled_linear(x2: Tensor, xp: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
+    """Prefill: float32 (B, R) = x2 (B, N) @ W^T, W dequantized one row tile at a time (never whole)."""
+    lib, isa, n, rows, batch = (
+        prepared.kernels.lib,
+        prepared.kernels.isa_code,
+        prepared.in_features,
+        prepared.rows,
+        int(x2.shape[0]),
+    )
+    lib.sq_permute_x(x2.data_ptr(), xp.data_ptr(), batch, n, prepared.bits)
+    y_t = torch.empty(rows, batch, dtype=torch.float32)  # (R, B): row tiles of W give contiguous row slices
+    tile_rows = max(16, min(rows, TILE_ELEMENTS // max(n, 1)))
+    tile = torch.empty(tile_rows, n, dtype=torch.float32)  # (tile_rows, N), reused
+    for start in range(0, rows, tile_rows):
+        stop = min(start + tile_rows, rows)
+        lib.sq_dequant_rows(prepared.weight_ref, start, stop, tile.data_ptr(), isa, threads)
+        torch.mm(tile[: stop - start], xp.T, out=y_t[start:stop])  # (rows, N) @ (N, B)
+    return y_t.T.contiguous()
+
+
+def _bias32(bias: Tensor | None) -> Tensor | None:
+    if bias is None:
+        return None
+    return bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.to(torch.float32).contiguous()
 
 
 def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:
