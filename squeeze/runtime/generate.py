@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
 from squeeze.runtime.checks import check_context, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.kvcache import SqueezeKVCache
+from squeeze.runtime.paths import describe_weight_paths, weight_paths
 
 StreamFn = Callable[[str], None]
 
@@ -42,7 +43,8 @@ class GenerationResult:
     throughput, (steps - 1) * batch / decode_seconds, counting every row's step (the work the model did);
     None when only one step ran. peak_rss_bytes: the process's peak resident set size so far (getrusage;
     it cannot be reset, so it includes loading). peak_cuda_bytes: torch.cuda.max_memory_allocated during
-    this run, or None off CUDA.
+    this run, or None off CUDA. weights_path / weight_paths: the path the quantized linears ran
+    (``native-avx512 (210 linears)``) and its counts per path (:mod:`squeeze.runtime.paths`).
     """
 
     texts: list[str]
@@ -63,6 +65,10 @@ class GenerationResult:
     kv_cache_bytes: int = 0
     #: KV bytes per token over all layers: {"fp16": ..., "int8": ..., "int4": ...}, scales included.
     kv_bytes_per_token: dict[str, int] | None = None
+    #: Which path the quantized linears ran, in words: "native-avx512 (210 linears)", "dense (42 linears)"...
+    weights_path: str = ""
+    #: SqueezeLinear modules per path: {"native-avx512": 210}; empty for a model without any.
+    weight_paths: dict[str, int] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -320,6 +326,7 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
         new_tokens.append(cut)
         texts.append(run.tokenizer.decode(row[:cut], skip_special_tokens=True))
     device = run.batch.input_ids.device
+    paths = weight_paths(run.model)
     decode_seconds = max(0.0, clock.last - clock.first)
     rows = len(texts)
     tps = (clock.steps - 1) * rows / decode_seconds if clock.steps > 1 and decode_seconds > 0 else None
@@ -339,6 +346,8 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
         kv_cache=f"int{run.kv_spec.bits}" if run.kv_spec is not None else str(run.model.dtype).removeprefix("torch."),
         kv_cache_bytes=_cache_bytes(run.cache),
         kv_bytes_per_token=_kv_table(run.model, run.kv_spec),
+        weights_path=describe_weight_paths(paths),
+        weight_paths=paths,
     )
 
 
