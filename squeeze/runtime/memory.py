@@ -1,23 +1,44 @@
-"""Will an artifact fit in memory? Estimated from its manifest and config.json before any weight is read.
+"""Will an artifact fit in memory? Estimated from its manifest, config.json and shard headers before any
+weight is read.
 
 Loading reads every file of the artifact into private memory (the loader hashes exactly the bytes it
 builds tensors from, and the unquantized tensors are views of them), so the load holds the artifact's
-bytes. With the dense cache (the default), every quantized linear is also dequantized once, on first use,
-to a (out_features, in_features) weight in the model's float dtype, and kept. Add a fixed allowance for
-what the imports, tokenizer and a short generation allocate. ``--low-memory`` drops the dense cache:
-one (chunk_rows, in_features) slice at a time instead.
+bytes. What the quantized linears add depends on their path (``SqueezeLinear.weight_path``):
+
+* default: the weights stay compressed. The native CPU kernels run on the packed codes in place and add
+  only their prepared form: a float32 LUT (rows, 2**bits) and 12 bytes per sparse entry. A weight no kernel
+  covers (a format without one, or no C++ compiler on this machine) falls back to a dense cache of it.
+* ``dense_cache=True`` (``--dense``): every quantized linear is dequantized once, on first use, to a
+  (out_features, in_features) weight in the model's float dtype, and kept.
+* ``low_memory=True`` (``--low-memory``): weights no kernel covers are dequantized one (chunk_rows,
+  in_features) slice at a time instead of cached.
+
+Add a fixed allowance for what the imports, tokenizer and a short generation allocate.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from squeeze.errors import ResourceError, SqueezeError
 from squeeze.format.inspect import module_dim
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
-from squeeze.format.paths import MAX_CONFIG_BYTES, open_root, read_inside, resolve_root, short_path, walk_artifact
+from squeeze.format.paths import (
+    MAX_CONFIG_BYTES,
+    open_inside,
+    open_root,
+    read_inside,
+    resolve_root,
+    short_path,
+    walk_artifact,
+)
+from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
+from squeeze.limits import is_weight_bits
+from squeeze.quant.schemes import formats_of
 from squeeze.system import available_memory_bytes
 
 #: transformers' modules, the tokenizer, activations and KV cache of a short generation: the peak RSS of
@@ -25,44 +46,91 @@ from squeeze.system import available_memory_bytes
 #: what the process held after `import squeeze`; rounded up.
 OVERHEAD_BYTES = 512 * 2**20
 _FLOAT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+#: Bytes the native kernels' prepared form holds per sparse entry: permuted column (int32), residual and
+#: exact value (float32) (squeeze.runtime.kernels.cpu_lut.prepare_cpu).
+SPARSE_ENTRY_BYTES = 12
+_SPARSE_COLS = ".weight_sparse_cols"
 
 
 @dataclass(frozen=True)
 class LoadEstimate:
-    """Bytes a load will hold: the artifact's files, the dense fp cache (0 when low-memory), a fixed overhead."""
+    """Bytes a load will hold, by part (module docstring); :meth:`total` adds those of one weights path."""
 
     artifact_bytes: int
+    #: every quantized linear dequantized (``dense_cache=True``)
     dense_cache_bytes: int
-    low_memory_bytes: int  # the low-memory path's largest dequantized slice
+    #: the largest row slice of a weight no kernel covers (``low_memory=True``; 0 when the kernels cover all)
+    low_memory_bytes: int
+    #: the native kernels' prepared form of the weights they cover (float32 LUTs, sparse entries)
+    prepared_bytes: int = 0
+    #: dense caches of the weights no kernel covers (the default path's fallback)
+    fallback_bytes: int = 0
     overhead_bytes: int = OVERHEAD_BYTES
 
-    def total(self, *, dense_cache: bool) -> int:
-        working = self.dense_cache_bytes if dense_cache else self.low_memory_bytes
+    def working_bytes(self, *, dense_cache: bool = False, low_memory: bool = False) -> int:
+        """What the quantized linears add to the artifact's bytes on the path the flags choose."""
+        if dense_cache:
+            return self.dense_cache_bytes
+        return self.prepared_bytes + (self.low_memory_bytes if low_memory else self.fallback_bytes)
+
+    def total(self, *, dense_cache: bool = False, low_memory: bool = False) -> int:
+        """Bytes the whole load holds on that path: artifact + working bytes + the fixed overhead."""
+        working = self.working_bytes(dense_cache=dense_cache, low_memory=low_memory)
         return self.artifact_bytes + working + self.overhead_bytes
 
 
-def estimate_load(directory: str | os.PathLike[str], chunk_rows: int = 1024) -> LoadEstimate | None:
-    """What loading ``directory`` will hold, from the manifest's sizes and config.json; None if unreadable.
+@dataclass(frozen=True)
+class _Module:
+    """One quantized linear as config.json describes it (dimensions 0 when absent or junk)."""
 
-    Nothing here is trusted: it only sizes the load. A missing or malformed manifest or config gives None
-    (or no dense part), and the loader's verification then reports the real problem. Both files are read
-    through the hardened reader (no link followed, FIFOs refused without blocking, size capped before
-    reading), so sizing a hostile artifact can neither hang nor read more than those caps.
+    name: str
+    rows: int
+    cols: int
+    bits: int
+    covered: bool  # the native kernels run its format
+
+
+def estimate_load(
+    directory: str | os.PathLike[str], chunk_rows: int = 1024, *, native: bool = True
+) -> LoadEstimate | None:
+    """What loading ``directory`` will hold, from the manifest's sizes, config.json and the shards' headers;
+    None if unreadable. ``native``: whether the native CPU kernels will run (False: every weight falls back).
+
+    Nothing here is trusted: it only sizes the load. A missing or malformed manifest, config or header
+    gives None (or no part for the quantized linears), and the loader's verification then reports the real
+    problem. Every file is read through the hardened reader (no link followed, FIFOs refused without
+    blocking, sizes capped before reading), so sizing a hostile artifact can neither hang nor read more than
+    those caps.
     """
     try:
         root_fd = open_root(resolve_root(directory))
     except SqueezeError:
         return None
     try:
+        regular = {rel: st.st_size for rel, st in walk_artifact(root_fd) if stat.S_ISREG(st.st_mode)}
         artifact = _listed_bytes(root_fd)
         if artifact is None:  # no usable manifest (an unverified load): the regular files on disk (lstat only)
-            artifact = sum(st.st_size for _, st in walk_artifact(root_fd) if stat.S_ISREG(st.st_mode))
-        dense, slice_ = _dense_cache_bytes(root_fd, artifact, chunk_rows)
+            artifact = sum(regular.values())
+        config = _read_config(root_fd)
+        modules = _modules(config, native) if config is not None else []
+        if sum(m.rows * m.cols for m in modules) > 8 * artifact:
+            # every quantized weight stores at least one bit: such a config does not describe this artifact
+            modules = []
+        nnz = _sparse_entries(root_fd, regular) if any(m.covered for m in modules) else {}
     except OSError:
         return None
     finally:
         os.close(root_fd)
-    return LoadEstimate(artifact_bytes=artifact, dense_cache_bytes=dense, low_memory_bytes=slice_)
+    width = _float_width(config)
+    covered = [m for m in modules if m.covered]
+    fallback = [m for m in modules if not m.covered]
+    return LoadEstimate(
+        artifact_bytes=artifact,
+        dense_cache_bytes=sum(m.rows * m.cols * width for m in modules),
+        low_memory_bytes=max((min(m.rows, chunk_rows) * m.cols * width for m in fallback), default=0),
+        prepared_bytes=sum(m.rows * (4 << m.bits) + SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) for m in covered),
+        fallback_bytes=sum(m.rows * m.cols * width for m in fallback),
+    )
 
 
 def _listed_bytes(root_fd: int) -> int | None:
@@ -74,59 +142,140 @@ def _listed_bytes(root_fd: int) -> int | None:
     return manifest.total_size
 
 
-def _dense_cache_bytes(root_fd: int, artifact_bytes: int, chunk_rows: int) -> tuple[int, int]:
-    """(dense cache bytes, largest low-memory slice bytes) from config.json's quantized modules; (0, 0) on junk.
-
-    Every quantized weight stores at least one bit per weight, so a config claiming more than 8 weights
-    per artifact byte does not describe this artifact: it sizes nothing (verification will say why).
-    """
+def _read_config(root_fd: int) -> dict[str, Any] | None:
     try:
         config = strict_json_loads(read_inside(root_fd, "config.json", MAX_CONFIG_BYTES), "config.json")
-        quant = config.get("quantization_config") or {}
-        width = _FLOAT_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
-        shapes = [
-            (module_dim(spec, "out_features"), module_dim(spec, "in_features"))
-            for spec in (quant.get("modules") or {}).values()
-        ]
-    except (SqueezeError, TypeError, AttributeError):
-        return 0, 0
-    if sum(rows * cols for rows, cols in shapes) > 8 * artifact_bytes:
-        return 0, 0
-    dense = sum(rows * cols * width for rows, cols in shapes)
-    slice_ = max((min(rows, chunk_rows) * cols * width for rows, cols in shapes), default=0)
-    return dense, slice_
+    except SqueezeError:
+        return None
+    return config if isinstance(config, dict) else None
 
 
-def check_load_memory(directory: str | os.PathLike[str], *, dense_cache: bool) -> LoadEstimate | None:
-    """Raise ResourceError when the load will not fit in the available memory (checked before reading)."""
-    estimate = estimate_load(directory)
+def _float_width(config: Mapping[str, Any] | None) -> int:
+    """Bytes per element of the model's float dtype (what a dense cache is built in); 4 when unknown."""
+    name = (config.get("dtype") or config.get("torch_dtype") or "float32") if config is not None else "float32"
+    return _FLOAT_BYTES.get(str(name), 4)
+
+
+def _modules(config: Mapping[str, Any], native: bool) -> list[_Module]:
+    """config.json's quantized linears; [] when its quantization_config is junk."""
+    quant = config.get("quantization_config")
+    specs = quant.get("modules") if isinstance(quant, dict) else None
+    if not isinstance(specs, dict):
+        return []
+    modules = []
+    for name, spec in specs.items():
+        method = spec.get("method") if isinstance(spec, dict) else None
+        bits = spec.get("bits") if isinstance(spec, dict) else None
+        kinds = formats_of(method) if isinstance(method, str) else ()
+        covered = native and bool(kinds) and all(cls.kernel == "lut" for cls in kinds) and is_weight_bits(bits)
+        modules.append(
+            _Module(
+                name=str(name),
+                rows=module_dim(spec, "out_features"),
+                cols=module_dim(spec, "in_features"),
+                bits=bits if is_weight_bits(bits) else 0,
+                covered=covered,
+            )
+        )
+    return modules
+
+
+def _sparse_entries(root_fd: int, regular: Mapping[str, int]) -> dict[str, int]:
+    """Sparse entries per module (``<module>.weight_sparse_cols`` lengths) from the top-level shards' headers.
+
+    Only the headers are read (capped by read_header_prefix); a shard that cannot be read counts nothing.
+    """
+    counts: dict[str, int] = {}
+    for rel in _shards(regular):
+        try:
+            fd = open_inside(root_fd, rel)
+        except (OSError, SqueezeError):  # replaced by a link or a FIFO since the walk listed it
+            continue
+        with os.fdopen(fd, "rb") as handle:
+            prefix = read_header_prefix(handle)
+        try:
+            tensors = parse_safetensors_header(prefix, regular[rel], rel).tensors
+        except SqueezeError:
+            continue
+        for key, info in tensors.items():
+            if key.endswith(_SPARSE_COLS) and len(info.shape) == 1:
+                counts[key.removesuffix(_SPARSE_COLS)] = info.shape[0]
+    return counts
+
+
+def _shards(regular: Iterable[str]) -> list[str]:
+    return sorted(rel for rel in regular if "/" not in rel and rel.endswith(".safetensors"))
+
+
+def native_kernels_expected() -> bool:
+    """Whether the native CPU kernels can be built here (a C++ compiler is found); checked without building."""
+    from squeeze.runtime.kernels.cpu_build import find_compiler
+
+    return find_compiler() is not None
+
+
+def check_load_memory(
+    directory: str | os.PathLike[str], *, dense_cache: bool, low_memory: bool = False
+) -> LoadEstimate | None:
+    """Raise ResourceError when the load will not fit in the available memory (checked before reading).
+
+    ``dense_cache`` / ``low_memory``: the weights' path, as in ``squeeze.load``. The hint names the cheaper
+    path that would fit: without ``--dense`` (compressed weights), or with ``--low-memory``.
+    """
+    estimate = estimate_load(directory, native=native_kernels_expected())
     available = available_memory_bytes()
     if estimate is None or available is None:
         return estimate
-    needed = estimate.total(dense_cache=dense_cache)
+    needed = estimate.total(dense_cache=dense_cache, low_memory=low_memory)
     if needed <= available:
         return estimate
-    parts = f"artifact {_gb(estimate.artifact_bytes)}"
-    if dense_cache:
-        parts += f" + dense weight cache {_gb(estimate.dense_cache_bytes)}"
-    parts += f" + overhead {_gb(estimate.overhead_bytes)}"
-    low = estimate.total(dense_cache=False)
-    if dense_cache and low <= available:
-        hint = (
-            f"use --low-memory (squeeze.load(..., dense_cache=False)): it needs about {_gb(low)}, "
-            "dequantizing in row slices (slower)"
-        )
-    else:
-        hint = "free memory (close other programs) or use a machine with more memory"
     raise ResourceError(
-        f"not enough memory to load {short_path(directory)}: needs about {_gb(needed)} ({parts}), "
-        f"{_gb(available)} available",
-        hint=hint,
+        f"not enough memory to load {short_path(directory)}: needs about {_gb(needed)} "
+        f"({_parts(estimate, dense_cache=dense_cache, low_memory=low_memory)}), {_gb(available)} available",
+        hint=_hint(estimate, available, dense_cache=dense_cache, low_memory=low_memory),
     )
+
+
+def _parts(estimate: LoadEstimate, *, dense_cache: bool, low_memory: bool) -> str:
+    """``artifact 1.20 GB + kernel tables 0.02 GB + overhead 0.54 GB``: the parts that are not zero."""
+    if dense_cache:
+        parts = [("dense weight cache", estimate.dense_cache_bytes)]
+    else:
+        fallback = (
+            ("row slice", estimate.low_memory_bytes) if low_memory else ("dense fallback", estimate.fallback_bytes)
+        )
+        parts = [("kernel tables", estimate.prepared_bytes), fallback]
+    named = [("artifact", estimate.artifact_bytes), *parts, ("overhead", estimate.overhead_bytes)]
+    return " + ".join(f"{name} {_gb(n)}" for name, n in named if n or name in ("artifact", "overhead"))
+
+
+def _hint(estimate: LoadEstimate, available: int, *, dense_cache: bool, low_memory: bool) -> str:
+    compressed = estimate.total()
+    low = estimate.total(low_memory=True)
+    if dense_cache and compressed <= available:
+        return (
+            f"drop --dense (squeeze.load(..., dense_cache=False)): the weights then stay compressed, "
+            f"about {_gb(compressed)}"
+        )
+    if not low_memory and low <= available:
+        how = "drop --dense and use" if dense_cache else "use"
+        return (
+            f"{how} --low-memory (squeeze.load(..., low_memory=True)): it needs about {_gb(low)}, "
+            "dequantizing the weights no native kernel covers in row slices (slower)"
+        )
+    return "free memory (close other programs) or use a machine with more memory"
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-__all__ = ["LoadEstimate", "available_memory_bytes", "estimate_load", "check_load_memory", "OVERHEAD_BYTES"]
+__all__ = [
+    "LoadEstimate",
+    "available_memory_bytes",
+    "estimate_load",
+    "check_load_memory",
+    "native_kernels_expected",
+    "OVERHEAD_BYTES",
+    "SPARSE_ENTRY_BYTES",
+]

@@ -32,42 +32,79 @@ def _no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hashing, "hash_file", refuse)
 
 
+def _native_here() -> bool:
+    from squeeze.runtime.kernels.cpu_build import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
 def test_estimate_matches_what_the_load_holds(artifact: Path) -> None:
     estimate = memory.estimate_load(artifact)
     assert estimate is not None
     assert estimate.artifact_bytes == sum(
         p.stat().st_size for p in artifact.iterdir() if p.is_file() and p.name != "squeeze.manifest.json"
     )
-    loaded = api.load(artifact)
+    loaded = api.load(artifact)  # default: compressed, the native kernels' prepared form only
     assert sum(h.data.numel() for h in loaded.report.captured.values()) == estimate.artifact_bytes
-    loaded.model(torch.tensor([[1, 20, 30]]))  # builds every dense cache
-    dense = [m._dense for m in loaded.model.modules() if isinstance(m, SqueezeLinear)]
-    assert estimate.dense_cache_bytes == sum(d.numel() * d.element_size() for d in dense)
-    assert estimate.low_memory_bytes == max(d.numel() * d.element_size() for d in dense)  # < 1024 rows each
+    linears = [m for m in loaded.model.modules() if isinstance(m, SqueezeLinear)]
+    if _native_here():
+        sparse = [m for m in linears if m.qweight.sparse is not None]
+        assert sparse, "the fixture's recipe keeps a sparse part: its kernel form must be sized"
+        # extra_bytes counts the rowptr too, but that is the module's own int32 buffer, not a copy
+        rowptrs = sum(m.qweight.sparse.rowptr.numel() * 4 for m in sparse)
+        assert estimate.prepared_bytes == sum(m._cpu.extra_bytes for m in linears) - rowptrs
+        assert estimate.fallback_bytes == 0 and estimate.low_memory_bytes == 0  # the kernels cover every weight
+        assert estimate.total() == estimate.artifact_bytes + estimate.prepared_bytes + estimate.overhead_bytes
+    dense = api.load(artifact, dense_cache=True)
+    dense.model(torch.tensor([[1, 20, 30]]))  # builds every dense cache
+    caches = [m._dense for m in dense.model.modules() if isinstance(m, SqueezeLinear)]
+    assert estimate.dense_cache_bytes == sum(d.numel() * d.element_size() for d in caches)
+    assert estimate.total(dense_cache=True) > estimate.total()  # the tiny model's LUTs still cost less than fp32
+    # without a compiler every weight falls back: dense by default, one row slice with low_memory
+    fallback = memory.estimate_load(artifact, native=False)
+    assert fallback.prepared_bytes == 0 and fallback.fallback_bytes == estimate.dense_cache_bytes
+    assert fallback.low_memory_bytes == max(d.numel() * d.element_size() for d in caches)  # < 1024 rows each
 
 
-def test_load_that_does_not_fit_fails_before_reading_with_a_low_memory_hint(
-    artifact: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    estimate = memory.estimate_load(artifact)
-    _available(monkeypatch, estimate.total(dense_cache=True) - 1)  # the low-memory load still fits
+def test_a_dense_load_that_does_not_fit_hints_to_drop_dense(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    estimate = memory.estimate_load(artifact, native=memory.native_kernels_expected())
+    _available(monkeypatch, estimate.total(dense_cache=True) - 1)  # the compressed load still fits
     _no_reads(monkeypatch)
     with pytest.raises(ResourceError, match="not enough memory to load") as info:
-        api.load(artifact)
-    assert "--low-memory" in info.value.hint and "dense weight cache" in info.value.message
+        api.load(artifact, dense_cache=True)
+    assert "drop --dense" in info.value.hint and "dense_cache=False" in info.value.hint
+    assert "dense weight cache" in info.value.message
     with pytest.raises(ResourceError):
-        api.generate(str(artifact), "Once", max_new_tokens=2)
+        api.generate(str(artifact), "Once", max_new_tokens=2, dense_cache=True)
     monkeypatch.undo()
     _available(monkeypatch, estimate.total(dense_cache=True) - 1)
-    assert api.load(artifact, dense_cache=False).report.ok  # the hint is right: it fits
-    assert api.load(artifact, check_memory=False).report.ok  # the refusal can be skipped
+    assert api.load(artifact).report.ok  # the hint is right: the default load fits
+    assert api.load(artifact, dense_cache=True, check_memory=False).report.ok  # the refusal can be skipped
+
+
+def test_without_kernels_a_fallback_that_does_not_fit_hints_at_low_memory(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "native_kernels_expected", lambda: False)  # a machine without a C++ compiler
+    estimate = memory.estimate_load(artifact, native=False)
+    _available(monkeypatch, estimate.total(low_memory=True))  # the default load's dense fallback does not fit
+    _no_reads(monkeypatch)
+    cases = [(False, "use --low-memory", "dense fallback"), (True, "drop --dense and use --low-memory", "dense weight")]
+    for dense_cache, how, part in cases:
+        with pytest.raises(ResourceError) as info:
+            memory.check_load_memory(artifact, dense_cache=dense_cache)
+        assert info.value.hint.startswith(how) and "low_memory=True" in info.value.hint
+        assert part in info.value.message
+    assert memory.check_load_memory(artifact, dense_cache=False, low_memory=True) == estimate  # the hint fits
 
 
 def test_nothing_fits_hints_at_freeing_memory(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _available(monkeypatch, 1000)
     with pytest.raises(ResourceError) as info:
-        api.load(artifact, dense_cache=False)
+        api.load(artifact)
     assert "free memory" in info.value.hint and "dense weight cache" not in info.value.message
+    if _native_here():
+        assert "kernel tables" in info.value.message
 
 
 def test_the_memory_check_comes_before_verification(
@@ -164,3 +201,14 @@ def test_a_config_claiming_more_weights_than_the_artifact_holds_sizes_no_dense_c
     (copy / "config.json").write_text(json.dumps(config))
     estimate = memory.estimate_load(copy)  # unverified: the load's verification reports the edit
     assert estimate is not None and estimate.dense_cache_bytes == 0
+
+
+def test_a_shard_with_a_junk_header_sizes_no_sparse_part(copy: Path) -> None:
+    reference = memory.estimate_load(copy)
+    for shard in copy.glob("*.safetensors"):
+        with open(shard, "r+b") as handle:
+            handle.write((2**62).to_bytes(8, "little"))  # a header length past the file's end
+    lut_only = memory.estimate_load(copy)  # unverified: the load's verification reports the edit
+    assert lut_only is not None and lut_only.artifact_bytes == reference.artifact_bytes
+    assert lut_only.dense_cache_bytes == reference.dense_cache_bytes
+    assert 0 < lut_only.prepared_bytes < reference.prepared_bytes  # the float32 LUTs, no sparse entries
