@@ -225,7 +225,7 @@ def evaluate(
 
     Joins the text, tokenizes it once, cuts non-overlapping windows of ``seq_len`` tokens (the first
     ``max_windows``), and reports exp(mean NLL) plus lm-eval-style word perplexity. Artifacts are verified
-    and loaded through the reference dequantizing path. The model (not the baseline) runs through the
+    and loaded as :func:`load` does by default (weights compressed, native CPU kernels). The model (not the baseline) runs through the
     quantized KV cache the artifact was calibrated for; ``kv_bits`` 8 / 4 picks it explicitly (ConfigError
     when not calibrated, unless ``kv_dynamic`` asks for uncalibrated per-token scales), 16 turns it off.
     """
@@ -346,7 +346,7 @@ def _loaded_on(
         if target.type != "cpu":  # host memory: the dense cache (if any) is built on the device, not here
             from squeeze.runtime.memory import check_load_memory
 
-            check_load_memory(model, dense_cache=False)
+            check_load_memory(model, dense_cache=False, low_memory=True)
         on_cpu = target.type == "cpu"
         # off the CPU the native kernels do not run: load for the dense (or chunked) path the device takes
         dense = dense_cache or (not on_cpu and not low_memory)

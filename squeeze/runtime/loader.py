@@ -276,7 +276,7 @@ def load_artifact(
     """
     directory = resolve_root(path)
     if check_memory:
-        check_load_memory(directory, dense_cache=dense_cache)
+        check_load_memory(directory, dense_cache=dense_cache, low_memory=low_memory)
     report = verified_report(directory, capture=True) if verify else None
     tensors, files, kv_names = _read_verified(report) if report is not None else _read_unverified(directory)
     kv_tensors = {k: tensors.pop(k) for k in kv_names if k in tensors}
