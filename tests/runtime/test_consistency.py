@@ -1,7 +1,8 @@
 """Perplexity through every runtime path equals `squeeze eval`'s within 1e-3 relative (issue 4).
 
-Paths: `squeeze eval` (squeeze.eval.compare.evaluate), squeeze.load with the dense cache, the low-memory
-row-chunked forward, transformers' from_pretrained after `import squeeze`, and an independent reference
+Paths: `squeeze eval` (squeeze.eval.compare.evaluate), squeeze.load's default (the native CPU kernels for LUT
+formats), squeeze.load with the dense cache, the low-memory row-chunked forward (as on a machine without the
+native kernels), transformers' from_pretrained after `import squeeze`, and an independent reference
 that swaps every SqueezeLinear for a plain nn.Linear holding ``qweight.dequantize()`` (the format's
 reference arithmetic, no SqueezeLinear forward at all).
 """
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from squeeze import api
 from squeeze.eval.compare import evaluate
 from squeeze.eval.perplexity import perplexity
+from squeeze.runtime.kernels.cpu_build import cpu_kernels
 from squeeze.runtime.linear import SqueezeLinear
 
 SEQ_LEN, WINDOWS = 128, 4
@@ -43,20 +45,35 @@ def dequantized_reference(model: nn.Module) -> nn.Module:
     return model
 
 
-def test_runtime_perplexity_equals_squeeze_eval(artifact: Path, tiny_text_file: Path) -> None:
+def weight_paths(model: nn.Module) -> set[str]:
+    return {m.weight_path for m in model.modules() if isinstance(m, SqueezeLinear)}
+
+
+def test_runtime_perplexity_equals_squeeze_eval(
+    artifact: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference = evaluate(artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS).result.perplexity
     text = tiny_text_file.read_text(encoding="utf-8")
 
     def ppl(model: nn.Module, tokenizer) -> float:
         return perplexity(model, tokenizer, text, seq_len=SEQ_LEN, max_windows=WINDOWS).perplexity
 
-    dense = api.load(artifact)
-    tokenizer = dense.tokenizer
-    low = api.load(artifact, dense_cache=False)
+    default = api.load(artifact)
+    tokenizer = default.tokenizer
+    kernels = cpu_kernels()
+    lut = not artifact.name.startswith("rtn")  # RTN has no native kernel: its default is the dense path
+    assert weight_paths(default.model) == {f"native-{kernels.isa}" if lut and kernels is not None else "dense"}
+    dense = api.load(artifact, dense_cache=True)
+    assert weight_paths(dense.model) == {"dense"}
+    with monkeypatch.context() as m:  # no native kernels: low_memory=True is the chunked path for LUT formats too
+        m.setattr("squeeze.runtime.linear.prepare_cpu", lambda qweight, kernels=None: None)
+        low = api.load(artifact, low_memory=True)
+    assert weight_paths(low.model) == {"chunked"}
     for module in low.model.modules():
         if isinstance(module, SqueezeLinear):
             module.chunk_rows = 50  # several slices per matrix (up to 144 rows here), not one
     paths = {
+        "squeeze.load default": ppl(default.model, tokenizer),
         "squeeze.load dense cache": ppl(dense.model, tokenizer),
         "squeeze.load low-memory": ppl(low.model, tokenizer),
         "from_pretrained": ppl(AutoModelForCausalLM.from_pretrained(artifact), tokenizer),

@@ -37,16 +37,24 @@ QWEIGHTS = {
 }
 
 
+@pytest.fixture()
+def no_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SqueezeLinear as on a machine without the native kernels: low_memory=True then means the chunked path
+    for every format (a LUT weight otherwise runs the kernels, which never build the dense weight either)."""
+    monkeypatch.setattr("squeeze.runtime.linear.prepare_cpu", lambda qweight, kernels=None: None)
+
+
 @pytest.mark.parametrize("kind", sorted(QWEIGHTS))
 @pytest.mark.parametrize("chunk_rows", [1, 7, 30, 1024])
-def test_chunked_forward_equals_dense_forward(kind: str, chunk_rows: int) -> None:
+def test_chunked_forward_equals_dense_forward(kind: str, chunk_rows: int, no_native_kernels: None) -> None:
     weight = _weight()
     qweight = QWEIGHTS[kind](weight)
     if kind.startswith("lut-sparse"):
         assert qweight.sparse is not None and qweight.sparse.nnz > 0
     bias = torch.randn(30, generator=torch.Generator().manual_seed(1))
     dense = SqueezeLinear(qweight, bias, dense_cache=True)
-    low = SqueezeLinear(qweight, bias, dense_cache=False)
+    low = SqueezeLinear(qweight, bias, low_memory=True)
+    assert dense.weight_path == "dense" and low.weight_path == "chunked"
     low.chunk_rows = chunk_rows
     x = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(2))
     expected = dense(x)
@@ -58,7 +66,7 @@ def test_chunked_forward_equals_dense_forward(kind: str, chunk_rows: int) -> Non
 
 @pytest.mark.parametrize("kind", sorted(QWEIGHTS))
 def test_dequantize_rows_is_a_bit_exact_slice_of_the_reference(kind: str) -> None:
-    module = SqueezeLinear(QWEIGHTS[kind](_weight()), dense_cache=False)
+    module = SqueezeLinear(QWEIGHTS[kind](_weight()))
     full = module.dequantize()
     for start, stop in ((0, 30), (0, 1), (3, 17), (29, 30), (10, 10)):
         assert torch.equal(module.dequantize_rows(start, stop), full[start:stop]), (start, stop)
@@ -73,8 +81,11 @@ def test_dense_cache_is_the_reference_dequantization_bit_for_bit(kind: str, dtyp
     assert module._dense.dtype == dtype and torch.equal(module._dense, module.dequantize(dtype))
 
 
-def test_low_memory_forward_never_builds_the_full_weight(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = SqueezeLinear(QWEIGHTS["lut-sparse"](_weight()), dense_cache=False)
+def test_low_memory_forward_never_builds_the_full_weight(
+    monkeypatch: pytest.MonkeyPatch, no_native_kernels: None
+) -> None:
+    module = SqueezeLinear(QWEIGHTS["lut-sparse"](_weight()), low_memory=True)
+    assert module.weight_path == "chunked"
     module.chunk_rows = 8
     expected = module.dequantize()
     shapes: list[tuple[int, ...]] = []
@@ -120,10 +131,21 @@ def test_artifact_generation_matches_the_models_own_generate(loaded) -> None:
     assert any(isinstance(m, SqueezeLinear) for m in loaded.model.modules())
 
 
-def test_low_memory_artifact_generates_the_same_text(lut_artifact: Path, loaded) -> None:
-    dense = generate(loaded, None, PROMPT, max_new_tokens=16)
+def test_low_memory_artifact_generates_the_same_text(
+    lut_artifact: Path, loaded, monkeypatch: pytest.MonkeyPatch, no_native_kernels: None
+) -> None:
+    default = generate(loaded, None, PROMPT, max_new_tokens=16)  # loaded before the patch: the default path
+    chunked = [0]
+    real_chunked = SqueezeLinear.chunked_forward
+
+    def counted(self: SqueezeLinear, x: torch.Tensor) -> torch.Tensor:
+        chunked[0] += 1
+        return real_chunked(self, x)
+
+    monkeypatch.setattr(SqueezeLinear, "chunked_forward", counted)
     low = api.generate(lut_artifact, PROMPT, max_new_tokens=16, low_memory=True)
-    assert low.text == dense.text and low.load_seconds > 0
+    assert low.text == default.text and low.load_seconds > 0
+    assert chunked[0] > 0  # the text really came from the chunked path
 
 
 def test_greedy_is_deterministic_and_stats_are_filled(loaded) -> None:

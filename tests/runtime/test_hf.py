@@ -1,9 +1,9 @@
 """transformers integration: ``AutoModelForCausalLM.from_pretrained(artifact)`` after ``import squeeze``.
 
 The model it gives must compute exactly what ``squeeze.load``'s model computes (same tensors, same
-SqueezeLinear reference path), generate the same greedy text, refuse a tampered artifact before loading
-(IntegrityError) and reject malformed quantized tensors (FormatError). Loading a squeeze artifact
-*without* ``import squeeze`` cannot be tested in this process (the registration is global).
+SqueezeLinear path: the native CPU kernels for LUT formats), generate the same greedy text, refuse a tampered
+artifact before loading (IntegrityError) and reject malformed quantized tensors (FormatError). Loading a
+squeeze artifact *without* ``import squeeze`` cannot be tested in this process (the registration is global).
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def test_from_pretrained_computes_what_squeeze_load_computes(artifacts: dict[str
     ours, theirs = model.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+    assert {m.weight_path for m in model.modules() if isinstance(m, SqueezeLinear)} == {
+        m.weight_path for m in reference.modules() if isinstance(m, SqueezeLinear)
+    }
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
     config = json.loads((path / "config.json").read_text())
