@@ -298,6 +298,9 @@ def load_artifact(
         swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
     _load_other_tensors(model, tensors)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
+    # an inference runtime: no parameter wants gradients, so a plain model(ids) call (outside no_grad)
+    # still runs the kernels, which have no backward, instead of falling back to dense weights
+    model.requires_grad_(False)
     model.eval()
     kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
     return LoadedModel(

@@ -493,7 +493,6 @@ def test_rebind_after_an_in_place_change(kernels: CpuKernels) -> None:
     assert_matches(module(x), reference(x, module.qweight, None))
 
 
-@pytest.mark.xfail(strict=True, reason="the kernels keep the LUT of before load_state_dict (reported)")
 def test_load_state_dict_reaches_the_kernels(kernels: CpuKernels) -> None:
     target = SqueezeLinear(lut_weight(4, 172, False, "float16"))
     source = SqueezeLinear(quantize_lut(torch.randn(ROWS, 172), None, 4))  # another weight of the same shape

@@ -49,6 +49,18 @@ def test_loads_and_runs_without_an_fp32_copy_of_the_linears(artifacts):
         assert all(m._dense is None for m in squeezed)
 
 
+def test_a_plain_forward_outside_no_grad_runs_the_kernels(artifacts):
+    # the loaded model wants no gradients: activations never require grad, so the kernels (no backward) run
+    a, _ = artifacts
+    model = api.load(a).model
+    assert not any(p.requires_grad for p in model.parameters())
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler: the native kernels are unavailable")
+    logits = model(torch.tensor([[1, 50, 60, 70]])).logits
+    assert torch.isfinite(logits).all()
+    assert all(m._dense is None for m in model.modules() if isinstance(m, SqueezeLinear))  # no dense fallback
+
+
 def test_shard_swapped_after_verify_is_caught_at_load(artifacts, tmp_path):
     a, b = artifacts
     target = tmp_path / "a"

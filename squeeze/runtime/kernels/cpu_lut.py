@@ -94,7 +94,7 @@ def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPre
 def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
     """(..., R) in x.dtype: ``x (..., N) @ W^T + bias``, accumulated in float32 by the native kernels."""
     lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
-    x2 = x.reshape(-1, n)  # (B, N)
+    x2 = x.reshape(lead.numel(), n)  # (B, N); not -1: N may be 0
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     batch = int(x2.shape[0])
