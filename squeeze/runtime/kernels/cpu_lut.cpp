@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <vector>
+
 extern "C" {
 
 typedef struct {
@@ -501,12 +503,15 @@ void sq_gemv(const sq_weight* w, const float* xp, int64_t batch, float* y, int32
     }
 }
 
-// the decode path in one call (one ctypes crossing per linear): x (batch, n) natural order -> xp (scratch,
-// batch x n) -> y (batch, rows) = x @ W^T + bias (bias float32 (rows) or NULL)
-void sq_linear(const sq_weight* w, const float* x, float* xp, int64_t batch, float* y, const float* bias, int32_t isa,
+// the decode path in one call (one ctypes crossing per linear): y (batch, rows) = x @ W^T + bias, with
+// x float32 (batch, n) in natural order (permuted into a scratch buffer of the calling thread) and bias
+// float32 (rows) or NULL
+void sq_linear(const sq_weight* w, const float* x, int64_t batch, float* y, const float* bias, int32_t isa,
                int32_t threads) {
-    sq_permute_x(x, xp, batch, w->n, w->bits);
-    sq_gemv(w, xp, batch, y, isa, threads);
+    static thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < batch * w->n) scratch.resize((size_t)(batch * w->n));
+    sq_permute_x(x, scratch.data(), batch, w->n, w->bits);
+    sq_gemv(w, scratch.data(), batch, y, isa, threads);
     if (bias)
         for (int64_t b = 0; b < batch; ++b)
             for (int64_t r = 0; r < w->rows; ++r) y[b * w->rows + r] += bias[r];

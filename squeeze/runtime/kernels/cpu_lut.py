@@ -98,22 +98,28 @@ def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = No
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     batch = int(x2.shape[0])
-    lib, isa, threads = prepared.kernels.lib, prepared.kernels.isa_code, torch.get_num_threads()
-    xp = torch.empty_like(x2)  # (B, N): x in the kernels' column order
+    threads = torch.get_num_threads()
     if batch <= GEMV_MAX_ROWS:  # decode: permute, GEMV and bias in one call (one ctypes crossing per linear)
         y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
         if batch and rows:
             b32 = _bias32(bias)
-            b_ptr = b32.data_ptr() if b32 is not None else None
-            lib.sq_linear(prepared.weight_ref, x2.data_ptr(), xp.data_ptr(), batch, y.data_ptr(), b_ptr, isa, threads)
+            prepared.kernels.lib.sq_linear(
+                prepared.weight_ref,
+                x2.data_ptr(),
+                batch,
+                y.data_ptr(),
+                b32.data_ptr() if b32 is not None else None,
+                prepared.kernels.isa_code,
+                threads,
+            )
     else:
-        y = _tiled_linear(x2, xp, prepared, threads)
+        y = _tiled_linear(x2, prepared, threads)
         if bias is not None:
             y += bias.to(torch.float32)
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, rows)
 
 
-def _tiled_linear(x2: Tensor, xp: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
+def _tiled_linear(x2: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
     """Prefill: float32 (B, R) = x2 (B, N) @ W^T, W dequantized one row tile at a time (never whole)."""
     lib, isa, n, rows, batch = (
         prepared.kernels.lib,
@@ -122,6 +128,7 @@ def _tiled_linear(x2: Tensor, xp: Tensor, prepared: CpuPreparedLut, threads: int
         prepared.rows,
         int(x2.shape[0]),
     )
+    xp = torch.empty_like(x2)  # (B, N): x in the kernels' column order
     lib.sq_permute_x(x2.data_ptr(), xp.data_ptr(), batch, n, prepared.bits)
     y_t = torch.empty(rows, batch, dtype=torch.float32)  # (R, B): row tiles of W give contiguous row slices
     tile_rows = max(16, min(rows, TILE_ELEMENTS // max(n, 1)))
