@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import typer
 
 from squeeze.cli import calibrate_kv as calibrate_kv_cmd
@@ -64,6 +66,19 @@ def quiet_third_party_progress() -> None:
         pass
 
 
+def _squeeze_warnings_on_one_line(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """squeeze's own warnings as one line (``Warning: ...``); others keep Python's format (file and line)."""
+    if category.__module__.startswith("squeeze"):
+        return f"Warning: {message}\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
+_python_format = warnings.formatwarning
+
+
 def main() -> None:
     """Console-script entry point."""
+    warnings.formatwarning = _squeeze_warnings_on_one_line
     app()

@@ -95,3 +95,22 @@ def test_a_dense_run_that_does_not_fit_hints_to_drop_dense(lut_artifact: Path, m
     assert len(lines) == 2 and lines[0].startswith("Error: not enough memory to load"), lines
     assert lines[1].startswith("Hint: drop --dense"), lines
     assert run(PROMPT, "-m", str(lut_artifact), "-n", "2").exit_code == 0  # the hint is right: it fits
+
+
+def test_without_a_compiler_one_warning_line_and_the_dense_path(lut_artifact: Path, tmp_path: Path) -> None:
+    # the console script (main) formats squeeze's warnings as one line; a fresh process builds nothing
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "SQUEEZE_KERNEL_CACHE": str(tmp_path / "cache")}
+    argv = ["squeeze", "run", PROMPT, "-m", str(lut_artifact), "--max-new-tokens", "2"]
+    code = f"import sys; sys.argv = {argv!r}; from squeeze.cli.app import main; main()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    warned = [ln for ln in lines if "native CPU kernels unavailable" in ln]
+    assert len(warned) == 1 and warned[0].startswith("Warning: squeeze: native CPU kernels unavailable (no C++")
+    assert not any("warnings.warn" in ln or "KernelWarning" in ln for ln in lines)  # no source line, no class
+    assert lines[-1].endswith(f"weights: dense ({_linears(lut_artifact)} linears)")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
