@@ -225,9 +225,10 @@ def evaluate(
 
     Joins the text, tokenizes it once, cuts non-overlapping windows of ``seq_len`` tokens (the first
     ``max_windows``), and reports exp(mean NLL) plus lm-eval-style word perplexity. Artifacts are verified
-    and loaded as :func:`load` does by default (weights compressed, native CPU kernels). The model (not the baseline) runs through the
-    quantized KV cache the artifact was calibrated for; ``kv_bits`` 8 / 4 picks it explicitly (ConfigError
-    when not calibrated, unless ``kv_dynamic`` asks for uncalibrated per-token scales), 16 turns it off.
+    and loaded as :func:`load` does by default (weights compressed, native CPU kernels). The model (not
+    the baseline) runs through the quantized KV cache the artifact was calibrated for; ``kv_bits`` 8 / 4
+    picks it explicitly (ConfigError when not calibrated, unless ``kv_dynamic`` asks for uncalibrated
+    per-token scales), 16 turns it off.
     """
     from squeeze.eval.compare import evaluate as _evaluate
 
