@@ -29,7 +29,17 @@ from pathlib import Path
 ISAS: dict[str, int] = {"avx512": 2, "avx2": 1, "scalar": 0}
 SOURCE = Path(__file__).with_name("cpu_lut.cpp")
 #: -fopenmp: threads over output rows; the library then needs libgomp.so.1, the runtime torch itself loads.
-CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized")
+#: -ffp-contract=off: the 8-bit LUT's level * scale + zero rounds twice, as in torch (no fused multiply-add).
+CXX_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-Wno-maybe-uninitialized",
+)
 BUILD_TIMEOUT_S = 300
 
 
@@ -43,6 +53,8 @@ class SqWeight(ctypes.Structure):
     _fields_ = [
         ("packed", ctypes.c_void_p),
         ("lut", ctypes.c_void_p),
+        ("lut_scale", ctypes.c_void_p),
+        ("lut_zero", ctypes.c_void_p),
         ("rowptr", ctypes.c_void_p),
         ("pcols", ctypes.c_void_p),
         ("resid", ctypes.c_void_p),
@@ -51,6 +63,7 @@ class SqWeight(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("row_bytes", ctypes.c_int64),
         ("bits", ctypes.c_int32),
+        ("lut_kind", ctypes.c_int32),
     ]
 
 

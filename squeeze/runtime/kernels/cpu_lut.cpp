@@ -5,8 +5,10 @@
 // output rows, with the thread count the caller passes (torch's own). The GEMM of the prefill path is torch's.
 //
 // Weight layout (docs/format.md, read as stored): row r is an LSB-first bit stream of `bits`-bit codes,
-// `row_bytes` bytes apart; lut is float32 (rows, 2**bits), prepared at load from the artifact's fp16 or
-// 8-bit LUT. Sparse part (optional): CSR rowptr int32 (rows+1); pcols int32 (nnz), each position in the
+// `row_bytes` bytes apart; lut is the artifact's own (rows, 2**bits) LUT, read in place: float16 values, or
+// the 8-bit LUT's uint8 levels with a float16 scale and zero per row (float32 too, for weights built so).
+// Each row's LUT is expanded to float32 (16 or 8 values) when the row starts, exactly as the torch
+// reference does it (level * scale, then + zero, each rounded: the library is built with -ffp-contract=off). Sparse part (optional): CSR rowptr int32 (rows+1); pcols int32 (nnz), each position in the
 // PERMUTED column order below; resid = exact value - lut value (for the GEMV), vals = exact value (for the
 // dequantized tiles, which the sparse values replace).
 //
@@ -27,8 +29,10 @@
 extern "C" {
 
 typedef struct {
-    const uint8_t* packed;  // (rows, row_bytes)
-    const float* lut;       // (rows, 2**bits)
+    const uint8_t* packed;      // (rows, row_bytes)
+    const void* lut;            // (rows, 2**bits): float32, float16 or uint8 levels, by lut_kind
+    const uint16_t* lut_scale;  // float16 (rows): the 8-bit LUT's value = level * scale + zero; else NULL
+    const uint16_t* lut_zero;   // float16 (rows)
     const int32_t* rowptr;  // (rows + 1) or NULL
     const int32_t* pcols;   // (nnz), permuted positions
     const float* resid;     // (nnz) exact - lut value
@@ -37,7 +41,10 @@ typedef struct {
     int64_t n;
     int64_t row_bytes;
     int32_t bits;
+    int32_t lut_kind;  // SQ_LUT_F32, SQ_LUT_F16 or SQ_LUT_U8_AFFINE
 } sq_weight;
+
+enum { SQ_LUT_F32 = 0, SQ_LUT_F16 = 1, SQ_LUT_U8_AFFINE = 2 };
 
 enum { SQ_SCALAR = 0, SQ_AVX2 = 1, SQ_AVX512 = 2 };
 
@@ -68,10 +75,37 @@ inline int code_at(const uint8_t* row, int64_t c, int bits) {
     return (int)((v >> (bit & 7)) & ((1u << bits) - 1));
 }
 
+// float16 bits -> float32, exactly (normal, subnormal, inf and nan)
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
+        const float v = (float)mant * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// row r's LUT as float32: a pointer into the weight's own LUT when it is float32, else `buf` (256 floats)
+inline const float* row_lut(const sq_weight& w, int64_t r, float* buf) {
+    const int64_t k = (int64_t)1 << w.bits;
+    if (w.lut_kind == SQ_LUT_F32) return (const float*)w.lut + r * k;
+    if (w.lut_kind == SQ_LUT_F16) {
+        const uint16_t* src = (const uint16_t*)w.lut + r * k;
+        for (int64_t i = 0; i < k; ++i) buf[i] = half_to_float(src[i]);
+    } else {
+        const uint8_t* src = (const uint8_t*)w.lut + r * k;
+        const float scale = half_to_float(w.lut_scale[r]), zero = half_to_float(w.lut_zero[r]);
+        for (int64_t i = 0; i < k; ++i) buf[i] = (float)src[i] * scale + zero;  // two roundings, as torch
+    }
+    return buf;
+}
+
 // the columns after the last whole block, plus the sparse residual: the part every ISA does in scalar code
-inline float tail_and_sparse(const sq_weight& w, int64_t r, const float* xp, int64_t first_tail) {
+inline float tail_and_sparse(const sq_weight& w, int64_t r, const float* lut, const float* xp, int64_t first_tail) {
     const uint8_t* row = w.packed + r * w.row_bytes;
-    const float* lut = w.lut + (r << w.bits);
     float s = 0.f;
     for (int64_t c = first_tail; c < w.n; ++c) s += lut[code_at(row, c, w.bits)] * xp[c];
     if (w.rowptr)
@@ -79,9 +113,9 @@ inline float tail_and_sparse(const sq_weight& w, int64_t r, const float* xp, int
     return s;
 }
 
-inline void tail_and_sparse_dequant(const sq_weight& w, int64_t r, float* out, int64_t first_tail) {
+inline void tail_and_sparse_dequant(const sq_weight& w, int64_t r, const float* lut, float* out,
+                                    int64_t first_tail) {
     const uint8_t* row = w.packed + r * w.row_bytes;
-    const float* lut = w.lut + (r << w.bits);
     for (int64_t c = first_tail; c < w.n; ++c) out[c] = lut[code_at(row, c, w.bits)];
     if (w.rowptr)
         for (int32_t j = w.rowptr[r]; j < w.rowptr[r + 1]; ++j) out[w.pcols[j]] = w.vals[j];
@@ -110,7 +144,8 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
     const int64_t nb = n_blocks(w.n, w.bits), n = w.n;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* row = w.packed + r * w.row_bytes;
-        const float* lut = w.lut + (r << w.bits);
+        float lut_buf[256];
+        const float* lut = row_lut(w, r, lut_buf);
         float acc[B] = {0.f};
         for (int64_t k = 0; k < nb; ++k) {
             if (w.bits == 4) {
@@ -135,7 +170,7 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
         const int64_t half = half_start(n, w.bits), tail = tail_start(n, w.bits);
         for (int b = 0; b < B; ++b) {
             if (tail != half) acc[b] += half3_dot(row + 48 * nb, lut, xp + b * n + half);
-            y[b * w.rows + r] = acc[b] + tail_and_sparse(w, r, xp + b * n, tail);
+            y[b * w.rows + r] = acc[b] + tail_and_sparse(w, r, lut, xp + b * n, tail);
         }
     }
 }
@@ -143,7 +178,8 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
 void dequant_row(const sq_weight& w, int64_t r, float* out) {
     const int64_t nb = n_blocks(w.n, w.bits);
     const uint8_t* row = w.packed + r * w.row_bytes;
-    const float* lut = w.lut + (r << w.bits);
+    float lut_buf[256];
+    const float* lut = row_lut(w, r, lut_buf);
     for (int64_t k = 0; k < nb; ++k) {
         if (w.bits == 4) {
             for (int i = 0; i < 16; ++i) {
@@ -159,7 +195,7 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
         }
     }
     if (has_half(w.n, w.bits)) half3_dequant(row + 48 * nb, lut, out + half_start(w.n, w.bits));
-    tail_and_sparse_dequant(w, r, out, tail_start(w.n, w.bits));
+    tail_and_sparse_dequant(w, r, lut, out, tail_start(w.n, w.bits));
 }
 
 }  // namespace scalar
@@ -167,8 +203,17 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
 // ---------------------------------------------------------------------------------------------------------
 // AVX2 + FMA: 8 lanes; a block is done as two halves of 8 groups. 16-entry LUT: two permutes and a blend.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+
+// row_lut with the common case (a float16 LUT at 3 or 4 bits) converted by F16C: exact, as the scalar one
+inline const float* row_lut_f16c(const sq_weight& w, int64_t r, float* buf) {
+    if (w.lut_kind != SQ_LUT_F16 || (w.bits != 3 && w.bits != 4)) return row_lut(w, r, buf);
+    const uint16_t* src = (const uint16_t*)w.lut + (r << w.bits);
+    _mm256_storeu_ps(buf, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)src)));
+    if (w.bits == 4) _mm256_storeu_ps(buf + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 8))));
+    return buf;
+}
 
 inline __m256 lookup16(__m256 lut_lo, __m256 lut_hi, __m256i idx) {
     const __m256 a = _mm256_permutevar8x32_ps(lut_lo, idx), b = _mm256_permutevar8x32_ps(lut_hi, idx);
@@ -210,10 +255,9 @@ inline void half3_dequant(const uint8_t* p, const float* lut, float* out) {
 
 // visit every block of row r: f(position, 8 weights) in the permuted order (the dequantize path)
 template <class F>
-inline void decode_blocks(const sq_weight& w, int64_t r, F&& f) {
+inline void decode_blocks(const sq_weight& w, int64_t r, const float* lut, F&& f) {
     const int64_t nb = n_blocks(w.n, w.bits);
     const uint8_t* row = w.packed + r * w.row_bytes;
-    const float* lut = w.lut + (r << w.bits);
     if (w.bits == 4) {
         const __m256 lo = _mm256_loadu_ps(lut), hi = _mm256_loadu_ps(lut + 8);
         const __m256i m = _mm256_set1_epi32(15);
@@ -243,7 +287,8 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
                   tail = tail_start(n, w.bits);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* row = w.packed + r * w.row_bytes;
-        const float* lut = w.lut + (r << w.bits);
+        float lut_buf[256];
+        const float* lut = avx2::row_lut_f16c(w, r, lut_buf);
         __m256 a0[B], a1[B];
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) a0[b] = a1[b] = _mm256_setzero_ps();
@@ -286,22 +331,24 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
         }
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) {
-            float sum = hsum(_mm256_add_ps(a0[b], a1[b])) + tail_and_sparse(w, r, xp + b * n, tail);
+            float sum = hsum(_mm256_add_ps(a0[b], a1[b])) + tail_and_sparse(w, r, lut, xp + b * n, tail);
             if (tail != half) sum += half3_dot(row + 48 * nb, lut, xp + b * n + half);
             y[b * w.rows + r] = sum;
         }
     }
 }
 
-inline void dequant_half_and_tail(const sq_weight& w, int64_t r, float* out) {
+inline void dequant_half_and_tail(const sq_weight& w, int64_t r, const float* lut, float* out) {
     const uint8_t* row = w.packed + r * w.row_bytes;
-    if (has_half(w.n, w.bits)) half3_dequant(row + 48 * n_blocks(w.n, w.bits), w.lut + (r << w.bits), out + half_start(w.n, w.bits));
-    tail_and_sparse_dequant(w, r, out, tail_start(w.n, w.bits));
+    if (has_half(w.n, w.bits)) half3_dequant(row + 48 * n_blocks(w.n, w.bits), lut, out + half_start(w.n, w.bits));
+    tail_and_sparse_dequant(w, r, lut, out, tail_start(w.n, w.bits));
 }
 
 void dequant_row(const sq_weight& w, int64_t r, float* out) {
-    decode_blocks(w, r, [&](int64_t pos, __m256 wv) { _mm256_storeu_ps(out + pos, wv); });
-    dequant_half_and_tail(w, r, out);
+    float lut_buf[256];
+    const float* lut = avx2::row_lut_f16c(w, r, lut_buf);
+    decode_blocks(w, r, lut, [&](int64_t pos, __m256 wv) { _mm256_storeu_ps(out + pos, wv); });
+    dequant_half_and_tail(w, r, lut, out);
 }
 
 }  // namespace avx2
@@ -311,7 +358,7 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
 // AVX-512 (F, BW, VBMI): 16 lanes, one whole block at a time; the LUT lives in one register and one permute
 // looks up 16 weights. Two accumulators per activation row hide the FMA latency.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,fma,f16c")
 namespace avx512 {
 
 // 16 groups of three bytes (48 bytes at p) -> 16 dwords; the masked load reads only p[0..47]
@@ -326,10 +373,9 @@ inline __m512i words3(const uint8_t* p) {
 
 // visit every block of row r: f(position, 16 weights) in the permuted order (the dequantize path)
 template <class F>
-inline void decode_blocks(const sq_weight& w, int64_t r, F&& f) {
+inline void decode_blocks(const sq_weight& w, int64_t r, const float* lut, F&& f) {
     const int64_t nb = n_blocks(w.n, w.bits);
     const uint8_t* row = w.packed + r * w.row_bytes;
-    const float* lut = w.lut + (r << w.bits);
     if (w.bits == 4) {
         const __m512 l16 = _mm512_loadu_ps(lut);
         const __m512i m = _mm512_set1_epi32(15);
@@ -359,7 +405,8 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
                   tail = tail_start(n, w.bits);
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* row = w.packed + r * w.row_bytes;
-        const float* lut = w.lut + (r << w.bits);
+        float lut_buf[256];
+        const float* lut = avx2::row_lut_f16c(w, r, lut_buf);
         __m512 a0[B], a1[B];
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) a0[b] = a1[b] = _mm512_setzero_ps();
@@ -398,7 +445,7 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
         }
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) {
-            float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b])) + tail_and_sparse(w, r, xp + b * n, tail);
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b])) + tail_and_sparse(w, r, lut, xp + b * n, tail);
             if (tail != half) sum += avx2::half3_dot(row + 48 * nb, lut, xp + b * n + half);
             y[b * w.rows + r] = sum;
         }
@@ -406,8 +453,10 @@ void gemv_rows(const sq_weight& w, const float* xp, float* y, int64_t r0, int64_
 }
 
 void dequant_row(const sq_weight& w, int64_t r, float* out) {
-    decode_blocks(w, r, [&](int64_t pos, __m512 wv) { _mm512_storeu_ps(out + pos, wv); });
-    avx2::dequant_half_and_tail(w, r, out);
+    float lut_buf[256];
+    const float* lut = avx2::row_lut_f16c(w, r, lut_buf);
+    decode_blocks(w, r, lut, [&](int64_t pos, __m512 wv) { _mm512_storeu_ps(out + pos, wv); });
+    avx2::dequant_half_and_tail(w, r, lut, out);
 }
 
 }  // namespace avx512
@@ -460,11 +509,12 @@ extern "C" {
 int sq_isa_supported(int isa) {
     __builtin_cpu_init();
     if (isa == SQ_SCALAR) return 1;
-    if (isa == SQ_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == SQ_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (isa == SQ_AVX512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
-               __builtin_cpu_supports("fma");
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     return 0;
 }
 

@@ -4,8 +4,8 @@ Decode (at most GEMV_MAX_ROWS rows of x): one fused GEMV reads each weight's cod
 Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 1 MiB and
 multiplied by torch's GEMM (compute-bound there; oneDNN/MKL do it well), so the dense weight never exists.
 
-Memory: the codes ARE the module's own ``weight_packed`` buffer (no copy); the prepared form adds a float32
-LUT (R, 2**bits) and, with a sparse part, 12 bytes per sparse entry (position, exact value, residual).
+Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
+prepared form adds 12 bytes per sparse entry (position, exact value as float32, residual).
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from squeeze.quant.schemes.lut import LutWeight
+from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
 from squeeze.runtime.kernels.cpu_build import CpuKernels, SqWeight, cpu_kernels
 
 #: Rows of x up to which the fused GEMV runs; above, the dequantize-a-tile + GEMM path (scripts/bench_cpu_kernels.py).
 GEMV_MAX_ROWS = 8
 #: float32 elements of one dequantized tile of W (1 MiB: stays in L2 while the GEMM reads it).
 TILE_ELEMENTS = 1 << 18
+#: cpu_lut.cpp's LUT kinds (sq_weight.lut_kind).
+LUT_F32, LUT_F16, LUT_U8_AFFINE = 0, 1, 2
 #: Code widths whose blocks the SIMD paths decode (others run the kernels' scalar path).
 SIMD_BITS = {4: 2, 3: 8}  # bits -> codes per group; a block is 16 groups
 
@@ -38,6 +40,9 @@ class CpuPreparedLut:
     rows: int
     in_features: int
     bits: int
+    #: bytes held beyond the module's own buffers: the sparse part's kernel form (positions, values,
+    #: residuals), and a float32 LUT only for LUT dtypes the kernels do not read in place
+    extra_bytes: int = 0
 
     @property
     def weight_ref(self) -> Any:
@@ -47,11 +52,6 @@ class CpuPreparedLut:
             ref = ctypes.byref(self.weight)
             object.__setattr__(self, "_ref", ref)
         return ref
-
-    @property
-    def extra_bytes(self) -> int:
-        """Bytes held beyond the module's own buffers (LUT in float32, the sparse part's kernel form)."""
-        return sum(t.numel() * t.element_size() for t in self.keep[1:])
 
 
 def covers(qweight: object) -> bool:
@@ -71,24 +71,51 @@ def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPre
     if kernels is None:
         return None
     packed = qweight.packed.contiguous()  # (R, ceil(N * bits / 8)) uint8: the module's buffer, no copy
-    lut = qweight.lut_values(torch.float32).contiguous()  # (R, 2**bits)
+    lut, lut_kind, scale, zero = _lut_in_place(qweight)
     rows, n, bits = qweight.out_features, qweight.in_features, qweight.bits
-    keep: list[Tensor] = [packed, lut]
+    keep: list[Tensor] = [t for t in (packed, lut, scale, zero) if t is not None]
     sparse_ptrs: list[int | None] = [None, None, None, None]
     if qweight.sparse is not None and qweight.sparse.nnz:
         sparse = qweight.sparse
         row_idx = sparse.row_indices().to(torch.int64)  # (nnz,)
         cols = sparse.cols.to(torch.int64)  # (nnz,)
         vals = sparse.vals.to(torch.float32).contiguous()  # (nnz,) exact values
-        resid = (vals - lut[row_idx, codes_at(packed, row_idx, cols, bits).to(torch.int64)]).contiguous()
+        codes = codes_at(packed, row_idx, cols, bits).to(torch.int64)  # (nnz,)
+        resid = (vals - qweight.lut_values(torch.float32)[row_idx, codes]).contiguous()  # (nnz,)
         rowptr = sparse.rowptr.to(torch.int32).contiguous()  # (R+1,)
         pcols = permuted_positions(cols, n, bits).to(torch.int32).contiguous()  # (nnz,)
         keep += [rowptr, pcols, resid, vals]
         sparse_ptrs = [t.data_ptr() for t in (rowptr, pcols, resid, vals)]
     weight = SqWeight(
-        packed.data_ptr(), lut.data_ptr(), *sparse_ptrs, rows, n, int(packed.shape[1]) if rows else 0, bits
+        packed.data_ptr(),
+        lut.data_ptr(),
+        scale.data_ptr() if scale is not None else None,
+        zero.data_ptr() if zero is not None else None,
+        *sparse_ptrs,
+        rows,
+        n,
+        int(packed.shape[1]) if rows else 0,
+        bits,
+        lut_kind,
     )
-    return CpuPreparedLut(kernels=kernels, weight=weight, keep=tuple(keep), rows=rows, in_features=n, bits=bits)
+    own = {t.untyped_storage().data_ptr() for t in qweight.tensors_by_role().values()}
+    extra = sum(t.numel() * t.element_size() for t in keep if t.untyped_storage().data_ptr() not in own)
+    return CpuPreparedLut(
+        kernels=kernels, weight=weight, keep=tuple(keep), rows=rows, in_features=n, bits=bits, extra_bytes=extra
+    )
+
+
+def _lut_in_place(qweight: LutWeight) -> tuple[Tensor, int, Tensor | None, Tensor | None]:
+    """(lut, kind, scale, zero) as the kernels read them: the weight's own LUT tensors where their dtypes are
+    the kernels' (float16 values; uint8 levels with float16 scale/zero), else a float32 copy of the values."""
+    if isinstance(qweight, Lut8Weight) and qweight.lut.dtype == torch.uint8:
+        scale, zero = qweight.lut_scale, qweight.lut_zero
+        if scale.dtype == zero.dtype == torch.float16:
+            return qweight.lut.contiguous(), LUT_U8_AFFINE, scale.contiguous(), zero.contiguous()
+    elif qweight.lut.dtype in (torch.float16, torch.float32):
+        kind = LUT_F16 if qweight.lut.dtype == torch.float16 else LUT_F32
+        return qweight.lut.contiguous(), kind, None, None
+    return qweight.lut_values(torch.float32).contiguous(), LUT_F32, None, None
 
 
 def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
