@@ -6,7 +6,7 @@ builds tensors from, and the unquantized tensors are views of them), so the load
 bytes. What the quantized linears add depends on their path (``SqueezeLinear.weight_path``):
 
 * default: the weights stay compressed. The native CPU kernels run on the packed codes in place and add
-  only their prepared form: a float32 LUT (rows, 2**bits) and 12 bytes per sparse entry. A weight no kernel
+  only their prepared form: at most 12 bytes per sparse entry (the LUTs are read in place). A weight no kernel
   covers (a format without one, or no C++ compiler on this machine) falls back to a dense cache of it.
 * ``dense_cache=True`` (``--dense``): every quantized linear is dequantized once, on first use, to a
   (out_features, in_features) weight in the model's float dtype, and kept.
@@ -46,8 +46,8 @@ from squeeze.system import available_memory_bytes
 #: what the process held after `import squeeze`; rounded up.
 OVERHEAD_BYTES = 512 * 2**20
 _FLOAT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
-#: Bytes the native kernels' prepared form holds per sparse entry: permuted column (int32), residual and
-#: exact value (float32) (squeeze.runtime.kernels.cpu_lut.prepare_cpu).
+#: Bytes the native kernels' prepared form holds per sparse entry, at most: permuted column (int32), residual
+#: and exact value (float32; no copy when the artifact's values are float32) (cpu_lut.prepare_cpu).
 SPARSE_ENTRY_BYTES = 12
 _SPARSE_COLS = ".weight_sparse_cols"
 
@@ -61,7 +61,7 @@ class LoadEstimate:
     dense_cache_bytes: int
     #: the largest row slice of a weight no kernel covers (``low_memory=True``; 0 when the kernels cover all)
     low_memory_bytes: int
-    #: the native kernels' prepared form of the weights they cover (float32 LUTs, sparse entries)
+    #: the native kernels' prepared form of the weights they cover (their sparse entries)
     prepared_bytes: int = 0
     #: dense caches of the weights no kernel covers (the default path's fallback)
     fallback_bytes: int = 0
@@ -128,7 +128,7 @@ def estimate_load(
         artifact_bytes=artifact,
         dense_cache_bytes=sum(m.rows * m.cols * width for m in modules),
         low_memory_bytes=max((min(m.rows, chunk_rows) * m.cols * width for m in fallback), default=0),
-        prepared_bytes=sum(m.rows * (4 << m.bits) + SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) for m in covered),
+        prepared_bytes=sum(SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) for m in covered),
         fallback_bytes=sum(m.rows * m.cols * width for m in fallback),
     )
 
