@@ -100,7 +100,7 @@ class SqueezeLinear(nn.Module):
         return self
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
-        # load_state_dict copies INTO the buffers: the kernels' derived forms (float32 LUT, residual) and any
+        # load_state_dict copies INTO the buffers: the kernels' derived forms (sparse residual) and any
         # dense cache are now stale, so the weight is rebuilt from the buffers, with every format check
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if not any(b.is_meta for b in self.buffers(recurse=False)):

@@ -237,14 +237,14 @@ def check_load_memory(
 
 
 def _parts(estimate: LoadEstimate, *, dense_cache: bool, low_memory: bool) -> str:
-    """``artifact 1.20 GB + kernel tables 0.02 GB + overhead 0.54 GB``: the parts that are not zero."""
+    """``artifact 1.20 GB + kernel sparse entries 0.02 GB + overhead 0.54 GB``: the parts that are not zero."""
     if dense_cache:
         parts = [("dense weight cache", estimate.dense_cache_bytes)]
     else:
         fallback = (
             ("row slice", estimate.low_memory_bytes) if low_memory else ("dense fallback", estimate.fallback_bytes)
         )
-        parts = [("kernel tables", estimate.prepared_bytes), fallback]
+        parts = [("kernel sparse entries", estimate.prepared_bytes), fallback]
     named = [("artifact", estimate.artifact_bytes), *parts, ("overhead", estimate.overhead_bytes)]
     return " + ".join(f"{name} {_gb(n)}" for name, n in named if n or name in ("artifact", "overhead"))
 
