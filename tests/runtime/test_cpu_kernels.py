@@ -126,7 +126,8 @@ def test_linear_matches_the_reference(
     x = torch.randn(21, n, generator=g)
     expected = reference(x, q, bias)
     with monkeypatch.context() as m:
-        m.setattr(cpu_lut, "TILE_ELEMENTS", 1)  # 16-row tiles: 16 + 16 + 8 rows
+        m.setattr(cpu_lut, "TILE_ELEMENTS", 1)
+        m.setattr(cpu_lut, "TILE_MIN_ROWS", 16)  # 16-row tiles: 16 + 16 + 8 rows
         assert_matches(cpu_lut_linear(x, prepared, bias), expected, "tiles")
     with monkeypatch.context() as m:
         m.setattr(cpu_lut, "GEMV_MAX_ROWS", 64)  # the GEMV over 21 rows of x: chunks of 8, 8, 5
@@ -194,6 +195,7 @@ def test_prefill_dequantizes_row_tiles_never_the_whole_weight(
     assert prepared is not None
     x = torch.randn(12, 200)
     monkeypatch.setattr(cpu_lut, "TILE_ELEMENTS", 16 * 200)  # 16 rows of W per tile
+    monkeypatch.setattr(cpu_lut, "TILE_MIN_ROWS", 1)
     assert_matches(cpu_lut_linear(x, prepared), reference(x, q, None))
     assert tiles == [(0, 16), (16, 32), (32, 40)]
 

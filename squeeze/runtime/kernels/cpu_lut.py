@@ -1,7 +1,7 @@
 """The native CPU LUT kernels from Python: a weight's prepared form, and ``y = x @ W^T + b`` through it.
 
 Decode (at most GEMV_MAX_ROWS rows of x): one fused GEMV reads each weight's codes once for every row of x.
-Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 1 MiB and
+Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 4 MiB and
 multiplied by torch's GEMM (compute-bound there; oneDNN/MKL do it well), so the dense weight never exists.
 
 Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
@@ -22,8 +22,11 @@ from squeeze.runtime.kernels.cpu_build import CpuKernels, SqWeight, cpu_kernels
 
 #: Rows of x up to which the fused GEMV runs; above, the dequantize-a-tile + GEMM path (scripts/bench_cpu_kernels.py).
 GEMV_MAX_ROWS = 8
-#: float32 elements of one dequantized tile of W (1 MiB: stays in L2 while the GEMM reads it).
-TILE_ELEMENTS = 1 << 18
+#: float32 elements of one dequantized tile of W (4 MiB), and the fewest rows a tile holds: torch's GEMM
+#: needs tall enough tiles (4096x11008 at 512 tokens, scripts/bench_cpu_kernels.py: 1 MiB tiles of 23 rows
+#: ran at 0.5x fp32; 4 MiB tiles of at least 128 rows at 0.83x).
+TILE_ELEMENTS = 1 << 20
+TILE_MIN_ROWS = 128
 #: cpu_lut.cpp's LUT kinds (sq_weight.lut_kind).
 LUT_F32, LUT_F16, LUT_U8_AFFINE = 0, 1, 2
 #: Code widths whose blocks the SIMD paths decode (others run the kernels' scalar path).
@@ -158,7 +161,7 @@ def _tiled_linear(x2: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
     xp = torch.empty_like(x2)  # (B, N): x in the kernels' column order
     lib.sq_permute_x(x2.data_ptr(), xp.data_ptr(), batch, n, prepared.bits)
     y_t = torch.empty(rows, batch, dtype=torch.float32)  # (R, B): row tiles of W give contiguous row slices
-    tile_rows = max(16, min(rows, TILE_ELEMENTS // max(n, 1)))
+    tile_rows = max(1, min(rows, max(TILE_MIN_ROWS, TILE_ELEMENTS // max(n, 1))))
     tile = torch.empty(tile_rows, n, dtype=torch.float32)  # (tile_rows, N), reused
     for start in range(0, rows, tile_rows):
         stop = min(start + tile_rows, rows)
