@@ -120,12 +120,13 @@ def test_linear_matches_the_reference(
     assert prepared is not None
     g = torch.Generator().manual_seed(n)
     bias = torch.randn(ROWS, generator=g)
-    for batch in range(1, 17):  # 1..8: the GEMV; 9..16: one dequantized tile + GEMM
+    for batch in range(1, 17):  # the GEMV: one chunk of rows of x up to 8, two above
         x = torch.randn(batch, n, generator=g)
         assert_matches(cpu_lut_linear(x, prepared, bias), reference(x, q, bias), batch)
     x = torch.randn(21, n, generator=g)
     expected = reference(x, q, bias)
     with monkeypatch.context() as m:
+        m.setattr(cpu_lut, "GEMV_MAX_ROWS", 8)  # 21 rows of x: the tile path
         m.setattr(cpu_lut, "TILE_ELEMENTS", 1)
         m.setattr(cpu_lut, "TILE_MIN_ROWS", 16)  # 16-row tiles: 16 + 16 + 8 rows
         assert_matches(cpu_lut_linear(x, prepared, bias), expected, "tiles")
@@ -194,6 +195,7 @@ def test_prefill_dequantizes_row_tiles_never_the_whole_weight(
     prepared = prepare_cpu(q, kernels=spy)
     assert prepared is not None
     x = torch.randn(12, 200)
+    monkeypatch.setattr(cpu_lut, "GEMV_MAX_ROWS", 8)  # 12 rows of x: the tile path
     monkeypatch.setattr(cpu_lut, "TILE_ELEMENTS", 16 * 200)  # 16 rows of W per tile
     monkeypatch.setattr(cpu_lut, "TILE_MIN_ROWS", 1)
     assert_matches(cpu_lut_linear(x, prepared), reference(x, q, None))
