@@ -398,8 +398,9 @@ def memory_section(artifacts: list[Path], original: Path) -> dict[str, Any]:
 
 
 def weight_bytes(native: Any, dense: Any) -> dict[str, int]:
-    """What the weights of one artifact occupy: quantized buffers, the kernels' own copies (float32 LUTs, sparse
-    part), the dense fp32 cache the dense path built, embeddings / LM head, everything else."""
+    """What the weights of one artifact occupy: quantized buffers, the kernels' own copies (the sparse part's
+    kernel form; a float32 LUT only for LUT dtypes not read in place), the dense fp32 cache the dense path
+    built, embeddings / LM head, everything else."""
     from squeeze.runtime.linear import SqueezeLinear
 
     def nbytes(t: Any) -> int:
@@ -590,7 +591,8 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
         head = "tied to the embeddings" if wb["lm_head_tied_to_embeddings"] else f"{wb['lm_head'] / 1e6:.1f} MB"
         print(
             f"  {name}: quantized linears {wb['quantized_buffers'] / 1e6:.1f} + the kernels' own copies "
-            f"{wb['kernel_extra'] / 1e6:.1f} (float32 LUTs / sparse form); a dense fp32 cache holds "
+            f"{wb['kernel_extra'] / 1e6:.1f} (the sparse part's kernel form; LUTs are read in place); "
+            "a dense fp32 cache holds "
             f"{wb['dense_fp32_cache_would_hold'] / 1e6:.1f} (built by the dense path: "
             f"{wb['dense_fp32_cache_built'] / 1e6:.1f}); embeddings {wb['embeddings'] / 1e6:.1f} "
             f"({wb['embedding_dtype_bits']}-bit), LM head {head}; other {wb['other_params_and_buffers'] / 1e6:.1f}"
