@@ -30,10 +30,8 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -42,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
 from torch import Tensor
 
 from squeeze.quant.packing import pack_codes
@@ -60,38 +59,6 @@ INT8_BATCHES = [1, 4, 8, 512]
 #: shapes whose weight (fp32: 64-180 MB) is far larger than the last-level cache: the bandwidth goal applies
 BIG_SHAPES = {(4096, 4096), (11008, 4096), (4096, 11008)}
 COPY_MIB = 256
-
-
-def revision() -> str:
-    """Which squeeze this run measures: where it was imported from, and the repository's commit (dirty or not)."""
-    import squeeze
-
-    where = Path(squeeze.__file__).resolve().parent
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "squeeze"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        head, dirty = "?", ""
-    state = " with uncommitted changes under squeeze/" if dirty else ""
-    return f"squeeze imported from {where}; {root} at {head}{state}"
-
-
-def command_line() -> str:
-    """The command that produced this run, as it would be typed from the current directory."""
-    exe = sys.executable
-    try:
-        exe = os.path.relpath(exe) if not os.path.relpath(exe).startswith("..") else exe
-    except ValueError:
-        pass
-    return shlex.join([exe, *sys.argv])
 
 
 def machine() -> dict[str, Any]:

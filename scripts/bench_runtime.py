@@ -35,7 +35,6 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARTIFACTS = [REPO / "artifacts" / "smollm2-135m-w4", REPO / "artifacts" / "smollm2-135m-w3-s045"]
@@ -57,38 +58,6 @@ ORIGINAL = "original fp32"
 
 
 # -- run description ---------------------------------------------------------------------------------------
-
-
-def revision() -> str:
-    """Which squeeze this run measures: where it was imported from, and the repository's commit (dirty or not)."""
-    import squeeze
-
-    where = Path(squeeze.__file__).resolve().parent
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "squeeze"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        head, dirty = "?", ""
-    state = " with uncommitted changes under squeeze/" if dirty else ""
-    return f"squeeze imported from {where}; {root} at {head}{state}"
-
-
-def command_line() -> str:
-    """The command that produced this run, as it would be typed from the current directory."""
-    exe = sys.executable
-    try:
-        exe = os.path.relpath(exe) if not os.path.relpath(exe).startswith("..") else exe
-    except ValueError:
-        pass
-    return shlex.join([exe, *sys.argv])
 
 
 def loadavg() -> str:
