@@ -517,13 +517,17 @@ def section_decode(rep: Report, device: torch.device, plan: Plan, dry: bool) -> 
     from squeeze.runtime.linear import SqueezeLinear
 
     class TritonSqueezeLinear(SqueezeLinear):
-        """SqueezeLinear whose forward tries the Triton kernels first (what linear.py will do)."""
+        """SqueezeLinear whose forward runs the Triton kernels (also on CPU tensors in a dry run), or, with
+        ``use_triton`` off, the exact torch reference: x @ dequantize()^T (SqueezeLinear.forward itself would
+        take the Triton kernels again on CUDA, so the comparison would test them against themselves)."""
 
         use_triton = True
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = lut_forward(x, self, allow_cpu=dry) if self.use_triton else None
-            return y if y is not None else super().forward(x)
+            if y is not None:
+                return y
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype).to(x.device), self.bias)
 
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=4096, **plan.llama)
