@@ -87,6 +87,16 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     return out.view(R, G * g)[:, :n].contiguous()
 
 
+def codes_at(packed: Tensor, rows: Tensor, cols: Tensor, bits: int) -> Tensor:
+    """uint8 codes at (rows, cols) (int64, same shape) of rows packed by :func:`pack_codes` (uint8 (R, W)),
+    without unpacking whole rows: a code spans at most two bytes of its row's stream."""
+    bit = cols * bits
+    byte = bit >> 3
+    lo = packed[rows, byte].to(torch.int32)
+    hi = packed[rows, torch.clamp(byte + 1, max=packed.shape[1] - 1)].to(torch.int32)
+    return (((lo | (hi << 8)) >> (bit & 7)) & ((1 << bits) - 1)).to(torch.uint8)
+
+
 def check_bits(bits: int) -> None:
     """ValueError unless ``bits`` is a supported code width: the quantizers' and kernels' contract (user input
     was checked against squeeze.limits at the boundary)."""
@@ -112,4 +122,4 @@ def _overlaps(bits: int) -> list[tuple[int, int, int, int]]:
     return pairs
 
 
-__all__ = ["SUPPORTED_BITS", "check_bits", "pack_codes", "unpack_codes", "packed_row_bytes"]
+__all__ = ["SUPPORTED_BITS", "check_bits", "codes_at", "pack_codes", "unpack_codes", "packed_row_bytes"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import FormatError
-from squeeze.quant.packing import SUPPORTED_BITS, pack_codes, packed_row_bytes, unpack_codes
+from squeeze.quant.packing import SUPPORTED_BITS, codes_at, pack_codes, packed_row_bytes, unpack_codes
 
 
 def u8(rows: list[list[int]]) -> torch.Tensor:
@@ -112,3 +112,16 @@ def test_bad_codes_and_bits_are_value_errors() -> None:
         pack_codes(torch.zeros(4, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match="bits must be one of"):
         unpack_codes(torch.zeros(1, 1, dtype=torch.uint8), 6, 1)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_codes_at_equals_unpacked_codes(bits: int) -> None:
+    g = torch.Generator().manual_seed(bits)
+    for n in (1, 13, 200):
+        codes = torch.randint(0, 1 << bits, (6, n), generator=g, dtype=torch.uint8)
+        packed = pack_codes(codes, bits)
+        rows = torch.randint(0, 6, (50,), generator=g)
+        cols = torch.cat([torch.randint(0, n, (48,), generator=g), torch.tensor([0, n - 1])])  # the last column too
+        rows = torch.cat([rows[:48], torch.tensor([5, 5])])
+        got = codes_at(packed, rows, cols, bits)
+        assert got.dtype == torch.uint8 and torch.equal(got, unpack_codes(packed, bits, n)[rows, cols]), n

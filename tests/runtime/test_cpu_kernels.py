@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 import squeeze.runtime.kernels.cpu_lut as cpu_lut
-from squeeze.quant.packing import pack_codes, unpack_codes
+from squeeze.quant.packing import pack_codes
 from squeeze.quant.schemes import WeightFormat
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight, quantize_lut
 from squeeze.quant.schemes.rtn import rtn_quantize
 from squeeze.runtime.kernels.cpu_build import ISAS, CpuKernels, KernelWarning, cpu_kernels
-from squeeze.runtime.kernels.cpu_lut import codes_at, cpu_lut_linear, permuted_positions, prepare_cpu
+from squeeze.runtime.kernels.cpu_lut import cpu_lut_linear, permuted_positions, prepare_cpu
 from squeeze.runtime.linear import SqueezeLinear
 
 ROWS = 40  # output rows: not a multiple of the 16-row prefill tile, so the last tile is partial
@@ -305,19 +305,6 @@ def test_permute_x_agrees_with_permuted_positions(kernels: CpuKernels, bits: int
         pos = permuted_positions(torch.arange(n), n, bits)
         assert torch.equal(torch.sort(pos).values, torch.arange(n)), n  # a permutation
         assert torch.equal(xp[:, pos], x), n
-
-
-@pytest.mark.parametrize("bits", BITS)
-def test_codes_at_equals_unpacked_codes(bits: int) -> None:
-    g = torch.Generator().manual_seed(bits)
-    for n in (1, 13, 200):
-        codes = torch.randint(0, 1 << bits, (6, n), generator=g, dtype=torch.uint8)
-        packed = pack_codes(codes, bits)
-        rows = torch.randint(0, 6, (50,), generator=g)
-        cols = torch.cat([torch.randint(0, n, (48,), generator=g), torch.tensor([0, n - 1])])  # the last column too
-        rows = torch.cat([rows[:48], torch.tensor([5, 5])])
-        got = codes_at(packed, rows, cols, bits)
-        assert got.dtype == torch.uint8 and torch.equal(got, unpack_codes(packed, bits, n)[rows, cols]), n
 
 
 # ---------------------------------------------------------------------------------------------------------

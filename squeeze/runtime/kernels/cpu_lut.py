@@ -19,6 +19,7 @@ from torch import Tensor
 
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
 from squeeze.runtime.kernels.cpu_build import CpuKernels, SqWeight, cpu_kernels
+from squeeze.runtime.kernels.reference import sparse_residual
 
 #: Rows of x up to which the fused GEMV runs (in chunks of 8 rows, each chunk reading W once); above, the
 #: dequantize-a-tile + GEMM path. Caches flushed, 4-bit: at 12-32 rows the GEMV takes 0.3-0.8x the tile
@@ -82,13 +83,10 @@ def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPre
     sparse_ptrs: list[int | None] = [None, None, None, None]
     if qweight.sparse is not None and qweight.sparse.nnz:
         sparse = qweight.sparse
-        row_idx = sparse.row_indices().to(torch.int64)  # (nnz,)
-        cols = sparse.cols.to(torch.int64)  # (nnz,)
-        vals = sparse.vals.to(torch.float32).contiguous()  # (nnz,) exact values
-        codes = codes_at(packed, row_idx, cols, bits).to(torch.int64)  # (nnz,)
-        resid = (vals - qweight.lut_values(torch.float32)[row_idx, codes]).contiguous()  # (nnz,)
-        rowptr = sparse.rowptr.to(torch.int32).contiguous()  # (R+1,)
-        pcols = permuted_positions(cols, n, bits).to(torch.int32).contiguous()  # (nnz,)
+        _, cols, resid = sparse_residual(qweight)  # (nnz,) int32 columns, float32 exact - LUT value
+        vals = sparse.vals.to(torch.float32).contiguous()  # (nnz,) exact values (the tiles' replace)
+        rowptr = sparse.rowptr.to(torch.int32).contiguous()  # (R+1,): the module's own, no copy
+        pcols = permuted_positions(cols.to(torch.int64), n, bits).to(torch.int32).contiguous()  # (nnz,)
         keep += [rowptr, pcols, resid, vals]
         sparse_ptrs = [t.data_ptr() for t in (rowptr, pcols, resid, vals)]
     weight = SqWeight(
@@ -191,15 +189,6 @@ def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:
         j = cols - half
         pos = torch.where((j >= 0) & (j < 64), half + (j % 8) * 8 + j // 8, pos)
     return pos
-
-
-def codes_at(packed: Tensor, rows: Tensor, cols: Tensor, bits: int) -> Tensor:
-    """uint8 codes at (rows, cols) (int64, same shape) of LSB-first packed rows, without unpacking whole rows."""
-    bit = cols * bits
-    byte = bit >> 3
-    lo = packed[rows, byte].to(torch.int32)
-    hi = packed[rows, torch.clamp(byte + 1, max=packed.shape[1] - 1)].to(torch.int32)
-    return (((lo | (hi << 8)) >> (bit & 7)) & ((1 << bits) - 1)).to(torch.uint8)
 
 
 __all__ = ["CpuPreparedLut", "GEMV_MAX_ROWS", "covers", "prepare_cpu", "cpu_lut_linear", "permuted_positions"]

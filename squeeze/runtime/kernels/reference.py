@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from squeeze.quant.packing import codes_at
 from squeeze.quant.schemes.lut import LutWeight
 
 
@@ -42,7 +43,8 @@ def sparse_residual(qweight: LutWeight, codes: Tensor | None = None) -> tuple[Te
     replace-semantics dequantization up to one float32 rounding per sparse entry (the difference of a
     float16 LUT value and a float16/bfloat16 weight is exact in float32 unless their exponents are more
     than ~13 apart). Without a sparse part: rowptr of zeros and empty cols/resid. ``codes`` (uint8 (R, N),
-    optional) saves unpacking again when the caller already has them; the result is on their device.
+    optional): the unpacked codes when the caller has them (the result is then on their device); without
+    them only the codes at the sparse positions are read from the packed rows.
     """
     rows = qweight.out_features
     device = qweight.packed.device
@@ -50,13 +52,14 @@ def sparse_residual(qweight: LutWeight, codes: Tensor | None = None) -> tuple[Te
     if sparse is None:
         empty_i = torch.zeros(0, dtype=torch.int32, device=device)
         return torch.zeros(rows + 1, dtype=torch.int32, device=device), empty_i, torch.zeros(0, device=device)
-    if codes is None:
-        codes = qweight.codes()  # (R, N) uint8; whole rows, but this runs once at load time
-    device = codes.device
+    device = codes.device if codes is not None else device
     row_idx = sparse.row_indices().to(device)  # (nnz,) int64
     col_idx = sparse.cols.to(device=device, dtype=torch.int64)  # (nnz,)
-    codes_at = codes[row_idx, col_idx].to(torch.int64)  # (nnz,)
-    lut_at = qweight.lut_values().to(device)[row_idx, codes_at]  # (nnz,)
+    if codes is None:  # no (R, N) unpack: a load would hold every module's whole codes for a moment
+        at = codes_at(qweight.packed, row_idx, col_idx, qweight.bits).to(torch.int64)  # (nnz,)
+    else:
+        at = codes[row_idx, col_idx].to(torch.int64)  # (nnz,)
+    lut_at = qweight.lut_values().to(device)[row_idx, at]  # (nnz,)
     resid = sparse.vals.to(device=device, dtype=torch.float32) - lut_at
     return sparse.rowptr.to(device=device, dtype=torch.int32).clone(), col_idx.to(torch.int32), resid
 
