@@ -65,8 +65,6 @@ class GenerationResult:
     kv_cache_bytes: int = 0
     #: KV bytes per token over all layers: {"fp16": ..., "int8": ..., "int4": ...}, scales included.
     kv_bytes_per_token: dict[str, int] | None = None
-    #: Which path the quantized linears ran, in words: "native-avx512 (210 linears)", "dense (42 linears)"...
-    weights_path: str = ""
     #: SqueezeLinear modules per path: {"native-avx512": 210}; empty for a model without any.
     weight_paths: dict[str, int] = field(default_factory=dict)
 
@@ -74,6 +72,11 @@ class GenerationResult:
     def text(self) -> str:
         """The first prompt's continuation."""
         return self.texts[0]
+
+    @property
+    def weights_path(self) -> str:
+        """Which path the quantized linears ran, in words: "native-avx512 (210 linears)", "dense (42 linears)"..."""
+        return describe_weight_paths(self.weight_paths)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -91,6 +94,7 @@ class GenerationResult:
             "new_tokens": sum(self.new_tokens),
             "prompt_tokens": sum(self.prompt_tokens),
             "peak_memory_bytes": self.peak_memory_bytes,
+            "weights_path": self.weights_path,
         }
 
 
@@ -346,7 +350,6 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
         kv_cache=f"int{run.kv_spec.bits}" if run.kv_spec is not None else str(run.model.dtype).removeprefix("torch."),
         kv_cache_bytes=_cache_bytes(run.cache),
         kv_bytes_per_token=_kv_table(run.model, run.kv_spec),
-        weights_path=describe_weight_paths(paths),
         weight_paths=paths,
     )
 
