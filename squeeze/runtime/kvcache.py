@@ -17,6 +17,7 @@ sees exactly the error that generation sees.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -41,14 +42,25 @@ from squeeze.quant.kv_spec import KVSpec, LayerKV
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec.bytes_per_token
 
 
-class QuantizedStream:
-    """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling.
+@dataclass(frozen=True)
+class EncodedTokens:
+    """Tokens as stored: ``codes (B, H, n, D)`` int8 / uint8, or ``(B, H, n, D/2)`` uint8 packed int4; ``scale``
+    fp32 (B, H, n, G) holding fp16 values (G grids per token); ``offset`` likewise, asymmetric grids only."""
+
+    codes: Tensor
+    scale: Tensor
+    offset: Tensor | None
+
+
+class TokenCodec:
+    """How one tensor of one layer (keys or values) turns tokens into codes and back.
 
     Every token gets its own fp16 grid per ``group`` channels (squeeze.quant.kv.token_grid) from its range
     times ``clip`` (a float or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else
     uint8 codes, a scale and an offset. With a codebook ``levels`` fp32 (2**bits,), codes are uint8 level
     indices and the scale is the grid's absmax (``clip`` unused). ``channel``: an optional per-channel
     normaliser (scale, centre) fp32 (H, D) applied first (calibrated keys; their grid is symmetric).
+    Tokens are independent: how they are batched or stored (contiguous or paged) never changes their codes.
     """
 
     def __init__(
@@ -67,12 +79,21 @@ class QuantizedStream:
         self.clip = clip
         self.levels = levels
         self.symmetric = symmetric or levels is not None
-        self.length = 0
-        self.codes: Tensor | None = None  # (B, H, cap, D) int8 / uint8, or (B, H, cap, D/2) uint8 packed int4
-        self.scale: Tensor | None = None  # (B, H, cap, G) fp16, G grids per token
-        self.offset: Tensor | None = None  # (B, H, cap, G) fp16, asymmetric grids only
         self._channel_cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
         self._table_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        """int8 for symmetric uniform int8 grids, else uint8 (asymmetric, codebook indices, packed int4)."""
+        return torch.int8 if self.bits == 8 and self.symmetric and self.levels is None else torch.uint8
+
+    def code_width(self, head_dim: int) -> int:
+        """Bytes of codes per token and head: D, or D/2 packed at int4."""
+        return head_dim // 2 if self.bits == 4 else head_dim
+
+    def groups(self, head_dim: int) -> int:
+        """Grids (scales) per token and head."""
+        return head_dim // (self.group or head_dim)
 
     def _channel(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The normaliser as (1, H, 1, D) tensors on ``device`` in ``dtype`` (converted once)."""
@@ -104,11 +125,8 @@ class QuantizedStream:
             self.clip = self.clip.reshape(1, -1, 1, 1, 1).to(device)
         return self.clip
 
-    def append(self, x: Tensor) -> None:
-        """Quantize ``x (B, H, n, D)`` and append it."""
-        n = x.shape[-2]
-        if n == 0:
-            return
+    def encode(self, x: Tensor) -> EncodedTokens:
+        """Quantize ``x (B, H, n, D)`` (any float dtype)."""
         xf = x.float()
         if self.channel is not None:
             xf = normalize_keys(xf, *self._channel(x.device, torch.float32))  # (B, H, n, D)
@@ -121,28 +139,18 @@ class QuantizedStream:
             codes = quantize(grouped, scale, offset, self.bits).flatten(-2)  # (B, H, n, D)
         if self.bits == 4:
             codes = pack_int4(codes)
-        self._reserve(x, self.length + n, codes.dtype, groups=scale.shape[-2])
-        assert self.codes is not None and self.scale is not None
-        end = self.length + n
-        self.codes[:, :, self.length : end] = codes
-        self.scale[:, :, self.length : end] = scale[..., 0]
-        if self.offset is not None and offset is not None:
-            self.offset[:, :, self.length : end] = offset[..., 0]
-        self.length = end
+        return EncodedTokens(codes, scale[..., 0], offset[..., 0] if offset is not None else None)
 
-    def dequantize_into(self, out: Tensor) -> None:
-        """Write the dequantized history into ``out (B, H, length, D)`` (any float dtype, may be a view).
+    def decode_into(self, codes: Tensor, scale: Tensor, offset: Tensor | None, out: Tensor) -> None:
+        """Write the tokens stored as ``codes (B, H, T, D or D/2)``, ``scale`` / ``offset (B, H, T, G)`` (may be
+        strided views) into ``out (B, H, T, D)`` (any float dtype, may be a view).
 
         The same operations as the reference (quant.kv.dequantize / dequantize_codebook, fake_quantize_keys):
         one pass that converts and scales the codes (a codebook lookup first), plus one for the key normaliser.
         """
-        if self.length == 0:
-            return
-        assert self.codes is not None and self.scale is not None
-        codes = self.codes[:, :, : self.length]
-        groups = self.scale.shape[-1]
-        scale = self.scale[:, :, : self.length, :, None].to(out.dtype)  # (B, H, T, G, 1): T*G numbers
-        offset = self.offset[:, :, : self.length, :, None].to(out.dtype) if self.offset is not None else None
+        groups = scale.shape[-1]
+        scale = scale[..., None].to(out.dtype)  # (B, H, T, G, 1): T*G numbers
+        offset = offset[..., None].to(out.dtype) if offset is not None else None
         if self.levels is not None:
             table = self._table(out.device, out.dtype)  # (256, 2) at int4, (256,) at int8
             looked_up = table.index_select(0, codes.reshape(-1).int()).view(out.shape)  # (B, H, T, D)
@@ -156,6 +164,54 @@ class QuantizedStream:
             dequantize(codes.unflatten(-1, (groups, -1)), scale, offset, out=out.unflatten(-1, (groups, -1)))
         if self.channel is not None:
             denormalize_keys_(out, *self._channel(out.device, out.dtype))
+
+
+def layer_codecs(bits: int, layer: LayerKV | None) -> tuple[TokenCodec, TokenCodec]:
+    """The (keys, values) codecs of one layer: calibrated from ``layer``, or the per-token absmax baseline."""
+    if layer is None:  # uncalibrated baseline: per-token absmax for keys and values
+        return (
+            TokenCodec(bits, channel=None, clip=1.0, symmetric=True),
+            TokenCodec(bits, channel=None, clip=1.0, symmetric=True),
+        )
+    keys = TokenCodec(bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True, group=layer.k_group)
+    values = TokenCodec(
+        bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric, group=layer.v_group, levels=layer.v_levels
+    )
+    return keys, values
+
+
+class QuantizedStream:
+    """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling."""
+
+    def __init__(self, codec: TokenCodec):
+        self.codec = codec
+        self.length = 0
+        self.codes: Tensor | None = None  # (B, H, cap, D) int8 / uint8, or (B, H, cap, D/2) uint8 packed int4
+        self.scale: Tensor | None = None  # (B, H, cap, G) fp16, G grids per token
+        self.offset: Tensor | None = None  # (B, H, cap, G) fp16, asymmetric grids only
+
+    def append(self, x: Tensor) -> None:
+        """Quantize ``x (B, H, n, D)`` and append it."""
+        n = x.shape[-2]
+        if n == 0:
+            return
+        encoded = self.codec.encode(x)
+        self._reserve(x, self.length + n, encoded.codes.dtype, groups=encoded.scale.shape[-1])
+        assert self.codes is not None and self.scale is not None
+        end = self.length + n
+        self.codes[:, :, self.length : end] = encoded.codes
+        self.scale[:, :, self.length : end] = encoded.scale
+        if self.offset is not None and encoded.offset is not None:
+            self.offset[:, :, self.length : end] = encoded.offset
+        self.length = end
+
+    def dequantize_into(self, out: Tensor) -> None:
+        """Write the dequantized history into ``out (B, H, length, D)`` (any float dtype, may be a view)."""
+        if self.length == 0:
+            return
+        assert self.codes is not None and self.scale is not None
+        offset = self.offset[:, :, : self.length] if self.offset is not None else None
+        self.codec.decode_into(self.codes[:, :, : self.length], self.scale[:, :, : self.length], offset, out)
 
     def nbytes(self) -> int:
         """Bytes of the stored history (codes and per-token params of ``length`` tokens, not spare capacity)."""
@@ -178,7 +234,7 @@ class QuantizedStream:
             return
         b, h, _, d = like.shape
         new_capacity = max(needed, 2 * capacity, 64)
-        width = d // 2 if self.bits == 4 else d
+        width = self.codec.code_width(d)
 
         def grow(old: Tensor | None, last: int, dtype: torch.dtype) -> Tensor:
             fresh = torch.empty((b, h, new_capacity, last), dtype=dtype, device=like.device)
@@ -188,7 +244,7 @@ class QuantizedStream:
 
         self.codes = grow(self.codes, width, code_dtype)
         self.scale = grow(self.scale, groups, _PARAM_DTYPE)
-        if not self.symmetric:
+        if not self.codec.symmetric:
             self.offset = grow(self.offset, groups, _PARAM_DTYPE)
 
 
@@ -206,22 +262,9 @@ class SqueezeKVLayer(DynamicLayer):
         self._reset_storage()
 
     def _reset_storage(self) -> None:
-        layer = self.spec
-        if layer is None:  # uncalibrated baseline: per-token absmax for keys and values
-            self.k_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
-            self.v_stream = QuantizedStream(self.bits, channel=None, clip=1.0, symmetric=True)
-        else:
-            self.k_stream = QuantizedStream(
-                self.bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True, group=layer.k_group
-            )
-            self.v_stream = QuantizedStream(
-                self.bits,
-                channel=None,
-                clip=layer.v_clip,
-                symmetric=layer.v_symmetric,
-                group=layer.v_group,
-                levels=layer.v_levels,
-            )
+        keys, values = layer_codecs(self.bits, self.spec)
+        self.k_stream = QuantizedStream(keys)
+        self.v_stream = QuantizedStream(values)
         self.sink_keys: Tensor | None = None  # (B, H, <= sink_tokens, D), as given
         self.sink_values: Tensor | None = None
 
@@ -378,6 +421,9 @@ def select_kv_spec(
 
 
 __all__ = [
+    "EncodedTokens",
+    "TokenCodec",
+    "layer_codecs",
     "QuantizedStream",
     "SqueezeKVLayer",
     "SqueezeKVCache",
