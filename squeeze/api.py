@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
     from squeeze.eval.compare import EvalResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult
     from squeeze.runtime.loader import LoadedModel
+    from squeeze.serve.engine import Engine
+    from squeeze.serve.types import EngineConfig
 
 ProgressFn = Callable[[int, int], None]
 
@@ -332,6 +334,38 @@ def generate(
     )
 
 
+def serve_engine(
+    path: str | os.PathLike[str],
+    *,
+    config: EngineConfig | None = None,
+    verify: bool = True,
+    dense_cache: bool = False,
+    low_memory: bool = False,
+    model_name: str | None = None,
+) -> Engine:
+    """Load an artifact (verified unless ``verify=False``) into a serving engine: continuous batching over a
+    paged KV cache (squeeze.serve). Start it with ``engine.start()``, or hand it to
+    ``squeeze.serve.http.create_app`` (what ``squeeze serve`` does).
+
+    ``config``: the KV cache and batching options (EngineConfig; checked before anything loads, ConfigError).
+    Its ``kv_bits`` None takes the artifact's calibrated KV cache when it has one, else full precision;
+    4 / 8 need calibrated scales unless ``kv_dynamic``. ``model_name``: what the API reports (default: the
+    artifact directory's name). ConfigError when the KV memory cannot hold one full-context sequence.
+    """
+    from pathlib import Path
+
+    from squeeze.runtime.kvcache import kv_spec_for
+    from squeeze.serve.engine import Engine, check_engine_config
+    from squeeze.serve.types import EngineConfig
+
+    config = config if config is not None else EngineConfig()
+    check_engine_config(config)
+    loaded = load(path, verify=verify, dense_cache=dense_cache, low_memory=low_memory)
+    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic)
+    name = model_name or Path(os.fspath(path)).resolve().name
+    return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
+
+
 def _loaded_on(
     model: str | os.PathLike[str] | LoadedModel, device: str, *, verify: bool, low_memory: bool, dense_cache: bool
 ) -> tuple[LoadedModel, float]:
@@ -368,6 +402,7 @@ __all__ = [
     "evaluate",
     "load",
     "generate",
+    "serve_engine",
     "check_generate_options",
     "check_calibrate_kv_options",
     "builtin_recipes",

@@ -156,7 +156,8 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _eos_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+def eos_token_ids(model: nn.Module, tokenizer: Any) -> set[int]:
+    """The ids that end a sequence: the model's generation_config eos_token_id(s) and the tokenizer's."""
     ids: set[int] = set()
     config = getattr(model, "generation_config", None)
     for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -226,7 +227,7 @@ def generate(
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(context, int) and not isinstance(context, bool):
         check_context(batch.prompt_tokens, max_new_tokens, context)
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     options = DecodeOptions(
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
@@ -376,4 +377,4 @@ def _kv_table(model: nn.Module, kv_spec: KVSpec | None) -> dict[str, int] | None
         return None
 
 
-__all__ = ["GenerationResult", "generate", "validate_options", "resolve_device", "check_context"]
+__all__ = ["GenerationResult", "generate", "eos_token_ids", "validate_options", "resolve_device", "check_context"]

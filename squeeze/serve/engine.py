@@ -1,0 +1,397 @@
+"""The serving engine: requests in, tokens out, one continuously batched model step at a time.
+
+The engine owns a thread that loops: take new requests and cancellations from its inbox, plan a step
+(squeeze.serve.scheduler), run it through the model over the paged KV pool (squeeze.serve.runner), choose
+the next token of every sequence whose pending tokens are all in (squeeze.serve.sampling), and send each
+request its update. Requests live on the asyncio side as :class:`RequestHandle` objects: updates reach
+their queue through ``loop.call_soon_threadsafe``, and cancelling one (a client that went away) is a
+message in the inbox, handled before the next step, which returns its blocks to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.errors import ConfigError
+from squeeze.quant.kv_spec import KVSpec, kv_geometry
+from squeeze.runtime.generate import eos_token_ids
+from squeeze.serve.blocks import BlockManager
+from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
+from squeeze.serve.runner import ModelRunner
+from squeeze.serve.sampling import choose_token
+from squeeze.serve.scheduler import ScheduledChunk, Scheduler
+from squeeze.serve.sequence import Sequence
+from squeeze.serve.types import (
+    EngineConfig,
+    EngineStats,
+    EngineStoppedError,
+    FinishReason,
+    LatencyObserver,
+    QueueFullError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RequestHandle:
+    """One submitted request on the event loop's side: ``async for`` its updates; ``cancel()`` stops it."""
+
+    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._done = False
+
+    def deliver(self, output: RequestOutput) -> None:
+        """Called from the engine's thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self._done:
+            output = await self._queue.get()
+            self._done = output.finished
+            yield output
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.cancel(self.request_id)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one loaded causal LM (see the module docstring).
+
+    ``kv_spec``: the quantized cache (int8 / int4, calibrated or dynamic), or None for full precision.
+    Raises ConfigError when the options do not fit the model: a ``max_model_len`` beyond its context, a
+    ``kv_memory_bytes`` that cannot hold one full-context sequence.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        config: EngineConfig,
+        kv_spec: KVSpec | None,
+        *,
+        model_name: str = "squeeze",
+    ):
+        check_engine_config(config)
+        model_config: Any = model.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.max_model_len = model_context(model_config, config.max_model_len)
+        self.observer: LatencyObserver | None = None
+        layers, kv_heads, head_dim = kv_geometry(model_config)
+        dtype = next(model.parameters()).dtype
+        self.pool = PagedKVPool.sized(
+            kv_spec,
+            AttentionShape(layers, kv_heads, head_dim),
+            memory_bytes=config.kv_memory_bytes,
+            block_size=config.block_size,
+            sequences=config.max_num_seqs,
+            dtype=dtype,
+            min_tokens=self.max_model_len,
+            device=next(model.parameters()).device,
+        )
+        sink_slots = config.max_num_seqs if self.pool.sink_tokens else 0
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size, sink_slots)
+        self.scheduler = Scheduler(
+            self.blocks, max_num_seqs=config.max_num_seqs, max_batch_tokens=config.max_batch_tokens
+        )
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.runner = ModelRunner(model, self.pool, self.blocks, pad_id=pad if isinstance(pad, int) else 0)
+        self.eos_ids = frozenset(eos_token_ids(model, tokenizer))
+        self.vocab_size = int(model_config.vocab_size)
+        self._handles: dict[str, RequestHandle] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stop = False
+        self._order = 0
+        self._finished = 0
+        self._prompt_tokens = 0
+        self._generated = 0
+        self._utilisation = (0.0, 0)  # sum of per-step shares, steps
+
+    # --- the event loop's side --------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must lie in [0, {self.vocab_size}), found {bad[0]}", param="prompt")
+        return ids
+
+    def tokenize_chat(self, messages: Seq[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(
+                "this model's tokenizer has no chat template, so /v1/chat/completions cannot format messages",
+                hint="use /v1/completions with a plain prompt",
+                param="messages",
+            )
+        text = self.tokenizer.apply_chat_template(
+            [{**m, "content": _text_content(m.get("content"))} for m in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        # the template already wrote any BOS: adding special tokens again would double it (as squeeze run --chat)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def submit(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> RequestHandle:
+        if not self._accepting:
+            raise EngineStoppedError("the server is shutting down and takes no new requests")
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise RequestError("the prompt is empty (zero tokens)", param="prompt")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) is more than the context of "
+                f"{self.max_model_len} tokens",
+                hint="shorten the prompt or lower max_tokens",
+                param="max_tokens",
+            )
+        with self._cond:
+            waiting = len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in self._inbox)
+            if waiting >= self.config.max_queue:
+                raise QueueFullError(f"{waiting} requests are already waiting (--max-queue {self.config.max_queue})")
+            if request_id in self._handles:
+                raise RequestError(f"request id {request_id} is already in use")
+            handle = RequestHandle(self, request_id, asyncio.get_running_loop())
+            self._handles[request_id] = handle
+            self._order += 1
+            seq = Sequence(request_id, prompt, params, order=self._order)
+            self._inbox.append(("add", seq))
+            self._cond.notify()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request and free its blocks (from any thread; a no-op once it has finished)."""
+        with self._cond:
+            self._inbox.append(("cancel", request_id))
+            self._cond.notify()
+
+    def stats(self) -> EngineStats:
+        total, steps = self._utilisation
+        return EngineStats(
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_free=self.blocks.free_blocks,
+            requests_running=len(self.scheduler.running),
+            requests_waiting=len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in list(self._inbox)),
+            block_size=self.blocks.block_size,
+            kv_bits=self.pool.bits,
+            kv_pool_bytes=self.pool.nbytes,
+            preemptions_total=self.scheduler.preemptions,
+            requests_finished_total=self._finished,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generated,
+            kv_block_utilisation=total / steps if steps else 1.0,
+        )
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="squeeze-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, grace_seconds: float) -> None:
+        self._accepting = False
+        deadline = time.monotonic() + max(0.0, grace_seconds)
+        with self._cond:
+            while self._thread is not None and self._busy() and time.monotonic() < deadline:
+                self._cond.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the engine's thread ----------------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._busy() and not self._stop:
+                    self._cond.wait()
+                inbox = list(self._inbox)
+                self._inbox.clear()
+                stop = self._stop
+            for kind, item in inbox:
+                if kind == "add":
+                    self._seqs[item.seq_id] = item
+                    self._prompt_tokens += len(item.prompt_ids)
+                    self.scheduler.add(item)
+                else:
+                    self._abort(item)
+            if stop:
+                for seq_id in list(self._seqs):
+                    self._abort(seq_id)
+                with self._cond:
+                    self._cond.notify_all()
+                return
+            if self.scheduler.has_work():
+                self._step()
+            with self._cond:
+                self._cond.notify_all()  # shutdown() waits for the work to drain
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        live = sum(chunk.seq.computed + chunk.tokens for chunk in plan)
+        allocated = sum(len(self.blocks.tables[c.seq.seq_id]) for c in plan) * self.blocks.block_size
+        total, steps = self._utilisation
+        self._utilisation = (total + live / allocated, steps + 1)
+        try:
+            with torch.inference_mode():
+                logits = self.runner.run(plan)  # (B, V)
+        except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
+            log.exception("engine step failed")
+            for chunk in plan:
+                self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        for row, chunk in enumerate(plan):
+            self._advance(chunk, logits[row])
+
+    def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        seq = chunk.seq
+        seq.computed += chunk.tokens
+        if seq.pending:  # mid-prompt: no token to choose yet
+            return
+        token = choose_token(seq, logits)
+        seq.output_ids.append(token)
+        self._generated += 1
+        now = time.perf_counter()
+        if self.observer is not None:
+            if seq.first_token_time is None:
+                self.observer.observe_ttft(now - seq.arrival)
+            elif seq.last_token_time is not None:
+                self.observer.observe_itl(now - seq.last_token_time)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        eos = token in self.eos_ids
+        text_ids = seq.output_ids[:-1] if eos else seq.output_ids
+        out_of_room = len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_model_len
+        piece, stopped = seq.text.update(self.tokenizer, text_ids, final=eos or out_of_room)
+        reason: FinishReason | None = "stop" if (eos or stopped) else ("length" if out_of_room else None)
+        if reason is None:
+            self._send(seq, piece, (token,), None)
+        else:
+            self._finish(seq, reason, piece=piece, token_ids=(token,))
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        *,
+        piece: str = "",
+        token_ids: tuple[int, ...] = (),
+        error: str | None = None,
+    ) -> None:
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.seq_id, None)
+        self._finished += 1
+        self._send(seq, piece, token_ids, reason, error=error)
+        self._handles.pop(seq.seq_id, None)
+
+    def _abort(self, seq_id: str) -> None:
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def _send(
+        self,
+        seq: Sequence,
+        piece: str,
+        token_ids: tuple[int, ...],
+        reason: FinishReason | None,
+        *,
+        error: str | None = None,
+    ) -> None:
+        handle = self._handles.get(seq.seq_id)
+        if handle is None:
+            return
+        handle.deliver(
+            RequestOutput(
+                request_id=seq.seq_id,
+                text=piece,
+                token_ids=token_ids,
+                finished=reason is not None,
+                finish_reason=reason,
+                prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=len(seq.output_ids),
+                error=error,
+            )
+        )
+
+
+def _text_content(content: Any) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of parts (their text parts joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """ConfigError for engine options that are wrong whatever the model (checked before anything loads)."""
+    from squeeze.runtime.kvcache import check_kv_options
+
+    check_kv_options(config.kv_bits, config.kv_dynamic)
+    for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batch_tokens", "max_queue"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_bytes", "").replace("_", "-")
+            raise ConfigError(f"{flag} must be a positive integer, found {value!r}")
+    if config.max_model_len is not None and (isinstance(config.max_model_len, bool) or config.max_model_len < 1):
+        raise ConfigError(f"--max-model-len must be a positive integer, found {config.max_model_len!r}")
+
+
+def model_context(model_config: Any, max_model_len: int | None) -> int:
+    """The context requests may use: ``max_model_len``, at most the model's (and its sliding window, which the
+    engine's full-attention mask does not apply); ConfigError when it asks for more."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    window = getattr(model_config, "sliding_window", None)
+    if isinstance(window, int) and getattr(model_config, "use_sliding_window", True) is not False:
+        context = min(context, window) if isinstance(context, int) else window
+    if not isinstance(context, int):
+        if max_model_len is None:
+            raise ConfigError("the model's config gives no context length", hint="pass --max-model-len")
+        return max_model_len
+    if max_model_len is None:
+        return context
+    if max_model_len > context:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} is more than the model's context of {context} tokens",
+            hint=f"pass --max-model-len {context} or less",
+        )
+    return max_model_len
+
+
+__all__ = ["Engine", "RequestHandle", "check_engine_config", "model_context"]

@@ -1,0 +1,242 @@
+"""The paged KV cache: one pool per layer of fixed-size token blocks, written and read through block tables.
+
+Storage is token slots: slot ``block * block_size + i`` is token ``i`` of ``block``. Per layer, keys and
+values each hold, over all slots:
+
+- quantized (int8 / int4): ``codes (H, S, D or D/2)`` and per-token grid parameters ``scale`` (and
+  ``offset`` for asymmetric value layers) ``(H, S, G)`` fp16: exactly what ``squeeze run``'s contiguous
+  cache stores per token (squeeze.runtime.kvcache.TokenCodec encodes and decodes both), so a sequence's
+  history reads back bit for bit the same whichever blocks hold it. The first ``sink_tokens`` tokens of
+  every sequence (the attention sink) are also kept as given, in a small full-precision area with one
+  entry per sequence slot (a sequence holds one while it runs).
+- full precision (``kv_bits`` 16): the keys and values as given, in the model's dtype, no sink area.
+
+The pool knows nothing of sequences: the engine's block manager hands out blocks, and each step passes a
+:class:`StepSlots` (where this step's new tokens go, which slots each row reads) to :meth:`PagedKVPool.update`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from squeeze.errors import ConfigError
+from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token
+from squeeze.runtime.kvcache import TokenCodec, layer_codecs
+
+_PARAM_DTYPE = torch.float16  # per-token scales / offsets, as in squeeze run's cache
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What every attention layer caches per token: ``kv_heads`` heads of ``head_dim`` channels."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class StepSlots:
+    """Where one step's tokens go and what each row reads, as index tensors on the pool's device.
+
+    The step's key / value states are (B, H, t, D). ``new_rows`` / ``new_cols`` (N,) int64 pick its N real
+    new tokens (padding excluded) in order; ``new_slots`` (N,) are their token slots and ``new_sink`` (N,)
+    their index in the sink area, or -1 past the sink. ``read_slots`` (B, L) int64: the slot of each
+    row's positions 0..L-1 (padding past a row's length reads slot 0: finite, and masked out).
+    ``read_sink`` (B, s) int64, s = min(L, sink_tokens): each row's sink entries.
+    """
+
+    new_rows: Tensor
+    new_cols: Tensor
+    new_slots: Tensor
+    new_sink: Tensor
+    read_slots: Tensor
+    read_sink: Tensor
+
+
+class _QuantizedLayerTensor:
+    """Keys or values of one layer in a quantized pool: codes and grid parameters for every slot."""
+
+    def __init__(
+        self,
+        codec: TokenCodec,
+        shape: AttentionShape,
+        slots: int,
+        sink_entries: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        h, d = shape.kv_heads, shape.head_dim
+        self.codec = codec
+        # zeros: slots never written (padding reads) decode to finite numbers
+        self.codes = torch.zeros((h, slots, codec.code_width(d)), dtype=codec.code_dtype, device=device)
+        self.scale = torch.zeros((h, slots, codec.groups(d)), dtype=_PARAM_DTYPE, device=device)
+        self.offset = None if codec.symmetric else torch.zeros_like(self.scale)
+        self.sink = torch.zeros((h, sink_entries, d), dtype=dtype, device=device)
+
+    def write(self, new: Tensor, slots: StepSlots) -> None:
+        """Store ``new (H, N, D)``: its codes into ``slots.new_slots``, sink tokens as given."""
+        encoded = self.codec.encode(new[None])  # (1, H, N, D) -> codes (1, H, N, Dc)
+        self.codes.index_copy_(1, slots.new_slots, encoded.codes[0])
+        self.scale.index_copy_(1, slots.new_slots, encoded.scale[0].to(_PARAM_DTYPE))
+        if self.offset is not None and encoded.offset is not None:
+            self.offset.index_copy_(1, slots.new_slots, encoded.offset[0].to(_PARAM_DTYPE))
+        in_sink = slots.new_sink >= 0
+        if bool(in_sink.any()):
+            self.sink.index_copy_(1, slots.new_sink[in_sink], new[:, in_sink].to(self.sink.dtype))
+
+    def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
+        """Every row's history, (B, H, L, D) in ``dtype``: decoded codes, the sink as stored."""
+        b, length = slots.read_slots.shape
+        h, _, d = self.sink.shape
+        flat = slots.read_slots.reshape(-1)
+
+        def gather(store: Tensor) -> Tensor:  # (H, S, X) -> (B, H, L, X), a strided view of one copy
+            return store.index_select(1, flat).view(h, b, length, -1).permute(1, 0, 2, 3)
+
+        out = torch.empty((b, h, length, d), dtype=dtype, device=self.codes.device)
+        offset = gather(self.offset) if self.offset is not None else None
+        self.codec.decode_into(gather(self.codes), gather(self.scale), offset, out)
+        sink = slots.read_sink.shape[1]
+        if sink:
+            kept = self.sink.index_select(1, slots.read_sink.reshape(-1)).view(h, b, sink, d)  # (H, B, s, D)
+            out[:, :, :sink] = kept.permute(1, 0, 2, 3)
+        return out
+
+
+class _FullLayerTensor:
+    """Keys or values of one layer in a full-precision pool: the tokens as given, one slot each."""
+
+    def __init__(self, shape: AttentionShape, slots: int, dtype: torch.dtype, device: torch.device):
+        self.store = torch.zeros((shape.kv_heads, slots, shape.head_dim), dtype=dtype, device=device)
+
+    def write(self, new: Tensor, slots: StepSlots) -> None:
+        self.store.index_copy_(1, slots.new_slots, new.to(self.store.dtype))
+
+    def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
+        b, length = slots.read_slots.shape
+        h = self.store.shape[0]
+        picked = self.store.index_select(1, slots.read_slots.reshape(-1)).view(h, b, length, -1)
+        return picked.permute(1, 0, 2, 3).to(dtype)
+
+
+def block_bytes(spec: KVSpec | None, shape: AttentionShape, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of ``block_size`` tokens takes over all layers (keys and values, grid parameters included)."""
+    if spec is None:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return block_size * fp_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
+    return block_size * spec.bytes_per_token(shape.kv_heads, shape.head_dim)
+
+
+def sink_bytes(spec: KVSpec | None, shape: AttentionShape, sequences: int, dtype: torch.dtype) -> int:
+    """Bytes of the full-precision sink area for ``sequences`` sequence slots (0 without quantization)."""
+    if spec is None:
+        return 0
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return sequences * spec.sink_tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * itemsize
+
+
+class PagedKVPool:
+    """Every layer's keys and values for ``num_blocks`` blocks of ``block_size`` tokens (see the module docstring).
+
+    ``spec``: the quantized cache's spec (None: full precision in ``dtype``). ``sequences``: sequence slots
+    of the sink area (the engine's max_num_seqs).
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec | None,
+        shape: AttentionShape,
+        *,
+        num_blocks: int,
+        block_size: int,
+        sequences: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        if spec is not None and len(spec.layers) != shape.layers:
+            raise ValueError(f"the KV spec has {len(spec.layers)} layers, the model {shape.layers}")
+        self.spec = spec
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.sequences = sequences
+        self.dtype = dtype
+        self.sink_tokens = spec.sink_tokens if spec is not None else 0
+        slots = num_blocks * block_size
+        device = torch.device(device)
+        self._keys: list[_QuantizedLayerTensor | _FullLayerTensor] = []
+        self._values: list[_QuantizedLayerTensor | _FullLayerTensor] = []
+        for index in range(shape.layers):
+            if spec is None:
+                self._keys.append(_FullLayerTensor(shape, slots, dtype, device))
+                self._values.append(_FullLayerTensor(shape, slots, dtype, device))
+                continue
+            keys, values = layer_codecs(spec.bits, spec.layers[index])
+            entries = sequences * self.sink_tokens
+            self._keys.append(_QuantizedLayerTensor(keys, shape, slots, entries, dtype, device))
+            self._values.append(_QuantizedLayerTensor(values, shape, slots, entries, dtype, device))
+
+    @classmethod
+    def sized(
+        cls,
+        spec: KVSpec | None,
+        shape: AttentionShape,
+        *,
+        memory_bytes: int,
+        block_size: int,
+        sequences: int,
+        dtype: torch.dtype,
+        min_tokens: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedKVPool:
+        """The pool with as many blocks as ``memory_bytes`` holds (the sink area counted first).
+
+        ConfigError when that is fewer than ``min_tokens`` tokens (one full-context sequence).
+        """
+        per_block = block_bytes(spec, shape, block_size, dtype)
+        sinks = sink_bytes(spec, shape, sequences, dtype)
+        num_blocks = max(0, (memory_bytes - sinks) // per_block)
+        needed = -(-min_tokens // block_size)
+        if num_blocks < needed:
+            need = needed * per_block + sinks
+            raise ConfigError(
+                f"--kv-memory {memory_bytes} bytes holds {num_blocks} KV blocks of {block_size} tokens, but one "
+                f"sequence of the full context ({min_tokens} tokens) needs {needed} ({need} bytes with the sink area)",
+                hint=f"pass --kv-memory {_mib(need)}MiB or more, or a smaller --max-model-len",
+            )
+        return cls(
+            spec, shape, num_blocks=num_blocks, block_size=block_size, sequences=sequences, dtype=dtype, device=device
+        )
+
+    @property
+    def bits(self) -> int:
+        """16 (full precision), 8 or 4."""
+        return self.spec.bits if self.spec is not None else 16
+
+    @property
+    def block_bytes(self) -> int:
+        return block_bytes(self.spec, self.shape, self.block_size, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds: every block plus the sink area."""
+        return self.num_blocks * self.block_bytes + sink_bytes(self.spec, self.shape, self.sequences, self.dtype)
+
+    def update(self, layer: int, keys: Tensor, values: Tensor, slots: StepSlots) -> tuple[Tensor, Tensor]:
+        """Store this step's new ``keys`` / ``values (B, H, t, D)`` of ``layer`` and return every row's history,
+        (B, H, L, D) each in their dtype, the new tokens included (read back as stored, as squeeze run does)."""
+        for states, store in ((keys, self._keys[layer]), (values, self._values[layer])):
+            new = states[slots.new_rows, :, slots.new_cols]  # (N, H, D)
+            store.write(new.transpose(0, 1), slots)  # (H, N, D)
+        return self._keys[layer].read(slots, keys.dtype), self._values[layer].read(slots, values.dtype)
+
+
+def _mib(size: int) -> int:
+    return -(-size // (1 << 20))
+
+
+__all__ = ["AttentionShape", "StepSlots", "PagedKVPool", "block_bytes", "sink_bytes"]

@@ -1,0 +1,203 @@
+"""What the serving engine and its HTTP front share: options, per-request parameters, outputs, errors.
+
+The engine (squeeze.serve.engine) runs the model; the HTTP layer (squeeze.serve.http) speaks the OpenAI
+protocol. Neither imports the other's internals: they meet here, and the HTTP layer talks to any object with
+the :class:`EngineClient` interface (tests drive it with a fake one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from squeeze.errors import SqueezeError
+
+#: Why a request stopped: an end-of-sequence token or a stop string ("stop"), max_tokens ("length"), the
+#: client went away or the server shut down ("abort"), or the engine failed on it ("error").
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RequestError(SqueezeError):
+    """A request the server refuses: HTTP ``status`` (400 by default) with an OpenAI-style error body."""
+
+    status: int = 400
+    #: OpenAI's error ``type`` field.
+    error_type: str = "invalid_request_error"
+
+    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
+
+
+class QueueFullError(RequestError):
+    """Too many requests waiting: HTTP 429 with a ``Retry-After`` header of ``retry_after`` seconds."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStoppedError(RequestError):
+    """The engine is shutting down (or stopped) and takes no new request: HTTP 503."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine sizes its KV cache and batches.
+
+    kv_bits: 16 (full precision) or 4 / 8 (the artifact's calibrated int4 / int8 cache); None: what the
+    artifact was calibrated for, else 16. kv_dynamic: 4 / 8 bits without calibration (per-token absmax).
+    kv_memory_bytes: the KV pool (all layers, sink tokens included). block_size: tokens per KV block.
+    max_num_seqs: sequences in one batch at most. max_batch_tokens: tokens one step feeds the model at most
+    (decode tokens first, then prompt chunks). max_model_len: the context a request may use (None: the
+    model's). max_queue: requests waiting at most before new ones get 429.
+    """
+
+    kv_bits: int | None = None
+    kv_dynamic: bool = False
+    kv_memory_bytes: int = 1 << 30
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_batch_tokens: int = 512
+    max_model_len: int | None = None
+    max_queue: int = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation options (already validated by the HTTP layer's schema).
+
+    Greedy when ``temperature == 0``; else sampling with nucleus ``top_p``, from a generator seeded with
+    ``seed`` (random when None) that belongs to this request alone, so a seeded request gives the same text
+    whatever else is in the batch. Generation stops at ``max_tokens`` new tokens, an end-of-sequence token,
+    or the first of the ``stop`` strings (which is not part of the returned text).
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One update of a request, sent as tokens are produced.
+
+    text / token_ids: what is new since the previous update (text held back while it may still turn into a
+    stop string). finished: the last update of the request, with its ``finish_reason``.
+    prompt_tokens / completion_tokens: counts so far (usage).
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics and /health: KV blocks, requests by state, and totals since start."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+    requests_running: int
+    requests_waiting: int
+    block_size: int
+    #: 16 (full precision), 8 or 4.
+    kv_bits: int
+    kv_pool_bytes: int = 0
+    preemptions_total: int = 0
+    requests_finished_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    #: Of the token slots in allocated blocks, the share holding live tokens, averaged over the steps run
+    #: (1.0 before any step).
+    kv_block_utilisation: float = 1.0
+
+
+class LatencyObserver(Protocol):
+    """Receives latencies as the engine measures them (called from the engine's thread)."""
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Arrival of a request to its first new token."""
+        ...
+
+    def observe_itl(self, seconds: float) -> None:
+        """Time between two consecutive new tokens of one request."""
+        ...
+
+
+class RequestStream(Protocol):
+    """One submitted request: iterate it (``async for``) for its updates; ``cancel()`` stops it early."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def cancel(self) -> None:
+        """Stop the request and free its KV blocks (idempotent; a no-op once it finished)."""
+        ...
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer needs from an engine. Its methods are called on the event loop's thread."""
+
+    #: The name /v1/models lists and responses carry.
+    model_name: str
+    #: Longest prompt + max_tokens a request may ask for.
+    max_model_len: int
+    #: Set by the HTTP layer to receive latencies; None: not measured.
+    observer: LatencyObserver | None
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt ids: text tokenized as ``squeeze run`` does (the tokenizer's special tokens added), or ids
+        checked against the vocabulary (RequestError when one is out of range)."""
+        ...
+
+    def tokenize_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The chat template applied to ``messages`` (with the generation prompt) as ids; RequestError when the
+        tokenizer has no chat template."""
+        ...
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Queue a request. Raises RequestError (prompt + max_tokens beyond max_model_len, empty prompt),
+        QueueFullError (too many waiting) or EngineStoppedError (shutting down) before queueing anything."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def start(self) -> None:
+        """Start the engine's thread (idempotent)."""
+        ...
+
+    def shutdown(self, grace_seconds: float) -> None:
+        """Stop taking requests (submit raises EngineStoppedError), let running ones finish for up to
+        ``grace_seconds``, cancel the rest (finish_reason "abort"), stop the thread. Blocks until done."""
+        ...
+
+
+__all__ = [
+    "FinishReason",
+    "RequestError",
+    "QueueFullError",
+    "EngineStoppedError",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "EngineStats",
+    "LatencyObserver",
+    "RequestStream",
+    "EngineClient",
+]

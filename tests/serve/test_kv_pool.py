@@ -1,0 +1,140 @@
+"""The paged KV pool: what it reads back equals squeeze run's contiguous cache bit for bit, its bytes, its sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from squeeze.errors import ConfigError
+from squeeze.quant.kv_spec import KVSpec, LayerKV
+from squeeze.runtime.kvcache import SqueezeKVLayer
+from squeeze.serve.blocks import BlockManager
+from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots, block_bytes
+
+H, D = 2, 8
+SHAPE = AttentionShape(layers=1, kv_heads=H, head_dim=D)
+
+
+def _calibrated(bits: int, *, symmetric_values: bool, levels: bool) -> LayerKV:
+    gen = torch.Generator().manual_seed(bits)
+    return LayerKV(
+        k_scale=torch.rand(H, D, generator=gen) + 0.5,
+        k_zero=torch.randn(H, D, generator=gen) * 0.1,
+        v_clip=torch.full((H,), 0.9),
+        k_symmetric=True,
+        v_symmetric=symmetric_values,
+        k_group=D // 2,
+        v_levels=torch.linspace(-1, 1, 2**bits) if levels else None,
+    )
+
+
+SPECS = {
+    "int8-dynamic": KVSpec.dynamic(8, ("attn",), sink_tokens=2),
+    "int4-dynamic": KVSpec.dynamic(4, ("attn",), sink_tokens=2),
+    "int8-asymmetric": KVSpec(8, 2, ("attn",), (_calibrated(8, symmetric_values=False, levels=False),)),
+    "int4-codebook": KVSpec(4, 2, ("attn",), (_calibrated(4, symmetric_values=True, levels=True),)),
+    "fp32": None,
+}
+
+
+def _slots(blocks: BlockManager, rows: list[tuple[str, int, int]], width: int, sink: int) -> StepSlots:
+    """StepSlots for rows (seq_id, start, new tokens), new tokens left-padded to ``width`` columns."""
+    new_rows, new_cols, new_slots, new_sink, reads, read_sink = [], [], [], [], [], []
+    length = max(start + n for _, start, n in rows)
+    for b, (seq_id, start, n) in enumerate(rows):
+        blocks.grow(seq_id, start + n)
+        new_rows += [b] * n
+        new_cols += range(width - n, width)
+        new_slots += blocks.slots(seq_id, start, start + n)
+        base = blocks.sinks.get(seq_id, 0) * sink
+        new_sink += [base + p if p < sink else -1 for p in range(start, start + n)]
+        own = blocks.slots(seq_id, 0, start + n)
+        reads.append(own + [0] * (length - len(own)))
+        read_sink.append([base + j for j in range(min(length, sink))])
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return StepSlots(
+        as_long(new_rows),
+        as_long(new_cols),
+        as_long(new_slots),
+        as_long(new_sink),
+        as_long(reads),
+        torch.tensor(read_sink, dtype=torch.long).reshape(len(rows), -1),
+    )
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_paged_history_equals_the_contiguous_cache_bit_for_bit(name: str) -> None:
+    spec = SPECS[name]
+    sink = spec.sink_tokens if spec is not None else 0
+    pool = PagedKVPool(spec, SHAPE, num_blocks=16, block_size=4, sequences=2, dtype=torch.float32)
+    blocks = BlockManager(16, 4, 2 if sink else 0)
+    gen = torch.Generator().manual_seed(0)
+    # two sequences, fed in chunks of different sizes at once: (3, 5), then (6, 1), then (1, 1)
+    feeds = [(3, 5), (6, 1), (1, 1)]
+    total = [sum(f[i] for f in feeds) for i in range(2)]
+    keys = [torch.randn(1, H, n, D, generator=gen) * 3 for n in total]
+    values = [torch.randn(1, H, n, D, generator=gen) for n in total]
+    refs = [SqueezeKVLayer(spec.bits, spec.layers[0], spec.sink_tokens) if spec is not None else None for _ in range(2)]
+    done = [0, 0]
+    for chunk in feeds:
+        width = max(chunk)
+        rows = [(f"s{i}", done[i], chunk[i]) for i in range(2)]
+        slots = _slots(blocks, rows, width, sink)
+        k_step = torch.zeros(2, H, width, D)
+        v_step = torch.zeros(2, H, width, D)
+        for i in range(2):
+            k_step[i, :, width - chunk[i] :] = keys[i][0, :, done[i] : done[i] + chunk[i]]
+            v_step[i, :, width - chunk[i] :] = values[i][0, :, done[i] : done[i] + chunk[i]]
+        k_hist, v_hist = pool.update(0, k_step, v_step, slots)
+        for i in range(2):
+            new_k = keys[i][:, :, done[i] : done[i] + chunk[i]]
+            new_v = values[i][:, :, done[i] : done[i] + chunk[i]]
+            done[i] += chunk[i]
+            if refs[i] is None:
+                want_k, want_v = keys[i][0, :, : done[i]], values[i][0, :, : done[i]]
+            else:
+                want_k, want_v = (t[0] for t in refs[i].update(new_k, new_v))
+            assert torch.equal(k_hist[i, :, : done[i]], want_k)
+            assert torch.equal(v_hist[i, :, : done[i]], want_v)
+            assert torch.isfinite(k_hist[i]).all() and torch.isfinite(v_hist[i]).all()  # padding reads finite
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_pool_bytes_are_its_tensors(name: str) -> None:
+    spec = SPECS[name]
+    pool = PagedKVPool(spec, SHAPE, num_blocks=5, block_size=4, sequences=3, dtype=torch.float32)
+    held = sum(
+        t.numel() * t.element_size()
+        for store in (*pool._keys, *pool._values)
+        for t in vars(store).values()
+        if isinstance(t, torch.Tensor)
+    )
+    assert pool.nbytes == held
+    if spec is not None:  # int4 codes are a quarter of fp16's bytes, plus fp16 grid parameters
+        assert block_bytes(spec, SHAPE, 4, torch.float16) < block_bytes(None, SHAPE, 4, torch.float16)
+
+
+def test_sized_pool_fills_the_budget_and_refuses_less_than_one_full_sequence() -> None:
+    spec = SPECS["int4-dynamic"]
+    per_block = block_bytes(spec, SHAPE, 16, torch.float32)
+    pool = PagedKVPool.sized(
+        spec,
+        SHAPE,
+        memory_bytes=100 * per_block + 5000,
+        block_size=16,
+        sequences=2,
+        dtype=torch.float32,
+        min_tokens=64,
+    )
+    assert pool.nbytes <= 100 * per_block + 5000 < pool.nbytes + per_block
+    with pytest.raises(ConfigError, match=r"one sequence of the full context \(4096 tokens\) needs 256") as caught:
+        PagedKVPool.sized(
+            spec,
+            SHAPE,
+            memory_bytes=100 * per_block,
+            block_size=16,
+            sequences=2,
+            dtype=torch.float32,
+            min_tokens=4096,
+        )
+    assert "--kv-memory" in (caught.value.hint or "")
