@@ -294,7 +294,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
-        eos = token in self.eos_ids
+        eos = token in self.eos_ids and not seq.params.ignore_eos
         text_ids = seq.output_ids[:-1] if eos else seq.output_ids
         out_of_room = len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_model_len
         piece, stopped = seq.text.update(self.tokenizer, text_ids, final=eos or out_of_room)

@@ -77,7 +77,8 @@ class SamplingParams:
     Greedy when ``temperature == 0``; else sampling with nucleus ``top_p``, from a generator seeded with
     ``seed`` (random when None) that belongs to this request alone, so a seeded request gives the same text
     whatever else is in the batch. Generation stops at ``max_tokens`` new tokens, an end-of-sequence token,
-    or the first of the ``stop`` strings (which is not part of the returned text).
+    or the first of the ``stop`` strings (which is not part of the returned text). ``ignore_eos``: do not stop
+    at end-of-sequence tokens (vLLM's option of that name; benchmarks use it to fix output lengths).
     """
 
     max_tokens: int
@@ -85,6 +86,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
