@@ -28,6 +28,8 @@ greedy, ``ignore_eos`` so every request produces exactly its output length).
 (c) Fragmentation: the engine's KV block utilisation during the continuous run at 16 clients (share of the
     token slots in allocated blocks that hold live tokens, averaged over steps). Goal >= 90 %.
 (d) Time to first token and inter-token latency, p50 / p99, continuous at 16 clients.
+(e) Batch invariance: 16 prompts sent at once (greedy, ``--invariance-tokens`` new tokens) against
+    ``squeeze.api.generate`` of each prompt alone (what ``squeeze run`` does): how many texts are identical.
 """
 
 from __future__ import annotations
@@ -200,6 +202,55 @@ def throughput(loaded: Any, kv_spec: Any, args: argparse.Namespace, label: str) 
     return rows
 
 
+INVARIANCE_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The best way to learn a language is",
+    "Here is a recipe for tomato soup:",
+    "In 1905, a young patent clerk",
+    "The three primary colours are",
+    "Write a haiku about the sea.",
+    "Water boils at",
+    "The largest planet in the solar system",
+    "My favourite book is",
+    "To install the package, run",
+    "The stock market today",
+    "Photosynthesis is the process",
+    "A good night's sleep",
+    "The history of the Roman Empire",
+]
+
+
+def invariance(loaded: Any, kv_spec: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Texts of 16 concurrent requests vs each prompt alone through api.generate (squeeze run's path)."""
+    from squeeze import api
+    from squeeze.serve.types import SamplingParams
+
+    engine = make_engine(loaded, kv_spec, args)
+
+    async def together() -> list[str]:
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=args.invariance_tokens)
+
+            async def one(i: int, prompt: str) -> str:
+                handle = engine.submit(engine.tokenize(prompt), params, f"i{i}")
+                return "".join([output.text async for output in handle])
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(INVARIANCE_PROMPTS))))
+        finally:
+            engine.shutdown(5)
+
+    served = asyncio.run(together())
+    bits = kv_spec.bits if kv_spec is not None else 16
+    alone = [
+        api.generate(loaded, p, max_new_tokens=args.invariance_tokens, kv_bits=bits).text for p in INVARIANCE_PROMPTS
+    ]
+    differing = [i for i, (a, b) in enumerate(zip(served, alone, strict=True)) if a != b]
+    return {"prompts": len(alone), "identical": len(alone) - len(differing), "differing": differing}
+
+
 def capacity(loaded: Any, specs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Sequences that fit in ``--kv-memory``: paged at each width vs a contiguous reservation of max-model-len
     tokens each. A paged sequence costs its blocks plus its sink entry (quantized caches keep 4 tokens in
@@ -258,6 +309,7 @@ def main() -> None:
     parser.add_argument("--capacity-len", type=int, default=1024)
     parser.add_argument("--capacity-memory", default="1GiB")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--invariance-tokens", type=int, default=48)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--seed", type=int, default=0)
@@ -300,6 +352,8 @@ def main() -> None:
         label = f"{artifact.name} kv {'int' + str(spec.bits) if spec else 'fp'}"
         print(f"{label}:", flush=True)
         report["runs"][label] = throughput(loaded, spec, args, label)
+        report.setdefault("invariance", {})[label] = invariance(loaded, spec, args)
+        print(f"  batch invariance: {report['invariance'][label]}", flush=True)
         if spec is not None:
             specs[f"int{spec.bits}"] = spec
         if first and not args.skip_fp:
