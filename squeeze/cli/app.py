@@ -11,6 +11,7 @@ from squeeze.cli import compress as compress_cmd
 from squeeze.cli import eval as eval_cmd
 from squeeze.cli import inspect as inspect_cmd
 from squeeze.cli import run as run_cmd
+from squeeze.cli import serve as serve_cmd
 from squeeze.cli import verify as verify_cmd
 from squeeze.version import __version__
 
@@ -49,6 +50,10 @@ app.command("verify", short_help="Check an artifact against its manifest (exit 0
 )
 app.command("inspect", short_help="Show what an artifact holds.")(inspect_cmd.inspect)
 app.command("run", short_help="Generate text from an artifact (verified while loading), streamed.")(run_cmd.run)
+app.command(
+    "serve",
+    short_help="Serve an artifact over an OpenAI-compatible HTTP API (continuous batching, paged quantized KV).",
+)(serve_cmd.serve)
 
 
 def quiet_third_party_progress() -> None:

@@ -1,0 +1,330 @@
+"""``squeeze serve``: an OpenAI-compatible HTTP server over an artifact (continuous batching, paged KV cache).
+
+Order: the options are checked, then the listening socket is bound (a port in use fails in a second, not
+after the model has loaded), then the artifact is verified and loaded, then uvicorn serves until SIGINT or
+SIGTERM: it stops accepting, lets open requests finish for up to --shutdown-grace seconds, and the app's
+shutdown gives the engine the same grace before the process exits 0.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import math
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from squeeze import api
+from squeeze.cli.common import cli_errors, err_console
+from squeeze.cli.run import UNVERIFIED_WARNING, check_weight_options
+from squeeze.errors import ConfigError
+
+#: What ``squeeze serve`` imports beyond squeeze's own dependencies (the ``serve`` extra).
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
+KV_BITS_CHOICES = (16, 8, 4)
+#: uvicorn's default listen backlog.
+BACKLOG = 2048
+
+
+def check_serve_dependencies() -> None:
+    """ConfigError naming the extra to install when fastapi, uvicorn or prometheus_client is missing."""
+    for name in SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(
+                "squeeze serve needs fastapi, uvicorn and prometheus-client",
+                # the CLI prints hints as rich markup: the extra's brackets are escaped
+                hint=f'pip install "squeeze\\[serve]" ({name} is not importable: {exc})',
+            ) from exc
+
+
+def _positive(value: int, flag: str) -> None:
+    if value < 1:
+        raise ConfigError(f"{flag} must be a positive integer, found {value}")
+
+
+def engine_config(
+    *,
+    kv_bits: int | None,
+    kv_dynamic: bool,
+    kv_memory: str,
+    block_size: int,
+    max_num_seqs: int,
+    max_batch_tokens: int,
+    max_model_len: int | None,
+    max_queue: int,
+) -> Any:
+    """The engine's options as an ``EngineConfig``; ConfigError naming the flag for a bad one."""
+    if kv_bits is not None and kv_bits not in KV_BITS_CHOICES:
+        raise ConfigError(f"--kv-bits must be 16, 8 or 4, found {kv_bits}")
+    if kv_dynamic and kv_bits not in (8, 4):
+        raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
+    try:
+        kv_memory_bytes = api.parse_size(kv_memory)  # type: ignore[attr-defined]  # until api exports it
+    except ConfigError as exc:
+        raise ConfigError(f"--kv-memory: {exc.message}", hint=exc.hint or "e.g. --kv-memory 1GiB") from None
+    for value, flag in (
+        (block_size, "--block-size"),
+        (max_num_seqs, "--max-num-seqs"),
+        (max_batch_tokens, "--max-batch-tokens"),
+        (max_queue, "--max-queue"),
+    ):
+        _positive(value, flag)
+    if max_model_len is not None:
+        _positive(max_model_len, "--max-model-len")
+    return api.EngineConfig(  # type: ignore[attr-defined]  # until api exports it
+        kv_bits=kv_bits,
+        kv_dynamic=kv_dynamic,
+        kv_memory_bytes=kv_memory_bytes,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_batch_tokens=max_batch_tokens,
+        max_model_len=max_model_len,
+        max_queue=max_queue,
+    )
+
+
+def check_server_options(*, port: int, shutdown_grace: float, api_key: str | None) -> None:
+    """ConfigError for a port outside 0-65535, a negative or infinite grace, or an empty API key."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be in 0-65535, found {port}", hint="0 picks a free port")
+    if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
+        raise ConfigError(f"--shutdown-grace must be a finite number of seconds >= 0, found {shutdown_grace}")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError(
+            "the API key (--api-key or SQUEEZE_API_KEY) is empty",
+            hint="pass a non-empty key, or unset SQUEEZE_API_KEY to serve without one",
+        )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (SO_REUSEADDR: a restart need not wait for TIME_WAIT);
+    ConfigError when the port is taken or the address cannot be used."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"cannot listen on host {host!r}: {exc.strerror}", hint="pass --host 127.0.0.1, 0.0.0.0 or ::"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} on {host} is already in use",
+                hint="stop the process that holds it, or pass another --port (0 picks a free one)",
+            ) from None
+        raise ConfigError(
+            f"cannot listen on {host} port {port}: {exc.strerror or exc}",
+            hint="ports below 1024 need privileges; --host must be an address of this machine",
+        ) from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def startup_info(engine: Any, *, url: str, model: str, kv_dynamic: bool, verified: bool) -> dict[str, Any]:
+    """What the startup line (or ``--json``) tells: where, what model, and how the KV cache is laid out."""
+    stats = engine.stats()
+    return {
+        "url": f"{url}/v1",
+        "model": model,
+        "max_model_len": engine.max_model_len,
+        "kv_bits": stats.kv_bits,
+        "kv_dynamic": kv_dynamic,
+        "kv_blocks": stats.kv_blocks_total,
+        "block_size": stats.block_size,
+        "kv_pool_bytes": stats.kv_pool_bytes,
+        "verified": verified,
+    }
+
+
+def startup_line(info: dict[str, Any], *, api_key: bool) -> str:
+    """``Serving stories on http://127.0.0.1:8000/v1 | KV cache int8, 4096 blocks x 16 tokens (1.00 GiB) | ...``"""
+    bits = info["kv_bits"]
+    kv = "16-bit" if bits == 16 else f"int{bits}" + (" dynamic" if info["kv_dynamic"] else "")
+    return (
+        f"Serving {info['model']} on {info['url']} | KV cache {kv}, {info['kv_blocks']} blocks x "
+        f"{info['block_size']} tokens ({_size(info['kv_pool_bytes'])}) | context {info['max_model_len']} | "
+        f"API key {'required' if api_key else 'off'} | Ctrl-C or SIGTERM stops"
+    )
+
+
+def run_server(app: Any, sock: socket.socket, shutdown_grace: float) -> bool:
+    """Serve ``app`` on ``sock`` until SIGINT / SIGTERM; False when the app failed to start (uvicorn logged why).
+
+    uvicorn re-raises the signal that stopped it once it has restored the handlers it found; pointing those at
+    its own (now idle) handler keeps a graceful stop an exit 0 instead of a death by SIGTERM / a
+    KeyboardInterrupt.
+    """
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=math.ceil(shutdown_grace), lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return server.started
+
+
+# The options as Annotated aliases, so that the command's signature is one short line per option.
+Artifact = Annotated[Path, typer.Argument(help="The artifact directory (written by squeeze compress).")]
+Host = Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")]
+Port = Annotated[int, typer.Option("--port", help="TCP port (0 picks a free one).")]
+KvBits = Annotated[
+    Optional[int],
+    typer.Option(
+        "--kv-bits",
+        help="KV cache: 8 or 4 (default: what the artifact was calibrated for, else full precision), "
+        "16 = full precision.",
+    ),
+]
+KvDynamic = Annotated[
+    bool,
+    typer.Option("--kv-dynamic", help="With --kv-bits: uncalibrated per-token absmax scales (no calibrate-kv needed)."),
+]
+KvMemory = Annotated[
+    str, typer.Option("--kv-memory", help="Memory of the paged KV pool, all layers (e.g. 1GiB, 512MB).")
+]
+BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")]
+MaxNumSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")]
+MaxBatchTokens = Annotated[
+    int, typer.Option("--max-batch-tokens", help="Tokens one model step takes at most (decode first, then prompts).")
+]
+MaxModelLen = Annotated[
+    Optional[int],
+    typer.Option("--max-model-len", help="Context a request may use: prompt + max_tokens (default: the model's)."),
+]
+MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests waiting at most; more get HTTP 429.")]
+ApiKey = Annotated[
+    Optional[str],
+    typer.Option(
+        "--api-key",
+        envvar="SQUEEZE_API_KEY",
+        show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on /v1/* and /metrics (/health stays open).",
+    ),
+]
+ServedModelName = Annotated[
+    Optional[str], typer.Option("--served-model-name", help="The model name clients use (default: the artifact's).")
+]
+NoVerify = Annotated[
+    bool, typer.Option("--no-verify", help="Skip checking the artifact against its manifest (not recommended).")
+]
+ShutdownGrace = Annotated[
+    float,
+    typer.Option("--shutdown-grace", help="Seconds open requests may run on after SIGINT/SIGTERM before they are cut."),
+]
+Dense = Annotated[
+    bool,
+    typer.Option(
+        "--dense", help="Cache every weight dequantized in fp32: faster prefill, ~8x the weight memory at 4 bits."
+    ),
+]
+LowMemory = Annotated[
+    bool,
+    typer.Option(
+        "--low-memory",
+        help="Never build dense weights: only matters where no native kernel covers a weight "
+        "(then it dequantizes row slices per call).",
+    ),
+]
+JsonOut = Annotated[
+    bool, typer.Option("--json", help="Print the startup information as one JSON line on stdout (not stderr).")
+]
+
+
+def serve(
+    artifact: Artifact,
+    host: Host = "127.0.0.1",
+    port: Port = 8000,
+    kv_bits: KvBits = None,
+    kv_dynamic: KvDynamic = False,
+    kv_memory: KvMemory = "1GiB",
+    block_size: BlockSize = 16,
+    max_num_seqs: MaxNumSeqs = 32,
+    max_batch_tokens: MaxBatchTokens = 512,
+    max_model_len: MaxModelLen = None,
+    max_queue: MaxQueue = 256,
+    api_key: ApiKey = None,
+    served_model_name: ServedModelName = None,
+    no_verify: NoVerify = False,
+    shutdown_grace: ShutdownGrace = 10.0,
+    dense: Dense = False,
+    low_memory: LowMemory = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not),
+    /v1/models, /health and Prometheus /metrics.
+
+    Requests share the model through continuous batching over a paged KV cache (int8/int4 with --kv-bits).
+    SIGINT or SIGTERM stops the server gracefully (exit 0).
+    """
+    with cli_errors():
+        check_weight_options(dense=dense, low_memory=low_memory)
+        config = engine_config(
+            kv_bits=kv_bits,
+            kv_dynamic=kv_dynamic,
+            kv_memory=kv_memory,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_batch_tokens=max_batch_tokens,
+            max_model_len=max_model_len,
+            max_queue=max_queue,
+        )
+        check_server_options(port=port, shutdown_grace=shutdown_grace, api_key=api_key)
+        check_serve_dependencies()
+        sock = bind_socket(host, port)  # before the model loads: a port in use fails at once
+        try:
+            if no_verify:
+                err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
+            engine = api.serve_engine(
+                artifact, config=config, verify=not no_verify, dense_cache=dense, low_memory=low_memory
+            )
+            app = api.create_serve_app(  # type: ignore[attr-defined]  # until api exports it
+                engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace
+            )
+            model = served_model_name or engine.model_name
+            info = startup_info(engine, url=url_of(sock), model=model, kv_dynamic=kv_dynamic, verified=not no_verify)
+        except BaseException:
+            sock.close()
+            raise
+        if json_out:
+            sys.stdout.write(json.dumps(info) + "\n")
+            sys.stdout.flush()
+        else:
+            err_console.print(startup_line(info, api_key=api_key is not None), soft_wrap=True, markup=False)
+        try:
+            started = run_server(app, sock, shutdown_grace)
+        finally:
+            sock.close()
+        if not started:
+            err_console.print("[bold red]Error:[/] the server did not start: the engine failed (see the log above)")
+            raise typer.Exit(1)
+
+
+__all__ = ["serve", "check_serve_dependencies", "engine_config", "bind_socket", "run_server"]

@@ -1,0 +1,396 @@
+"""The HTTP front of ``squeeze serve``: an OpenAI-compatible FastAPI app over any :class:`EngineClient`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1/models/{id}), GET /health,
+GET /metrics. Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), schema
+violations and malformed JSON included (400, not FastAPI's 422).
+
+A request is tokenized and submitted before its response starts, so a refusal (400, 429 + Retry-After, 503)
+comes back as a JSON error even for ``stream: true``; an engine failure in the middle of a stream becomes an
+``error`` event before ``[DONE]``. A client that goes away cancels its request (its KV blocks are freed):
+Starlette's disconnect watch cancels a streamed body, whose response cancels the request in ``finally``;
+a non-streamed handler waits for the result and the disconnect together. Requests whose responses the
+server cut at shutdown are cancelled before the engine shuts down. Handlers are coroutines, so the engine's
+methods are called on the event loop's thread (its contract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from squeeze.serve import protocol
+from squeeze.serve.metrics import ServeMetrics
+from squeeze.serve.protocol import ChatRequest, CompletionRequest
+from squeeze.serve.types import EngineClient, QueueFullError, RequestError, RequestOutput, RequestStream
+
+logger = logging.getLogger("squeeze.serve")
+
+#: nginx's "client closed request": the status of a response nobody is left to read.
+CLIENT_CLOSED = 499
+NO_FINAL_UPDATE = "the engine ended the request without a final update"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that cancels its engine request however the response ends: finished,
+    client gone (Starlette cancels the body), or the server cancelling the task at shutdown."""
+
+    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream, in_flight: set[RequestStream]) -> None:
+        # no-cache / no buffering: proxies must pass each event on as it comes
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._stream = stream
+        self._in_flight = in_flight
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _release(self._stream, self._in_flight)
+
+
+def _release(stream: RequestStream, in_flight: set[RequestStream]) -> None:
+    """Cancel ``stream`` (a no-op once it finished) and forget it."""
+    stream.cancel()
+    in_flight.discard(stream)
+
+
+def _error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """One line naming the first offending field (``temperature: Input should be less than or equal to 2``)
+    and that field as OpenAI's ``param``."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON: {reason}".rstrip(": "), None
+    if not loc:
+        if kind == "missing":
+            return "the request body is missing: send a JSON object", None
+        return "the request body must be a JSON object (with Content-Type: application/json)", None
+    param = ".".join(loc)
+    if kind == "value_error":
+        message = str(first.get("ctx", {}).get("error", first.get("msg", "")))
+    else:
+        message = str(first.get("msg", "invalid value"))
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{param}: {message}{more}", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_request_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)  # registered for RequestError only
+        headers = {}
+        if isinstance(exc, QueueFullError):
+            headers["Retry-After"] = str(exc.retry_after)
+        if isinstance(exc, protocol.AuthenticationError):
+            headers["WWW-Authenticate"] = "Bearer"
+        return _error_response(exc.status, protocol.request_error_body(exc), headers)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(list(exc.errors()))
+        return _error_response(400, protocol.error_body(message, "invalid_request_error", param))
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"Invalid URL ({where})"
+        elif exc.status_code == 405:
+            message = f"method not allowed: {where}"
+        else:
+            message = str(exc.detail)
+        body = protocol.error_body(message, "invalid_request_error")
+        return _error_response(exc.status_code, body, dict(exc.headers or {}))
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises the exception once this response is sent, and the server logs its traceback
+        body = protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return _error_response(500, body)
+
+    app.add_exception_handler(RequestError, on_request_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return once the client has gone (the body has been read already, so only http.disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
+    """A request's whole text and its last update."""
+    pieces = []
+    last = None
+    async for output in stream:
+        pieces.append(output.text)
+        last = output
+        if output.finished:
+            break
+    if last is None or not last.finished:
+        raise protocol.GenerationError(NO_FINAL_UPDATE)
+    return "".join(pieces), last
+
+
+async def _collect_unless_gone(
+    request: Request, stream: RequestStream, in_flight: set[RequestStream]
+) -> tuple[str, RequestOutput] | None:
+    """:func:`_collect`, or None as soon as the client disconnects; the request is cancelled either way
+    unless it finished (and on cancellation of this task)."""
+    result = asyncio.ensure_future(_collect(stream))
+    gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+        return result.result() if result.done() else None
+    finally:
+        gone.cancel()
+        result.cancel()
+        _release(stream, in_flight)
+
+
+def create_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    shutdown_grace_seconds: float = 10.0,
+) -> FastAPI:
+    """The OpenAI-compatible app over ``engine``.
+
+    api_key: when set, /v1/* and /metrics need ``Authorization: Bearer <api_key>`` (401 otherwise); /health
+    stays open. served_model_name: the model name /v1/models lists and requests must name (default: the
+    engine's). The app's lifespan starts the engine and, at shutdown, calls ``engine.shutdown`` with
+    ``shutdown_grace_seconds``; /health answers 503 from then on. Sets ``engine.observer`` to the app's
+    :class:`ServeMetrics`.
+    """
+    model_name = served_model_name or engine.model_name
+    metrics = ServeMetrics(engine.stats)
+    engine.observer = metrics
+    started_at = protocol.now()
+    shutting_down = False
+    #: requests submitted whose response has not ended
+    in_flight: set[RequestStream] = set()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal shutting_down
+        engine.start()
+        try:
+            yield
+        finally:
+            shutting_down = True
+            # uvicorn has stopped taking connections and waited up to its graceful timeout for the open ones;
+            # those it cancelled have not run their cleanup yet (engine.shutdown blocks the loop, as the
+            # engine's methods run on its thread): their requests are cancelled here, not left to the grace
+            for stream in list(in_flight):
+                _release(stream, in_flight)
+            engine.shutdown(shutdown_grace_seconds)
+
+    app = FastAPI(title="squeeze serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    key = api_key.encode() if api_key is not None else None
+
+    async def authorize(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            raise protocol.AuthenticationError(
+                "missing or incorrect API key",
+                hint="send the header 'Authorization: Bearer <key>' with the server's --api-key",
+            )
+
+    guarded = [Depends(authorize)]
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise protocol.ModelNotFoundError(
+                f"the model {name!r} does not exist on this server", hint=f"it serves {model_name!r}", param="model"
+            )
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": started_at,
+            "owned_by": "squeeze",
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if shutting_down:
+            body = protocol.error_body("the server is shutting down", "service_unavailable")
+            return _error_response(503, body)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", dependencies=guarded)
+    async def prometheus_metrics() -> Response:
+        content, content_type = metrics.render()
+        return Response(content, headers={"Content-Type": content_type})
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded)
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt_ids = engine.tokenize(body.prompt)
+        request_id, created = protocol.new_request_id("cmpl"), protocol.now()
+        stream = engine.submit(prompt_ids, body.sampling_params(), request_id)
+        in_flight.add(stream)
+        return await _respond(
+            request,
+            stream,
+            in_flight,
+            body.stream,
+            lambda: _completion_events(stream, request_id, model_name, created, body.include_usage),
+            lambda text, last: protocol.completion_response(request_id, model_name, created, text, last),
+        )
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt_ids = engine.tokenize_chat(body.template_messages())
+        params = body.sampling_params(len(prompt_ids), engine.max_model_len)
+        request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()
+        stream = engine.submit(prompt_ids, params, request_id)
+        in_flight.add(stream)
+        return await _respond(
+            request,
+            stream,
+            in_flight,
+            body.stream,
+            lambda: _chat_events(stream, request_id, model_name, created, body.include_usage),
+            lambda text, last: protocol.chat_response(request_id, model_name, created, text, last),
+        )
+
+    return app
+
+
+async def _respond(
+    request: Request,
+    stream: RequestStream,
+    in_flight: set[RequestStream],
+    streaming: bool,
+    events: Callable[[], AsyncIterator[bytes]],
+    build: Callable[[str, RequestOutput], dict[str, Any]],
+) -> Response:
+    """The response to a submitted request: an event stream, or the whole result as one JSON object."""
+    if streaming:
+        return _EventStream(_guarded(events(), stream.request_id), stream, in_flight)
+    collected = await _collect_unless_gone(request, stream, in_flight)
+    if collected is None:
+        return Response(status_code=CLIENT_CLOSED)
+    text, last = collected
+    protocol.raise_for_failure(last)
+    return JSONResponse(build(text, last))
+
+
+def _failure(output: RequestOutput) -> dict[str, Any] | None:
+    """The error object a finished request ends in (engine failure, abort), or None."""
+    try:
+        protocol.raise_for_failure(output)
+    except RequestError as exc:
+        return protocol.request_error_body(exc)
+    return None
+
+
+def _no_final_update() -> bytes:
+    return protocol.sse(protocol.request_error_body(protocol.GenerationError(NO_FINAL_UPDATE)))
+
+
+async def _guarded(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+    """``events``, ending in an error event and [DONE] should they fail: once the response has started, an
+    event is all the client can still be told."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - reported to the client and logged with its traceback
+        logger.exception("request %s failed while streaming", request_id)
+        yield protocol.sse(protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        yield protocol.DONE_EVENT
+
+
+async def _completion_events(
+    stream: RequestStream, request_id: str, model: str, created: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """A completion's events: a chunk per piece of text, the finish reason on the last one, then the usage
+    chunk (``include_usage``) and [DONE]."""
+
+    def chunk(text: str, finish: str | None) -> bytes:
+        return protocol.sse(
+            protocol.completion_chunk(request_id, model, created, text, finish, include_usage=include_usage)
+        )
+
+    async for output in stream:
+        if output.finished:
+            failure = _failure(output)
+            if failure is not None:
+                yield protocol.sse(failure)
+                break
+            yield chunk(output.text, output.finish_reason)
+            if include_usage:
+                yield protocol.sse(protocol.usage_chunk("text_completion", request_id, model, created, output))
+            break
+        if output.text:
+            yield chunk(output.text, None)
+    else:
+        yield _no_final_update()
+    yield protocol.DONE_EVENT
+
+
+async def _chat_events(
+    stream: RequestStream, request_id: str, model: str, created: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """A chat completion's events: the assistant role first, a chunk per piece of text, an empty delta with
+    the finish reason, then the usage chunk (``include_usage``) and [DONE]."""
+
+    def chunk(delta: dict[str, str], finish: str | None) -> bytes:
+        return protocol.sse(protocol.chat_chunk(request_id, model, created, delta, finish, include_usage=include_usage))
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    async for output in stream:
+        failure = _failure(output) if output.finished else None
+        if failure is not None:
+            yield protocol.sse(failure)
+            break
+        if output.text:
+            yield chunk({"content": output.text}, None)
+        if output.finished:
+            yield chunk({}, output.finish_reason)
+            if include_usage:
+                yield protocol.sse(protocol.usage_chunk("chat.completion.chunk", request_id, model, created, output))
+            break
+    else:
+        yield _no_final_update()
+    yield protocol.DONE_EVENT
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,437 @@
+"""The OpenAI wire format of ``squeeze serve``: request schemas for /v1/completions and /v1/chat/completions
+(pydantic), their conversion to :class:`~squeeze.serve.types.SamplingParams`, and the response, streaming
+chunk and error objects.
+
+Requests: fields this server does not know are ignored (OpenAI clients send ``user``, ``metadata``, penalties
+...), but the known ones are checked strictly (``"0.5"`` is not a float), so a mistyped field is a 400 that
+names it. Fields that would change the response's shape or meaning and are not implemented (``n`` > 1,
+``echo``, ``logprobs``, ``best_of``, ``suffix``, ``tools``, a JSON ``response_format``) are refused rather than
+ignored. Defaults are OpenAI's: temperature 1.0, top_p 1.0, max_tokens 16 for completions and the rest of the
+context for chat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from squeeze.serve.types import EngineStoppedError, RequestError, RequestOutput, SamplingParams
+
+#: OpenAI's defaults for the sampling fields.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+#: /v1/completions' default ``max_tokens`` (OpenAI's); chat defaults to the rest of the context.
+DEFAULT_COMPLETION_TOKENS = 16
+#: OpenAI accepts up to 4 stop sequences.
+MAX_STOP_STRINGS = 4
+#: Seeds are int64 in OpenAI's API.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class ApiError(RequestError):
+    """A refused request with an OpenAI error ``code`` as well (``model_not_found``, ``invalid_api_key``)."""
+
+    code: str | None = None
+
+
+class AuthenticationError(ApiError):
+    """No or a wrong ``Authorization: Bearer`` key: HTTP 401."""
+
+    status = 401
+    code = "invalid_api_key"
+
+
+class ModelNotFoundError(ApiError):
+    """The request names a model this server does not serve: HTTP 404 (as OpenAI)."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class GenerationError(ApiError):
+    """The engine failed on a request (finish_reason "error"): HTTP 500."""
+
+    status = 500
+    error_type = "server_error"
+
+
+# -- requests -----------------------------------------------------------------------------------------------
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _one_prompt(value: object) -> object:
+    """OpenAI's ``prompt`` is a string, token ids, or a batch of either; this server takes one prompt per
+    request: a batch of one is unwrapped, a larger one refused with a message saying so."""
+    if isinstance(value, str) or not isinstance(value, list):
+        return value  # a non-string scalar fails the type check that follows, naming the field
+    if not value:
+        raise ValueError("the prompt is empty")
+    if _is_token_ids(value):
+        return value
+    if all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
+        if len(value) > 1:
+            raise ValueError(f"one prompt per request: found a list of {len(value)} prompts")
+        return value[0]
+    raise ValueError("must be a string, a list of token ids, or a list holding one string")
+
+
+def _text_content(value: object) -> object:
+    """A message's content as one string: a list of ``{"type": "text", "text": ...}`` parts is joined with
+    newlines; other part types (images, audio) are refused."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"only text content parts are supported, found {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
+TextContent = Annotated[str, BeforeValidator(_text_content)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    # unknown fields: ignored (clients send more than this server uses); known ones: no type coercion
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    #: None: the served model.
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    #: vLLM's extension: generate past end-of-sequence tokens (benchmarks use it to fix output lengths).
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences, found {len(strings)}")
+        if any(s == "" for s in strings):
+            raise ValueError("stop sequences must not be empty")
+        return stop
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"only n=1 is supported (one choice per request), found {n}")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def _sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=self.stop_strings(),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _refuse(value: object, name: str, what: str) -> None:
+    raise ValueError(f"{name} is not supported by this server ({what}), found {value!r}")
+
+
+class CompletionRequest(_GenerationRequest):
+    """A POST /v1/completions body."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(default=None, ge=1)
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            _refuse(echo, "echo", "the response never repeats the prompt")
+        return echo
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None:
+            _refuse(logprobs, "logprobs", "omit it or send null")
+        return logprobs
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            _refuse(best_of, "best_of", "one candidate per request")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            _refuse(suffix, "suffix", "no fill-in-the-middle")
+        return suffix
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters: ``max_tokens`` defaults to 16 (OpenAI's default)."""
+        return self._sampling_params(self.max_tokens or DEFAULT_COMPLETION_TOKENS)
+
+
+class ChatMessage(BaseModel):
+    """One turn: ``content`` is a string or a list of text parts (joined with newlines)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: TextContent
+
+
+class ChatRequest(_GenerationRequest):
+    """A POST /v1/chat/completions body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        if logprobs:
+            _refuse(logprobs, "logprobs", "omit it or send false")
+        return logprobs
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, top: int | None) -> int | None:
+        if top is not None:
+            _refuse(top, "top_logprobs", "no log probabilities")
+        return top
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise ValueError("tool and function calling are not supported by this server")
+        return tools
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is not None and fmt.get("type", "text") != "text":
+            _refuse(fmt.get("type"), "response_format", "text only")
+        return fmt
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them; OpenAI's "developer" role is the templates' "system"."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages]
+
+    def sampling_params(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """The engine's parameters: ``max_completion_tokens`` (else the older ``max_tokens``) or, when neither
+        is given, the rest of the context; RequestError when the prompt leaves no room for a token."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_tokens
+            if max_tokens < 1:
+                raise RequestError(
+                    f"the conversation is {prompt_tokens} tokens long, which leaves no room for a reply in "
+                    f"the context of {max_model_len} tokens",
+                    hint="shorten the messages",
+                    param="messages",
+                )
+        return self._sampling_params(max_tokens)
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+
+
+def new_request_id(prefix: str) -> str:
+    """``cmpl-<32 hex>`` / ``chatcmpl-<32 hex>``: unique, and the engine's request id as well."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """OpenAI's ``created``: Unix seconds."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def raise_for_failure(output: RequestOutput) -> None:
+    """The engine's finish reasons OpenAI has no word for, as errors: "error" -> GenerationError (500),
+    "abort" -> EngineStoppedError (503; only a server shutting down aborts a request someone still reads)."""
+    if output.finish_reason == "error":
+        raise GenerationError(f"generation failed: {output.error or 'the engine gave no reason'}")
+    if output.finish_reason == "abort":
+        raise EngineStoppedError("the request was cancelled before it finished: the server is shutting down")
+
+
+def completion_response(request_id: str, model: str, created: int, text: str, output: RequestOutput) -> dict[str, Any]:
+    """A ``text_completion`` object; ``output`` is the request's last update (finish reason, token counts)."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": output.finish_reason}],
+        "usage": usage(output.prompt_tokens, output.completion_tokens),
+    }
+
+
+def chat_response(request_id: str, model: str, created: int, text: str, output: RequestOutput) -> dict[str, Any]:
+    """A ``chat.completion`` object; ``output`` is the request's last update (finish reason, token counts)."""
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": output.finish_reason,
+            }
+        ],
+        "usage": usage(output.prompt_tokens, output.completion_tokens),
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, created: int, text: str, finish_reason: str | None, *, include_usage: bool
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` piece (OpenAI streams completions under the same object name)."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        chunk["usage"] = None  # as OpenAI: every chunk has the key, only the last (usage) chunk fills it
+    return chunk
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    *,
+    include_usage: bool,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``: ``delta`` is ``{"role": "assistant", "content": ""}`` first, then
+    ``{"content": piece}``, and ``{}`` beside the finish reason."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(obj: str, request_id: str, model: str, created: int, output: RequestOutput) -> dict[str, Any]:
+    """The last chunk of a stream with ``include_usage``: no choices, the request's token counts."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(output.prompt_tokens, output.completion_tokens),
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def request_error_body(exc: RequestError) -> dict[str, Any]:
+    """The error object of a refused request (its hint, if any, appended to the message)."""
+    message = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+    return error_body(message, exc.error_type, exc.param, getattr(exc, "code", None))
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+__all__ = [
+    "DEFAULT_TEMPERATURE",
+    "DEFAULT_TOP_P",
+    "DEFAULT_COMPLETION_TOKENS",
+    "MAX_STOP_STRINGS",
+    "DONE_EVENT",
+    "ApiError",
+    "AuthenticationError",
+    "ModelNotFoundError",
+    "GenerationError",
+    "StreamOptions",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatRequest",
+    "new_request_id",
+    "now",
+    "usage",
+    "raise_for_failure",
+    "completion_response",
+    "chat_response",
+    "completion_chunk",
+    "chat_chunk",
+    "usage_chunk",
+    "error_body",
+    "request_error_body",
+    "sse",
+]
