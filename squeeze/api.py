@@ -19,21 +19,25 @@ from squeeze.config import (
     builtin_names,
     load_calibration_spec,
     load_recipe,
+    parse_size,
 )
 from squeeze.errors import ConfigError
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.limits import MIN_SEQ_LEN, check_at_least, check_kv_bits
+from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
+    from fastapi import FastAPI
+
     from squeeze.compression.calibrate_kv import CalibrateKVResult
     from squeeze.compression.pipeline import CompressResult as CompressResult
     from squeeze.eval.compare import EvalResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult
     from squeeze.runtime.loader import LoadedModel
     from squeeze.serve.engine import Engine
-    from squeeze.serve.types import EngineConfig
+    from squeeze.serve.types import EngineClient
 
 ProgressFn = Callable[[int, int], None]
 
@@ -356,7 +360,6 @@ def serve_engine(
 
     from squeeze.runtime.kvcache import kv_spec_for
     from squeeze.serve.engine import Engine, check_engine_config
-    from squeeze.serve.types import EngineConfig
 
     config = config if config is not None else EngineConfig()
     check_engine_config(config)
@@ -364,6 +367,22 @@ def serve_engine(
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic)
     name = model_name or Path(os.fspath(path)).resolve().name
     return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
+
+
+def create_serve_app(
+    engine: EngineClient,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    shutdown_grace_seconds: float = 10.0,
+) -> FastAPI:
+    """The OpenAI-compatible HTTP app over ``engine`` (:func:`squeeze.serve.http.create_app`; needs the
+    ``serve`` extra: fastapi, uvicorn, prometheus-client)."""
+    from squeeze.serve.http import create_app
+
+    return create_app(
+        engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace_seconds
+    )
 
 
 def _loaded_on(
@@ -403,6 +422,9 @@ __all__ = [
     "load",
     "generate",
     "serve_engine",
+    "create_serve_app",
+    "EngineConfig",
+    "parse_size",
     "check_generate_options",
     "check_calibrate_kv_options",
     "builtin_recipes",

@@ -67,7 +67,7 @@ def engine_config(
     if kv_dynamic and kv_bits not in (8, 4):
         raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
     try:
-        kv_memory_bytes = api.parse_size(kv_memory)  # type: ignore[attr-defined]  # until api exports it
+        kv_memory_bytes = api.parse_size(kv_memory)
     except ConfigError as exc:
         raise ConfigError(f"--kv-memory: {exc.message}", hint=exc.hint or "e.g. --kv-memory 1GiB") from None
     for value, flag in (
@@ -79,7 +79,7 @@ def engine_config(
         _positive(value, flag)
     if max_model_len is not None:
         _positive(max_model_len, "--max-model-len")
-    return api.EngineConfig(  # type: ignore[attr-defined]  # until api exports it
+    return api.EngineConfig(
         kv_bits=kv_bits,
         kv_dynamic=kv_dynamic,
         kv_memory_bytes=kv_memory_bytes,
@@ -305,7 +305,7 @@ def serve(
             engine = api.serve_engine(
                 artifact, config=config, verify=not no_verify, dense_cache=dense, low_memory=low_memory
             )
-            app = api.create_serve_app(  # type: ignore[attr-defined]  # until api exports it
+            app = api.create_serve_app(
                 engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace
             )
             model = served_model_name or engine.model_name

@@ -19,8 +19,6 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-import squeeze.config
-import squeeze.serve.http
 import squeeze.serve.types
 from squeeze import api
 from squeeze.cli import serve as serve_cmd
@@ -29,19 +27,6 @@ from squeeze.cli.run import UNVERIFIED_WARNING
 
 runner = CliRunner()
 SERVE_TESTS = Path(__file__).resolve().parent.parent / "serve"
-#: What squeeze.api is to export for the serve command (the lead adds them; until then the tests do).
-API_EXPORTS = {
-    "parse_size": squeeze.config.parse_size,
-    "EngineConfig": squeeze.serve.types.EngineConfig,
-    "create_serve_app": squeeze.serve.http.create_app,
-}
-
-
-@pytest.fixture(autouse=True)
-def api_exports(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in API_EXPORTS.items():
-        if not hasattr(api, name):
-            monkeypatch.setattr(api, name, value, raising=False)
 
 
 @pytest.fixture
@@ -219,14 +204,8 @@ def _free_port() -> int:
 RUNNER = """
 import sys
 sys.path.insert(0, {serve_tests!r})
-import squeeze.config, squeeze.serve.http, squeeze.serve.types
 from squeeze import api
 from fake_engine import FakeEngine
-
-for name, value in {{"parse_size": squeeze.config.parse_size, "EngineConfig": squeeze.serve.types.EngineConfig,
-                     "create_serve_app": squeeze.serve.http.create_app}}.items():
-    if not hasattr(api, name):
-        setattr(api, name, value)
 
 
 class LoggedEngine(FakeEngine):
