@@ -117,8 +117,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=config.max_num_seqs, max_batch_tokens=config.max_batch_tokens
         )
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.runner = ModelRunner(model, self.pool, self.blocks, pad_id=pad if isinstance(pad, int) else 0)
+        self.runner = ModelRunner(model, self.pool, self.blocks)
         self.eos_ids = frozenset(eos_token_ids(model, tokenizer))
         self.vocab_size = int(model_config.vocab_size)
         self._handles: dict[str, RequestHandle] = {}
@@ -250,6 +249,7 @@ class Engine:
             if stop:
                 for seq_id in list(self._seqs):
                     self._abort(seq_id)
+                self.runner.close()
                 with self._cond:
                     self._cond.notify_all()
                 return

@@ -12,7 +12,7 @@ values each hold, over all slots:
 - full precision (``kv_bits`` 16): the keys and values as given, in the model's dtype, no sink area.
 
 The pool knows nothing of sequences: the engine's block manager hands out blocks, and each step passes a
-:class:`StepSlots` (where this step's new tokens go, which slots each row reads) to :meth:`PagedKVPool.update`.
+:class:`StepSlots` (where this step's new tokens go, which slots its rows read) to :meth:`PagedKVPool.update`.
 """
 
 from __future__ import annotations
@@ -40,21 +40,20 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class StepSlots:
-    """Where one step's tokens go and what each row reads, as index tensors on the pool's device.
+    """Where one step's tokens go and what attention reads, as int64 index tensors on the pool's device.
 
-    The step's key / value states are (B, H, t, D). ``new_rows`` / ``new_cols`` (N,) int64 pick its N real
-    new tokens (padding excluded) in order; ``new_slots`` (N,) are their token slots and ``new_sink`` (N,)
-    their index in the sink area, or -1 past the sink. ``read_slots`` (B, L) int64: the slot of each
-    row's positions 0..L-1 (padding past a row's length reads slot 0: finite, and masked out).
-    ``read_sink`` (B, s) int64, s = min(L, sink_tokens): each row's sink entries.
+    A step's rows are packed into one sequence of N new tokens, and their histories into one of K tokens
+    (row after row, each from its position 0; squeeze.serve.runner). ``new_slots`` (N,): the token slot of
+    each new token; ``new_sink`` (N,): its index in the sink area, or -1 past the sink. ``read_slots``
+    (K,): the slot of each history token. ``sink_positions`` / ``sink_entries`` (s,): where in the K
+    history tokens a sink token sits, and its index in the sink area.
     """
 
-    new_rows: Tensor
-    new_cols: Tensor
     new_slots: Tensor
     new_sink: Tensor
     read_slots: Tensor
-    read_sink: Tensor
+    sink_positions: Tensor
+    sink_entries: Tensor
 
 
 class _QuantizedLayerTensor:
@@ -89,21 +88,17 @@ class _QuantizedLayerTensor:
             self.sink.index_copy_(1, slots.new_sink[in_sink], new[:, in_sink].to(self.sink.dtype))
 
     def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
-        """Every row's history, (B, H, L, D) in ``dtype``: decoded codes, the sink as stored."""
-        b, length = slots.read_slots.shape
+        """The step's histories, (1, H, K, D) in ``dtype``: decoded codes, sink tokens as stored."""
         h, _, d = self.sink.shape
-        flat = slots.read_slots.reshape(-1)
+        out = torch.empty((1, h, slots.read_slots.numel(), d), dtype=dtype, device=self.codes.device)
 
-        def gather(store: Tensor) -> Tensor:  # (H, S, X) -> (B, H, L, X), a strided view of one copy
-            return store.index_select(1, flat).view(h, b, length, -1).permute(1, 0, 2, 3)
+        def gather(store: Tensor) -> Tensor:  # (H, S, X) -> (1, H, K, X)
+            return store.index_select(1, slots.read_slots)[None]
 
-        out = torch.empty((b, h, length, d), dtype=dtype, device=self.codes.device)
         offset = gather(self.offset) if self.offset is not None else None
         self.codec.decode_into(gather(self.codes), gather(self.scale), offset, out)
-        sink = slots.read_sink.shape[1]
-        if sink:
-            kept = self.sink.index_select(1, slots.read_sink.reshape(-1)).view(h, b, sink, d)  # (H, B, s, D)
-            out[:, :, :sink] = kept.permute(1, 0, 2, 3)
+        if slots.sink_positions.numel():
+            out[0].index_copy_(1, slots.sink_positions, self.sink.index_select(1, slots.sink_entries).to(dtype))
         return out
 
 
@@ -117,10 +112,7 @@ class _FullLayerTensor:
         self.store.index_copy_(1, slots.new_slots, new.to(self.store.dtype))
 
     def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
-        b, length = slots.read_slots.shape
-        h = self.store.shape[0]
-        picked = self.store.index_select(1, slots.read_slots.reshape(-1)).view(h, b, length, -1)
-        return picked.permute(1, 0, 2, 3).to(dtype)
+        return self.store.index_select(1, slots.read_slots)[None].to(dtype)  # (1, H, K, D)
 
 
 def block_bytes(spec: KVSpec | None, shape: AttentionShape, block_size: int, dtype: torch.dtype) -> int:
@@ -227,11 +219,11 @@ class PagedKVPool:
         return self.num_blocks * self.block_bytes + sink_bytes(self.spec, self.shape, self.sequences, self.dtype)
 
     def update(self, layer: int, keys: Tensor, values: Tensor, slots: StepSlots) -> tuple[Tensor, Tensor]:
-        """Store this step's new ``keys`` / ``values (B, H, t, D)`` of ``layer`` and return every row's history,
-        (B, H, L, D) each in their dtype, the new tokens included (read back as stored, as squeeze run does)."""
+        """Store this step's new ``keys`` / ``values (1, H, N, D)`` of ``layer`` (the rows' new tokens, packed)
+        and return the rows' histories, (1, H, K, D) each in their dtype, the new tokens included (read back as
+        stored, as squeeze run does)."""
         for states, store in ((keys, self._keys[layer]), (values, self._values[layer])):
-            new = states[slots.new_rows, :, slots.new_cols]  # (N, H, D)
-            store.write(new.transpose(0, 1), slots)  # (H, N, D)
+            store.write(states[0], slots)
         return self._keys[layer].read(slots, keys.dtype), self._values[layer].read(slots, values.dtype)
 
 

@@ -1,12 +1,21 @@
-"""One engine step through the model: ragged rows in, each row's next-token logits out.
+"""One engine step through the model: ragged rows in, each row's next-token logits out, no padding anywhere.
 
 A step feeds B rows, row b its ``n_b`` next tokens (a prompt chunk, or one token when decoding) at
-positions ``computed_b ..``. The rows are left-padded to the longest (t tokens), so every row's last
-column is its newest token and ``logits_to_keep=1`` gives exactly the logits needed. Attention reads
-each row's whole history from the paged pool through a transformers Cache (:class:`PagedStepCache`)
-whose ``update`` writes the new keys and values into the rows' blocks and returns the rows' histories,
-(B, H, L, D), L the longest; an explicit (B, 1, t, L) mask lets each real query see its own row's
-positions up to its own, and each padding query only position 0 (so no softmax row is empty).
+positions ``computed_b ..``. The rows are packed into one sequence of N = sum n_b tokens, so every linear
+layer runs on exactly the real tokens (left-padding ragged rows to the longest wasted most of a mixed
+step's work: one 200-token prompt chunk beside 15 decoding rows made a (16, 200) batch). Only attention
+needs the rows apart, and it gets them through two hooks transformers offers:
+
+- the cache (:class:`PagedStepCache`): each attention layer's ``cache.update`` writes the new keys and
+  values into the rows' blocks of the paged pool and returns the rows' histories, packed the same way
+  (row after row, K = sum of the rows' lengths);
+- the attention function, registered with transformers as ``squeeze_paged`` (:func:`paged_attention`):
+  it runs transformers' own SDPA attention once per row, on that row's queries and history, with no mask
+  when decoding (as ``squeeze run`` decodes) and a causal mask aligned to the row's end for prompt chunks.
+  Without the step's ``squeeze_step`` keyword it is plain SDPA, so the model behaves as before everywhere
+  else (``squeeze run`` in the same process, perplexity, ``generate``).
+
+``logits_to_keep`` takes the index of each row's last token, so the LM head runs on B positions only.
 """
 
 from __future__ import annotations
@@ -20,10 +29,61 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
+from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg, input_device
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import PagedKVPool, StepSlots
 from squeeze.serve.scheduler import ScheduledChunk
+
+#: The attention implementation name the engine registers with transformers and sets on the model it serves.
+ATTENTION = "squeeze_paged"
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One row of a packed step: its queries ``q0:q1`` among the N new tokens, its history ``k0:k1`` among
+    the K history tokens, and the (1, 1, n, L) bool mask its queries need (None: no mask)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Tensor | None
+
+
+def paged_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    squeeze_step: Seq[RowSpan] | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' SDPA attention, once per row of a packed step (``query (1, Hq, N, D)``, ``key`` /
+    ``value (1, Hkv, K, D)``); returns (1, N, Hq, D). Without ``squeeze_step``: plain SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if squeeze_step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+    kwargs.pop("is_causal", None)
+    outputs = []
+    for row in squeeze_step:
+        q = query[:, :, row.q0 : row.q1]
+        k, v = key[:, :, row.k0 : row.k1], value[:, :, row.k0 : row.k1]
+        out, _ = sdpa_attention_forward(module, q, k, v, row.mask, **kwargs)  # (1, n, Hq, D)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def register_attention() -> None:
+    """Make ``squeeze_paged`` known to transformers (idempotent): the function, and SDPA's mask for it."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION, paged_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 class PagedStepCache(Cache):
@@ -38,109 +98,125 @@ class PagedStepCache(Cache):
         return self.pool.update(layer_idx, key_states, value_states, self.slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions and the mask are given explicitly; nothing should derive them from the cache
+        return 0  # positions are given explicitly; nothing should derive them from the cache
 
     def __len__(self) -> int:
         return self.pool.shape.layers
 
 
-class ModelRunner:
-    """Runs planned steps of a causal LM over a :class:`PagedKVPool` whose blocks ``blocks`` hands out."""
+@dataclass(frozen=True)
+class _StepInputs:
+    """One step's tensors: ``input_ids`` / ``position_ids`` (1, N), each row's last token index (B,), the
+    pool's slots, the rows' spans."""
 
-    def __init__(self, model: nn.Module, pool: PagedKVPool, blocks: BlockManager, *, pad_id: int = 0):
+    input_ids: Tensor
+    position_ids: Tensor
+    last: Tensor
+    slots: StepSlots
+    rows: tuple[RowSpan, ...]
+
+
+class ModelRunner:
+    """Runs planned steps of a causal LM over a :class:`PagedKVPool` whose blocks ``blocks`` hands out.
+
+    Sets the model's attention implementation to ``squeeze_paged`` (SDPA outside the engine's steps);
+    :meth:`close` puts the previous one back. ConfigError for a model that does not run SDPA attention.
+    """
+
+    def __init__(self, model: nn.Module, pool: PagedKVPool, blocks: BlockManager):
+        config: Any = getattr(model, "config", None)
+        previous = getattr(config, "_attn_implementation", None)
+        if previous not in ("sdpa", ATTENTION):
+            raise ConfigError(
+                f"squeeze serve runs attention through SDPA, and this model is set to {previous!r} attention",
+                hint="serve a model whose architecture supports SDPA (the Llama family does)",
+            )
+        register_attention()
+        config._attn_implementation = ATTENTION
+        self._previous = previous if previous != ATTENTION else "sdpa"
         self.model = model
         self.pool = pool
         self.blocks = blocks
-        self.pad_id = pad_id
         self.device = input_device(model)
         accepted = frozenset(inspect.signature(model.forward).parameters)
         self._cache_kwarg = cache_kwarg(model)
         self._keep_kwarg = "logits_to_keep" if "logits_to_keep" in accepted else None
-        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        self._bool_mask = implementation in ("sdpa", "flex_attention")  # eager adds the mask to the scores
+        # a 4-D mask makes transformers skip building one: attention here never reads it
+        self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    def close(self) -> None:
+        """Give the model back its previous attention implementation."""
+        self.model.config._attn_implementation = self._previous  # type: ignore[union-attr]
 
     def run(self, plan: Seq[ScheduledChunk]) -> Tensor:
         """Feed every chunk of ``plan``; each row's next-token logits, (B, V) float32 on the CPU."""
         inputs = self._inputs(plan)
         kwargs: dict[str, Any] = {self._cache_kwarg: PagedStepCache(self.pool, inputs.slots), "use_cache": True}
-        if self._keep_kwarg:
-            kwargs[self._keep_kwarg] = 1
         output = self.model(
             input_ids=inputs.input_ids,
-            attention_mask=inputs.mask,
+            attention_mask=self._no_mask,
             position_ids=inputs.position_ids,
             return_dict=True,
+            squeeze_step=inputs.rows,
+            **({self._keep_kwarg: inputs.last} if self._keep_kwarg else {}),
             **kwargs,
         )
-        return output.logits[:, -1].to(dtype=torch.float32, device="cpu", copy=True)  # (B, V)
+        logits = output.logits[0]  # (B, V), or (N, V) for a model without logits_to_keep
+        if not self._keep_kwarg:
+            logits = logits[inputs.last]
+        return logits.to(dtype=torch.float32, device="cpu", copy=True)
 
     def _inputs(self, plan: Seq[ScheduledChunk]) -> _StepInputs:
-        rows = len(plan)
-        width = max(chunk.tokens for chunk in plan)  # t
-        starts = [chunk.seq.computed for chunk in plan]
-        ends = [chunk.seq.computed + chunk.tokens for chunk in plan]
-        length = max(ends)  # L
-        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        first_col = torch.tensor([width - chunk.tokens for chunk in plan])  # (B,) first real column
-        new_rows: list[int] = []
-        new_cols: list[int] = []
+        sink_tokens = self.pool.sink_tokens
+        tokens: list[int] = []
+        positions: list[int] = []
         new_slots: list[int] = []
         new_sink: list[int] = []
-        sink_tokens = self.pool.sink_tokens
-        tables = torch.zeros((rows, self.blocks.blocks_for(length)), dtype=torch.long)
-        sink_base = torch.zeros(rows, dtype=torch.long)
-        for b, chunk in enumerate(plan):
-            seq, start, end = chunk.seq, starts[b], ends[b]
-            input_ids[b, width - chunk.tokens :] = torch.tensor(seq.tokens[start:end])
-            new_rows += [b] * chunk.tokens
-            new_cols += range(width - chunk.tokens, width)
+        read_slots: list[int] = []
+        sink_positions: list[int] = []
+        sink_entries: list[int] = []
+        rows: list[RowSpan] = []
+        last: list[int] = []
+        for chunk in plan:
+            seq = chunk.seq
+            start, end = seq.computed, seq.computed + chunk.tokens
+            q0, k0 = len(tokens), len(read_slots)
+            tokens += seq.tokens[start:end]
+            positions += range(start, end)
             new_slots += self.blocks.slots(seq.seq_id, start, end)
-            table = self.blocks.tables[seq.seq_id]
-            tables[b, : len(table)] = torch.tensor(table)
+            read_slots += self.blocks.slots(seq.seq_id, 0, end)
             if sink_tokens:
                 base = self.blocks.sinks[seq.seq_id] * sink_tokens
-                sink_base[b] = base
                 new_sink += [base + p if p < sink_tokens else -1 for p in range(start, end)]
+                kept = min(end, sink_tokens)
+                sink_positions += range(k0, k0 + kept)
+                sink_entries += range(base, base + kept)
             else:
                 new_sink += [-1] * chunk.tokens
-        columns = torch.arange(width)
-        # query position of each column: computed_b + (c - first_col_b); padding columns get 0
-        query_pos = torch.tensor(starts)[:, None] + columns[None, :] - first_col[:, None]  # (B, t)
-        real = columns[None, :] >= first_col[:, None]
-        query_pos = query_pos.masked_fill(~real, 0)
-        positions = torch.arange(length)
-        size = self.blocks.block_size
-        read_slots = tables.gather(1, (positions // size).expand(rows, -1)) * size + positions % size  # (B, L)
-        sink = min(length, sink_tokens)
-        read_sink = sink_base[:, None] + torch.arange(sink)[None, :]  # (B, s)
-        allowed = positions[None, None, :] <= query_pos[:, :, None]  # (B, t, L)
+            rows.append(RowSpan(q0, len(tokens), k0, len(read_slots), self._row_mask(chunk.tokens, end)))
+            last.append(len(tokens) - 1)
         device = self.device
-        mask = allowed[:, None].to(device)
-        if not self._bool_mask:
-            mask = (
-                torch.zeros(allowed.shape, dtype=self.pool.dtype)
-                .masked_fill_(~allowed, torch.finfo(self.pool.dtype).min)[:, None]
-                .to(device)
-            )
+
+        def as_tensor(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
         slots = StepSlots(
-            new_rows=torch.tensor(new_rows, device=device),
-            new_cols=torch.tensor(new_cols, device=device),
-            new_slots=torch.tensor(new_slots, device=device),
-            new_sink=torch.tensor(new_sink, device=device),
-            read_slots=read_slots.to(device),
-            read_sink=read_sink.to(device),
+            as_tensor(new_slots),
+            as_tensor(new_sink),
+            as_tensor(read_slots),
+            as_tensor(sink_positions),
+            as_tensor(sink_entries),
         )
-        return _StepInputs(input_ids.to(device), query_pos.to(device), mask, slots)
+        return _StepInputs(as_tensor(tokens)[None], as_tensor(positions)[None], as_tensor(last), slots, tuple(rows))
+
+    def _row_mask(self, new: int, length: int) -> Tensor | None:
+        """The mask of a row's ``new`` queries over its ``length`` keys: none when decoding (one query sees every
+        key) or when the queries are the whole history (SDPA's own causal mask); else causal, aligned at the end."""
+        if new == 1 or new == length:
+            return None
+        keys = torch.arange(length, device=self.device)
+        queries = torch.arange(length - new, length, device=self.device)
+        return (keys[None, :] <= queries[:, None])[None, None]  # (1, 1, n, L)
 
 
-@dataclass(frozen=True)
-class _StepInputs:
-    """The tensors of one step: ``input_ids`` / ``position_ids`` (B, t), ``mask`` (B, 1, t, L), the slots."""
-
-    input_ids: Tensor
-    position_ids: Tensor
-    mask: Tensor
-    slots: StepSlots
-
-
-__all__ = ["PagedStepCache", "ModelRunner"]
+__all__ = ["ATTENTION", "RowSpan", "paged_attention", "register_attention", "PagedStepCache", "ModelRunner"]

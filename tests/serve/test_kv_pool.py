@@ -37,29 +37,20 @@ SPECS = {
 }
 
 
-def _slots(blocks: BlockManager, rows: list[tuple[str, int, int]], width: int, sink: int) -> StepSlots:
-    """StepSlots for rows (seq_id, start, new tokens), new tokens left-padded to ``width`` columns."""
-    new_rows, new_cols, new_slots, new_sink, reads, read_sink = [], [], [], [], [], []
-    length = max(start + n for _, start, n in rows)
-    for b, (seq_id, start, n) in enumerate(rows):
+def _slots(blocks: BlockManager, rows: list[tuple[str, int, int]], sink: int) -> StepSlots:
+    """StepSlots for rows (seq_id, start, new tokens), packed as the engine packs them."""
+    new_slots, new_sink, reads, sink_positions, sink_entries = [], [], [], [], []
+    for seq_id, start, n in rows:
         blocks.grow(seq_id, start + n)
-        new_rows += [b] * n
-        new_cols += range(width - n, width)
         new_slots += blocks.slots(seq_id, start, start + n)
         base = blocks.sinks.get(seq_id, 0) * sink
         new_sink += [base + p if p < sink else -1 for p in range(start, start + n)]
-        own = blocks.slots(seq_id, 0, start + n)
-        reads.append(own + [0] * (length - len(own)))
-        read_sink.append([base + j for j in range(min(length, sink))])
+        kept = min(start + n, sink)
+        sink_positions += range(len(reads), len(reads) + kept)
+        sink_entries += range(base, base + kept)
+        reads += blocks.slots(seq_id, 0, start + n)
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return StepSlots(
-        as_long(new_rows),
-        as_long(new_cols),
-        as_long(new_slots),
-        as_long(new_sink),
-        as_long(reads),
-        torch.tensor(read_sink, dtype=torch.long).reshape(len(rows), -1),
-    )
+    return StepSlots(*(as_long(v) for v in (new_slots, new_sink, reads, sink_positions, sink_entries)))
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -69,7 +60,7 @@ def test_paged_history_equals_the_contiguous_cache_bit_for_bit(name: str) -> Non
     pool = PagedKVPool(spec, SHAPE, num_blocks=16, block_size=4, sequences=2, dtype=torch.float32)
     blocks = BlockManager(16, 4, 2 if sink else 0)
     gen = torch.Generator().manual_seed(0)
-    # two sequences, fed in chunks of different sizes at once: (3, 5), then (6, 1), then (1, 1)
+    # two sequences fed in chunks of different sizes at once: (3, 5), then (6, 1), then (1, 1)
     feeds = [(3, 5), (6, 1), (1, 1)]
     total = [sum(f[i] for f in feeds) for i in range(2)]
     keys = [torch.randn(1, H, n, D, generator=gen) * 3 for n in total]
@@ -77,26 +68,21 @@ def test_paged_history_equals_the_contiguous_cache_bit_for_bit(name: str) -> Non
     refs = [SqueezeKVLayer(spec.bits, spec.layers[0], spec.sink_tokens) if spec is not None else None for _ in range(2)]
     done = [0, 0]
     for chunk in feeds:
-        width = max(chunk)
-        rows = [(f"s{i}", done[i], chunk[i]) for i in range(2)]
-        slots = _slots(blocks, rows, width, sink)
-        k_step = torch.zeros(2, H, width, D)
-        v_step = torch.zeros(2, H, width, D)
+        slots = _slots(blocks, [(f"s{i}", done[i], chunk[i]) for i in range(2)], sink)
+        new_k = [keys[i][:, :, done[i] : done[i] + chunk[i]] for i in range(2)]
+        new_v = [values[i][:, :, done[i] : done[i] + chunk[i]] for i in range(2)]
+        k_hist, v_hist = pool.update(0, torch.cat(new_k, dim=2), torch.cat(new_v, dim=2), slots)  # (1, H, K, D)
+        k0 = 0
         for i in range(2):
-            k_step[i, :, width - chunk[i] :] = keys[i][0, :, done[i] : done[i] + chunk[i]]
-            v_step[i, :, width - chunk[i] :] = values[i][0, :, done[i] : done[i] + chunk[i]]
-        k_hist, v_hist = pool.update(0, k_step, v_step, slots)
-        for i in range(2):
-            new_k = keys[i][:, :, done[i] : done[i] + chunk[i]]
-            new_v = values[i][:, :, done[i] : done[i] + chunk[i]]
             done[i] += chunk[i]
             if refs[i] is None:
-                want_k, want_v = keys[i][0, :, : done[i]], values[i][0, :, : done[i]]
+                want_k, want_v = keys[i][:, :, : done[i]], values[i][:, :, : done[i]]
             else:
-                want_k, want_v = (t[0] for t in refs[i].update(new_k, new_v))
-            assert torch.equal(k_hist[i, :, : done[i]], want_k)
-            assert torch.equal(v_hist[i, :, : done[i]], want_v)
-            assert torch.isfinite(k_hist[i]).all() and torch.isfinite(v_hist[i]).all()  # padding reads finite
+                want_k, want_v = refs[i].update(new_k[i], new_v[i])
+            assert torch.equal(k_hist[:, :, k0 : k0 + done[i]], want_k)
+            assert torch.equal(v_hist[:, :, k0 : k0 + done[i]], want_v)
+            k0 += done[i]
+        assert k_hist.shape[2] == k0 == v_hist.shape[2]
 
 
 @pytest.mark.parametrize("name", list(SPECS))
