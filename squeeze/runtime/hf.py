@@ -46,6 +46,7 @@ from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.verify import VerifyReport
 from squeeze.quant.schemes import WeightFormat, stored_roles
 from squeeze.runtime.config_shapes import check_config_shapes
+from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
     QUANT_METHOD,
@@ -121,6 +122,7 @@ class SqueezeHfQuantizer(HfQuantizer):
             if any(t.is_meta for t in list(module.buffers()) + list(module.parameters())):
                 raise FormatError(f"artifact lacks tensors of the quantized linear {name!r}")
             module.rebind(name)  # the full dtype / shape / value checks of the format, on the loaded tensors
+        stabilise_dense_linears(model)  # the LM head as squeeze.load runs it
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:

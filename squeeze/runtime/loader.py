@@ -44,6 +44,7 @@ from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
+from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
 from squeeze.system import release_free_heap
@@ -298,6 +299,7 @@ def load_artifact(
         bias = tensors.pop(f"{name}.bias", None)
         swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
     _load_other_tensors(model, tensors)
+    stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
     # an inference runtime: no parameter wants gradients, so a plain model(ids) call (outside no_grad)
     # still runs the kernels, which have no backward, instead of falling back to dense weights

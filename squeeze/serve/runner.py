@@ -16,6 +16,11 @@ needs the rows apart, and it gets them through two hooks transformers offers:
   else (``squeeze run`` in the same process, perplexity, ``generate``).
 
 ``logits_to_keep`` takes the index of each row's last token, so the LM head runs on B positions only.
+
+Every token's bits are those ``squeeze run`` computes for it alone: per-row attention as above; the LM head
+(squeeze.runtime.dense_linear) gives each row the same bits at any batch size; and the quantized linears
+send each token down the path ``squeeze run`` would (:func:`squeeze.runtime.kernels.cpu_lut.row_paths`:
+the tile path for the prompt tokens of a prompt longer than GEMV_MAX_ROWS, the GEMV for the rest).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from transformers.cache_utils import Cache
 
 from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg, input_device
+from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS, RowPlan, row_paths
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import PagedKVPool, StepSlots
 from squeeze.serve.scheduler import ScheduledChunk
@@ -114,6 +120,7 @@ class _StepInputs:
     last: Tensor
     slots: StepSlots
     rows: tuple[RowSpan, ...]
+    paths: RowPlan
 
 
 class ModelRunner:
@@ -152,15 +159,16 @@ class ModelRunner:
         """Feed every chunk of ``plan``; each row's next-token logits, (B, V) float32 on the CPU."""
         inputs = self._inputs(plan)
         kwargs: dict[str, Any] = {self._cache_kwarg: PagedStepCache(self.pool, inputs.slots), "use_cache": True}
-        output = self.model(
-            input_ids=inputs.input_ids,
-            attention_mask=self._no_mask,
-            position_ids=inputs.position_ids,
-            return_dict=True,
-            squeeze_step=inputs.rows,
-            **({self._keep_kwarg: inputs.last} if self._keep_kwarg else {}),
-            **kwargs,
-        )
+        with row_paths(inputs.paths):
+            output = self.model(
+                input_ids=inputs.input_ids,
+                attention_mask=self._no_mask,
+                position_ids=inputs.position_ids,
+                return_dict=True,
+                squeeze_step=inputs.rows,
+                **({self._keep_kwarg: inputs.last} if self._keep_kwarg else {}),
+                **kwargs,
+            )
         logits = output.logits[0]  # (B, V), or (N, V) for a model without logits_to_keep
         if not self._keep_kwarg:
             logits = logits[inputs.last]
@@ -177,10 +185,14 @@ class ModelRunner:
         sink_entries: list[int] = []
         rows: list[RowSpan] = []
         last: list[int] = []
+        tiled: list[int] = []
         for chunk in plan:
             seq = chunk.seq
             start, end = seq.computed, seq.computed + chunk.tokens
             q0, k0 = len(tokens), len(read_slots)
+            prompt = len(seq.prompt_ids)
+            if prompt > GEMV_MAX_ROWS and start < prompt:  # squeeze run prefills such a prompt on the tile path
+                tiled += range(q0, q0 + min(end, prompt) - start)
             tokens += seq.tokens[start:end]
             positions += range(start, end)
             new_slots += self.blocks.slots(seq.seq_id, start, end)
@@ -207,7 +219,15 @@ class ModelRunner:
             as_tensor(sink_positions),
             as_tensor(sink_entries),
         )
-        return _StepInputs(as_tensor(tokens)[None], as_tensor(positions)[None], as_tensor(last), slots, tuple(rows))
+        tiled_set = set(tiled)
+        paths = RowPlan(
+            len(tokens),
+            torch.tensor(tiled, dtype=torch.long),
+            torch.tensor([i for i in range(len(tokens)) if i not in tiled_set], dtype=torch.long),
+        )
+        return _StepInputs(
+            as_tensor(tokens)[None], as_tensor(positions)[None], as_tensor(last), slots, tuple(rows), paths
+        )
 
     def _row_mask(self, new: int, length: int) -> Tensor | None:
         """The mask of a row's ``new`` queries over its ``length`` keys: none when decoding (one query sees every

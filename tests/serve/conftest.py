@@ -23,3 +23,34 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path, 
 def artifact_copy(tmp_path: Path, serve_artifact: Path) -> Path:
     """A private copy of the serving artifact (for tests that tamper with it)."""
     return Path(shutil.copytree(serve_artifact, tmp_path / serve_artifact.name))
+
+
+@pytest.fixture(scope="session")
+def wide32_artifact(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, tiny_text_file: Path) -> Path:
+    """The tiny Llama with every layer width a multiple of 32 (intermediate 128 instead of 144), compressed w4.
+
+    torch's elementwise CPU kernels run vectors of 32 floats and compute a leftover tail in scalar code, so
+    only at such widths (those of real models) is each row's activation independent of the tensor around it.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_llama_dir, intermediate_size=128)).eval()
+    source = tmp_path_factory.mktemp("wide32") / "tiny-llama-128"
+    model.save_pretrained(source)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(source)
+    out = source.parent / "tiny-llama-128-w4"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        api.compress(
+            str(source),
+            out,
+            recipe="w4",
+            calibration=str(tiny_text_file),
+            calibration_overrides={"num_samples": 4, "seq_len": 32},
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return out

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from squeeze import api
 from squeeze.errors import ConfigError
@@ -29,6 +30,10 @@ PROMPTS = [
     "She found a",
     "They played all day",
     "The old man",
+    # longer than GEMV_MAX_ROWS tokens: squeeze run prefills them on the kernels' tile path
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine with her "
+    "friends. One day, she found a big red ball under a tree",
+    "Tom and his dog went to the park. They played with a stick and ran around the big green trees until",
 ]
 
 
@@ -202,3 +207,34 @@ def test_a_tampered_artifact_is_refused(artifact_copy: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(IntegrityError):
         api.serve_engine(artifact_copy)
+
+
+def test_a_row_gets_the_same_logits_bit_for_bit_alone_or_packed_with_others(wide32_artifact: Path) -> None:
+    """The packed step's rows take the paths squeeze run takes alone (a short prompt: the kernels' GEMV, a long
+    one: the tile path, the LM head: the row-stable kernel), so their logits are the same bits.
+
+    A tiny Llama whose widths are multiples of 32 (see the wide32_artifact fixture): at stories260K's
+    intermediate size of 172, torch's SiLU gives a row's last elements other bits when they end the tensor.
+    """
+    from squeeze.serve.scheduler import ScheduledChunk
+    from squeeze.serve.sequence import Sequence
+
+    engine = api.serve_engine(wide32_artifact, config=EngineConfig(kv_bits=4, kv_dynamic=True, kv_memory_bytes=4 << 20))
+    short = engine.tokenize("once upon a time")
+    long = engine.tokenize(" ".join(["the little dog found a big red ball under the tree"] * 4))
+    assert len(short) < 32 < len(long)
+
+    def logits(*prompts: list[int]) -> torch.Tensor:
+        seqs = [Sequence(f"q{i}-{len(prompts)}", p, SamplingParams(1), order=i) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            engine.blocks.grow(seq.seq_id, len(seq.prompt_ids))
+        try:
+            with torch.inference_mode():
+                return engine.runner.run([ScheduledChunk(seq, len(seq.prompt_ids)) for seq in seqs])
+        finally:
+            for seq in seqs:
+                engine.blocks.release(seq.seq_id)
+
+    alone = [logits(short)[0], logits(long)[0]]
+    packed = logits(short, long, short)  # one step; without the row plan every row would take the tile path
+    assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1]) and torch.equal(packed[2], alone[0])

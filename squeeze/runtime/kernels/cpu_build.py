@@ -184,6 +184,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.sq_gemv.argtypes, lib.sq_gemv.restype = [weight, f32, i64, f32, i32, i32], None
     lib.sq_linear.argtypes, lib.sq_linear.restype = [weight, f32, i64, f32, f32, i32, i32], None
     lib.sq_dequant_rows.argtypes, lib.sq_dequant_rows.restype = [weight, i64, i64, f32, i32, i32], None
+    lib.sq_dense_linear.argtypes = [f32, i64, i64, f32, i64, f32, f32, i32, i32]
+    lib.sq_dense_linear.restype = None
     return lib
 
 

@@ -198,6 +198,19 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
     tail_and_sparse_dequant(w, r, lut, out, tail_start(w.n, w.bits));
 }
 
+// dense float32 rows: y[b][r] = w[r] . x[b], one sequential sum per output (the same for every batch size)
+template <int B>
+void dense_rows(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* wr = w + r * n;
+        for (int b = 0; b < B; ++b) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < n; ++k) s += wr[k] * x[b * n + k];
+            y[b * rows + r] = s;
+        }
+    }
+}
+
 }  // namespace scalar
 
 // ---------------------------------------------------------------------------------------------------------
@@ -351,6 +364,29 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
     dequant_half_and_tail(w, r, lut, out);
 }
 
+// dense float32 rows: 8 lanes along k, one accumulator per activation row, then hsum and the scalar tail; the
+// same instruction sequence for every output whatever B is, so a row's result never depends on its batch
+template <int B>
+void dense_rows(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
+    const int64_t whole = n - n % 8;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* wr = w + r * n;
+        __m256 acc[B];
+#pragma GCC unroll 8
+        for (int b = 0; b < B; ++b) acc[b] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < whole; k += 8) {
+            const __m256 wv = _mm256_loadu_ps(wr + k);
+#pragma GCC unroll 8
+            for (int b = 0; b < B; ++b) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * n + k), acc[b]);
+        }
+        for (int b = 0; b < B; ++b) {
+            float s = hsum(acc[b]);
+            for (int64_t k = whole; k < n; ++k) s += wr[k] * x[b * n + k];
+            y[b * rows + r] = s;
+        }
+    }
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -461,6 +497,28 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
     avx2::dequant_half_and_tail(w, r, lut, out);
 }
 
+// dense float32 rows, as avx2::dense_rows with 16 lanes
+template <int B>
+void dense_rows(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
+    const int64_t whole = n - n % 16;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* wr = w + r * n;
+        __m512 acc[B];
+#pragma GCC unroll 8
+        for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < whole; k += 16) {
+            const __m512 wv = _mm512_loadu_ps(wr + k);
+#pragma GCC unroll 8
+            for (int b = 0; b < B; ++b) acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * n + k), acc[b]);
+        }
+        for (int b = 0; b < B; ++b) {
+            float s = _mm512_reduce_add_ps(acc[b]);
+            for (int64_t k = whole; k < n; ++k) s += wr[k] * x[b * n + k];
+            y[b * rows + r] = s;
+        }
+    }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -489,6 +547,32 @@ gemv_fn gemv_for(int isa, int64_t b) {
     if (isa == SQ_AVX512) return pick_batch<Avx512>(b);
     if (isa == SQ_AVX2) return pick_batch<Avx2>(b);
     return pick_batch<Scalar>(b);
+}
+
+typedef void (*dense_fn)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+
+template <int B> struct ScalarDense { static void run(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { scalar::dense_rows<B>(w, n, x, y, rows, a, b); } };
+template <int B> struct Avx2Dense { static void run(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { avx2::dense_rows<B>(w, n, x, y, rows, a, b); } };
+template <int B> struct Avx512Dense { static void run(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { avx512::dense_rows<B>(w, n, x, y, rows, a, b); } };
+
+template <template <int> class Impl>
+dense_fn pick_dense(int64_t b) {
+    switch (b) {
+        case 1: return Impl<1>::run;
+        case 2: return Impl<2>::run;
+        case 3: return Impl<3>::run;
+        case 4: return Impl<4>::run;
+        case 5: return Impl<5>::run;
+        case 6: return Impl<6>::run;
+        case 7: return Impl<7>::run;
+        default: return Impl<8>::run;
+    }
+}
+
+dense_fn dense_for(int isa, int64_t b) {
+    if (isa == SQ_AVX512) return pick_dense<Avx512Dense>(b);
+    if (isa == SQ_AVX2) return pick_dense<Avx2Dense>(b);
+    return pick_dense<ScalarDense>(b);
 }
 
 dequant_fn dequant_for(int isa) {
@@ -575,6 +659,29 @@ void sq_dequant_rows(const sq_weight* w, int64_t r0, int64_t r1, float* out, int
     const dequant_fn fn = dequant_for(isa);
 #pragma omp parallel for schedule(static) num_threads(threads) if (r1 - r0 > 4)
     for (int64_t r = r0; r < r1; ++r) fn(wt, r, out + (r - r0) * wt.n);
+}
+
+// y float32 (batch, rows) = x (batch, n) @ w^T + bias for a dense float32 weight w (rows, n): each output one
+// fixed-order dot product (dense_rows), so a row's result is the same at every batch size (the engine of
+// squeeze serve batches what squeeze run computes one row at a time); activations in chunks of 8 rows
+void sq_dense_linear(const float* w, int64_t rows, int64_t n, const float* x, int64_t batch, float* y,
+                     const float* bias, int32_t isa, int32_t threads) {
+    const int64_t g = 64, tasks = (rows + g - 1) / g;
+    if (rows * n * (int64_t)sizeof(float) < (256 << 10)) threads = 1;
+    for (int64_t b0 = 0; b0 < batch; b0 += 8) {
+        const int64_t bn = batch - b0 < 8 ? batch - b0 : 8;
+        const dense_fn fn = dense_for(isa, bn);
+        const float* xb = x + b0 * n;
+        float* yb = y + b0 * rows;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tasks > 1 && threads > 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int64_t r0 = t * g, r1 = r0 + g < rows ? r0 + g : rows;
+            fn(w, n, xb, yb, rows, r0, r1);
+        }
+    }
+    if (bias)
+        for (int64_t b = 0; b < batch; ++b)
+            for (int64_t r = 0; r < rows; ++r) y[b * rows + r] += bias[r];
 }
 
 }  // extern "C"

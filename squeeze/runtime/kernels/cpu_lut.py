@@ -11,6 +11,9 @@ prepared form adds 12 bytes per sparse entry (position, exact value as float32, 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,10 @@ GEMV_MAX_ROWS = 32
 #: ran at 0.5x fp32; 4 MiB tiles of at least 128 rows at 0.83x).
 TILE_ELEMENTS = 1 << 20
 TILE_MIN_ROWS = 128
+#: Fewest rows the tile path multiplies at once: torch's float32 GEMM gives each row the same bits at any
+#: batch of 16 rows or more (measured on this machine kind's torch 2.13: 8 rows differ from 16), so fewer
+#: rows are padded with zeros up to it (see :func:`row_paths`).
+TILED_MIN_ROWS = 16
 #: cpu_lut.cpp's LUT kinds (sq_weight.lut_kind).
 LUT_F32, LUT_F16, LUT_U8_AFFINE = 0, 1, 2
 #: Code widths whose blocks the SIMD paths decode (others run the kernels' scalar path).
@@ -121,32 +128,89 @@ def _lut_in_place(qweight: LutWeight) -> tuple[Tensor, int, Tensor | None, Tenso
     return qweight.lut_values(torch.float32).contiguous(), LUT_F32, None, None
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """Which path each of ``rows`` rows of x takes: ``tiled`` (int64 indices) the tile path, the rest the GEMV."""
+
+    rows: int
+    tiled: Tensor
+    gemv: Tensor
+
+
+_ROW_PLAN: ContextVar[RowPlan | None] = ContextVar("squeeze_row_plan", default=None)
+
+
+@contextmanager
+def row_paths(plan: RowPlan | None) -> Iterator[None]:
+    """Within the block, linears called with ``plan.rows`` rows of x send each row down the path ``plan`` names.
+
+    The two paths sum in different orders, and the tile path's GEMM (at TILED_MIN_ROWS rows or more) and the
+    GEMV give each row the same bits whatever else is in the batch. So a caller that knows where a row would
+    have gone when computed alone (squeeze serve: prompt tokens of a prompt longer than GEMV_MAX_ROWS take the
+    tile path, as in ``squeeze run``'s prefill; everything else the GEMV) gets exactly that row's bits.
+    """
+    token = _ROW_PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _ROW_PLAN.reset(token)
+
+
+def serving_step() -> bool:
+    """Whether a :func:`row_paths` block is active (a serving step: every row must get its batch-free bits)."""
+    return _ROW_PLAN.get() is not None
+
+
 def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
-    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias``, accumulated in float32 by the native kernels."""
+    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias``, accumulated in float32 by the native kernels.
+
+    Up to GEMV_MAX_ROWS rows of x run the GEMV, more the tile path, unless :func:`row_paths` says otherwise.
+    """
     lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
     x2 = x.reshape(lead.numel(), n)  # (B, N); not -1: N may be 0
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.to(torch.float32).contiguous()
     batch = int(x2.shape[0])
-    threads = torch.get_num_threads()
-    if batch <= GEMV_MAX_ROWS:  # decode: permute, GEMV and bias in one call (one ctypes crossing per linear)
+    plan = _ROW_PLAN.get()
+    if plan is not None and plan.rows == batch and plan.tiled.numel():
         y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
-        if batch and rows:
-            b32 = _bias32(bias)
-            prepared.kernels.lib.sq_linear(
-                prepared.weight_ref,
-                x2.data_ptr(),
-                batch,
-                y.data_ptr(),
-                b32.data_ptr() if b32 is not None else None,
-                prepared.kernels.isa_code,
-                threads,
-            )
+        y[plan.tiled] = _tiled_rows(x2[plan.tiled], prepared, bias)
+        if plan.gemv.numel():
+            y[plan.gemv] = _gemv(x2[plan.gemv], prepared, bias)
+    elif batch <= GEMV_MAX_ROWS or plan is not None:
+        y = _gemv(x2, prepared, bias)
     else:
-        y = _tiled_linear(x2, prepared, threads)
-        if bias is not None:
-            y += bias.to(torch.float32)
+        y = _tiled_rows(x2, prepared, bias)
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, rows)
+
+
+def _gemv(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor:
+    """Decode: float32 (B, R), permute, GEMV and bias in one call (one ctypes crossing per linear)."""
+    batch, rows = int(x2.shape[0]), prepared.rows
+    y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
+    if batch and rows:
+        b32 = _bias32(bias)
+        prepared.kernels.lib.sq_linear(
+            prepared.weight_ref,
+            x2.data_ptr(),
+            batch,
+            y.data_ptr(),
+            b32.data_ptr() if b32 is not None else None,
+            prepared.kernels.isa_code,
+            torch.get_num_threads(),
+        )
+    return y
+
+
+def _tiled_rows(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor:
+    """Prefill: float32 (B, R) through the tile path, x padded with zero rows up to TILED_MIN_ROWS."""
+    batch = int(x2.shape[0])
+    if batch < TILED_MIN_ROWS:
+        x2 = torch.cat([x2, x2.new_zeros(TILED_MIN_ROWS - batch, x2.shape[1])])
+    y = _tiled_linear(x2.contiguous(), prepared, torch.get_num_threads())[:batch]
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y
 
 
 def _tiled_linear(x2: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
@@ -191,4 +255,15 @@ def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:
     return pos
 
 
-__all__ = ["CpuPreparedLut", "GEMV_MAX_ROWS", "covers", "prepare_cpu", "cpu_lut_linear", "permuted_positions"]
+__all__ = [
+    "CpuPreparedLut",
+    "GEMV_MAX_ROWS",
+    "TILED_MIN_ROWS",
+    "RowPlan",
+    "row_paths",
+    "serving_step",
+    "covers",
+    "prepare_cpu",
+    "cpu_lut_linear",
+    "permuted_positions",
+]

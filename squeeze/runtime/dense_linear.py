@@ -1,0 +1,55 @@
+"""RowStableLinear: an artifact's unquantized linears (the LM head) on the CPU, each row's result independent of
+its batch, so that ``squeeze serve``, which batches requests, gives the text ``squeeze run`` gives each alone.
+
+The module is an ``nn.Linear`` (same parameters, tied weights stay tied) whose forward runs the native dense
+kernel (:mod:`squeeze.runtime.kernels.cpu_dense`) for float32 inference on the CPU at up to GEMV_MAX_ROWS
+rows (decoding: one row per sequence; faster than torch's GEMV there), or at any number of rows inside a
+serving step (a :func:`~squeeze.runtime.kernels.cpu_lut.row_paths` block). Elsewhere it is ``F.linear``:
+more rows (prefill and perplexity, where torch's GEMM is 2-3x faster), another device or dtype, gradients,
+no C++ compiler.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from squeeze.runtime.kernels.cpu_build import cpu_kernels
+from squeeze.runtime.kernels.cpu_dense import cpu_dense_linear
+from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS, serving_step
+
+
+class RowStableLinear(nn.Linear):
+    """``nn.Linear`` whose CPU float32 inference path gives every row the same bits at any batch size."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn.Linear's own parameter name
+        weight = self.weight
+        if (
+            input.device.type == "cpu"
+            and input.dtype == weight.dtype == torch.float32
+            and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
+            and (input.numel() <= GEMV_MAX_ROWS * self.in_features or serving_step())
+        ):
+            kernels = cpu_kernels()
+            if kernels is not None:
+                return cpu_dense_linear(input, weight, self.bias, kernels)
+        return F.linear(input, weight, self.bias)
+
+
+def stabilise_dense_linears(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` a :class:`RowStableLinear` in place; how many there were.
+
+    The class is swapped on the existing modules (RowStableLinear adds no state), so parameters, tied weights
+    and hooks stay exactly as they are.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RowStableLinear
+            count += 1
+    return count
+
+
+__all__ = ["RowStableLinear", "stabilise_dense_linears"]
