@@ -44,13 +44,15 @@ class StepSlots:
 
     A step's rows are packed into one sequence of N new tokens, and their histories into one of K tokens
     (row after row, each from its position 0; squeeze.serve.runner). ``new_slots`` (N,): the token slot of
-    each new token; ``new_sink`` (N,): its index in the sink area, or -1 past the sink. ``read_slots``
-    (K,): the slot of each history token. ``sink_positions`` / ``sink_entries`` (s,): where in the K
-    history tokens a sink token sits, and its index in the sink area.
+    each new token. ``new_sink_tokens`` / ``new_sink_entries`` (m,): which of the new tokens are sink tokens,
+    and their index in the sink area. ``read_slots`` (K,): the slot of each history token.
+    ``sink_positions`` / ``sink_entries`` (s,): where in the K history tokens a sink token sits, and its
+    index in the sink area.
     """
 
     new_slots: Tensor
-    new_sink: Tensor
+    new_sink_tokens: Tensor
+    new_sink_entries: Tensor
     read_slots: Tensor
     sink_positions: Tensor
     sink_entries: Tensor
@@ -83,9 +85,9 @@ class _QuantizedLayerTensor:
         self.scale.index_copy_(1, slots.new_slots, encoded.scale[0].to(_PARAM_DTYPE))
         if self.offset is not None and encoded.offset is not None:
             self.offset.index_copy_(1, slots.new_slots, encoded.offset[0].to(_PARAM_DTYPE))
-        in_sink = slots.new_sink >= 0
-        if bool(in_sink.any()):
-            self.sink.index_copy_(1, slots.new_sink[in_sink], new[:, in_sink].to(self.sink.dtype))
+        if slots.new_sink_tokens.numel():
+            kept = new.index_select(1, slots.new_sink_tokens).to(self.sink.dtype)
+            self.sink.index_copy_(1, slots.new_sink_entries, kept)
 
     def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
         """The step's histories, (1, H, K, D) in ``dtype``: decoded codes, sink tokens as stored."""

@@ -179,7 +179,8 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         new_slots: list[int] = []
-        new_sink: list[int] = []
+        new_sink_tokens: list[int] = []
+        new_sink_entries: list[int] = []
         read_slots: list[int] = []
         sink_positions: list[int] = []
         sink_entries: list[int] = []
@@ -199,12 +200,11 @@ class ModelRunner:
             read_slots += self.blocks.slots(seq.seq_id, 0, end)
             if sink_tokens:
                 base = self.blocks.sinks[seq.seq_id] * sink_tokens
-                new_sink += [base + p if p < sink_tokens else -1 for p in range(start, end)]
+                new_sink_tokens += range(q0, q0 + max(0, min(end, sink_tokens) - start))
+                new_sink_entries += range(base + start, base + max(start, min(end, sink_tokens)))
                 kept = min(end, sink_tokens)
                 sink_positions += range(k0, k0 + kept)
                 sink_entries += range(base, base + kept)
-            else:
-                new_sink += [-1] * chunk.tokens
             rows.append(RowSpan(q0, len(tokens), k0, len(read_slots), self._row_mask(chunk.tokens, end)))
             last.append(len(tokens) - 1)
         device = self.device
@@ -214,7 +214,8 @@ class ModelRunner:
 
         slots = StepSlots(
             as_tensor(new_slots),
-            as_tensor(new_sink),
+            as_tensor(new_sink_tokens),
+            as_tensor(new_sink_entries),
             as_tensor(read_slots),
             as_tensor(sink_positions),
             as_tensor(sink_entries),

@@ -39,18 +39,19 @@ SPECS = {
 
 def _slots(blocks: BlockManager, rows: list[tuple[str, int, int]], sink: int) -> StepSlots:
     """StepSlots for rows (seq_id, start, new tokens), packed as the engine packs them."""
-    new_slots, new_sink, reads, sink_positions, sink_entries = [], [], [], [], []
+    new_slots, sink_tokens, sink_new, reads, sink_positions, sink_entries = [], [], [], [], [], []
     for seq_id, start, n in rows:
         blocks.grow(seq_id, start + n)
+        sink_tokens += [len(new_slots) + p - start for p in range(start, min(start + n, sink))]
         new_slots += blocks.slots(seq_id, start, start + n)
         base = blocks.sinks.get(seq_id, 0) * sink
-        new_sink += [base + p if p < sink else -1 for p in range(start, start + n)]
+        sink_new += [base + p for p in range(start, min(start + n, sink))]
         kept = min(start + n, sink)
         sink_positions += range(len(reads), len(reads) + kept)
         sink_entries += range(base, base + kept)
         reads += blocks.slots(seq_id, 0, start + n)
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return StepSlots(*(as_long(v) for v in (new_slots, new_sink, reads, sink_positions, sink_entries)))
+    return StepSlots(*(as_long(v) for v in (new_slots, sink_tokens, sink_new, reads, sink_positions, sink_entries)))
 
 
 @pytest.mark.parametrize("name", list(SPECS))
