@@ -49,7 +49,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def no_server(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, socket.socket, float]]:
     served: list[tuple[Any, socket.socket, float]] = []
 
-    def run_server(app: Any, sock: socket.socket, grace: float) -> bool:
+    def run_server(app: Any, sock: socket.socket, grace: float, **_: Any) -> bool:
         served.append((app, sock, grace))
         return True
 
@@ -188,7 +188,7 @@ def test_an_engine_that_fails_to_build_closes_the_socket(monkeypatch: pytest.Mon
 
 
 def test_a_server_that_did_not_start_exits_1(built: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_cmd, "run_server", lambda app, sock, grace: False)
+    monkeypatch.setattr(serve_cmd, "run_server", lambda app, sock, grace, **_: False)
     result = serve("--port", "0")
     assert result.exit_code == 1 and "the server did not start" in result.stderr
 
