@@ -238,3 +238,38 @@ def test_a_row_gets_the_same_logits_bit_for_bit_alone_or_packed_with_others(wide
     alone = [logits(short)[0], logits(long)[0]]
     packed = logits(short, long, short)  # one step; without the row plan every row would take the tile path
     assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1]) and torch.equal(packed[2], alone[0])
+
+
+def test_run_drives_the_loop_in_the_calling_thread_until_shutdown(serve_artifact: Path) -> None:
+    """squeeze serve's arrangement: the engine in the main thread, the event loop (clients) in another."""
+    import threading
+
+    engine = _engine(serve_artifact)
+    texts: list[str] = []
+
+    def clients() -> None:
+        async def main() -> None:
+            engine.start()  # what the HTTP app's lifespan does: a no-op once the loop is claimed
+            outputs = await _collect(engine, PROMPTS[0], SamplingParams(max_tokens=8), "r0")
+            texts.append(_text(outputs))
+
+        try:
+            asyncio.run(main())
+        finally:
+            engine.shutdown(1)  # blocks until the loop in the other thread has stopped
+
+    engine.claim_loop()
+    thread = threading.Thread(target=clients)
+    thread.start()
+    engine.run(until=lambda: not thread.is_alive())
+    thread.join(timeout=60)
+    assert not thread.is_alive() and engine._thread is None  # no thread of its own was started
+    loaded = api.load(serve_artifact)
+    assert texts == [api.generate(loaded, PROMPTS[0], max_new_tokens=8, kv_bits=4).text]
+    with pytest.raises(RuntimeError, match="own thread"):
+        other = _engine(serve_artifact)
+        other.start()
+        try:
+            other.claim_loop()
+        finally:
+            other.shutdown(0)
