@@ -29,7 +29,7 @@ greedy, ``ignore_eos`` so every request produces exactly its output length).
     >= 3.5x fp16 paged; paged >= 2x contiguous when lengths vary.
 (c) Fragmentation: the engine's KV block utilisation during the continuous run at 16 clients (share of the
     token slots in allocated blocks that hold live tokens, averaged over steps). Goal >= 90 %.
-(d) Time to first token and inter-token latency, p50 / p99, continuous at 16 clients.
+(d) Time to first token and inter-token latency, p50 / p99, of the continuous and the static runs.
 (e) Batch invariance: 16 prompts sent at once (greedy, ``--invariance-tokens`` new tokens) against
     ``squeeze.api.generate`` of each prompt alone (what ``squeeze run`` does): how many texts are identical.
 """
@@ -188,7 +188,7 @@ def throughput(loaded: Any, kv_spec: Any, args: argparse.Namespace, label: str) 
             args.output_tokens,
             args.seed + clients,
         )
-        observer = Latencies()
+        observers = {"continuous": Latencies(), "static": Latencies()}
         result: dict[str, Any] = {"requests": len(requests), "output_tokens": sum(n for _, n in requests)}
         samples: dict[str, list[float]] = {"continuous": [], "static": [], "one_at_a_time": []}
         modes = [("continuous", run_continuous, clients), ("static", run_static, clients)]
@@ -198,7 +198,7 @@ def throughput(loaded: Any, kv_spec: Any, args: argparse.Namespace, label: str) 
             for mode, runner, concurrency in modes:
                 if mode != "continuous" and clients == 1:
                     continue  # one client: static and one at a time are the continuous schedule
-                engine = make_engine(loaded, kv_spec, args, observer if mode == "continuous" else None)
+                engine = make_engine(loaded, kv_spec, args, observers.get(mode))
                 samples[mode].append(_measure(engine, runner, requests, concurrency))
                 stats = engine.stats()
                 assert stats.kv_blocks_free == stats.kv_blocks_total, stats  # every block back after the run
@@ -210,9 +210,13 @@ def throughput(loaded: Any, kv_spec: Any, args: argparse.Namespace, label: str) 
                 result[mode] = statistics.median(values)
                 result[f"{mode}_runs"] = values
         result["kv_block_utilisation"] = statistics.mean(result["kv_block_utilisation_runs"])
-        if observer.ttft:
-            result["ttft_p50"], result["ttft_p99"] = percentile(observer.ttft, 50), percentile(observer.ttft, 99)
-            result["itl_p50"], result["itl_p99"] = percentile(observer.itl, 50), percentile(observer.itl, 99)
+        for mode, observer in observers.items():
+            if observer.ttft and observer.itl:
+                prefix = "" if mode == "continuous" else "static_"
+                result[f"{prefix}ttft_p50"] = percentile(observer.ttft, 50)
+                result[f"{prefix}ttft_p99"] = percentile(observer.ttft, 99)
+                result[f"{prefix}itl_p50"] = percentile(observer.itl, 50)
+                result[f"{prefix}itl_p99"] = percentile(observer.itl, 99)
         rows[str(clients)] = result
         static = f"{result['static']:.1f}" if "static" in result else "-"
         print(
@@ -405,6 +409,9 @@ def main() -> None:
             if "ttft_p50" in row:
                 line += f"  ttft p50/p99 {row['ttft_p50'] * 1e3:.0f}/{row['ttft_p99'] * 1e3:.0f} ms"
                 line += f"  itl p50/p99 {row['itl_p50'] * 1e3:.0f}/{row['itl_p99'] * 1e3:.0f} ms"
+            if "static_ttft_p50" in row:
+                p50, p99 = row["static_ttft_p50"] * 1e3, row["static_ttft_p99"] * 1e3
+                line += f"  static ttft p50/p99 {p50:.0f}/{p99:.0f} ms"
             print(line)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
