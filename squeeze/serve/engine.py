@@ -388,7 +388,7 @@ def _text_content(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))  # as the HTTP layer
     return "" if content is None else str(content)
 
 
