@@ -23,7 +23,15 @@ import typer
 
 from squeeze import api
 from squeeze.cli.common import cli_errors, err_console
-from squeeze.cli.run import UNVERIFIED_WARNING, check_weight_options
+from squeeze.cli.run import (  # the options squeeze run has too, declared once
+    UNVERIFIED_WARNING,
+    Dense,
+    KvBits,
+    KvDynamic,
+    LowMemory,
+    NoVerify,
+    check_weight_options,
+)
 from squeeze.errors import ConfigError
 
 #: What ``squeeze serve`` imports beyond squeeze's own dependencies (the ``serve`` extra).
@@ -209,18 +217,6 @@ def run_server(app: Any, sock: socket.socket, shutdown_grace: float, *, engine: 
 Artifact = Annotated[Path, typer.Argument(help="The artifact directory (written by squeeze compress).")]
 Host = Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")]
 Port = Annotated[int, typer.Option("--port", help="TCP port (0 picks a free one).")]
-KvBits = Annotated[
-    Optional[int],
-    typer.Option(
-        "--kv-bits",
-        help="KV cache: 8 or 4 (default: what the artifact was calibrated for, else full precision), "
-        "16 = full precision.",
-    ),
-]
-KvDynamic = Annotated[
-    bool,
-    typer.Option("--kv-dynamic", help="With --kv-bits: uncalibrated per-token absmax scales (no calibrate-kv needed)."),
-]
 KvMemory = Annotated[
     str, typer.Option("--kv-memory", help="Memory of the paged KV pool, all layers (e.g. 1GiB, 512MB).")
 ]
@@ -246,26 +242,9 @@ ApiKey = Annotated[
 ServedModelName = Annotated[
     Optional[str], typer.Option("--served-model-name", help="The model name clients use (default: the artifact's).")
 ]
-NoVerify = Annotated[
-    bool, typer.Option("--no-verify", help="Skip checking the artifact against its manifest (not recommended).")
-]
 ShutdownGrace = Annotated[
     float,
     typer.Option("--shutdown-grace", help="Seconds open requests may run on after SIGINT/SIGTERM before they are cut."),
-]
-Dense = Annotated[
-    bool,
-    typer.Option(
-        "--dense", help="Cache every weight dequantized in fp32: faster prefill, ~8x the weight memory at 4 bits."
-    ),
-]
-LowMemory = Annotated[
-    bool,
-    typer.Option(
-        "--low-memory",
-        help="Never build dense weights: only matters where no native kernel covers a weight "
-        "(then it dequantizes row slices per call).",
-    ),
 ]
 JsonOut = Annotated[
     bool, typer.Option("--json", help="Print the startup information as one JSON line on stdout (not stderr).")
