@@ -77,7 +77,7 @@ def test_a_real_server_answers_the_openai_client_frees_blocks_and_stops_on_sigte
 
     total = _metric(base, "squeeze_kv_blocks_total")
     generated = _metric(base, "squeeze_generation_tokens_total")
-    body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -86,7 +86,7 @@ def test_a_real_server_answers_the_openai_client_frees_blocks_and_stops_on_sigte
     while _metric(base, "squeeze_kv_blocks_free") != total or _metric(base, "squeeze_requests_running"):
         assert time.monotonic() < deadline, "the disconnected request kept its blocks"
         time.sleep(0.05)
-    assert _metric(base, "squeeze_generation_tokens_total") - generated < 400  # cancelled, not run to its end
+    assert _metric(base, "squeeze_generation_tokens_total") - generated < 500  # cancelled, not run to its end
 
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
