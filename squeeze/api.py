@@ -359,7 +359,7 @@ def serve_engine(
     from pathlib import Path
 
     from squeeze.runtime.kvcache import kv_spec_for
-    from squeeze.serve.engine import Engine, check_engine_config
+    from squeeze.serve.engine import Engine
 
     config = config if config is not None else EngineConfig()
     check_engine_config(config)
@@ -367,6 +367,14 @@ def serve_engine(
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic)
     name = model_name or Path(os.fspath(path)).resolve().name
     return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """ConfigError for serving options that are wrong whatever the model (what :func:`serve_engine` checks
+    before anything loads), naming the ``squeeze serve`` flag."""
+    from squeeze.serve.engine import check_engine_config as check
+
+    check(config)
 
 
 def create_serve_app(
@@ -423,6 +431,7 @@ __all__ = [
     "generate",
     "serve_engine",
     "create_serve_app",
+    "check_engine_config",
     "EngineConfig",
     "parse_size",
     "check_generate_options",

@@ -36,7 +36,6 @@ from squeeze.errors import ConfigError
 
 #: What ``squeeze serve`` imports beyond squeeze's own dependencies (the ``serve`` extra).
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
-KV_BITS_CHOICES = (16, 8, 4)
 #: uvicorn's default listen backlog.
 BACKLOG = 2048
 
@@ -54,11 +53,6 @@ def check_serve_dependencies() -> None:
             ) from exc
 
 
-def _positive(value: int, flag: str) -> None:
-    if value < 1:
-        raise ConfigError(f"{flag} must be a positive integer, found {value}")
-
-
 def engine_config(
     *,
     kv_bits: int | None,
@@ -70,25 +64,13 @@ def engine_config(
     max_model_len: int | None,
     max_queue: int,
 ) -> Any:
-    """The engine's options as an ``EngineConfig``; ConfigError naming the flag for a bad one."""
-    if kv_bits is not None and kv_bits not in KV_BITS_CHOICES:
-        raise ConfigError(f"--kv-bits must be 16, 8 or 4, found {kv_bits}")
-    if kv_dynamic and kv_bits not in (8, 4):
-        raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
+    """The engine's options as an ``EngineConfig``, checked (api.check_engine_config); ConfigError naming the
+    flag for a bad one."""
     try:
         kv_memory_bytes = api.parse_size(kv_memory)
     except ConfigError as exc:
         raise ConfigError(f"--kv-memory: {exc.message}", hint=exc.hint or "e.g. --kv-memory 1GiB") from None
-    for value, flag in (
-        (block_size, "--block-size"),
-        (max_num_seqs, "--max-num-seqs"),
-        (max_batch_tokens, "--max-batch-tokens"),
-        (max_queue, "--max-queue"),
-    ):
-        _positive(value, flag)
-    if max_model_len is not None:
-        _positive(max_model_len, "--max-model-len")
-    return api.EngineConfig(
+    config = api.EngineConfig(
         kv_bits=kv_bits,
         kv_dynamic=kv_dynamic,
         kv_memory_bytes=kv_memory_bytes,
@@ -98,6 +80,8 @@ def engine_config(
         max_model_len=max_model_len,
         max_queue=max_queue,
     )
+    api.check_engine_config(config)
+    return config
 
 
 def check_server_options(*, port: int, shutdown_grace: float, api_key: str | None) -> None:

@@ -72,7 +72,7 @@ def error_lines(result: Any) -> list[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--kv-bits", "5"], "--kv-bits must be 16, 8 or 4, found 5"),
+        (["--kv-bits", "5"], "--kv-bits must be 4, 8 or 16 (no KV quantization), found 5"),
         (["--kv-dynamic"], "--kv-dynamic needs --kv-bits 8 or 4"),
         (["--kv-bits", "16", "--kv-dynamic"], "--kv-dynamic needs --kv-bits 8 or 4"),
         (["--kv-memory", "0"], "--kv-memory: a size must be positive"),
