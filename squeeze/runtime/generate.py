@@ -27,6 +27,7 @@ from squeeze.runtime.checks import check_context, resolve_device, validate_optio
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.kvcache import SqueezeKVCache
 from squeeze.runtime.paths import describe_weight_paths, weight_paths
+from squeeze.runtime.text_stream import TextState
 
 StreamFn = Callable[[str], None]
 
@@ -101,9 +102,9 @@ class GenerationResult:
 class _RunStreamer:
     """Times decoding and streams the first row's text: ``put(next_tokens (B,))`` per step, then ``end()``.
 
-    Text is emitted like transformers' TextStreamer (decode everything so far, emit the new suffix, hold
-    back a trailing incomplete character), but it accepts batches and stops at row 0's first
-    end-of-sequence token, so the pieces concatenate to exactly the row's final text.
+    The text comes in pieces as :class:`~squeeze.runtime.text_stream.TextState` makes them (like
+    transformers' TextStreamer), but it accepts batches and stops at row 0's first end-of-sequence token,
+    so the pieces concatenate to exactly the row's final text.
     """
 
     def __init__(self, tokenizer: Any, stream: StreamFn | None, eos_ids: set[int]):
@@ -114,7 +115,7 @@ class _RunStreamer:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self._ids: list[int] = []
-        self._printed = 0
+        self._text = TextState()
         self._done = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -130,22 +131,16 @@ class _RunStreamer:
             self._done = True
             return
         self._ids.append(token)
-        text = self._decode()
-        # a trailing U+FFFD is a multi-byte character whose bytes have not all arrived yet
-        ready = len(text) if not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
-        if ready > self._printed:
-            self.stream(text[self._printed : ready])
-            self._printed = ready
+        self._emit(self.stream, final=False)
 
     def end(self) -> None:
         if self.stream is not None:
-            text = self._decode()
-            if len(text) > self._printed:
-                self.stream(text[self._printed :])
-                self._printed = len(text)
+            self._emit(self.stream, final=True)
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self._ids, skip_special_tokens=True)
+    def _emit(self, stream: StreamFn, final: bool) -> None:
+        piece, _ = self._text.update(self.tokenizer, self._ids, final=final)
+        if piece:
+            stream(piece)
 
 
 def _model_device(model: nn.Module) -> torch.device:

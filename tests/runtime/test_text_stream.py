@@ -1,10 +1,11 @@
-"""Incremental text with stop strings: pieces concatenate to the final text, which ends before the stop."""
+"""Incremental text with stop strings (squeeze.runtime.text_stream): the pieces concatenate to the final text,
+which ends before the first stop string."""
 
 from __future__ import annotations
 
 import pytest
 
-from squeeze.serve.sequence import TextState
+from squeeze.runtime.text_stream import TextState
 
 
 class _CharTokenizer:
