@@ -187,17 +187,21 @@ class ModelRunner:
         rows: list[RowSpan] = []
         last: list[int] = []
         tiled: list[int] = []
+        gemv: list[int] = []
         for chunk in plan:
             seq = chunk.seq
             start, end = seq.computed, seq.computed + chunk.tokens
             q0, k0 = len(tokens), len(read_slots)
             prompt = len(seq.prompt_ids)
-            if prompt > GEMV_MAX_ROWS and start < prompt:  # squeeze run prefills such a prompt on the tile path
-                tiled += range(q0, q0 + min(end, prompt) - start)
+            # squeeze run prefills a prompt longer than GEMV_MAX_ROWS on the tile path, everything else on the GEMV
+            split = q0 + (max(0, min(end, prompt) - start) if prompt > GEMV_MAX_ROWS else 0)
+            tiled += range(q0, split)
+            gemv += range(split, q0 + chunk.tokens)
             tokens += seq.tokens[start:end]
             positions += range(start, end)
-            new_slots += self.blocks.slots(seq.seq_id, start, end)
-            read_slots += self.blocks.slots(seq.seq_id, 0, end)
+            row_slots = self.blocks.slots(seq.seq_id, 0, end)
+            new_slots += row_slots[start:]
+            read_slots += row_slots
             if sink_tokens:
                 base = self.blocks.sinks[seq.seq_id] * sink_tokens
                 new_sink_tokens += range(q0, q0 + max(0, min(end, sink_tokens) - start))
@@ -220,12 +224,7 @@ class ModelRunner:
             as_tensor(sink_positions),
             as_tensor(sink_entries),
         )
-        tiled_set = set(tiled)
-        paths = RowPlan(
-            len(tokens),
-            torch.tensor(tiled, dtype=torch.long),
-            torch.tensor([i for i in range(len(tokens)) if i not in tiled_set], dtype=torch.long),
-        )
+        paths = RowPlan(len(tokens), torch.tensor(tiled, dtype=torch.long), torch.tensor(gemv, dtype=torch.long))
         return _StepInputs(
             as_tensor(tokens)[None], as_tensor(positions)[None], as_tensor(last), slots, tuple(rows), paths
         )
