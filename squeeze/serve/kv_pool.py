@@ -130,7 +130,7 @@ def sink_bytes(spec: KVSpec | None, shape: AttentionShape, sequences: int, dtype
     if spec is None:
         return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return sequences * spec.sink_tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * itemsize
+    return sequences * spec.sink_tokens * fp_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
 
 
 class PagedKVPool:
