@@ -175,7 +175,7 @@ class Engine:
                 param="max_tokens",
             )
         with self._cond:
-            waiting = len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in self._inbox)
+            waiting = self._waiting()
             if waiting >= self.config.max_queue:
                 raise QueueFullError(f"{waiting} requests are already waiting (--max-queue {self.config.max_queue})")
             if request_id in self._handles:
@@ -187,6 +187,10 @@ class Engine:
             self._inbox.append(("add", seq))
             self._cond.notify()
         return handle
+
+    def _waiting(self) -> int:
+        """Requests queued: in the scheduler's queue, or submitted and not yet taken from the inbox."""
+        return len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in list(self._inbox))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and free its blocks (from any thread; a no-op once it has finished)."""
@@ -200,7 +204,7 @@ class Engine:
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_free=self.blocks.free_blocks,
             requests_running=len(self.scheduler.running),
-            requests_waiting=len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in list(self._inbox)),
+            requests_waiting=self._waiting(),
             block_size=self.blocks.block_size,
             kv_bits=self.pool.bits,
             kv_pool_bytes=self.pool.nbytes,
