@@ -20,6 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 import squeeze.serve.types
+from server_process import running_server
 from squeeze import api
 from squeeze.cli import serve as serve_cmd
 from squeeze.cli.app import app
@@ -230,38 +231,8 @@ main()
 def server_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     script = tmp_path / "serve_fake.py"
     script.write_text(textwrap.dedent(RUNNER.format(serve_tests=str(SERVE_TESTS))))
-    process = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
-    )
-    try:
-        line = _read_line(process, 60)
-        url = json.loads(line)["url"]
-        deadline = time.monotonic() + 60
-        while True:  # the JSON line comes before uvicorn is up: wait for /health
-            try:
-                if httpx.get(url.removesuffix("/v1") + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-            time.sleep(0.05)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        for pipe in (process.stdout, process.stderr):
-            pipe.close()
-
-
-def _read_line(process: subprocess.Popen, seconds: float) -> str:
-    """The first stdout line of ``process``, read in a thread so that a hung child fails the test."""
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    assert lines and lines[0], f"no startup line; stderr: {process.stderr.read() if process.poll() is not None else ''}"
-    return lines[0]
+    with running_server([sys.executable, str(script)], cwd=tmp_path) as running:
+        yield running
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

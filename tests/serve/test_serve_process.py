@@ -3,12 +3,10 @@ official openai client against it, a client that disconnects mid-stream, and SIG
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server_process import running_server
 from squeeze import api
 
 openai = pytest.importorskip("openai")
@@ -31,35 +30,9 @@ def _metric(base: str, name: str) -> float:
 @pytest.fixture
 def server(serve_artifact: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     command = [sys.executable, "-c", "from squeeze.cli.app import main; main()", "serve", str(serve_artifact)]
-    process = subprocess.Popen(
-        [*command, "--port", "0", "--json", "--kv-memory", "8MiB", "--shutdown-grace", "5"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(120)
-        assert lines and lines[0], "no startup line"
-        base = json.loads(lines[0])["url"].removesuffix("/v1")
-        deadline = time.monotonic() + 60
-        while True:  # bounded wait for uvicorn
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        yield process, base
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        for pipe in (process.stdout, process.stderr):
-            pipe.close()
+    options = ["--port", "0", "--json", "--kv-memory", "8MiB", "--shutdown-grace", "5"]
+    with running_server([*command, *options], startup_seconds=120) as (process, url):
+        yield process, url.removesuffix("/v1")
 
 
 def test_a_real_server_answers_the_openai_client_frees_blocks_and_stops_on_sigterm(
