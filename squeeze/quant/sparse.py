@@ -143,6 +143,26 @@ class SparseCSR:
         dense[self.row_indices(), self.cols.to(torch.int64)] = self.vals.to(dense.dtype)
         return dense
 
+    def col_slice(self, start: int, stop: int) -> SparseCSR:
+        """The entries of columns [start, stop) as a CSR of shape (R, stop - start): columns re-based by -start
+        and stored in the dtype for stop - start columns, rowptr int32 recomputed, vals kept in their dtype.
+
+        A range that holds no entry gives an empty CSR (nnz = 0), not None: every slice keeps the same parts.
+        """
+        if not (0 <= start <= stop <= self.shape[1]):
+            raise ValueError(f"column slice [{start}, {stop}) must satisfy 0 <= start <= stop <= {self.shape[1]}")
+        cols = self.cols.to(torch.int64)
+        keep = (cols >= start) & (cols < stop)
+        counts = torch.bincount(self.row_indices()[keep], minlength=self.shape[0])
+        rowptr = torch.zeros(self.shape[0] + 1, dtype=torch.int64, device=self.rowptr.device)
+        rowptr[1:] = counts.cumsum(0)
+        return SparseCSR(
+            rowptr=rowptr.to(torch.int32),
+            cols=(cols[keep] - start).to(self.col_dtype(stop - start)),
+            vals=self.vals[keep],
+            shape=(self.shape[0], stop - start),
+        )
+
     def to_dense_mask_and_values(self) -> tuple[Tensor, Tensor]:
         """(mask bool (R, N), values (R, N) in vals' dtype, zero off the mask)."""
         rows, cols = self.row_indices(), self.cols.to(torch.int64)

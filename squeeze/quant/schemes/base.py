@@ -8,7 +8,9 @@ A format class is a frozen dataclass holding one matrix's quantized tensors. It 
   ``from_tensors`` checks presence, dtype and shape from this description alone, ``estimate_bytes`` sums
   it, inspect and both loaders read role names from it;
 * the math: ``quantize`` (classmethod), ``dequantize`` (the reference every kernel is tested against),
-  ``row_slice`` (rows of the weight, for the runtime's chunked paths) and ``check_values``.
+  ``row_slice`` (rows of the weight, for the runtime's chunked paths), ``col_slice`` (columns of the weight,
+  for tensor-parallel row-parallel layers; optional: a format without it raises NotImplementedError) and
+  ``check_values``.
 
 The runtime builds one generic module (``SqueezeLinear``) for every format; ``kernel`` names the kernel
 family that may replace its reference path ("lut": the Triton LUT kernels), or None.
@@ -17,6 +19,7 @@ family that may replace its reference path ("lut": the Triton LUT kernels), or N
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from squeeze.errors import FormatError
 from squeeze.limits import check_weight_bits, is_int
-from squeeze.quant.packing import packed_row_bytes, unpack_codes
+from squeeze.quant.packing import pack_codes, packed_row_bytes, unpack_codes
 from squeeze.quant.sparse import SparseCSR
 
 #: dtype of fp16 LUT entries and of every per-row / per-group scale and zero point.
@@ -127,6 +130,12 @@ class WeightFormat:
         """Rows [start, stop) as a weight of the same format, sharing storage (rows are packed apart)."""
         raise NotImplementedError
 
+    def _col_slice(self: W, start: int, stop: int) -> W:
+        """``col_slice`` past its range check (0 <= start <= stop <= in_features holds)."""
+        raise NotImplementedError(
+            f"the {self.name!r} weight format ({type(self).__qualname__}) cannot be sliced by columns"
+        )
+
     def check_values(self, prefix: str) -> None:
         """FormatError when stored values break the format (non-finite scales...); shapes are checked already."""
 
@@ -149,6 +158,36 @@ class WeightFormat:
     def codes(self) -> Tensor:
         """uint8 (R, N): the unpacked codes."""
         return unpack_codes(self.packed, self.bits, self.in_features)
+
+    def col_slice(self: W, start: int, stop: int) -> W:
+        """Columns [start, stop) of the weight as a weight of the same format with in_features = stop - start
+        (tensor-parallel row-parallel layers split their input columns across devices).
+
+        ``dequantize()`` of the result equals ``dequantize()[:, start:stop]`` bit for bit. ValueError for a
+        range outside [0, in_features] (or one the format cannot cut, e.g. RTN off a group boundary);
+        NotImplementedError, naming the format, for a format without column slices.
+        """
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop <= self.in_features):
+            raise ValueError(
+                f"column slice [{start!r}, {stop!r}) must satisfy 0 <= start <= stop <= in_features = "
+                f"{self.in_features}"
+            )
+        return self._col_slice(start, stop)
+
+    def packed_cols(self, start: int, stop: int) -> Tensor:
+        """uint8 (R, ceil((stop - start) * bits / 8)): the codes of columns [start, stop), packed as rows of
+        their own (a range starting mid-byte is re-aligned to bit 0); the range is one col_slice has checked.
+        Contiguous; may share the stored memory."""
+        if (start * self.bits) % 8 == 0 and ((stop * self.bits) % 8 == 0 or stop == self.in_features):
+            # whole bytes: the stored bytes already are the slice's packing (the tail's pad bits stay as stored)
+            return self.packed[:, start * self.bits // 8 : packed_row_bytes(stop, self.bits)].contiguous()
+        # unpack only the whole-byte groups of codes that hold the range (8 codes = 3 bytes at 3 bits), not the row
+        group = math.lcm(self.bits, 8) // self.bits
+        first = start // group * group
+        lo = first * self.bits // 8
+        window = self.packed[:, lo : lo + packed_row_bytes(stop - first, self.bits)]
+        codes = unpack_codes(window, self.bits, stop - first)[:, start - first :]
+        return pack_codes(codes.contiguous(), self.bits)
 
     def params(self) -> dict[str, Any]:
         """This weight's module parameters (``module_params``), as ``from_tensors`` takes them."""

@@ -9,7 +9,7 @@ the clustering and is stored exactly in a CSR part that replaces the dense value
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -95,6 +95,15 @@ class LutWeight(WeightFormat):
             packed=self.packed[start:stop],
             lut=self.lut[start:stop],
             sparse=_sparse_rows(self.sparse, start, stop),
+        )
+
+    def _col_slice(self, start: int, stop: int) -> LutWeight:
+        # the LUT (and the 8-bit LUT's scale / zero) is per row: every column keeps it; replace() keeps them
+        return replace(
+            self,
+            in_features=stop - start,
+            packed=self.packed_cols(start, stop),
+            sparse=self.sparse.col_slice(start, stop) if self.sparse is not None else None,
         )
 
     @classmethod

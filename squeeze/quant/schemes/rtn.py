@@ -116,6 +116,33 @@ class RtnWeight(WeightFormat):
             zeros=self.zeros[start:stop],
         )
 
+    def _col_slice(self, start: int, stop: int) -> RtnWeight:
+        gs = self.group_size
+        if gs is None or gs >= self.in_features:  # one group per row: its scale / zero serve any columns
+            scales, zeros = self.scales, self.zeros
+        else:
+            # a group cut in two would need its scale twice: the range must start and stop on group boundaries
+            if start % gs:
+                raise ValueError(
+                    f"an RTN column slice must start on a group boundary (a multiple of group_size {gs}), "
+                    f"found start {start}"
+                )
+            if stop % gs and stop != self.in_features:
+                raise ValueError(
+                    f"an RTN column slice must stop on a group boundary (a multiple of group_size {gs}) or at "
+                    f"in_features {self.in_features}, found stop {stop}"
+                )
+            groups = slice(start // gs, -(-stop // gs))
+            scales, zeros = self.scales[:, groups].contiguous(), self.zeros[:, groups].contiguous()
+        return RtnWeight(
+            bits=self.bits,
+            in_features=stop - start,
+            group_size=gs,
+            packed=self.packed_cols(start, stop),
+            scales=scales,
+            zeros=zeros,
+        )
+
     @classmethod
     def quantize(
         cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions, timer: Timer = no_timer
