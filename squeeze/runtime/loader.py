@@ -13,7 +13,7 @@ import os
 import stat
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,10 +126,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtypes[name]
 
 
-def tensors_from_captured(report: VerifyReport) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, as views into the bytes that verification hashed (no second read)."""
+def tensors_from_captured(report: VerifyReport, exclude: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard (but the files in ``exclude``), as views into the bytes that verification
+    hashed (no second read)."""
     tensors: dict[str, torch.Tensor] = {}
     for path, header in sorted(report.headers.items()):
+        if path in exclude:
+            continue
         data = report.captured[path].data
         if data is None:
             raise FormatError(f"{path} was verified without keeping its bytes")
