@@ -1,0 +1,1 @@
+"""Integrations with other runtimes (each imports its runtime lazily; squeeze works without them)."""

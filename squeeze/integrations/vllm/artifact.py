@@ -1,0 +1,118 @@
+"""The artifact as the vLLM plugin reads it (no vLLM import): its quantization config checked, its files
+verified, its tensors served from exactly the bytes that were hashed.
+
+Everything goes through squeeze's own hardened readers (:mod:`squeeze.format`): no link followed, regular
+files only, sizes capped before reading, nothing built from a byte before its file's SHA-256 matched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from squeeze.errors import FormatError
+from squeeze.format.paths import short_repr
+from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD
+from squeeze.format.verify import VerifyReport
+from squeeze.limits import check_weight_bits, is_int
+from squeeze.models import resolve_model
+from squeeze.quant.kv_spec import KV_FILE
+from squeeze.quant.schemes import formats_of, methods, stored_roles
+from squeeze.runtime.loader import tensors_from_captured, verified_report
+
+
+@dataclass(frozen=True)
+class ModuleSpecs:
+    """``quantization_config.modules`` (checkpoint module name -> its entry), checked once, and for each
+    module the roles its tensors store (role -> torch dtype name), read from the verified headers."""
+
+    modules: Mapping[str, Mapping[str, Any]]
+    roles: Mapping[str, Mapping[str, str]]
+
+
+def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``modules`` of a squeeze ``quantization_config``, every entry checked: a format version this
+    squeeze reads, a registered method, integer sizes. FormatError naming the module otherwise."""
+    if config.get("quant_method") != QUANT_METHOD:
+        raise FormatError(
+            f"quantization_config.quant_method is {short_repr(config.get('quant_method'))}, not 'squeeze'"
+        )
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"quantization_config.format_version is {short_repr(version)}; this squeeze reads {FORMAT_VERSION}",
+            hint="install the squeeze version that wrote the artifact, or re-create it with this one",
+        )
+    modules = config.get("modules")
+    if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
+        raise FormatError("quantization_config.modules must map module names to objects")
+    for name, spec in modules.items():
+        where = f"quantization_config.modules[{name!r}]"
+        method = spec.get("method")
+        if not isinstance(method, str) or not formats_of(method):
+            raise FormatError(
+                f"{where}.method is {short_repr(method, 60)}, which this squeeze cannot run",
+                hint="this squeeze runs methods " + ", ".join(repr(m) for m in methods()) + "; upgrade squeeze",
+            )
+        for key in ("bits", "in_features", "out_features"):
+            if not is_int(spec.get(key)) or spec[key] < 0:
+                raise FormatError(f"{where}.{key} must be an integer >= 0, found {short_repr(spec.get(key))}")
+        check_weight_bits(spec["bits"], f"{where}.bits", FormatError, hint=None)
+    return modules
+
+
+def artifact_directory(model: str) -> Path:
+    """The local directory of the artifact vLLM was given (a path, or a model in the local HF cache)."""
+    return resolve_model(model).directory
+
+
+def verify(directory: Path, *, capture: bool = False) -> VerifyReport:
+    """The artifact verified against its manifest (IntegrityError otherwise); ``capture`` keeps every file's
+    hashed bytes in memory for :func:`verified_tensors`."""
+    return verified_report(directory, capture=capture)
+
+
+def module_specs(report: VerifyReport, modules: Mapping[str, Mapping[str, Any]]) -> ModuleSpecs:
+    """The module entries with the roles each module stores, from ``report``'s (verified) headers."""
+    suffixes = stored_roles()
+    roles: dict[str, dict[str, str]] = {name: {} for name in modules}
+    for header in report.headers.values():
+        for tensor, info in header.tensors.items():
+            module, _, role = tensor.rpartition(".")
+            if role in suffixes and module in roles:
+                roles[module][role] = info.dtype
+    missing = [name for name, found in roles.items() if not found]
+    if missing:
+        raise FormatError(f"quantization_config names module {missing[0]!r}, but the artifact has no tensors of it")
+    return ModuleSpecs(modules=dict(modules), roles=roles)
+
+
+def verified_tensors(report: VerifyReport) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight shard, as views into the bytes verification hashed. The KV-cache file
+    holds squeeze's own per-channel KV scales, which vLLM's attention does not read: it is left out."""
+    yield from tensors_from_captured(report, exclude=(KV_FILE,)).items()
+
+
+def checkpoint_modules(prefix: str, packed: Mapping[str, list[str]]) -> tuple[str, ...]:
+    """The checkpoint modules vLLM's layer ``prefix`` holds: ``model.layers.0.self_attn.qkv_proj`` ->
+    its q/k/v projections by the model's ``packed_modules_mapping``; any other layer is itself."""
+    parent, _, leaf = prefix.rpartition(".")
+    subs = packed.get(leaf)
+    if not subs:
+        return (prefix,)
+    return tuple(f"{parent}.{sub}" if parent else sub for sub in subs)
+
+
+__all__ = [
+    "ModuleSpecs",
+    "check_quant_config",
+    "artifact_directory",
+    "verify",
+    "module_specs",
+    "verified_tensors",
+    "checkpoint_modules",
+]

@@ -1,0 +1,111 @@
+"""vLLM's quantization config for squeeze artifacts: picked by ``quantization_config.quant_method == "squeeze"``.
+
+From the config dict alone (``from_config``, in the process that starts vLLM) every module entry is checked:
+an unknown format version or a method this squeeze cannot run fails there, naming the module. Once vLLM
+knows the model's path (``maybe_update_config``), the whole artifact is verified against its manifest
+before any weight is read: a tampered artifact stops vLLM with squeeze's IntegrityError. The roles each
+module stores are read from the verified headers, so every layer registers exactly its tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from squeeze.errors import FormatError
+from squeeze.format.quant_config import QUANT_METHOD
+from squeeze.integrations.vllm.artifact import (
+    ModuleSpecs,
+    artifact_directory,
+    check_quant_config,
+    checkpoint_modules,
+    module_specs,
+    verify,
+)
+from squeeze.integrations.vllm.linear import SqueezeLinearMethod
+
+logger = init_logger("vllm.squeeze")
+
+
+class SqueezeVllmConfig(QuantizationConfig):
+    """A squeeze artifact's ``quantization_config``: which linears are quantized, and how."""
+
+    def __init__(self, modules: dict[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self.modules = modules
+        self.specs: ModuleSpecs | None = None
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        # the kernels accumulate in float32 whatever the activations' dtype
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 70  # the Triton LUT kernels' (Volta)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # everything is in config.json's quantization_config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> SqueezeVllmConfig:
+        return cls(check_quant_config(config))
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        self.attach(model_name)
+
+    def attach(self, model: str) -> None:
+        """Verify the artifact at ``model`` (IntegrityError if it is not intact) and read its module roles."""
+        directory = artifact_directory(model)
+        report = verify(directory)
+        self.specs = module_specs(report, self.modules)
+        logger.info(
+            "squeeze: verified %s (%d files, %.1f MB hashed, root %s...)",
+            directory,
+            len(report.files),
+            report.bytes_hashed / 1e6,
+            report.root_digest[:12],
+        )
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        """Rename module entries as the model renames its checkpoint's modules."""
+        rename = hf_to_vllm_mapper.map_name
+        self.modules = {rename(name) or name: spec for name, spec in self.modules.items()}
+        if self.specs is not None:
+            self.specs = ModuleSpecs(
+                modules=self.modules, roles={rename(name) or name: r for name, r in self.specs.roles.items()}
+            )
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings, the LM head, attention: stored unquantized (or not ours)
+        specs = self.specs
+        if specs is None:  # a process that did not build the config itself: verify here, before any read
+            current = get_current_vllm_config_or_none()
+            if current is None or current.model_config is None:
+                raise FormatError("the squeeze vLLM plugin needs the model's path to verify the artifact")
+            self.attach(current.model_config.model)
+            specs = self.specs
+            assert specs is not None
+        modules = checkpoint_modules(prefix, self.packed_modules_mapping)
+        quantized = [name in specs.modules for name in modules]
+        if not any(quantized):
+            return UnquantizedLinearMethod()
+        if not all(quantized):
+            plain = [name for name, q in zip(modules, quantized, strict=True) if not q]
+            raise FormatError(
+                f"vLLM fuses {', '.join(modules)} into {prefix}, but the artifact leaves {plain[0]} unquantized",
+                hint="re-compress with a recipe that quantizes all of them, or none",
+            )
+        return SqueezeLinearMethod(specs, modules)
+
+
+__all__ = ["SqueezeVllmConfig"]
