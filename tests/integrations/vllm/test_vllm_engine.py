@@ -1,0 +1,142 @@
+"""squeeze artifacts served by vLLM itself (skipped without vLLM; scripts/check_vllm.sh builds its environment).
+
+A tiny Llama vLLM's CPU attention accepts (head_dim 64; a vocabulary of 384, which 3 ranks split evenly),
+shaped to exercise the plugin's sharding at tensor parallel 3: 6 query heads and 1 key/value head (k and v
+replicated on every rank), and an MLP of 300 channels (down_proj's 3-bit codes cut mid-byte at each rank's 100
+columns). Each engine runs in a process of its own
+(scripts/vllm_generate.py), since vLLM spawns workers; each start costs 15-60 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/check_vllm.sh builds an environment with it)")
+
+from squeeze import api  # noqa: E402
+from squeeze.eval.greedy import first_divergence  # noqa: E402
+from squeeze.format.manifest import MANIFEST_NAME  # noqa: E402
+from squeeze.format.verify import seal_artifact  # noqa: E402
+from squeeze.quant.packing import unpack_codes  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[3]
+PROMPTS = ["Once upon a time", "The little dog", "She looked at the", "One day, a"]
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def vllm_tiny(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any, tiny_text_file: Path, save_model: Callable
+) -> Path:
+    """The tiny vLLM-shaped Llama compressed at 3 bits with a sparse part."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_llama_config
+
+    config = tiny_llama_config(
+        tiny_tokenizer,
+        hidden_size=384,
+        intermediate_size=300,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        vocab_size=384,  # vLLM pads the vocabulary to a multiple of 64 and splits it over the ranks: 384 = 3 x 128
+    )
+    torch.manual_seed(0)
+    source = save_model(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("vllm-tiny") / "source")
+    out = tmp_path_factory.mktemp("vllm-tiny") / "w3"
+    api.compress(
+        str(source),
+        out,
+        recipe="w3-s045",
+        calibration=str(tiny_text_file),
+        calibration_overrides={"num_samples": 4, "seq_len": 32},
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def save_model(tiny_tokenizer: Any) -> Callable:
+    from conftest import save_tiny_model
+
+    return lambda model, directory: save_tiny_model(model, tiny_tokenizer, directory)
+
+
+def run_vllm(model: Path, **options: Any) -> tuple[dict[str, Any] | None, str]:
+    """(result, stderr) of scripts/vllm_generate.py on ``model``; result None when vLLM failed to start."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "vllm_generate.py"), str(model)]
+    cmd += ["--prompts-json", json.dumps(PROMPTS), "--max-tokens", str(TOKENS), "--max-model-len", "128"]
+    for key, value in options.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            return json.loads(line[len("VLLM_RESULT ") :]), proc.stderr
+    return None, proc.stderr + proc.stdout
+
+
+@pytest.fixture(scope="module")
+def tp1(vllm_tiny: Path) -> dict[str, Any]:
+    result, log = run_vllm(vllm_tiny)
+    assert result is not None, log[-4000:]
+    return result
+
+
+def test_vllm_generates_what_squeeze_run_generates(vllm_tiny: Path, tp1: dict[str, Any]) -> None:
+    loaded = api.load(vllm_tiny)
+    for i, prompt in enumerate(PROMPTS):
+        ours = api.generate(loaded, [prompt], max_new_tokens=TOKENS).texts[0]
+        if tp1["texts"][i] == ours:
+            continue
+        # a difference is allowed only where the two choices were a near-tie for squeeze's own model
+        found = first_divergence(loaded.model, tp1["prompt_tokens"][i], tp1["tokens"][i])
+        assert found is not None and found[1] < 1e-3, (prompt, ours, tp1["texts"][i], found)
+
+
+def test_tensor_parallel_3_equals_tensor_parallel_1(vllm_tiny: Path, tp1: dict[str, Any]) -> None:
+    # the row-parallel cuts really are mid-byte: 100 columns of 3 bits = 37.5 bytes
+    down = api.load(vllm_tiny).model.model.layers[0].mlp.down_proj
+    assert down.in_features == 300 and (100 * 3) % 8 != 0
+    assert unpack_codes(down.weight_packed, 3, 300).shape == (384, 300)
+    # load_format "squeeze": every rank loads exactly the bytes it hashed
+    result, log = run_vllm(vllm_tiny, tp=3, load_format="squeeze")
+    assert result is not None, log[-4000:]
+    assert result["tokens"] == tp1["tokens"]
+
+
+def test_a_tampered_artifact_stops_vllm_with_the_integrity_error(vllm_tiny: Path, tmp_path: Path) -> None:
+    copy = shutil.copytree(vllm_tiny, tmp_path / "tampered")
+    shard = next(copy.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    result, log = run_vllm(copy)
+    assert result is None
+    assert "squeeze.errors.IntegrityError: artifact" in log and "failed verification" in log
+
+
+def test_a_future_format_version_is_refused_at_start(vllm_tiny: Path, tmp_path: Path) -> None:
+    copy = shutil.copytree(vllm_tiny, tmp_path / "future")
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"]["format_version"] = 2
+    (copy / "config.json").write_text(json.dumps(config))
+    (copy / MANIFEST_NAME).unlink()
+    seal_artifact(copy)  # intact, but written by a future squeeze
+    result, log = run_vllm(copy)
+    assert result is None
+    assert "squeeze.errors.FormatError: quantization_config.format_version is 2; this squeeze reads 1" in log
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_gets_vllms_message(vllm_tiny: Path) -> None:
+    result, log = run_vllm(vllm_tiny, tp=4)
+    assert result is None
+    assert "divisible" in log and "squeeze/integrations" not in log
