@@ -86,6 +86,13 @@ class SqueezeVllmConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
+            inside = [name for name in self.modules if name == prefix or name.startswith(prefix + ".")]
+            if inside and prefix:  # e.g. a fused MoE layer whose experts the artifact quantized
+                raise FormatError(
+                    f"the artifact quantizes {inside[0]}, which vLLM builds into its {type(layer).__name__} "
+                    f"{prefix}; the squeeze vLLM plugin serves quantized linear layers only",
+                    hint="serve this artifact with squeeze run / squeeze serve",
+                )
             return None  # embeddings, the LM head, attention: stored unquantized (or not ours)
         specs = self.specs
         if specs is None:  # a process that did not build the config itself: verify here, before any read
