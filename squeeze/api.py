@@ -26,6 +26,7 @@ from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.limits import MIN_SEQ_LEN, check_at_least, check_kv_bits
+from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
@@ -443,4 +444,5 @@ __all__ = [
     "ArtifactInfo",
     "DEFAULT_SINK_TOKENS",
     "MIN_SEQ_LEN",
+    "KV_FP8_E4M3",
 ]

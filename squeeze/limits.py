@@ -45,6 +45,14 @@ MIN_GROUP_SIZE = 1
 #: KV-cache code widths (int8, or int4 packed two per byte along the head dimension).
 KV_BITS = (4, 8)
 
+#: The other KV cache calibrate-kv writes: vLLM's ``kv_cache_dtype="fp8"``, float8_e4m3fn elements with one
+#: float32 scale per layer for keys and one for values (squeeze.quant.kv_spec.LayerFP8).
+KV_FP8: Literal["fp8"] = "fp8"
+
+#: What ``squeeze calibrate-kv --bits`` takes: an int grid width, or fp8.
+KvChoice = int | Literal["fp8"]
+KV_CHOICES: tuple[KvChoice, ...] = (8, 4, KV_FP8)
+
 #: Leading tokens of a sequence whose keys and values the quantized KV cache keeps in full precision (the
 #: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (scripts/ablate_kv.py, 10 windows)
 #: 4 instead of 1 measured +2.41% vs +2.62% perplexity over full precision; they cost 4 tokens of fp16 per
@@ -72,6 +80,11 @@ def is_weight_bits(value: object) -> TypeGuard[int]:
 def is_kv_bits(value: object) -> TypeGuard[int]:
     """Whether ``value`` is a supported KV-cache code width."""
     return is_int(value) and value in KV_BITS
+
+
+def is_kv_choice(value: object) -> TypeGuard[KvChoice]:
+    """Whether ``value`` is one of :data:`KV_CHOICES` (8, 4 or "fp8")."""
+    return is_kv_bits(value) or value == KV_FP8
 
 
 def is_kv_group(group: object, head_dim: int) -> TypeGuard[int]:
@@ -149,6 +162,55 @@ def check_kv_bits(
     return value
 
 
+def check_kv_choice(
+    value: object,
+    where: str = "--bits",
+    error: type[SqueezeError] = ConfigError,
+    *,
+    hint: str | None = "8 or 4: squeeze's calibrated int grids; fp8: per-layer scales for vLLM's fp8 KV cache",
+) -> KvChoice:
+    """``value`` as a KV-cache choice (8, 4 or "fp8"), else ``error``; "8" / "4" as typed on a command line
+    are the widths."""
+    if isinstance(value, str) and value.isdecimal():
+        value = int(value)
+    if not is_kv_choice(value):
+        choices = ", ".join(map(str, KV_CHOICES))
+        raise error(f"{where} must be one of {choices}, found {value!r}", hint=hint)
+    return value
+
+
+def check_kv_calibration(
+    bits: object,
+    sink_tokens: int | None = None,
+    key_group: int | None = None,
+    value_group: int | None = None,
+    error: type[SqueezeError] = ConfigError,
+) -> tuple[KvChoice, int]:
+    """(bits, sink tokens) of a KV calibration, checked; options named as calibrate-kv's flags.
+
+    ``sink_tokens`` None: the kind's default (:data:`DEFAULT_SINK_TOKENS` for int grids; none for fp8). fp8
+    takes no grid sizes and no sink: vLLM's fp8 cache stores every token with the layer's one scale.
+    Group sizes are checked against the head dimension later, where the model is known.
+    """
+    bits = check_kv_choice(bits, "--bits", error)
+    if sink_tokens is not None:
+        check_at_least(sink_tokens, 0, "--sink-tokens", error)
+    if bits != KV_FP8:
+        return bits, DEFAULT_SINK_TOKENS if sink_tokens is None else sink_tokens
+    given = [
+        flag for flag, v in (("--key-group-size", key_group), ("--value-group-size", value_group)) if v is not None
+    ]
+    if sink_tokens:
+        given.append("--sink-tokens")
+    if given:
+        raise error(
+            f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to the int8 / int4 grids only, not to "
+            "--bits fp8 (one scale per layer for keys and one for values; vLLM's fp8 cache keeps no exact sink)",
+            hint=f"drop {' and '.join(given)}, or use --bits 8 or --bits 4",
+        )
+    return bits, 0
+
+
 def check_kv_group(group: object, head_dim: int, what: str, error: type[SqueezeError] = ConfigError) -> int:
     """``group`` if it is an even divisor of ``head_dim`` (channels per KV grid), else ``error``."""
     if not is_kv_group(group, head_dim):
@@ -175,17 +237,23 @@ __all__ = [
     "MAX_SPARSE_FRACTION",
     "MIN_GROUP_SIZE",
     "KV_BITS",
+    "KV_FP8",
+    "KvChoice",
+    "KV_CHOICES",
     "DEFAULT_SINK_TOKENS",
     "MIN_SEQ_LEN",
     "is_int",
     "is_weight_bits",
     "is_kv_bits",
+    "is_kv_choice",
     "is_kv_group",
     "check_weight_bits",
     "check_choice",
     "check_sparse_fractions",
     "check_group_size",
     "check_kv_bits",
+    "check_kv_choice",
+    "check_kv_calibration",
     "check_kv_group",
     "check_at_least",
 ]

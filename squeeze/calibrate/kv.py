@@ -47,11 +47,11 @@ class KVCalibration:
             "value_error": sum(self.value_error),
             "dynamic_key_error": sum(self.dynamic_key_error),
             "dynamic_value_error": sum(self.dynamic_value_error),
-            "asymmetric_key_layers": sum(1 for x in self.spec.layers if x is not None and not x.k_symmetric),
-            "asymmetric_value_layers": sum(1 for x in self.spec.layers if x is not None and not x.v_symmetric),
-            "key_group": next((x.key_group for x in self.spec.layers if x is not None), None),
-            "value_group": next((x.value_group for x in self.spec.layers if x is not None), None),
-            "value_codebook": any(x is not None and x.v_levels is not None for x in self.spec.layers),
+            "asymmetric_key_layers": sum(1 for x in self.spec.layers if isinstance(x, LayerKV) and not x.k_symmetric),
+            "asymmetric_value_layers": sum(1 for x in self.spec.layers if isinstance(x, LayerKV) and not x.v_symmetric),
+            "key_group": next((x.key_group for x in self.spec.layers if isinstance(x, LayerKV)), None),
+            "value_group": next((x.value_group for x in self.spec.layers if isinstance(x, LayerKV)), None),
+            "value_codebook": any(isinstance(x, LayerKV) and x.v_levels is not None for x in self.spec.layers),
         }
 
 

@@ -67,7 +67,7 @@ def eval_(
         table.add_column(column, justify="left" if column == "model" else "right")
     kv = result.kv or {}
     dynamic = ", dynamic" if kv.get("kv_dynamic") else ""
-    kv_label = "" if kv.get("kv_bits", 16) == 16 else f" (int{kv['kv_bits']} KV{dynamic})"
+    kv_label = "" if kv.get("kv_bits", 16) == 16 else f" ({kv.get('kv_cache', 'int' + str(kv['kv_bits']))} KV{dynamic})"
     table.add_row(result.model + kv_label, f"{result.result.perplexity:.3f}", f"{result.result.word_perplexity:.3f}")
     if result.baseline_result is not None:
         table.add_row(

@@ -49,7 +49,12 @@ def inspect(
         out_console.print("quantization: none")
     if info.kv_bytes_per_token:
         kv = (info.quantization or {}).get("kv_cache")
-        calibrated = f"calibrated for int{kv['bits']}" if isinstance(kv, dict) and "bits" in kv else "not calibrated"
+        if isinstance(kv, dict) and kv.get("format") == api.KV_FP8_E4M3:
+            calibrated = "calibrated for fp8 (per-layer scales, vLLM kv_cache_dtype=fp8)"
+        else:
+            calibrated = (
+                f"calibrated for int{kv['bits']}" if isinstance(kv, dict) and "bits" in kv else "not calibrated"
+            )
         out_console.print(f"KV cache: {calibrated}; " + kv_bytes_line(info.kv_bytes_per_token))
     digest = f"; root digest {info.root_digest}" if info.root_digest else ""
     out_console.print(f"manifest: {info.manifest_status}{digest}")

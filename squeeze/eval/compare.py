@@ -25,7 +25,8 @@ class EvalResult:
     result: PerplexityResult
     baseline: str | None = None
     baseline_result: PerplexityResult | None = None
-    #: The model's KV cache: {"kv_bits": 16 (full precision) | 8 | 4, "kv_dynamic": bool}.
+    #: The model's KV cache: {"kv_bits": 16 (full precision) | 8 | 4, "kv_dynamic": bool, "kv_cache": its name}
+    #: (kv_cache: "int8", "int4", "fp8" (kv_bits 8), or the model's dtype for full precision).
     kv: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,21 +152,22 @@ def evaluate(
     targets = {"model": resolve_target(model)}
     if baseline is not None:
         targets["baseline"] = resolve_target(baseline, "--baseline")
-    kv_used: list[int] = []
+    kv_used: list[tuple[int, str]] = []
 
     def measure(label: str, with_kv: bool) -> PerplexityResult:
         net, tokenizer, calibrated = _open(targets[label])
         factory = None
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)
-            kv_used.append(chosen.bits if chosen is not None else 16)
+            full = str(getattr(net, "dtype", "float32")).removeprefix("torch.")
+            kv_used.append((chosen.bits, chosen.label) if chosen is not None else (16, full))
         report = (lambda done, total: progress(label, done, total)) if progress else None
         return perplexity(
             net, tokenizer, text, seq_len=seq_len, max_windows=max_windows, progress=report, kv_cache=factory
         )
 
     result = measure("model", True)
-    kv = {"kv_bits": kv_used[0], "kv_dynamic": kv_dynamic}
+    kv = {"kv_bits": kv_used[0][0], "kv_dynamic": kv_dynamic, "kv_cache": kv_used[0][1]}
     if baseline is None:
         return EvalResult(str(model), result, kv=kv)
     return EvalResult(str(model), result, str(baseline), measure("baseline", False), kv=kv)

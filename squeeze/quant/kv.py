@@ -16,6 +16,8 @@ token): symmetric grids read back ``q * scale`` with int8 codes in [-qmax - 1, q
   is +-24). Normalising per channel and then scaling per token keeps the calibrated channel balance and
   adapts to every token.
 - The uncalibrated baseline: symmetric per-token absmax grids for keys and values, no normalisation.
+- fp8 (vLLM's ``kv_cache_dtype="fp8"``): no grid at all. Every element is stored as float8_e4m3fn of
+  ``x / scale`` with one float32 scale per layer for keys and one for values, read back as ``code * scale``.
 
 int4 codes are packed two per byte along the head dimension (their low 4 bits, two's complement for
 signed codes; codebook indices unsigned), the even channel in the low nibble.
@@ -31,6 +33,9 @@ from torch import Tensor
 
 #: Per-token grid parameters are stored in fp16: 2 bytes per scale / offset.
 PARAM_BYTES = 2
+
+#: Largest finite float8_e4m3fn value: a calibrated fp8 scale maps the calibration absmax to it.
+FP8_E4M3_MAX = 448.0
 
 
 def levels(bits: int) -> int:
@@ -165,8 +170,32 @@ def dequantize_codebook(codes: Tensor, scale: Tensor, levels: Tensor, *, out: Te
     return torch.mul(looked_up, scale) if out is None else torch.mul(looked_up, scale, out=out)
 
 
+def quantize_fp8(x: Tensor, scale: Tensor | float) -> Tensor:
+    """float8_e4m3fn codes of ``x / scale`` as their uint8 bytes, ``x``'s shape.
+
+    ``scale``: the layer's fp32 scale (0-dim tensor or float). As vLLM's cache writes: the quotient in
+    float32, saturated to +-448 (e4m3fn has no infinity; NaN stays NaN). The bytes, not a float8 tensor:
+    every copy and index op handles uint8, not all of them float8.
+    """
+    quotient = x.float() / scale
+    return quotient.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize_fp8(codes: Tensor, scale: Tensor | float, *, out: Tensor | None = None) -> Tensor:
+    """``code * scale`` of uint8 ``codes`` (float8_e4m3fn bytes) in float32, or written into ``out`` (any float
+    dtype, may be a strided view; the product is taken in float32 and then rounded to it)."""
+    values = codes.view(torch.float8_e4m3fn).float()
+    return torch.mul(values, scale) if out is None else torch.mul(values, scale, out=out)
+
+
+def fake_quantize_fp8(x: Tensor, scale: Tensor | float) -> Tensor:
+    """``x`` as the fp8 cache reads it back (float32): the reference the runtime cache matches bit for bit."""
+    return dequantize_fp8(quantize_fp8(x, scale), scale)
+
+
 __all__ = [
     "PARAM_BYTES",
+    "FP8_E4M3_MAX",
     "levels",
     "qmax",
     "token_grid",
@@ -182,4 +211,7 @@ __all__ = [
     "codebook_scale",
     "quantize_codebook",
     "dequantize_codebook",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "fake_quantize_fp8",
 ]

@@ -4,23 +4,46 @@ A :class:`KVSpec` is what ``squeeze calibrate-kv`` writes (``quantization_config
 plus the tensors of :data:`KV_FILE`) and what the runtime cache (squeeze.runtime.kvcache) reads. Its layout
 (grid sizes, symmetric or not, codebook or clipping ratio) also fixes the cache's bytes per token, counted
 here for reports and memory estimates. The math on the codes is squeeze.quant.kv.
+
+Two kinds (``KVSpec.kind``), one per layer type:
+
+- ``"int"``: squeeze's calibrated int8 / int4 per-token grids (:class:`LayerKV`); config.json's section has
+  no ``format`` key (artifacts written before fp8 existed read the same).
+- ``"fp8_e4m3"``: vLLM's ``kv_cache_dtype="fp8"`` (:class:`LayerFP8`): ``{attn}.k_scale`` / ``{attn}.v_scale``,
+  float32 0-dim tensors, the names vLLM maps to ``{attn}.attn.k_scale``. Its section::
+
+      {"format": "fp8_e4m3", "version": 1, "keys": ..., "values": ..., "layers": [{"module": attn}, ...],
+       "file": "kv_cache.safetensors", "calibration": ..., "calibration_hash": ...}
+
+  validated strictly: unknown keys, another version, a missing, non-scalar, non-float32 or non-positive
+  scale are FormatErrors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError
-from squeeze.limits import DEFAULT_SINK_TOKENS, KV_BITS, check_kv_bits, is_kv_group
-from squeeze.quant.kv import PARAM_BYTES
+from squeeze.limits import DEFAULT_SINK_TOKENS, KV_BITS, KV_FP8, KvChoice, check_kv_bits, is_kv_group
+from squeeze.quant.kv import FP8_E4M3_MAX, PARAM_BYTES
 
-#: The artifact file holding the calibrated scales ({attn}.k_scale / .k_zero, and .v_clip or .v_levels), beside
-#: the shards.
+#: The artifact file holding the calibrated scales beside the shards: {attn}.k_scale / .k_zero, and .v_clip or
+#: .v_levels (int grids), or {attn}.k_scale / .v_scale (fp8).
 KV_FILE = "kv_cache.safetensors"
+
+#: ``KVSpec.kind``, and config.json's ``kv_cache.format`` (absent: int grids).
+KVKind = Literal["int", "fp8_e4m3"]
+KV_INT: KVKind = "int"
+KV_FP8_E4M3: KVKind = "fp8_e4m3"
+KV_KINDS: tuple[KVKind, ...] = (KV_INT, KV_FP8_E4M3)
+
+#: ``kv_cache.version`` of the fp8 section this squeeze writes and reads.
+FP8_SECTION_VERSION = 1
+_FP8_KEYS = {"format", "version", "keys", "values", "layers", "file", "calibration", "calibration_hash"}
 
 
 def default_value_group(bits: int, head_dim: int) -> int:
@@ -76,21 +99,62 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
+class LayerFP8:
+    """vLLM's fp8 scales of one attention layer: ``k_scale`` / ``v_scale`` float32 0-dim tensors, > 0.
+
+    Every key (post-RoPE) / value element of every head and token is stored as float8_e4m3fn(x / scale),
+    saturated to +-448, and read back as code * scale (squeeze.quant.kv.quantize_fp8 / dequantize_fp8).
+    """
+
+    k_scale: Tensor
+    v_scale: Tensor
+
+
+@dataclass(frozen=True)
 class KVSpec:
     """How a model's KV cache is quantized: ``bits``, the full-precision sink length, and per-layer quantizers.
 
-    ``layers[i]`` belongs to the attention module ``names[i]`` (transformers' ``layer_idx`` i). ``None``
-    layers (the uncalibrated baseline) quantize keys and values per token with plain absmax scales.
+    ``layers[i]`` belongs to the attention module ``names[i]`` (transformers' ``layer_idx`` i). ``kind``
+    "int": :class:`LayerKV` layers, or ``None`` layers (the uncalibrated baseline), which quantize keys and
+    values per token with plain absmax scales. ``kind`` "fp8_e4m3": :class:`LayerFP8` layers, ``bits`` 8 (bytes
+    per element) and no sink (vLLM's fp8 cache stores every token in fp8).
     """
 
     bits: int
     sink_tokens: int
     names: tuple[str, ...]
-    layers: tuple[LayerKV | None, ...]
+    layers: tuple[LayerKV | LayerFP8 | None, ...]
+    kind: KVKind = KV_INT
+
+    def __post_init__(self) -> None:
+        fp8 = self.kind == KV_FP8_E4M3
+        if self.kind not in KV_KINDS or len(self.names) != len(self.layers):
+            raise ValueError(
+                f"a KVSpec of kind {self.kind!r} with {len(self.names)} names for {len(self.layers)} layers"
+            )
+        if fp8 and (self.bits != 8 or self.sink_tokens != 0):
+            raise ValueError(f"an fp8 KVSpec has 8 bits and no sink, not {self.bits} and {self.sink_tokens}")
+        if any(isinstance(layer, LayerFP8) != fp8 for layer in self.layers):  # int: LayerKV or None
+            raise ValueError(f"a KVSpec of kind {self.kind!r} holds layers of another kind")
+
+    @classmethod
+    def fp8(cls, names: tuple[str, ...], layers: tuple[LayerFP8, ...]) -> KVSpec:
+        """vLLM's fp8 cache with per-layer scales ``layers`` for the attention modules ``names``."""
+        return cls(8, 0, names, layers, KV_FP8_E4M3)
 
     @property
     def calibrated(self) -> bool:
         return all(layer is not None for layer in self.layers)
+
+    @property
+    def choice(self) -> KvChoice:
+        """What ``squeeze calibrate-kv --bits`` took to write this spec: 8, 4 or "fp8"."""
+        return KV_FP8 if self.kind == KV_FP8_E4M3 else self.bits
+
+    @property
+    def label(self) -> str:
+        """``int8``, ``int4`` or ``fp8``: the cache's name in reports."""
+        return KV_FP8 if self.kind == KV_FP8_E4M3 else f"int{self.bits}"
 
     @classmethod
     def dynamic(cls, bits: int, names: tuple[str, ...], sink_tokens: int = DEFAULT_SINK_TOKENS) -> KVSpec:
@@ -99,10 +163,13 @@ class KVSpec:
 
     def to_tensors(self) -> dict[str, Tensor]:
         """``{attn}.k_scale`` / ``.k_zero`` (H, D), and ``{attn}.v_clip`` (H,) or ``{attn}.v_levels`` (2**bits,),
-        fp32, for the artifact."""
+        fp32, for the artifact; fp8: ``{attn}.k_scale`` / ``.v_scale``, fp32 0-dim."""
         out: dict[str, Tensor] = {}
         for name, layer in zip(self.names, self.layers, strict=True):
-            if layer is not None:
+            if isinstance(layer, LayerFP8):
+                out[f"{name}.k_scale"] = layer.k_scale.float().reshape(()).contiguous()
+                out[f"{name}.v_scale"] = layer.v_scale.float().reshape(()).contiguous()
+            elif layer is not None:
                 out[f"{name}.k_scale"] = layer.k_scale.float().contiguous()
                 out[f"{name}.k_zero"] = layer.k_zero.float().contiguous()
                 if layer.v_levels is None:
@@ -113,6 +180,16 @@ class KVSpec:
 
     def to_config(self) -> dict[str, object]:
         """The ``quantization_config.kv_cache`` entry of an artifact's config.json (tensors go elsewhere)."""
+        if self.kind == KV_FP8_E4M3:
+            return {
+                "format": KV_FP8_E4M3,
+                "version": FP8_SECTION_VERSION,
+                "keys": "float8_e4m3fn(key / k_scale), post-RoPE; k_scale: one float32 per layer, calibration "
+                f"absmax / {FP8_E4M3_MAX:g}",
+                "values": f"float8_e4m3fn(value / v_scale); v_scale: one float32 per layer, calibration absmax / "
+                f"{FP8_E4M3_MAX:g}",
+                "layers": [{"module": name} for name in self.names],
+            }
         return {
             "bits": self.bits,
             "sink_tokens": self.sink_tokens,
@@ -129,7 +206,7 @@ class KVSpec:
                     "v_codebook": layer.v_levels is not None,
                 }
                 for name, layer in zip(self.names, self.layers, strict=True)
-                if layer is not None
+                if isinstance(layer, LayerKV)
             ],
         }
 
@@ -139,6 +216,14 @@ class KVSpec:
         bad)."""
         if not isinstance(config, dict):
             raise FormatError(f"{where}: quantization_config.kv_cache must be an object")
+        kind = config.get("format", KV_INT)
+        if kind not in KV_KINDS:
+            raise FormatError(
+                f"{where}: kv_cache.format must be one of {list(KV_KINDS)}, found {kind!r}",
+                hint="the artifact may come from a newer squeeze; upgrade squeeze, or re-run squeeze calibrate-kv",
+            )
+        if kind == KV_FP8_E4M3:
+            return cls._fp8_from_config(config, tensors, where)
         bits, sink, entries = config.get("bits"), config.get("sink_tokens"), config.get("layers")
         bits = check_kv_bits(bits, f"{where}: kv_cache.bits", FormatError, hint=None)
         if not isinstance(sink, int) or isinstance(sink, bool) or sink < 0:
@@ -194,11 +279,45 @@ class KVSpec:
             )
         return cls(int(bits), sink, tuple(names), tuple(layers))
 
+    @classmethod
+    def _fp8_from_config(cls, config: dict[str, Any], tensors: dict[str, Tensor], where: str) -> KVSpec:
+        """The fp8 spec of a ``format: fp8_e4m3`` section (see the module docstring)."""
+        hint = "re-run squeeze calibrate-kv --bits fp8 on the artifact"
+        unknown = sorted(set(config) - _FP8_KEYS)
+        if unknown:
+            raise FormatError(f"{where}: unknown kv_cache keys for format {KV_FP8_E4M3}: {unknown}", hint=hint)
+        version = config.get("version")
+        if version != FP8_SECTION_VERSION or isinstance(version, bool):
+            raise FormatError(
+                f"{where}: kv_cache.version of format {KV_FP8_E4M3} is {version!r}; this squeeze reads "
+                f"{FP8_SECTION_VERSION}",
+                hint="upgrade squeeze, or " + hint,
+            )
+        entries = config.get("layers")
+        if not isinstance(entries, list) or not entries:
+            raise FormatError(f"{where}: kv_cache.layers must be a non-empty list", hint=hint)
+        names: list[str] = []
+        for entry in entries:
+            if not isinstance(entry, dict) or set(entry) != {"module"} or not isinstance(entry["module"], str):
+                raise FormatError(
+                    f"{where}: every fp8 kv_cache.layers entry is {{'module': name}}, found {entry!r}", hint=hint
+                )
+            if entry["module"] in names:
+                raise FormatError(f"{where}: kv_cache.layers names {entry['module']} twice", hint=hint)
+            names.append(entry["module"])
+        layers = tuple(
+            LayerFP8(*(_fp8_scale(tensors, f"{name}.{role}") for role in ("k_scale", "v_scale"))) for name in names
+        )
+        return cls.fp8(tuple(names), layers)
+
     def bytes_per_token(self, kv_heads: int, head_dim: int) -> int:
-        """Cache bytes one token adds over all layers: packed codes plus per-token fp16 scales / offsets."""
+        """Cache bytes one token adds over all layers: packed codes plus per-token fp16 scales / offsets (fp8: one
+        byte per element, its scales are per layer)."""
         return sum(
             layer_bytes_per_token(kv_heads, head_dim, self.bits)
             if layer is None
+            else fp_bytes_per_token(1, kv_heads, head_dim, element_bytes=1)
+            if isinstance(layer, LayerFP8)
             else layer_bytes_per_token(
                 kv_heads,
                 head_dim,
@@ -209,6 +328,28 @@ class KVSpec:
             )
             for layer in self.layers
         )
+
+
+def _fp8_scale(tensors: dict[str, Tensor], key: str) -> Tensor:
+    """The fp8 scale ``key`` of the KV file as a float32 0-dim tensor (FormatError unless one finite float32 > 0)."""
+    scale = tensors.get(key)
+    if scale is None:
+        raise FormatError(
+            f"KV scale {key} is missing from {KV_FILE}", hint="re-run squeeze calibrate-kv --bits fp8 on the artifact"
+        )
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.dim() > 1:
+        raise FormatError(
+            f"KV scale {key} must be one float32 (shape () or (1,)), found {str(scale.dtype).removeprefix('torch.')} "
+            f"of shape {tuple(scale.shape)}",
+            hint="re-run squeeze calibrate-kv --bits fp8 on the artifact",
+        )
+    value = scale.reshape(())
+    if not (bool(torch.isfinite(value)) and float(value) > 0):
+        raise FormatError(
+            f"KV scale {key} must be finite and > 0, found {float(value)}",
+            hint="re-run squeeze calibrate-kv --bits fp8 on the artifact",
+        )
+    return value
 
 
 def layer_bytes_per_token(
@@ -235,7 +376,7 @@ def fp_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, element_byte
 
 
 def kv_bytes_table(model_config: object) -> dict[str, int]:
-    """KV bytes per token over all layers: fp16, int8 and int4 (codes plus per-token scales / offsets).
+    """KV bytes per token over all layers: fp16, fp8, int8 and int4 (codes plus per-token scales / offsets).
 
     ``model_config``: a transformers config or its dict. The width its quantization_config's ``kv_cache``
     was calibrated for is counted with that layout (asymmetric layers, grid sizes); other widths with the
@@ -249,7 +390,10 @@ def kv_bytes_table(model_config: object) -> dict[str, int]:
     )
     kv = quant.get("kv_cache") if isinstance(quant, dict) else None
     entries = kv.get("layers") if isinstance(kv, dict) else None
-    table = {"fp16": fp_bytes_per_token(layers, kv_heads, head_dim)}
+    table = {
+        "fp16": fp_bytes_per_token(layers, kv_heads, head_dim),
+        KV_FP8: fp_bytes_per_token(layers, kv_heads, head_dim, element_bytes=1),  # per-layer scales only
+    }
     for bits in sorted(KV_BITS, reverse=True):
         default = layer_bytes_per_token(
             kv_heads,
@@ -293,10 +437,16 @@ def kv_geometry(model_config: object) -> tuple[int, int, int]:
 __all__ = [
     "KV_BITS",
     "KV_FILE",
+    "KVKind",
+    "KV_INT",
+    "KV_FP8_E4M3",
+    "KV_KINDS",
+    "FP8_SECTION_VERSION",
     "check_kv_bits",
     "default_key_group",
     "default_value_group",
     "LayerKV",
+    "LayerFP8",
     "KVSpec",
     "layer_bytes_per_token",
     "fp_bytes_per_token",

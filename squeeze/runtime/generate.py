@@ -343,7 +343,7 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
         peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
         device=str(device),
         do_sample=run.options.do_sample,
-        kv_cache=f"int{run.kv_spec.bits}" if run.kv_spec is not None else str(run.model.dtype).removeprefix("torch."),
+        kv_cache=run.kv_spec.label if run.kv_spec is not None else str(run.model.dtype).removeprefix("torch."),
         kv_cache_bytes=_cache_bytes(run.cache),
         kv_bytes_per_token=_kv_table(run.model, run.kv_spec),
         weight_paths=paths,

@@ -1,9 +1,11 @@
-"""A quantized KV cache (int8 / packed int4) that transformers' ``generate`` and plain forwards accept.
+"""A quantized KV cache (int8 / packed int4, or fp8) that transformers' ``generate`` and plain forwards accept.
 
 Per layer, the first ``sink_tokens`` tokens (the attention sink) are kept as given; every later token is
 stored as codes on a per-token grid: keys after a per-channel normalisation calibrated by ``squeeze
 calibrate-kv`` (none in the uncalibrated baseline), values with a calibrated clipping ratio or, at int4, as
-indices into a calibrated codebook (see squeeze.quant.kv). The history is never kept in floating point:
+indices into a calibrated codebook (see squeeze.quant.kv). An fp8 spec (vLLM's ``kv_cache_dtype="fp8"``)
+has no sink and stores every element as float8_e4m3fn(x / scale) with the layer's calibrated scale
+(:class:`FP8Codec`), as vLLM's cache does. The history is never kept in floating point:
 ``update`` dequantizes it into a fresh tensor that lives only for the attention call of that layer, so at
 most one layer's float K/V exists at a time.
 
@@ -30,14 +32,16 @@ from squeeze.quant.kv import (
     codebook_scale,
     denormalize_keys_,
     dequantize,
+    dequantize_fp8,
     normalize_keys,
     pack_int4,
     quantize,
     quantize_codebook,
+    quantize_fp8,
     token_grid,
     unpack_int4,
 )
-from squeeze.quant.kv_spec import KVSpec, LayerKV
+from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec.bytes_per_token
 
@@ -166,8 +170,42 @@ class TokenCodec:
             denormalize_keys_(out, *self._channel(out.device, out.dtype))
 
 
-def layer_codecs(bits: int, layer: LayerKV | None) -> tuple[TokenCodec, TokenCodec]:
-    """The (keys, values) codecs of one layer: calibrated from ``layer``, or the per-token absmax baseline."""
+class FP8Codec(TokenCodec):
+    """One tensor of one layer as vLLM's fp8 cache stores it: every element float8_e4m3fn(x / scale), one fp32
+    ``scale`` for the layer (squeeze.quant.kv.quantize_fp8 / dequantize_fp8), read back as code * scale.
+
+    The storage interface of :class:`TokenCodec`, so the contiguous and the paged cache hold it alike: codes
+    ``(B, H, n, D)`` uint8 (the float8 bytes), and no per-token parameters (``scale`` with 0 grids).
+    """
+
+    def __init__(self, scale: Tensor | float):
+        super().__init__(8, channel=None, clip=1.0, symmetric=True)
+        self.scale = float(scale)  # an fp32 value: exact as a float, and x / scale rounds once, in fp32
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def code_width(self, head_dim: int) -> int:
+        return head_dim
+
+    def groups(self, head_dim: int) -> int:
+        return 0
+
+    def encode(self, x: Tensor) -> EncodedTokens:
+        """Quantize ``x (B, H, n, D)`` (any float dtype)."""
+        return EncodedTokens(quantize_fp8(x, self.scale), x.new_empty((*x.shape[:-1], 0), dtype=torch.float32), None)
+
+    def decode_into(self, codes: Tensor, scale: Tensor, offset: Tensor | None, out: Tensor) -> None:
+        """Write ``codes (B, H, T, D)`` uint8, read back, into ``out (B, H, T, D)``; ``scale`` / ``offset`` unused."""
+        dequantize_fp8(codes, self.scale, out=out)
+
+
+def layer_codecs(bits: int, layer: LayerKV | LayerFP8 | None) -> tuple[TokenCodec, TokenCodec]:
+    """The (keys, values) codecs of one layer: calibrated from ``layer`` (int grids or fp8), or the per-token
+    absmax baseline."""
+    if isinstance(layer, LayerFP8):
+        return FP8Codec(layer.k_scale), FP8Codec(layer.v_scale)
     if layer is None:  # uncalibrated baseline: per-token absmax for keys and values
         return (
             TokenCodec(bits, channel=None, clip=1.0, symmetric=True),
@@ -253,7 +291,7 @@ class SqueezeKVLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, bits: int, layer: LayerKV | None, sink_tokens: int):
+    def __init__(self, bits: int, layer: LayerKV | LayerFP8 | None, sink_tokens: int):
         super().__init__()
         self.bits = bits
         self.spec = layer
@@ -341,7 +379,7 @@ class SqueezeKVLayer(DynamicLayer):
 
 
 class SqueezeKVCache(Cache):
-    """A transformers Cache whose layers store int8 / int4 codes (see the module docstring).
+    """A transformers Cache whose layers store int8 / int4 codes or fp8 (see the module docstring).
 
     ``spec`` comes from an artifact calibrated by ``squeeze calibrate-kv`` (:func:`kv_spec_from_artifact`)
     or is :meth:`KVSpec.dynamic` for the uncalibrated per-token baseline. Create a fresh cache per
@@ -395,8 +433,9 @@ def select_kv_spec(
 ) -> KVSpec | None:
     """Which KV cache to run with; None means an ordinary full-precision cache.
 
-    ``kv_bits`` None: the artifact's calibrated spec if it has one (else full precision). 4 or 8: the
-    calibrated spec of that width, or with ``dynamic`` the uncalibrated per-token baseline. 16: full precision.
+    ``kv_bits`` None: the artifact's calibrated spec if it has one, int or fp8 (else full precision). 4 or 8:
+    the calibrated int spec of that width, or with ``dynamic`` the uncalibrated per-token baseline. 16: full
+    precision.
     """
     check_kv_options(kv_bits, dynamic)
     if kv_bits is None:
@@ -411,11 +450,11 @@ def select_kv_spec(
             hint=f"run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}` first, or add --kv-dynamic for "
             "uncalibrated per-token scales",
         )
-    if calibrated.bits != kv_bits:
+    if calibrated.label != f"int{kv_bits}":
+        use = f"use --kv-bits {calibrated.bits}" if calibrated.label.startswith("int") else "leave out --kv-bits"
         raise ConfigError(
-            f"--kv-bits {kv_bits} asked, but the artifact's KV scales were calibrated for int{calibrated.bits}",
-            hint=f"use --kv-bits {calibrated.bits}, re-run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}`, "
-            "or add --kv-dynamic",
+            f"--kv-bits {kv_bits} asked, but the artifact's KV scales were calibrated for {calibrated.label}",
+            hint=f"{use}, re-run `squeeze calibrate-kv ARTIFACT --bits {kv_bits}`, or add --kv-dynamic",
         )
     return calibrated
 
@@ -423,6 +462,7 @@ def select_kv_spec(
 __all__ = [
     "EncodedTokens",
     "TokenCodec",
+    "FP8Codec",
     "layer_codecs",
     "QuantizedStream",
     "SqueezeKVLayer",

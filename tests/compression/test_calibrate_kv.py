@@ -131,6 +131,7 @@ def test_inspect_shows_kv_bytes_per_token(kv4_artifact, rtn_artifact: Path) -> N
     # asymmetric V layers; int4 as calibrated, int8 (not calibrated) with the default symmetric layout
     assert info.kv_bytes_per_token == {
         "fp16": 2 * 5 * 4 * 8 * 2,
+        "fp8": 2 * 5 * 4 * 8,  # one byte per element, its scales per layer
         "int8": 5 * (2 * 4 * 8 + 2 * 4 * 2),
         "int4": 5 * (2 * 4 * 4 + 2 * 4 * 2) + asymmetric * 4 * 2,
     }

@@ -1,4 +1,4 @@
-"""KV-cache quantization math (squeeze.quant.kv): golden codes and packing, exact round trips, codebooks."""
+"""KV-cache quantization math (squeeze.quant.kv): golden codes and packing, exact round trips, codebooks, fp8."""
 
 from __future__ import annotations
 
@@ -6,14 +6,18 @@ import pytest
 import torch
 
 from squeeze.quant.kv import (
+    FP8_E4M3_MAX,
     codebook_scale,
     dequantize,
     dequantize_codebook,
+    dequantize_fp8,
+    fake_quantize_fp8,
     interleave,
     key_channel_params,
     pack_int4,
     quantize,
     quantize_codebook,
+    quantize_fp8,
     token_grid,
     unpack_int4,
 )
@@ -109,3 +113,30 @@ def test_codebook_scale_is_the_fp16_absmax() -> None:
         ),
         x[1:],
     )
+
+
+def test_fp8_codes_golden_and_saturated_as_vllm_writes_them() -> None:
+    scale = torch.tensor(0.5)
+    x = torch.tensor([0.0, 2.5, -0.75, 100.0, 300.0, -1e6, float("nan")])
+    codes = quantize_fp8(x, scale)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    # e4m3fn bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits; 5.0 = 1.25 * 2**2, 448 = 1.75 * 2**8
+    # 200 = 1.5625 * 2**7 lies halfway between 1.5 and 1.625 * 2**7: to even, 1.5 * 2**7 = 192
+    assert codes[:6].tolist() == [0x00, 0x4A, 0xBC, 0x74, 0x7E, 0xFE]
+    back = dequantize_fp8(codes, scale)
+    assert back[:6].tolist() == [0.0, 2.5, -0.75, 96.0, FP8_E4M3_MAX * 0.5, -FP8_E4M3_MAX * 0.5]  # saturated
+    assert torch.isnan(back[6])
+    assert torch.equal(codes, (x / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_fp8_relative_error_and_out_dtypes() -> None:
+    x = torch.randn(4, 3, 50, 16, generator=torch.Generator().manual_seed(0)) * 5
+    scale = x.abs().amax() / FP8_E4M3_MAX
+    fake = fake_quantize_fp8(x, scale)
+    normal = x.abs() / scale >= 2.0**-6  # e4m3 normal numbers: 3 mantissa bits, error <= 2**-4 relative
+    assert bool(((fake - x).abs()[normal] <= x.abs()[normal] * 2.0**-4).all())
+    assert float((fake - x).abs().max()) > 0
+    codes = quantize_fp8(x.transpose(1, 2), scale)  # strided input
+    out = torch.empty(4, 50, 3, 16, dtype=torch.bfloat16)
+    dequantize_fp8(codes, scale, out=out)
+    assert torch.equal(out, fake.transpose(1, 2).to(torch.bfloat16))  # the float32 product, rounded once

@@ -7,7 +7,9 @@ import torch
 
 from squeeze.errors import ConfigError, FormatError
 from squeeze.quant.kv_spec import (
+    KV_FP8_E4M3,
     KVSpec,
+    LayerFP8,
     LayerKV,
     check_kv_bits,
     default_key_group,
@@ -117,7 +119,74 @@ def test_bytes_per_token_smollm2_geometry_meets_the_ratios() -> None:
     table = kv_bytes_table(
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
     )
-    assert table == {"fp16": 23040, "int8": int8.bytes_per_token(3, 64), "int4": 6300}
+    assert table == {"fp16": 23040, "fp8": 11520, "int8": int8.bytes_per_token(3, 64), "int4": 6300}
     assert table["int4"] / fp16 <= 0.28
     assert default_value_group(4, 64) == 64 and default_value_group(8, 64) == 64
     assert default_key_group(4, 64) == 32 and default_key_group(8, 64) == 64 and default_key_group(4, 8) == 8
+
+
+def _fp8_spec() -> KVSpec:
+    names = ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    layers = (LayerFP8(torch.tensor(0.0625), torch.tensor(0.01)), LayerFP8(torch.tensor(1.5), torch.tensor(2e-3)))
+    return KVSpec.fp8(names, layers)
+
+
+def test_fp8_spec_is_vllms_scalars_and_round_trips() -> None:
+    spec = _fp8_spec()
+    assert (spec.kind, spec.bits, spec.sink_tokens, spec.label, spec.choice) == (KV_FP8_E4M3, 8, 0, "fp8", "fp8")
+    tensors = spec.to_tensors()
+    assert sorted(tensors) == sorted(f"model.layers.{i}.self_attn.{r}" for i in (0, 1) for r in ("k_scale", "v_scale"))
+    assert all(t.dtype == torch.float32 and t.shape == () for t in tensors.values())
+    config = spec.to_config()
+    assert config["format"] == "fp8_e4m3" and config["version"] == 1
+    assert config["layers"] == [{"module": name} for name in spec.names]
+    back = KVSpec.from_config(
+        {**config, "file": "kv_cache.safetensors", "calibration": "c", "calibration_hash": "h"}, tensors
+    )
+    assert back.kind == KV_FP8_E4M3 and back.names == spec.names and back.sink_tokens == 0
+    for got, want in zip(back.layers, spec.layers, strict=True):
+        assert isinstance(got, LayerFP8) and isinstance(want, LayerFP8)
+        assert torch.equal(got.k_scale, want.k_scale) and torch.equal(got.v_scale, want.v_scale)
+    shaped = {k: v.reshape(1) for k, v in tensors.items()}  # shape (1,) is vLLM's other scalar form
+    assert torch.equal(KVSpec.from_config(config, shaped).layers[1].v_scale, torch.tensor(2e-3))  # type: ignore[union-attr]
+    assert spec.bytes_per_token(3, 64) == 2 * 2 * 3 * 64  # one byte per element, nothing per token
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda c, t: c.update(format="fp4"), "kv_cache.format must be one of"),
+        (lambda c, t: c.update(version=2), "version of format fp8_e4m3 is 2; this squeeze reads 1"),
+        (lambda c, t: c.pop("version"), "version of format fp8_e4m3 is None"),
+        (lambda c, t: c.update(bits=8), r"unknown kv_cache keys for format fp8_e4m3: \['bits'\]"),
+        (lambda c, t: c.update(layers=[]), "non-empty list"),
+        (lambda c, t: c["layers"].append({"module": "model.layers.0.self_attn"}), "twice"),
+        (lambda c, t: c["layers"][0].update(k_group=64), "is {'module': name}"),
+        (lambda c, t: t.pop("model.layers.1.self_attn.v_scale"), "model.layers.1.self_attn.v_scale is missing"),
+        (lambda c, t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(2)}), r"one float32 \(shape \(\)"),
+        (lambda c, t: t.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.5).half()}), "found float16"),
+        (lambda c, t: t.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.0)}), "finite and > 0"),
+        (lambda c, t: t.update({"model.layers.0.self_attn.k_scale": torch.tensor(-1.0)}), "finite and > 0"),
+        (lambda c, t: t.update({"model.layers.0.self_attn.v_scale": torch.tensor(float("nan"))}), "finite and > 0"),
+    ],
+)
+def test_bad_fp8_sections_are_format_errors(change, match: str) -> None:  # noqa: ANN001
+    spec = _fp8_spec()
+    config, tensors = spec.to_config(), spec.to_tensors()
+    change(config, tensors)
+    with pytest.raises(FormatError, match=match) as info:
+        KVSpec.from_config(config, tensors)
+    assert info.value.hint
+
+
+def test_spec_kinds_do_not_mix() -> None:
+    fp8 = LayerFP8(torch.tensor(1.0), torch.tensor(1.0))
+    grid = LayerKV(torch.ones(2, 8), torch.zeros(2, 8), torch.ones(2), True, True)
+    with pytest.raises(ValueError, match="layers of another kind"):
+        KVSpec(8, 0, ("a",), (fp8,))  # an int spec holding fp8 scales
+    with pytest.raises(ValueError, match="layers of another kind"):
+        KVSpec(8, 0, ("a", "b"), (fp8, grid), KV_FP8_E4M3)
+    with pytest.raises(ValueError, match="layers of another kind"):
+        KVSpec(8, 0, ("a",), (None,), KV_FP8_E4M3)  # fp8 has no uncalibrated baseline
+    with pytest.raises(ValueError, match="no sink"):
+        KVSpec(8, 4, ("a",), (fp8,), KV_FP8_E4M3)

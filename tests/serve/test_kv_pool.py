@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import ConfigError
-from squeeze.quant.kv_spec import KVSpec, LayerKV
+from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 from squeeze.runtime.kvcache import SqueezeKVLayer
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots, block_bytes
@@ -33,6 +33,7 @@ SPECS = {
     "int4-dynamic": KVSpec.dynamic(4, ("attn",), sink_tokens=2),
     "int8-asymmetric": KVSpec(8, 2, ("attn",), (_calibrated(8, symmetric_values=False, levels=False),)),
     "int4-codebook": KVSpec(4, 2, ("attn",), (_calibrated(4, symmetric_values=True, levels=True),)),
+    "fp8": KVSpec.fp8(("attn",), (LayerFP8(torch.tensor(0.02), torch.tensor(0.005)),)),
     "fp32": None,
 }
 
