@@ -25,7 +25,7 @@ from squeeze.errors import ConfigError
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
-from squeeze.limits import MIN_SEQ_LEN, check_at_least, check_kv_bits
+from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.serve.types import EngineConfig
 
@@ -106,11 +106,20 @@ def check_generate_options(
     return prompt_list
 
 
-def check_calibrate_kv_options(bits: int, sink_tokens: int) -> None:
-    """ConfigError when ``bits`` is not 8 or 4, or ``sink_tokens`` is negative (named as the CLI's
-    ``--bits`` / ``--sink-tokens``); checked before the artifact or the calibration text is read."""
-    check_kv_bits(bits, "--bits")
-    check_at_least(sink_tokens, 0, "--sink-tokens")
+def check_calibrate_kv_options(
+    bits: KvChoice | str,
+    sink_tokens: int | None = None,
+    *,
+    key_group: int | None = None,
+    value_group: int | None = None,
+) -> KvChoice:
+    """``bits`` as :func:`calibrate_kv` takes it (8, 4 or "fp8"; "8" / "4" as typed become the widths).
+
+    ConfigError (named as the CLI's flags) when ``bits`` is not one of those, ``sink_tokens`` is negative, or
+    fp8 comes with a grid size or sink tokens (int grid options); checked before the artifact or the
+    calibration text is read.
+    """
+    return check_kv_calibration(bits, sink_tokens, key_group, value_group)[0]
 
 
 def compress(
@@ -176,26 +185,36 @@ def calibrate_kv(
     target: str | os.PathLike[str],
     calibration: str | os.PathLike[str] | CalibrationSpec | None = None,
     *,
-    bits: int = 8,
+    bits: KvChoice = 8,
     output: str | os.PathLike[str] | None = None,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_tokens: int | None = None,
     key_group: int | None = None,
     value_group: int | None = None,
     overwrite: bool = False,
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> CalibrateKVResult:
-    """Calibrate int8 / int4 KV-cache scales and write them into an artifact.
+    """Calibrate int8 / int4 KV-cache scales, or vLLM's fp8 KV scales, and write them into an artifact.
 
     ``target``: an artifact (verified first; updated in place, or copied to ``output``) or any model
     :func:`compress` accepts (then ``output`` is required: an artifact with the original weights and the
     calibrated KV is written). ``calibration``: a built-in spec name, a spec YAML or a plain text file;
-    default: the spec the artifact was compressed with, when it is a built-in one. The first
-    ``sink_tokens`` tokens are left out of calibration and kept in full precision at run time.
-    ``key_group`` / ``value_group``: channels per key / value grid (default: 32 for int4 keys, else the
-    whole head; e.g. 32 for two grids per head). At int4 values are indices into a calibrated codebook of 16
-    levels per layer, at int8 uniform grids with a calibrated clipping ratio. The artifact is replaced only
-    once the new one is complete and sealed: a failure leaves it exactly as it was.
+    default: the spec the artifact was compressed with, when it is a built-in one. ``bits``: 8, 4 or "fp8".
+
+    8 / 4: the first ``sink_tokens`` tokens (default DEFAULT_SINK_TOKENS) are left out of calibration and
+    kept in full precision at run time. ``key_group`` / ``value_group``: channels per key / value grid
+    (default: 32 for int4 keys, else the whole head; e.g. 32 for two grids per head). At int4 values are
+    indices into a calibrated codebook of 16 levels per layer, at int8 uniform grids with a calibrated
+    clipping ratio.
+
+    "fp8": vLLM's ``kv_cache_dtype="fp8"``: per attention layer one float32 ``{attn}.k_scale`` and
+    ``{attn}.v_scale`` (max |post-RoPE key| / 448 and max |value| / 448 over every calibration token) in
+    kv_cache.safetensors, and ``quantization_config.kv_cache = {"format": "fp8_e4m3", "version": 1, ...}``;
+    squeeze's own runtime then stores its KV cache in fp8 with those scales. No sink and no grid options
+    (ConfigError if given).
+
+    The artifact is replaced only once the new one is complete and sealed: a failure leaves it exactly as it
+    was.
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
 

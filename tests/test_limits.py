@@ -187,7 +187,9 @@ def test_a_bad_recipe_file_is_one_clean_usage_error(tmp_path: Path, nothing_runs
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        (["--bits", "6"], "--bits must be 4 or 8, found 6"),
+        (["--bits", "6"], "--bits must be one of 8, 4, fp8, found 6"),
+        (["--bits", "fp16"], "--bits must be one of 8, 4, fp8, found 'fp16'"),
+        (["--bits", "fp8", "--sink-tokens", "4"], "--sink-tokens applies to the int8 / int4 grids only"),
         (["--sink-tokens", "-1"], "--sink-tokens must be >= 0, found -1"),
     ],
 )

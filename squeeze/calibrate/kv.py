@@ -1,8 +1,9 @@
 """KV-cache calibration: run calibration windows, capture every layer's keys and values, fit their grids.
 
 Keys and values are read from a plain DynamicCache after each window's forward, i.e. exactly the tensors a
-cache receives at run time (keys post-RoPE). The first ``sink_tokens`` positions of each window are left
-out: the runtime keeps them in full precision, and their outsized values would only widen the grids.
+cache receives at run time (keys post-RoPE). For the int grids the first ``sink_tokens`` positions of each
+window are left out: the runtime keeps them in full precision, and their outsized values would only widen
+the grids. fp8 (vLLM's cache) has no sink, so its per-layer absmax runs over every token of every window.
 """
 
 from __future__ import annotations
@@ -13,14 +14,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from squeeze.calibrate.kv_fit import dynamic_error, fit_keys, fit_value_codebook, fit_values
+from squeeze.calibrate.kv_fit import (
+    dynamic_error,
+    fit_keys,
+    fit_value_codebook,
+    fit_values,
+    fp8_error,
+    fp8_scale,
+)
 from squeeze.errors import CalibrationError, ModelError
-from squeeze.limits import DEFAULT_SINK_TOKENS, check_kv_bits, check_kv_group
+from squeeze.limits import KvChoice, check_kv_calibration, check_kv_group
 from squeeze.models.modes import cache_kwarg, eval_mode, input_device
 from squeeze.models.targets import attention_modules
-from squeeze.quant.kv_spec import KVSpec, LayerKV, default_key_group, kv_geometry
+from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV, default_key_group, kv_geometry
 
 Progress = Callable[[int, int], None]
+#: Called once per window with every layer's (keys, values), each fp32 (T, H, D) on the CPU.
+WindowVisitor = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 
 #: At most this many calibration tokens per layer enter the fit (evenly strided): the clipping search costs
 #: tokens x heads x dim x grid, and a few thousand tokens already pin down per-channel ranges.
@@ -29,7 +39,8 @@ MAX_FIT_TOKENS = 16384
 
 @dataclass(frozen=True)
 class KVCalibration:
-    """The fitted spec plus what the fit measured: squared error per layer, calibrated vs dynamic absmax."""
+    """The fitted spec plus what the fit measured: squared error per layer, calibrated vs ``baseline`` (int
+    grids: dynamic per-token absmax; fp8: scale 1.0, what vLLM uses when a checkpoint has no scales)."""
 
     spec: KVSpec
     key_error: tuple[float, ...]
@@ -37,22 +48,59 @@ class KVCalibration:
     dynamic_key_error: tuple[float, ...]
     dynamic_value_error: tuple[float, ...]
     tokens: int
+    baseline: str = "dynamic per-token absmax"
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "bits": self.spec.bits,
+        out: dict[str, object] = {
+            "bits": self.spec.choice,
             "sink_tokens": self.spec.sink_tokens,
             "tokens": self.tokens,
             "key_error": sum(self.key_error),
             "value_error": sum(self.value_error),
             "dynamic_key_error": sum(self.dynamic_key_error),
             "dynamic_value_error": sum(self.dynamic_value_error),
-            "asymmetric_key_layers": sum(1 for x in self.spec.layers if isinstance(x, LayerKV) and not x.k_symmetric),
-            "asymmetric_value_layers": sum(1 for x in self.spec.layers if isinstance(x, LayerKV) and not x.v_symmetric),
-            "key_group": next((x.key_group for x in self.spec.layers if isinstance(x, LayerKV)), None),
-            "value_group": next((x.value_group for x in self.spec.layers if isinstance(x, LayerKV)), None),
-            "value_codebook": any(isinstance(x, LayerKV) and x.v_levels is not None for x in self.spec.layers),
+            "baseline": self.baseline,
         }
+        fp8 = [x for x in self.spec.layers if isinstance(x, LayerFP8)]
+        if fp8:
+            out["k_scale_max"] = max(float(x.k_scale) for x in fp8)
+            out["v_scale_max"] = max(float(x.v_scale) for x in fp8)
+            return out
+        grids = [x for x in self.spec.layers if isinstance(x, LayerKV)]
+        out.update(
+            asymmetric_key_layers=sum(1 for x in grids if not x.k_symmetric),
+            asymmetric_value_layers=sum(1 for x in grids if not x.v_symmetric),
+            key_group=next((x.key_group for x in grids), None),
+            value_group=next((x.value_group for x in grids), None),
+            value_codebook=any(x.v_levels is not None for x in grids),
+        )
+        return out
+
+
+def for_each_window(model: nn.Module, windows: torch.Tensor, visit: WindowVisitor, progress: Progress | None) -> None:
+    """Run every window of int64 ``windows (n, T)`` through ``model`` with a fresh DynamicCache and hand
+    ``visit`` every layer's keys (post-RoPE) and values as the cache received them: fp32 (T, H, D) on the CPU."""
+    from transformers import DynamicCache
+
+    n = windows.shape[0]
+    device = input_device(model)
+    with torch.inference_mode(), eval_mode(model):
+        for i in range(n):
+            cache = DynamicCache(config=getattr(model, "config", None))
+            model(input_ids=windows[i : i + 1].to(device), use_cache=True, **{cache_kwarg(model): cache})
+            layers = []
+            for layer_idx, layer in enumerate(cache.layers):
+                k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+                    raise ModelError(
+                        f"layer {layer_idx} caches no keys and values (linear attention?)",
+                        hint="calibrate-kv quantizes the key/value cache of softmax attention only",
+                    )
+                # (1, H, T, D) -> (T, H, D): tokens first
+                layers.append((k[0].transpose(0, 1).float().cpu(), v[0].transpose(0, 1).float().cpu()))
+            visit(layers)
+            if progress is not None:
+                progress(i + 1, n)
 
 
 def capture_kv(
@@ -62,9 +110,7 @@ def capture_kv(
 
     N = n * (T - sink_tokens), at most MAX_FIT_TOKENS (evenly strided).
     """
-    from transformers import DynamicCache
-
-    n, t = windows.shape
+    t = windows.shape[1]
     if t <= sink_tokens:
         raise CalibrationError(
             f"calibration windows of {t} tokens are not longer than the {sink_tokens} sink token(s) kept in full "
@@ -73,26 +119,16 @@ def capture_kv(
         )
     keys: list[list[torch.Tensor]] = []
     values: list[list[torch.Tensor]] = []
-    device = input_device(model)
-    with torch.inference_mode(), eval_mode(model):
-        for i in range(n):
-            cache = DynamicCache(config=getattr(model, "config", None))
-            model(input_ids=windows[i : i + 1].to(device), use_cache=True, **{cache_kwarg(model): cache})
-            for layer_idx, layer in enumerate(cache.layers):
-                if layer_idx == len(keys):
-                    keys.append([])
-                    values.append([])
-                k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-                if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-                    raise ModelError(
-                        f"layer {layer_idx} caches no keys and values (linear attention?)",
-                        hint="calibrate-kv quantizes the key/value cache of softmax attention only",
-                    )
-                # (1, H, T, D) -> (T - sink, H, D): tokens first, sink dropped
-                keys[layer_idx].append(k[0, :, sink_tokens:].transpose(0, 1).float().cpu())
-                values[layer_idx].append(v[0, :, sink_tokens:].transpose(0, 1).float().cpu())
-            if progress is not None:
-                progress(i + 1, n)
+
+    def keep(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer_idx, (k, v) in enumerate(layers):
+            if layer_idx == len(keys):
+                keys.append([])
+                values.append([])
+            keys[layer_idx].append(k[sink_tokens:])  # the sink dropped
+            values[layer_idx].append(v[sink_tokens:])
+
+    for_each_window(model, windows, keep, progress)
     return [_strided(torch.cat(k)) for k in keys], [_strided(torch.cat(v)) for v in values]
 
 
@@ -104,22 +140,24 @@ def _strided(samples: torch.Tensor) -> torch.Tensor:
 def calibrate_kv(
     model: nn.Module,
     windows: torch.Tensor,
-    bits: int,
+    bits: KvChoice,
     *,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_tokens: int | None = None,
     key_group: int | None = None,
     value_group: int | None = None,
     progress: Progress | None = None,
 ) -> KVCalibration:
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
 
+    ``bits`` 8 / 4: int grids. ``sink_tokens`` (default squeeze.limits.DEFAULT_SINK_TOKENS) are kept exact;
     ``key_group`` / ``value_group``: channels per key / value grid (default:
     squeeze.quant.kv_spec.default_key_group / default_value_group). At int4 values get a calibrated codebook
     (squeeze.calibrate.kv_fit.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
+    ``bits`` "fp8": :func:`calibrate_fp8` (no sink, no grid options: CalibrationError if given).
     """
-    bits = check_kv_bits(bits)
-    if sink_tokens < 0:
-        raise CalibrationError(f"sink_tokens must be >= 0, found {sink_tokens}")
+    bits, sink_tokens = check_kv_calibration(bits, sink_tokens, key_group, value_group, CalibrationError)
+    if isinstance(bits, str):  # KV_FP8, the one choice that is not a width
+        return calibrate_fp8(model, windows, progress=progress)
     names = attention_modules(model)
     _, _, head_dim = kv_geometry(model.config)
     key_group = (
@@ -145,4 +183,56 @@ def calibrate_kv(
     return KVCalibration(spec, tuple(k_err), tuple(v_err), tuple(k_dyn), tuple(v_dyn), tokens=int(keys[0].shape[0]))
 
 
-__all__ = ["KVCalibration", "capture_kv", "calibrate_kv", "MAX_FIT_TOKENS"]
+def calibrate_fp8(model: nn.Module, windows: torch.Tensor, *, progress: Progress | None = None) -> KVCalibration:
+    """vLLM's fp8 KV scales for ``model`` from calibration ``windows (n, T)`` int64.
+
+    Per layer ``k_scale = max |key| / 448`` (post-RoPE keys) and ``v_scale = max |value| / 448``, the maxima
+    over every token (no sink), head and channel of every window (squeeze.calibrate.kv_fit.fp8_scale). The
+    errors reported are the fp8 cache's squared error with these scales and with scale 1.0 (vLLM's default)
+    on at most MAX_FIT_TOKENS evenly strided tokens per layer.
+    """
+    names = attention_modules(model)
+    n, t = windows.shape
+    step = -(-n * t // MAX_FIT_TOKENS)
+    k_max: list[torch.Tensor] = []
+    v_max: list[torch.Tensor] = []
+    k_samples: list[list[torch.Tensor]] = []
+    v_samples: list[list[torch.Tensor]] = []
+
+    def reduce(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer_idx, (k, v) in enumerate(layers):
+            k_abs, v_abs = k.abs().amax(), v.abs().amax()
+            if layer_idx == len(k_max):
+                k_max.append(k_abs)
+                v_max.append(v_abs)
+                k_samples.append([])
+                v_samples.append([])
+            else:  # NaN propagates (torch.maximum), so a broken forward cannot pass for a small scale
+                k_max[layer_idx] = torch.maximum(k_max[layer_idx], k_abs)
+                v_max[layer_idx] = torch.maximum(v_max[layer_idx], v_abs)
+            k_samples[layer_idx].append(k[::step].clone())  # a copy: the window's cache can go
+            v_samples[layer_idx].append(v[::step].clone())
+
+    for_each_window(model, windows, reduce, progress)
+    if len(k_max) != len(names):
+        raise ModelError(f"the model filled {len(k_max)} cache layers but has {len(names)} attention modules")
+    bad = [name for name, k, v in zip(names, k_max, v_max, strict=True) if not bool(torch.isfinite(k + v))]
+    if bad:
+        raise CalibrationError(
+            f"keys or values of {bad[0]} (and {len(bad) - 1} more layers) are not finite on the calibration text",
+            hint="check the model in full precision (squeeze eval), or calibrate on other text",
+        )
+    layers = tuple(LayerFP8(fp8_scale(k), fp8_scale(v)) for k, v in zip(k_max, v_max, strict=True))
+    keys, values = [torch.cat(k) for k in k_samples], [torch.cat(v) for v in v_samples]
+    return KVCalibration(
+        KVSpec.fp8(names, layers),
+        tuple(fp8_error(k, layer.k_scale) for k, layer in zip(keys, layers, strict=True)),
+        tuple(fp8_error(v, layer.v_scale) for v, layer in zip(values, layers, strict=True)),
+        tuple(fp8_error(k, 1.0) for k in keys),
+        tuple(fp8_error(v, 1.0) for v in values),
+        tokens=n * t,
+        baseline="scale 1.0 (vLLM's default without scales)",
+    )
+
+
+__all__ = ["KVCalibration", "for_each_window", "capture_kv", "calibrate_kv", "calibrate_fp8", "MAX_FIT_TOKENS"]

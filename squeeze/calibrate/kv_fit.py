@@ -1,4 +1,4 @@
-"""KV-cache calibration fits: key normalisers, value clipping ratios and value codebooks from activations.
+"""KV-cache calibration fits: key normalisers, value clipping ratios, value codebooks and fp8 scales.
 
 Each fit takes one layer's calibration keys or values, ``(N, H, D)`` fp32 (N tokens, the sink excluded; see
 squeeze.calibrate.kv for how they are captured), and returns the quantizer parameters a
@@ -15,10 +15,12 @@ from torch import Tensor
 
 from squeeze.quant.kmeans import weighted_kmeans_1d
 from squeeze.quant.kv import (
+    FP8_E4M3_MAX,
     PARAM_BYTES,
     codebook_scale,
     dequantize,
     dequantize_codebook,
+    fake_quantize_fp8,
     fake_quantize_keys,
     key_channel_params,
     quantize,
@@ -128,6 +130,19 @@ def fit_values(samples: Tensor, bits: int, group: int | None = None) -> ValueFit
     return asymmetric_fit if asymmetric_fit.sse < asymmetric_gain_needed(group) * symmetric_fit.sse else symmetric_fit
 
 
+def fp8_scale(absmax: Tensor) -> Tensor:
+    """vLLM's per-layer fp8 scale from the calibration ``absmax`` (0-dim, the largest |x| over every token, head
+    and channel): ``absmax / 448`` as a float32 0-dim tensor, so the largest calibration value maps to e4m3's
+    largest. An all-zero layer gets 1.0 (vLLM's default; any scale stores zeros exactly)."""
+    absmax = absmax.float().reshape(())
+    return absmax / FP8_E4M3_MAX if float(absmax) > 0 else torch.ones(())
+
+
+def fp8_error(samples: Tensor, scale: Tensor | float) -> float:
+    """Squared error of the fp8 cache with ``scale`` on ``samples`` (any shape)."""
+    return float((fake_quantize_fp8(samples, scale) - samples.float()).square().sum())
+
+
 def dynamic_error(samples: Tensor, bits: int) -> float:
     """Squared error of plain per-token absmax quantization (the uncalibrated baseline) on ``samples``."""
     scale, _ = token_grid(samples, bits, 1.0, True)
@@ -142,5 +157,7 @@ __all__ = [
     "fit_keys",
     "fit_values",
     "fit_value_codebook",
+    "fp8_scale",
+    "fp8_error",
     "dynamic_error",
 ]

@@ -1,4 +1,4 @@
-"""``squeeze calibrate-kv``: fit int8 / int4 KV-cache scales and add them to an artifact."""
+"""``squeeze calibrate-kv``: fit int8 / int4 KV-cache scales, or vLLM's fp8 KV scales, and add them to an artifact."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ Target = Annotated[
         help="An artifact directory (updated in place unless --output), or a model (then --output is required).",
     ),
 ]
-Bits = Annotated[int, typer.Option("--bits", help="KV-cache bits: 8 or 4.")]
+Bits = Annotated[
+    str,
+    typer.Option(
+        "--bits",
+        help="KV cache: 8 or 4 (squeeze's calibrated int grids), or fp8 (per-layer k/v scales for vLLM's "
+        'kv_cache_dtype="fp8"; squeeze run uses them too).',
+    ),
+]
 Calibration = Annotated[
     Optional[str],
     typer.Option(
@@ -32,14 +39,21 @@ Output = Annotated[
     Optional[Path], typer.Option("--output", "-o", help="Write a new artifact here instead of updating TARGET.")
 ]
 SinkTokens = Annotated[
-    int, typer.Option("--sink-tokens", help="Leading tokens kept in full precision (attention sink).")
+    Optional[int],
+    typer.Option(
+        "--sink-tokens",
+        help=f"Leading tokens kept in full precision (attention sink, default {DEFAULT_SINK_TOKENS}; int8 / int4).",
+    ),
 ]
 KeyGroup = Annotated[
     Optional[int],
-    typer.Option("--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head)."),
+    typer.Option(
+        "--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head; int8 / int4 only)."
+    ),
 ]
 ValueGroup = Annotated[
-    Optional[int], typer.Option("--value-group-size", help="Channels per value grid (default: the whole head).")
+    Optional[int],
+    typer.Option("--value-group-size", help="Channels per value grid (default: the whole head; int8 / int4 only)."),
 ]
 NumSamples = Annotated[
     Optional[int], typer.Option("--num-samples", min=1, help="Calibration windows (overrides the spec).")
@@ -53,10 +67,10 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary
 
 def calibrate_kv(
     target: Target,
-    bits: Bits = 8,
+    bits: Bits = "8",
     calibration: Calibration = None,
     output: Output = None,
-    sink_tokens: SinkTokens = DEFAULT_SINK_TOKENS,
+    sink_tokens: SinkTokens = None,
     key_group: KeyGroup = None,
     value_group: ValueGroup = None,
     num_samples: NumSamples = None,
@@ -68,16 +82,18 @@ def calibrate_kv(
 
     Keys: per-channel normaliser (post-RoPE) then per-token grids; values: per-token grids with a
     calibrated clipping ratio per head (int8) or a calibrated 16-level codebook per layer (int4); the first
-    --sink-tokens tokens stay in full precision. The artifact is swapped for the new one only when it is
-    complete and sealed; a failed run leaves it as it was.
+    --sink-tokens tokens stay in full precision. fp8: one scale per layer for keys (post-RoPE) and one for
+    values, absmax / 448, as vLLM reads them (kv_cache_dtype="fp8"); every token is fp8. The artifact is
+    swapped for the new one only when it is complete and sealed; a failed run leaves it as it was.
     """
     with cli_errors():
-        api.check_calibrate_kv_options(bits, sink_tokens)  # before the artifact or the calibration text is read
+        # before the artifact or the calibration text is read
+        choice = api.check_calibrate_kv_options(bits, sink_tokens, key_group=key_group, value_group=value_group)
         with stage_progress(not json_out, {"kv": "Capturing keys and values (windows)"}) as progress:
             result = api.calibrate_kv(
                 target,
                 calibration,
-                bits=bits,
+                bits=choice,
                 output=output,
                 sink_tokens=sink_tokens,
                 key_group=key_group,
@@ -90,12 +106,13 @@ def calibrate_kv(
         print_json(result.to_dict())
         return
     fit = result.calibration
+    sink = f"{result.sink_tokens} sink token(s) kept exact" if result.sink_tokens else "no sink: every token quantized"
     out_console.print(
-        f"[bold green]wrote[/] int{result.bits} KV scales to {result.output} "
-        f"({fit['tokens']} calibration tokens per layer, {result.sink_tokens} sink token(s) kept exact)"
+        f"[bold green]wrote[/] {result.label} KV scales to {result.output} "
+        f"({fit['tokens']} calibration tokens per layer, {sink})"
     )
-    table = Table(title="calibration error (sum of squares) vs dynamic per-token absmax", title_justify="left")
-    for column in ("", "calibrated", "dynamic", "ratio"):
+    table = Table(title=f"calibration error (sum of squares) vs {fit['baseline']}", title_justify="left")
+    for column in ("", "calibrated", "baseline", "ratio"):
         table.add_column(column, justify="right" if column else "left")
     for part in ("key", "value"):
         calibrated, dynamic = fit[f"{part}_error"], fit[f"dynamic_{part}_error"]

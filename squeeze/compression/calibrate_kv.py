@@ -1,12 +1,14 @@
 """``squeeze calibrate-kv``: fit KV-cache scales and add them to an artifact (or make one from a plain model).
 
-An artifact gains ``kv_cache.safetensors`` ({attn}.k_scale / .k_zero / .v_clip) and a ``kv_cache`` entry in
-config.json's quantization_config; its model shards are untouched (hard links). The new artifact is built
-and sealed in a hidden staging directory next to the target and swapped in only when complete, by an
-atomic exchange of the two directories (squeeze.format.swap), so the path holds a complete artifact at every
-instant and a failed or killed run leaves the artifact exactly as it was. Staging directories a killed run
-left behind are removed by the next run on that target (publish.py). The scales live in their own file,
-not in the model shards and index, because transformers' loader would take them for unexpected weights.
+An artifact gains ``kv_cache.safetensors`` ({attn}.k_scale / .k_zero / .v_clip or .v_levels for the int grids;
+{attn}.k_scale / .v_scale, float32 scalars, for vLLM's fp8 cache) and a ``kv_cache`` entry in config.json's
+quantization_config (squeeze.quant.kv_spec.KVSpec.to_config); its model shards are untouched (hard links).
+The new artifact is built and sealed in a hidden staging directory next to the target and swapped in only
+when complete, by an atomic exchange of the two directories (squeeze.format.swap), so the path holds a
+complete artifact at every instant and a failed or killed run leaves the artifact exactly as it was.
+Staging directories a killed run left behind are removed by the next run on that target (publish.py). The
+scales live in their own file, not in the model shards and index, because transformers' loader would take
+them for unexpected weights.
 Files are written by the artifact writer compress uses too (writer.py).
 """
 
@@ -38,12 +40,12 @@ from squeeze.compression.writer import (
     write_tensor_file,
     write_tensors,
 )
-from squeeze.config import DEFAULT_SINK_TOKENS, CalibrationSpec, OutputConfig
+from squeeze.config import CalibrationSpec, OutputConfig
 from squeeze.errors import ConfigError, IntegrityError, SqueezeError
 from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
 from squeeze.format.swap import restore_aside
 from squeeze.format.verify import read_manifest
-from squeeze.limits import check_kv_bits
+from squeeze.limits import KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FILE, kv_bytes_table
 
 
@@ -52,13 +54,18 @@ class CalibrateKVResult:
     """What calibrate-kv wrote and measured."""
 
     output: str
-    bits: int
+    bits: KvChoice  # 8, 4 or "fp8"
     sink_tokens: int
     calibration: dict[str, Any]
     bytes_per_token: dict[str, int]
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
     root_digest: str = ""
+
+    @property
+    def label(self) -> str:
+        """``int8``, ``int4`` or ``fp8``."""
+        return self.bits if isinstance(self.bits, str) else f"int{self.bits}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,10 +103,10 @@ def default_calibration(target: str | os.PathLike[str]) -> str:
 def run_calibrate_kv(
     target: str | os.PathLike[str],
     calibration: CalibrationSpec,
-    bits: int,
+    bits: KvChoice,
     *,
     output: str | os.PathLike[str] | None = None,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_tokens: int | None = None,
     key_group: int | None = None,
     value_group: int | None = None,
     overwrite: bool = False,
@@ -108,7 +115,7 @@ def run_calibrate_kv(
     """Calibrate KV scales for ``target`` (artifact or model) and write them; see squeeze.api.calibrate_kv."""
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    bits = _check_options(bits, sink_tokens, calibration)
+    bits, sink_tokens = _check_options(bits, sink_tokens, key_group, value_group, calibration)
     source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
     out = output_path(output if output is not None else source)
     restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
@@ -141,17 +148,22 @@ def run_calibrate_kv(
     )
 
 
-def _check_options(bits: int, sink_tokens: int, calibration: CalibrationSpec) -> int:
-    """The KV bits (checked), after refusing sink tokens that leave nothing of a window to calibrate on."""
-    bits = check_kv_bits(bits)
-    if sink_tokens < 0:
-        raise ConfigError(f"--sink-tokens must be >= 0, found {sink_tokens}")
+def _check_options(
+    bits: KvChoice,
+    sink_tokens: int | None,
+    key_group: int | None,
+    value_group: int | None,
+    calibration: CalibrationSpec,
+) -> tuple[KvChoice, int]:
+    """(bits, sink tokens), checked (squeeze.limits.check_kv_calibration), after refusing sink tokens that leave
+    nothing of a window to calibrate on."""
+    bits, sink_tokens = check_kv_calibration(bits, sink_tokens, key_group, value_group)
     if calibration.seq_len <= sink_tokens:
         raise ConfigError(
             f"calibration windows of {calibration.seq_len} tokens are not longer than the {sink_tokens} sink token(s)",
             hint="use a longer --seq-len or fewer --sink-tokens",
         )
-    return bits
+    return bits, sink_tokens
 
 
 @dataclass
@@ -294,7 +306,7 @@ def _write_kv(
 def _provenance(
     old: Provenance | None, target: str | os.PathLike[str], result: KVCalibration, calibration: CalibrationSpec
 ) -> Provenance:
-    kv = {"bits": result.spec.bits, "calibration": calibration.name, "calibration_hash": calibration.spec_hash()}
+    kv = {"bits": result.spec.choice, "calibration": calibration.name, "calibration_hash": calibration.spec_hash()}
     if old is None:
         from squeeze.models.source import resolve_model, source_digest
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from squeeze.calibrate.kv_fit import CLIP_GRID, dynamic_error, fit_keys, fit_value_codebook, fit_values
+from squeeze.calibrate.kv_fit import (
+    CLIP_GRID,
+    dynamic_error,
+    fit_keys,
+    fit_value_codebook,
+    fit_values,
+    fp8_error,
+    fp8_scale,
+)
 from squeeze.quant.kv import (
     codebook_scale,
     dequantize,
@@ -100,3 +108,18 @@ def test_key_grids_of_half_a_head_halve_the_error_of_outlier_tokens() -> None:
     assert halves.sse < 0.6 * whole.sse
     err = float((fake_quantize_keys(x, halves.scale, halves.zero, 4, 32) - x).square().sum())
     assert err == pytest.approx(halves.sse, rel=1e-5)
+
+
+def test_fp8_scale_is_the_absmax_over_448_golden() -> None:
+    x = torch.tensor([[[-3.5, 1.0], [2.0, 0.25]]])  # (N, H, D)
+    scale = fp8_scale(x.abs().amax())
+    assert scale.dtype == torch.float32 and scale.shape == ()
+    assert float(scale) == 3.5 / 448  # 2**-7: exact
+    assert fp8_error(x, scale) == 0.0  # x / scale = -448, 128, 256, 32: all e4m3 numbers
+    assert torch.equal(fp8_scale(torch.tensor(3.0)), torch.tensor(3.0) / torch.tensor(448.0))  # float32 division
+    assert float(fp8_scale(torch.tensor(0.0))) == 1.0  # an all-zero layer: vLLM's default
+
+
+def test_fp8_error_of_calibrated_scales_beats_scale_one_on_small_values() -> None:
+    x = torch.randn(2000, 2, 16, generator=torch.Generator().manual_seed(0)) * 0.002  # e4m3 subnormals at scale 1
+    assert fp8_error(x, fp8_scale(x.abs().amax())) < 0.05 * fp8_error(x, 1.0)

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from squeeze import api
 from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_module
 from squeeze.config import DEFAULT_SINK_TOKENS
-from squeeze.quant.kv_spec import KV_FILE
+from squeeze.quant.kv_spec import KV_FILE, LayerFP8
 from squeeze.runtime.kvcache import SqueezeKVCache
 
 runner = CliRunner()
@@ -192,10 +193,12 @@ def _refused(args: list[str], message: str, artifact: Path | None = None) -> Non
         assert api.verify_model_integrity(artifact).ok
 
 
-@pytest.mark.parametrize("bits", ["2", "16", "3"])
-def test_bits_not_4_or_8(rtn_artifact: Path, tinystories_file: Path, bits: str) -> None:
+@pytest.mark.parametrize("bits", ["2", "16", "3", "fp16", "int8"])
+def test_bits_not_8_4_or_fp8(rtn_artifact: Path, tinystories_file: Path, bits: str) -> None:
     _refused(
-        ["calibrate-kv", str(rtn_artifact), "--bits", bits, "-c", str(tinystories_file)], "must be 4 or 8", rtn_artifact
+        ["calibrate-kv", str(rtn_artifact), "--bits", bits, "-c", str(tinystories_file)],
+        "--bits must be one of 8, 4, fp8",
+        rtn_artifact,
     )
 
 
@@ -269,3 +272,125 @@ def test_group_sizes_must_be_even_divisors_of_the_head(
         f"{option.split('-')[2]} grids must span an even divisor",
         rtn_artifact,
     )
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(
+    tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path
+) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("fp8") / "stories-rtn-w4-fp8"
+    shutil.copytree(rtn_artifact, out)
+    result = runner.invoke(
+        app, ["calibrate-kv", str(out), "--bits", "fp8", "-c", str(tinystories_file), *CALIB, "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
+def test_fp8_writes_vllms_per_layer_scalars(fp8_artifact, rtn_artifact: Path) -> None:
+    out, summary = fp8_artifact
+    assert summary["bits"] == "fp8" and summary["sink_tokens"] == 0
+    assert summary["calibration"]["baseline"].startswith("scale 1.0") and summary["calibration"]["key_error"] > 0
+    before, after = tree_digest(rtn_artifact), tree_digest(out)
+    assert {p for p in before if before[p] != after.get(p)} == {"config.json", "squeeze.manifest.json"}
+    assert set(after) - set(before) == {KV_FILE}
+    assert api.verify_model_integrity(out).ok  # re-sealed
+    config = json.loads((out / "config.json").read_text())
+    kv = config["quantization_config"]["kv_cache"]
+    names = [f"model.layers.{i}.self_attn" for i in range(5)]
+    assert {k: v for k, v in kv.items() if k not in ("keys", "values", "calibration_hash")} == {
+        "format": "fp8_e4m3",
+        "version": 1,
+        "layers": [{"module": name} for name in names],
+        "file": KV_FILE,
+        "calibration": kv["calibration"],
+    }
+    tensors = load_file(out / KV_FILE)
+    assert sorted(tensors) == sorted(f"{name}.{role}" for name in names for role in ("k_scale", "v_scale"))
+    assert all(t.dtype == torch.float32 and t.shape == () and float(t) > 0 for t in tensors.values())
+    # calibrate -> artifact -> KVSpec: the same scales
+    loaded = api.load(out)
+    assert loaded.kv_spec is not None and loaded.kv_spec.label == "fp8" and loaded.kv_spec.names == tuple(names)
+    for name, layer in zip(names, loaded.kv_spec.layers, strict=True):
+        assert isinstance(layer, LayerFP8)
+        assert torch.equal(layer.k_scale, tensors[f"{name}.k_scale"])
+        assert torch.equal(layer.v_scale, tensors[f"{name}.v_scale"])
+    provenance = json.loads((out / "squeeze.manifest.json").read_text())["provenance"]["extra"]["kv_cache"]
+    assert provenance["bits"] == "fp8"
+
+
+def test_fp8_scales_are_those_of_a_direct_calibration(fp8_artifact, tinystories_file: Path) -> None:
+    from squeeze.calibrate.kv import calibrate_fp8
+    from squeeze.calibrate.windows import calibration_windows
+    from squeeze.config import load_calibration_spec
+    from squeeze.runtime.loader import load_artifact
+
+    out, _ = fp8_artifact
+    loaded = load_artifact(out, dense_cache=True)  # the model calibrate-kv ran
+    windows = calibration_windows(
+        load_calibration_spec(str(tinystories_file), num_samples=4, seq_len=64), loaded.tokenizer
+    )
+    direct = calibrate_fp8(loaded.model, windows).spec
+    assert loaded.kv_spec is not None
+    for got, want in zip(loaded.kv_spec.layers, direct.layers, strict=True):
+        assert isinstance(got, LayerFP8) and isinstance(want, LayerFP8)
+        assert torch.equal(got.k_scale, want.k_scale) and torch.equal(got.v_scale, want.v_scale)
+
+
+def test_fp8_artifact_runs_evaluates_and_inspects_as_fp8(fp8_artifact, tinystories_file: Path) -> None:
+    out, summary = fp8_artifact
+    loaded = api.load(out)
+    result = api.generate(loaded, "Once upon a time", max_new_tokens=8)
+    assert result.kv_cache == "fp8" and result.kv_bytes_per_token == summary["kv_bytes_per_token"]
+    tokens = result.prompt_tokens[0] + sum(result.new_tokens) - 1
+    assert result.kv_cache_bytes == tokens * result.kv_bytes_per_token["fp8"]  # no sink, no per-token scales
+    assert summary["kv_bytes_per_token"]["fp8"] == 2 * 5 * 4 * 8
+    run = runner.invoke(app, ["run", "Once upon a time", "-m", str(out), "-n", "4"])
+    assert run.exit_code == 0 and "KV cache fp8" in run.stderr.strip().splitlines()[-1]
+    args = ["eval", str(out), "--text", str(tinystories_file), "--seq-len", "128", "--max-windows", "2"]
+    fp8 = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    full = json.loads(runner.invoke(app, [*args, "--json", "--kv-bits", "16"]).stdout)
+    assert (fp8["kv_cache"], fp8["kv_bits"], full["kv_bits"]) == ("fp8", 8, 16)
+    assert fp8["perplexity"] != full["perplexity"] and fp8["perplexity"] == pytest.approx(full["perplexity"], rel=0.05)
+    assert "(fp8 KV)" in runner.invoke(app, args).stdout
+    assert "KV cache: calibrated for fp8" in runner.invoke(app, ["inspect", str(out)]).stdout
+    mismatch = runner.invoke(app, ["run", "Once", "-m", str(out), "--kv-bits", "8"])
+    assert mismatch.exit_code == 2 and "calibrated for fp8" in mismatch.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "flag"),
+    [
+        (["--key-group-size", "4"], "--key-group-size"),
+        (["--value-group-size", "8"], "--value-group-size"),
+        (["--sink-tokens", "4"], "--sink-tokens"),
+    ],
+)
+def test_fp8_with_int_grid_options_is_refused(
+    rtn_artifact: Path, tinystories_file: Path, options: list[str], flag: str
+) -> None:
+    _refused(
+        ["calibrate-kv", str(rtn_artifact), "--bits", "fp8", "-c", str(tinystories_file), *CALIB, *options],
+        f"{flag} applies to the int8 / int4 grids only, not to --bits fp8",
+        rtn_artifact,
+    )
+
+
+def test_fp8_replaces_int_scales_and_back(kv4_artifact, tmp_path: Path, tinystories_file: Path) -> None:
+    source, _ = kv4_artifact
+    out = tmp_path / "kv4-then-fp8"
+    shutil.copytree(source, out)
+    assert (
+        runner.invoke(app, ["calibrate-kv", str(out), "--bits", "fp8", "-c", str(tinystories_file), *CALIB]).exit_code
+        == 0
+    )
+    assert sorted(load_file(out / KV_FILE)) == sorted(
+        f"model.layers.{i}.self_attn.{r}" for i in range(5) for r in ("k_scale", "v_scale")
+    )  # no int tensor left behind
+    assert api.verify_model_integrity(out).ok
+    assert (
+        runner.invoke(app, ["calibrate-kv", str(out), "--bits", "8", "-c", str(tinystories_file), *CALIB]).exit_code
+        == 0
+    )
+    spec = api.load(out).kv_spec
+    assert spec is not None and spec.label == "int8" and spec.sink_tokens == DEFAULT_SINK_TOKENS

@@ -15,12 +15,13 @@ from squeeze.quant.kv import (
     codebook_scale,
     dequantize,
     dequantize_codebook,
+    fake_quantize_fp8,
     fake_quantize_keys,
     quantize,
     quantize_codebook,
     token_grid,
 )
-from squeeze.quant.kv_spec import KVSpec, LayerKV
+from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
 
 H, D = 2, 8
@@ -149,11 +150,11 @@ def test_kv_spec_for_needs_attention_modules_only_for_dynamic_scales() -> None:
 
 @pytest.fixture(scope="module")
 def stories_kv(stories, tinystories_text):
-    """stories260K with int8 and int4 KV specs calibrated on the first half of the sample text."""
+    """stories260K with int8, int4 and fp8 KV specs calibrated on the first half of the sample text."""
     model, tokenizer = stories
     ids = tokenize_text(tinystories_text, tokenizer)
     windows = sample_windows(ids[: ids.numel() // 2], 4, 128, seed=0)
-    return model, tokenizer, {bits: calibrate_kv(model, windows, bits).spec for bits in (8, 4)}
+    return model, tokenizer, {bits: calibrate_kv(model, windows, bits).spec for bits in (8, 4, "fp8")}
 
 
 def test_calibrated_spec_covers_every_attention_layer(stories_kv) -> None:
@@ -174,9 +175,11 @@ def test_perplexity_through_the_cache(stories_kv, tinystories_text) -> None:
     assert ppl(lambda: DynamicCache(config=model.config)) == pytest.approx(full, rel=1e-5)
     int8 = ppl(lambda: SqueezeKVCache(specs[8]))
     int4 = ppl(lambda: SqueezeKVCache(specs[4]))
+    fp8 = ppl(lambda: SqueezeKVCache(specs["fp8"]))
     assert int8 == pytest.approx(full, rel=0.01)
     assert full < int4 < full * 1.5  # the error is real, and bounded
     assert int8 != full
+    assert fp8 == pytest.approx(full, rel=0.02) and fp8 != full
 
 
 def test_generate_with_the_quantized_cache(stories_kv) -> None:
@@ -202,3 +205,49 @@ def test_codebook_layer_takes_strided_views_without_warnings() -> None:
         warnings.simplefilter("error")
         keys, values = layer.update(k, v)
     assert torch.equal(values, _reference(v.contiguous(), layer.spec, 4, 1, keys=False))
+
+
+def test_fp8_layer_matches_the_reference_exactly_and_stores_one_byte_per_element() -> None:
+    layer = LayerFP8(torch.tensor(0.01), torch.tensor(0.012))  # values reach 4.1 < 448 * 0.012
+    cache_layer = SqueezeKVLayer(8, layer, sink_tokens=0)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, H, 70, D, generator=gen) * 2, torch.randn(2, H, 70, D, generator=gen)
+    k[0, 0, 3, 1] = 50.0  # past 448 * k_scale: saturates, as vLLM's cache does
+    for start, stop in [(0, 5), (5, 6), (6, 70)]:  # prefill, one token, a chunk across the 64-token capacity
+        keys, values = cache_layer.update(k[:, :, start:stop], v[:, :, start:stop])
+    assert torch.equal(keys, fake_quantize_fp8(k, layer.k_scale))  # every token, position 0 too: no sink
+    assert torch.equal(values, fake_quantize_fp8(v, layer.v_scale))
+    assert float(keys[0, 0, 3, 1]) == pytest.approx(448 * 0.01)
+    assert cache_layer.k_stream.codes is not None and cache_layer.k_stream.codes.dtype == torch.uint8
+    assert cache_layer.nbytes() == 2 * 2 * H * 70 * D  # K and V, one byte each, no per-token scales
+    assert 0 < float((values - v).abs().max()) <= float(v.abs().max()) * 2.0**-4
+
+
+def test_generate_with_the_fp8_cache(stories_kv) -> None:  # noqa: ANN001
+    model, tokenizer, specs = stories_kv
+    ids = tokenizer("Once upon a time", return_tensors="pt")
+    cache = SqueezeKVCache(specs["fp8"])
+    with torch.inference_mode():
+        plain = model.generate(**ids, max_new_tokens=12, do_sample=False)
+        fp8 = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=cache)
+        full = model(plain[:, :-1]).logits
+        through = model(plain[:, :-1], use_cache=True, cache=SqueezeKVCache(specs["fp8"])).logits
+    assert torch.equal(fp8, plain)  # fp8 KV with calibrated scales does not change this greedy continuation
+    assert cache.get_seq_length() == fp8.shape[1] - 1 and cache.nbytes() == cache.get_seq_length() * 5 * 2 * 4 * 8
+    difference = float((through - full).abs().max())
+    # a real, bounded change of the logits (which span ~20): e4m3 keeps 3 mantissa bits, so large keys lose more
+    # than on int8's per-token grid (1.8 here vs int8's 0.1; the scales set the range, not the precision)
+    assert 0 < difference < 0.15 * float(full.abs().max())
+
+
+def test_select_kv_spec_keeps_an_fp8_spec_and_names_it() -> None:
+    names = ("a",)
+    fp8 = KVSpec.fp8(names, (LayerFP8(torch.tensor(0.1), torch.tensor(0.1)),))
+    assert select_kv_spec(fp8, names, None) is fp8 and select_kv_spec(fp8, names, 16) is None
+    with pytest.raises(
+        ConfigError, match="--kv-bits 8 asked, but the artifact's KV scales were calibrated for fp8"
+    ) as info:
+        select_kv_spec(fp8, names, 8)
+    assert "leave out --kv-bits" in (info.value.hint or "")
+    dynamic = select_kv_spec(fp8, names, 8, dynamic=True)
+    assert dynamic is not None and dynamic.label == "int8" and not dynamic.calibrated
