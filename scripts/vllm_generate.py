@@ -41,7 +41,8 @@ def main() -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=True,
-        gpu_memory_utilization=0.3,  # on CPU: the fraction of memory vLLM reserves for the KV cache
+        # on CPU: the fraction of the machine's memory EACH rank reserves for its KV cache
+        gpu_memory_utilization=0.24 / args.tp,
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp" if args.tp > 1 else None,
         load_format=args.load_format,
