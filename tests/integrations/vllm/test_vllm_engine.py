@@ -13,7 +13,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,11 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def vllm_tiny(
-    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any, tiny_text_file: Path, save_model: Callable
-) -> Path:
+def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any, tiny_text_file: Path) -> Path:
     """The tiny vLLM-shaped Llama compressed at 3 bits with a sparse part."""
     from transformers import LlamaForCausalLM
 
-    from conftest import tiny_llama_config
+    from conftest import save_tiny_model, tiny_llama_config
 
     config = tiny_llama_config(
         tiny_tokenizer,
@@ -52,7 +49,8 @@ def vllm_tiny(
         vocab_size=384,  # vLLM pads the vocabulary to a multiple of 64 and splits it over the ranks: 384 = 3 x 128
     )
     torch.manual_seed(0)
-    source = save_model(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("vllm-tiny") / "source")
+    model = LlamaForCausalLM(config).eval()
+    source = save_tiny_model(model, tiny_tokenizer, tmp_path_factory.mktemp("vllm-tiny") / "source")
     out = tmp_path_factory.mktemp("vllm-tiny") / "w3"
     api.compress(
         str(source),
@@ -62,13 +60,6 @@ def vllm_tiny(
         calibration_overrides={"num_samples": 4, "seq_len": 32},
     )
     return out
-
-
-@pytest.fixture(scope="module")
-def save_model(tiny_tokenizer: Any) -> Callable:
-    from conftest import save_tiny_model
-
-    return lambda model, directory: save_tiny_model(model, tiny_tokenizer, directory)
 
 
 def run_vllm(model: Path, **options: Any) -> tuple[dict[str, Any] | None, str]:
