@@ -27,6 +27,7 @@ def main() -> int:
     parser.add_argument("--logprobs", type=int, default=0, help="top logprobs to return per step")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     prompts = json.loads(args.prompts_json)
 
@@ -46,6 +47,7 @@ def main() -> int:
         tensor_parallel_size=args.tp,
         distributed_executor_backend="mp" if args.tp > 1 else None,
         load_format=args.load_format,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     load_seconds = time.perf_counter() - start
     params = SamplingParams(

@@ -13,7 +13,7 @@ import os
 import stat
 import tempfile
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,9 +247,11 @@ def swap_in_quantized(
     replace_linear(model, name, build)
 
 
-def verified_report(directory: Path, *, capture: bool = False) -> VerifyReport:
-    """``directory``'s verification report (every file's bytes kept when ``capture``); IntegrityError if not intact."""
-    report = verify_artifact(directory, capture=(lambda _path: True) if capture else None)
+def verified_report(directory: Path, *, capture: bool | Callable[[str], bool] = False) -> VerifyReport:
+    """``directory``'s verification report (every file's bytes kept when ``capture`` is True, those of the files
+    it selects when it is a function of the path); IntegrityError if not intact."""
+    select = capture if callable(capture) else (lambda _path: True) if capture else None
+    report = verify_artifact(directory, capture=select)
     if not report.ok:
         raise IntegrityError(
             f"artifact {short_path(directory)} failed verification: {report.first_error()}",

@@ -20,7 +20,7 @@ from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD
 from squeeze.format.verify import VerifyReport
 from squeeze.limits import check_weight_bits, is_int
 from squeeze.models import resolve_model
-from squeeze.quant.kv_spec import KV_FILE
+from squeeze.quant.kv_spec import KV_FILE, KV_FP8_E4M3, KVSpec, LayerFP8
 from squeeze.quant.schemes import formats_of, methods, stored_roles
 from squeeze.runtime.loader import tensors_from_captured, verified_report
 
@@ -72,8 +72,25 @@ def artifact_directory(model: str) -> Path:
 
 def verify(directory: Path, *, capture: bool = False) -> VerifyReport:
     """The artifact verified against its manifest (IntegrityError otherwise); ``capture`` keeps every file's
-    hashed bytes in memory for :func:`verified_tensors`."""
-    return verified_report(directory, capture=capture)
+    hashed bytes in memory for :func:`verified_tensors`, else only those of the small KV-cache file."""
+    return verified_report(directory, capture=True if capture else (lambda path: path == KV_FILE))
+
+
+def fp8_kv_scales(report: VerifyReport, section: object) -> dict[str, tuple[float, float]]:
+    """Attention module -> (k_scale, v_scale) of an artifact calibrated with ``calibrate-kv --bits fp8`` (vLLM's
+    ``kv_cache_dtype="fp8"`` reads exactly these), from the verified KV-cache file; empty for any other KV
+    calibration (squeeze's int8 / int4 grids, which vLLM cannot use) or none."""
+    if not isinstance(section, dict) or section.get("format") != KV_FP8_E4M3:
+        return {}
+    if KV_FILE not in report.captured:
+        raise FormatError(f"quantization_config.kv_cache names fp8 scales, but the artifact has no {KV_FILE}")
+    others = [path for path in report.headers if path != KV_FILE]
+    spec = KVSpec.from_config(section, tensors_from_captured(report, exclude=others))
+    return {
+        name: (float(layer.k_scale), float(layer.v_scale))
+        for name, layer in zip(spec.names, spec.layers, strict=True)
+        if isinstance(layer, LayerFP8)
+    }
 
 
 def module_specs(report: VerifyReport, modules: Mapping[str, Mapping[str, Any]]) -> ModuleSpecs:
@@ -114,5 +131,6 @@ __all__ = [
     "verify",
     "module_specs",
     "verified_tensors",
+    "fp8_kv_scales",
     "checkpoint_modules",
 ]

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
 from squeeze.errors import FormatError
 from squeeze.format.quant_config import QUANT_METHOD
@@ -24,6 +26,7 @@ from squeeze.integrations.vllm.artifact import (
     artifact_directory,
     check_quant_config,
     checkpoint_modules,
+    fp8_kv_scales,
     module_specs,
     verify,
 )
@@ -35,10 +38,13 @@ logger = init_logger("vllm.squeeze")
 class SqueezeVllmConfig(QuantizationConfig):
     """A squeeze artifact's ``quantization_config``: which linears are quantized, and how."""
 
-    def __init__(self, modules: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, modules: dict[str, dict[str, Any]], kv_cache: object = None) -> None:
         super().__init__()
         self.modules = modules
+        self.kv_cache = kv_cache  # quantization_config.kv_cache, if calibrated
         self.specs: ModuleSpecs | None = None
+        #: attention module -> (k_scale, v_scale) for vLLM's fp8 KV cache (``calibrate-kv --bits fp8``)
+        self.kv_scales: dict[str, tuple[float, float]] = {}
 
     def get_name(self) -> str:
         return QUANT_METHOD
@@ -57,7 +63,7 @@ class SqueezeVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SqueezeVllmConfig:
-        return cls(check_quant_config(config))
+        return cls(check_quant_config(config), config.get("kv_cache"))
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         self.attach(model_name)
@@ -67,6 +73,7 @@ class SqueezeVllmConfig(QuantizationConfig):
         directory = artifact_directory(model)
         report = verify(directory)
         self.specs = module_specs(report, self.modules)
+        self.kv_scales = fp8_kv_scales(report, self.kv_cache)
         logger.info(
             "squeeze: verified %s (%d files, %.1f MB hashed, root %s...)",
             directory,
@@ -79,12 +86,15 @@ class SqueezeVllmConfig(QuantizationConfig):
         """Rename module entries as the model renames its checkpoint's modules."""
         rename = hf_to_vllm_mapper.map_name
         self.modules = {rename(name) or name: spec for name, spec in self.modules.items()}
+        self.kv_scales = {rename(name) or name: scales for name, scales in self.kv_scales.items()}
         if self.specs is not None:
             self.specs = ModuleSpecs(
                 modules=self.modules, roles={rename(name) or name: r for name, r in self.specs.roles.items()}
             )
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, Attention):
+            return self._kv_method(prefix)
         if not isinstance(layer, LinearBase):
             inside = [name for name in self.modules if name == prefix or name.startswith(prefix + ".")]
             if inside and prefix:  # e.g. a fused MoE layer whose experts the artifact quantized
@@ -114,5 +124,33 @@ class SqueezeVllmConfig(QuantizationConfig):
             )
         return SqueezeLinearMethod(specs, modules)
 
+    def _kv_method(self, prefix: str) -> QuantizeMethodBase | None:
+        """The fp8 KV scales of attention layer ``prefix`` (``...self_attn.attn``: its module is the parent)."""
+        if not self.kv_scales:
+            return None
+        module = prefix.rpartition(".")[0]
+        if module not in self.kv_scales:
+            raise FormatError(
+                f"the artifact's fp8 KV scales name {len(self.kv_scales)} attention modules, not {module!r}",
+                hint="re-run squeeze calibrate-kv --bits fp8 on this artifact",
+            )
+        logger.info_once("squeeze: the attention layers take the artifact's calibrated fp8 KV scales")
+        return Fp8KVScales(self, *self.kv_scales[module])
 
-__all__ = ["SqueezeVllmConfig"]
+
+class Fp8KVScales(BaseKVCacheMethod):
+    """An attention layer's k_scale / v_scale, set from the verified artifact (not from vLLM's weight stream:
+    the scales live in squeeze's KV-cache file). vLLM uses them with ``kv_cache_dtype="fp8"`` and ignores
+    them otherwise."""
+
+    def __init__(self, quant_config: QuantizationConfig, k_scale: float, v_scale: float) -> None:
+        super().__init__(quant_config)
+        self.scales = (k_scale, v_scale)
+
+    def create_weights(self, layer: torch.nn.Module) -> None:
+        super().create_weights(layer)
+        for name, value in zip(("k_scale", "v_scale"), self.scales, strict=True):
+            getattr(layer, name).data.fill_(value)  # the KVCacheScaleParameters the base class just made
+
+
+__all__ = ["SqueezeVllmConfig", "Fp8KVScales"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from squeeze import api
 from squeeze.errors import FormatError, IntegrityError
@@ -17,6 +18,7 @@ from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.integrations.vllm.artifact import (
     check_quant_config,
     checkpoint_modules,
+    fp8_kv_scales,
     module_specs,
     verified_tensors,
     verify,
@@ -118,3 +120,23 @@ def test_a_tampered_artifact_is_refused_before_any_tensor(tiny_w3: Path, tmp_pat
     (copy / MANIFEST_NAME).unlink()
     with pytest.raises((IntegrityError, FormatError)):
         verify(copy)
+
+
+def test_fp8_kv_scales_come_from_the_verified_kv_file(tiny_w3: Path, tmp_path: Path, tinystories_file: Path) -> None:
+    section = json.loads((tiny_w3 / "config.json").read_text())["quantization_config"]["kv_cache"]
+    assert fp8_kv_scales(verify(tiny_w3), section) == {}  # int8 grids: not vLLM's to use
+    copy = shutil.copytree(tiny_w3, tmp_path / "fp8")
+    api.calibrate_kv(copy, tinystories_file, bits="fp8", calibration_overrides={"num_samples": 2, "seq_len": 64})
+    section = json.loads((copy / "config.json").read_text())["quantization_config"]["kv_cache"]
+    report = verify(copy)
+    assert set(report.captured) == {KV_FILE}  # only the small KV file is kept, as hashed
+    scales = fp8_kv_scales(report, section)
+    stored = load_file(copy / KV_FILE)
+    assert scales == {
+        f"model.layers.{i}.self_attn": (
+            float(stored[f"model.layers.{i}.self_attn.k_scale"]),
+            float(stored[f"model.layers.{i}.self_attn.v_scale"]),
+        )
+        for i in range(2)
+    }
+    assert all(k > 0 and v > 0 for k, v in scales.values())
