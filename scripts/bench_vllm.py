@@ -1,6 +1,7 @@
 """squeeze artifacts on vLLM, measured side by side in one run (the vLLM environment: scripts/check_vllm.sh).
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--artifacts A B] [--original DIR] [--skip-tp] [--skip-throughput]
+    .venv-vllm/bin/python scripts/bench_vllm.py [--artifacts A B] [--original DIR]
+        [--skip-correctness] [--skip-tp] [--skip-throughput]
 
 1. Correctness: 8 prompts, greedy, 32 new tokens, each artifact through vLLM (float32, tensor parallel 1)
    against ``squeeze run``'s text (squeeze.load + generate, one prompt at a time). Where the texts differ,
@@ -130,11 +131,14 @@ def main() -> int:
     )
     parser.add_argument("--original", type=Path, default=ROOT / "artifacts/smollm2-135m-hf")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out/vllm.json")
     args = parser.parse_args()
-    report: dict[str, Any] = {"correctness": correctness(args.artifacts, args.max_tokens)}
+    report: dict[str, Any] = {}
+    if not args.skip_correctness:
+        report["correctness"] = correctness(args.artifacts, args.max_tokens)
     if not args.skip_tp:
         report["tensor_parallel"] = [tensor_parallel(a, args.max_tokens) for a in args.artifacts]
     if not args.skip_throughput:
