@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -188,6 +188,50 @@ class WeightFormat:
         window = self.packed[:, lo : lo + packed_row_bytes(stop - first, self.bits)]
         codes = unpack_codes(window, self.bits, stop - first)[:, start - first :]
         return pack_codes(codes.contiguous(), self.bits)
+
+    @classmethod
+    def cat_rows(cls: type[W], parts: Sequence[W]) -> W:
+        """The weights ``parts`` (this format, equal bits, in_features and module parameters) stacked by rows:
+        ``dequantize()`` of the result equals ``torch.cat([p.dequantize() for p in parts])``.
+
+        Generic, from ``roles``: a role whose first dimension is "rows" is concatenated, a "rows+1" one (a CSR
+        row pointer) concatenated with each part's entries offset by the entries before it, an "nnz" one
+        concatenated; an optional part some of ``parts`` lack is filled in empty for them. ValueError when the
+        parts do not match or a role has no row dimension.
+        """
+        if not parts:
+            raise ValueError("cat_rows needs at least one weight")
+        first = parts[0]
+        for part in parts:
+            if type(part) is not cls or (part.bits, part.in_features, part.params()) != (
+                first.bits,
+                first.in_features,
+                first.params(),
+            ):
+                raise ValueError(f"cat_rows needs {cls.__name__} weights of equal bits, in_features and parameters")
+        tensors = [part.tensors_by_role() for part in parts]
+        found: dict[str, Tensor] = {}
+        for role in cls.roles:
+            present = [t[role.name] for t in tensors if role.name in t]
+            if not present:
+                continue
+            dim = role.shape[0] if role.shape else None
+            if dim == "rows":
+                if len(present) != len(parts):
+                    raise ValueError(f"cat_rows: only some parts store {role.name}")
+                found[role.name] = torch.cat(present)
+            elif dim == "nnz":
+                found[role.name] = torch.cat(present)
+            elif dim == "rows+1":
+                offset, pieces = 0, [present[0].new_zeros(1)]
+                for part, t in zip(parts, tensors, strict=True):
+                    pointer = t.get(role.name, present[0].new_zeros(part.out_features + 1))
+                    pieces.append(pointer[1:] - pointer[0] + offset)
+                    offset += int(pointer[-1] - pointer[0])
+                found[role.name] = torch.cat(pieces)
+            else:
+                raise ValueError(f"cat_rows: {cls.__name__}.{role.name} has no row dimension")
+        return cls.from_roles(first.bits, first.in_features, first.params(), found)
 
     def params(self) -> dict[str, Any]:
         """This weight's module parameters (``module_params``), as ``from_tensors`` takes them."""
