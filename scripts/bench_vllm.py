@@ -9,7 +9,7 @@
    differs, and the log-probability gap between the two choices there (a near-tie when < 1e-3).
 2. Tensor parallel 3 against tensor parallel 1, token for token (SmolLM2: 9 heads, 3 KV heads).
 3. Throughput: 16 concurrent requests of 64 new tokens (ignore_eos), vLLM serving the artifact vs vLLM
-   serving the original, bfloat16 and float32, in the same run.
+   serving the original, bfloat16 and float32, in the same run (median of --repeats engine starts each).
 """
 
 from __future__ import annotations
@@ -101,23 +101,29 @@ def tensor_parallel(artifact: Path, max_tokens: int) -> dict[str, Any]:
     return row
 
 
-def throughput(models: dict[str, Path], requests: int, max_tokens: int) -> list[dict[str, Any]]:
+def throughput(models: dict[str, Path], requests: int, max_tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Output tokens/s of ``requests`` concurrent greedy requests per model and dtype: the median of ``repeats``
+    engine starts, the models taking turns (one engine start's speed on this machine varies by up to 1.4x,
+    between runs of the same configuration)."""
+    import statistics
+
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
     rows = []
     for dtype in ("bfloat16", "float32"):
-        for name, model in models.items():
-            result = vllm_generate(model, prompts, max_tokens, dtype=dtype, ignore_eos=True)
-            tokens = sum(len(t) for t in result["tokens"])
-            rows.append(
-                {
-                    "model": name,
-                    "dtype": dtype,
-                    "tokens": tokens,
-                    "seconds": result["generate_seconds"],
-                    "tokens_per_second": tokens / result["generate_seconds"],
-                }
+        runs: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(repeats):
+            for name, model in models.items():
+                result = vllm_generate(model, prompts, max_tokens, dtype=dtype, ignore_eos=True)
+                tokens = sum(len(t) for t in result["tokens"])
+                runs[name].append(tokens / result["generate_seconds"])
+        for name, speeds in runs.items():
+            rows.append({"model": name, "dtype": dtype, "tokens_per_second": statistics.median(speeds), "runs": speeds})
+            print(
+                f"{name} {dtype}: {statistics.median(speeds):.1f} output tok/s (runs: "
+                + ", ".join(f"{v:.0f}" for v in speeds)
+                + ")",
+                flush=True,
             )
-            print(f"{name} {dtype}: {tokens / result['generate_seconds']:.1f} output tok/s", flush=True)
     return rows
 
 
@@ -134,6 +140,7 @@ def main() -> int:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="engine starts per throughput cell (median)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out/vllm.json")
     args = parser.parse_args()
     report: dict[str, Any] = {}
@@ -143,7 +150,7 @@ def main() -> int:
         report["tensor_parallel"] = [tensor_parallel(a, args.max_tokens) for a in args.artifacts]
     if not args.skip_throughput:
         models = {"original": args.original, **{a.name: a for a in args.artifacts[:1]}}
-        report["throughput"] = throughput(models, requests=16, max_tokens=64)
+        report["throughput"] = throughput(models, requests=16, max_tokens=64, repeats=args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
