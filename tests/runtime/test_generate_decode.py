@@ -20,6 +20,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from squeeze.models.modes import cache_kwarg
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.generate import generate
 from squeeze.runtime.kvcache import SqueezeKVCache, kv_spec_for
@@ -100,7 +101,7 @@ def _theirs(model, max_new_tokens: int, cache=None, seed: int | None = None, **k
             attention_mask=mask,
             max_new_tokens=max_new_tokens,
             pad_token_id=PAD,
-            cache=cache if cache is not None else DynamicCache(config=model.config),
+            **{cache_kwarg(model): cache if cache is not None else DynamicCache(config=model.config)},
             **kwargs,
         )
     return out[:, ids.shape[1] :]
@@ -184,7 +185,7 @@ def test_generate_on_stories_equals_model_generate_for_a_sampled_batch(stories_d
             top_p=0.9,
             top_k=0,
             pad_token_id=tokenizer.eos_token_id,
-            cache=DynamicCache(config=net.config),
+            **{cache_kwarg(net): DynamicCache(config=net.config)},
         )
     for row, text, count in zip(
         out[:, batch["input_ids"].shape[1] :].tolist(), result.texts, result.new_tokens, strict=True

@@ -10,6 +10,7 @@ from squeeze.calibrate.kv import calibrate_kv
 from squeeze.calibrate.windows import sample_windows, tokenize_text
 from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import perplexity
+from squeeze.models.modes import cache_kwarg
 from squeeze.models.targets import attention_modules
 from squeeze.quant.kv import (
     codebook_scale,
@@ -188,8 +189,10 @@ def test_generate_with_the_quantized_cache(stories_kv) -> None:
     with torch.inference_mode():
         plain = model.generate(**ids, max_new_tokens=12, do_sample=False)
         cache = SqueezeKVCache(specs[8])
-        quantized = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=cache)
-        beams = model.generate(**ids, max_new_tokens=6, num_beams=2, do_sample=False, cache=SqueezeKVCache(specs[4]))
+        quantized = model.generate(**ids, max_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache})
+        beams = model.generate(
+            **ids, max_new_tokens=6, num_beams=2, do_sample=False, **{cache_kwarg(model): SqueezeKVCache(specs[4])}
+        )
     assert torch.equal(quantized, plain)  # int8 KV does not change this greedy continuation
     assert cache.get_seq_length() == quantized.shape[1] - 1
     assert beams.shape[1] == ids["input_ids"].shape[1] + 6
@@ -229,9 +232,9 @@ def test_generate_with_the_fp8_cache(stories_kv) -> None:  # noqa: ANN001
     cache = SqueezeKVCache(specs["fp8"])
     with torch.inference_mode():
         plain = model.generate(**ids, max_new_tokens=12, do_sample=False)
-        fp8 = model.generate(**ids, max_new_tokens=12, do_sample=False, cache=cache)
+        fp8 = model.generate(**ids, max_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache})
         full = model(plain[:, :-1]).logits
-        through = model(plain[:, :-1], use_cache=True, cache=SqueezeKVCache(specs["fp8"])).logits
+        through = model(plain[:, :-1], use_cache=True, **{cache_kwarg(model): SqueezeKVCache(specs["fp8"])}).logits
     assert torch.equal(fp8, plain)  # fp8 KV with calibrated scales does not change this greedy continuation
     assert cache.get_seq_length() == fp8.shape[1] - 1 and cache.nbytes() == cache.get_seq_length() * 5 * 2 * 4 * 8
     difference = float((through - full).abs().max())
