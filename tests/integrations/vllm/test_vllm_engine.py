@@ -34,14 +34,12 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any, tiny_text_file: Path) -> Path:
-    """The tiny vLLM-shaped Llama compressed at 3 bits with a sparse part."""
-    from transformers import LlamaForCausalLM
+def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, tiny_text_file: Path) -> Path:
+    """The tiny vLLM-shaped Llama (the tiny Llama's config and tokenizer, resized) at 3 bits with a sparse part."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from conftest import save_tiny_model, tiny_llama_config
-
-    config = tiny_llama_config(
-        tiny_tokenizer,
+    config = LlamaConfig.from_pretrained(
+        tiny_llama_dir,
         hidden_size=384,
         intermediate_size=300,
         num_attention_heads=6,
@@ -49,9 +47,10 @@ def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Any, tin
         vocab_size=384,  # vLLM pads the vocabulary to a multiple of 64 and splits it over the ranks: 384 = 3 x 128
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    source = save_tiny_model(model, tiny_tokenizer, tmp_path_factory.mktemp("vllm-tiny") / "source")
-    out = tmp_path_factory.mktemp("vllm-tiny") / "w3"
+    source = tmp_path_factory.mktemp("vllm-tiny") / "source"
+    LlamaForCausalLM(config).eval().save_pretrained(source)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(source)
+    out = source.parent / "w3"
     api.compress(
         str(source),
         out,
