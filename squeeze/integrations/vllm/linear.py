@@ -5,7 +5,8 @@ CSR...) under the artifact's own tensor names, so vLLM's loaders (``AutoWeightsL
 ``load_weights``) route every tensor to it. Each is an empty placeholder: its ``weight_loader`` keeps the
 tensors of one checkpoint module until all of them have arrived, then rebuilds the module's weight with the
 format's full checks and keeps only this rank's part of it (:mod:`.sharding`). ``process_weights_after_loading``
-turns each part into squeeze's own runtime module (:class:`squeeze.runtime.linear.SqueezeLinear`), so
+stacks adjacent parts of one format (q/k/v, gate/up) and turns each stack into squeeze's own runtime module
+(:class:`squeeze.runtime.linear.SqueezeLinear`), so
 ``apply`` runs exactly what ``squeeze run`` runs: the native LUT kernels on CPU, the Triton LUT kernels on
 CUDA, the dequantized weight where no kernel covers the format.
 """
