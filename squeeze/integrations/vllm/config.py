@@ -92,7 +92,19 @@ class SqueezeVllmConfig(QuantizationConfig):
                 modules=self.modules, roles={rename(name) or name: r for name, r in self.specs.roles.items()}
             )
 
+    def _attached(self) -> ModuleSpecs:
+        """The module specs; a process that did not build the config itself verifies the artifact here, while
+        vLLM builds the model, before any weight is read."""
+        if self.specs is None:
+            current = get_current_vllm_config_or_none()
+            if current is None or current.model_config is None:
+                raise FormatError("the squeeze vLLM plugin needs the model's path to verify the artifact")
+            self.attach(current.model_config.model)
+        assert self.specs is not None
+        return self.specs
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        specs = self._attached()
         if isinstance(layer, Attention):
             return self._kv_method(prefix)
         if not isinstance(layer, LinearBase):
@@ -103,15 +115,7 @@ class SqueezeVllmConfig(QuantizationConfig):
                     f"{prefix}; the squeeze vLLM plugin serves quantized linear layers only",
                     hint="serve this artifact with squeeze run / squeeze serve",
                 )
-            return None  # embeddings, the LM head, attention: stored unquantized (or not ours)
-        specs = self.specs
-        if specs is None:  # a process that did not build the config itself: verify here, before any read
-            current = get_current_vllm_config_or_none()
-            if current is None or current.model_config is None:
-                raise FormatError("the squeeze vLLM plugin needs the model's path to verify the artifact")
-            self.attach(current.model_config.model)
-            specs = self.specs
-            assert specs is not None
+            return None  # embeddings, the LM head, norms: stored unquantized
         modules = checkpoint_modules(prefix, self.packed_modules_mapping)
         quantized = [name in specs.modules for name in modules]
         if not any(quantized):

@@ -9,6 +9,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/check_vllm.sh
 
 from squeeze.errors import FormatError  # noqa: E402
 from squeeze.integrations.vllm import register  # noqa: E402
+from squeeze.integrations.vllm.artifact import ModuleSpecs  # noqa: E402
 from squeeze.integrations.vllm.config import SqueezeVllmConfig  # noqa: E402
 
 ENTRY = {"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 8}
@@ -44,6 +45,7 @@ def test_a_future_method_is_refused_from_the_config_alone() -> None:
 
 def test_layers_other_than_linears_are_left_to_vllm_unless_the_artifact_quantized_them() -> None:
     cfg = config({"model.layers.0.mlp.experts.0.up_proj": ENTRY})
+    cfg.specs = ModuleSpecs(modules=cfg.modules, roles={name: {"weight_packed": "U8"} for name in cfg.modules})
     assert cfg.get_quant_method(nn.Module(), "model.embed_tokens") is None
     with pytest.raises(FormatError, match="vLLM builds into its Module model.layers.0.mlp.experts; the squeeze vLLM"):
         cfg.get_quant_method(nn.Module(), "model.layers.0.mlp.experts")
@@ -55,3 +57,8 @@ def test_module_names_follow_the_models_renames() -> None:
     cfg = config({"model.layers.0.mlp.up_proj": ENTRY})
     cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."}))
     assert list(cfg.modules) == ["language_model.model.layers.0.mlp.up_proj"]
+
+
+def test_without_the_models_path_the_artifact_cannot_be_verified_and_nothing_is_built() -> None:
+    with pytest.raises(FormatError, match="needs the model's path to verify the artifact"):
+        config({"m.q_proj": ENTRY}).get_quant_method(nn.Module(), "m.q_proj")
