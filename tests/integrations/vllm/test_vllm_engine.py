@@ -44,6 +44,7 @@ def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, ti
         intermediate_size=300,
         num_attention_heads=6,
         num_key_value_heads=1,
+        head_dim=64,  # the saved config spells out the tiny model's 16
         vocab_size=384,  # vLLM pads the vocabulary to a multiple of 64 and splits it over the ranks: 384 = 3 x 128
     )
     torch.manual_seed(0)
