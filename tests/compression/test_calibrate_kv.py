@@ -38,17 +38,24 @@ def rtn_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) ->
     return out
 
 
+def calibrated_copy(
+    tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path, bits: str
+) -> tuple[Path, dict]:
+    """(a copy of the RTN artifact calibrated by `squeeze calibrate-kv --bits BITS --json`, its JSON summary)."""
+    out = tmp_path_factory.mktemp(f"kv{bits}") / f"stories-rtn-w4-kv{bits}"
+    shutil.copytree(rtn_artifact, out)
+    result = runner.invoke(
+        app, ["calibrate-kv", str(out), "--bits", bits, "-c", str(tinystories_file), *CALIB, "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    return out, json.loads(result.stdout)
+
+
 @pytest.fixture(scope="module")
 def kv4_artifact(
     tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path
 ) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("kv4") / "stories-rtn-w4-kv4"
-    shutil.copytree(rtn_artifact, out)
-    result = runner.invoke(
-        app, ["calibrate-kv", str(out), "--bits", "4", "-c", str(tinystories_file), *CALIB, "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    return out, json.loads(result.stdout)
+    return calibrated_copy(tmp_path_factory, rtn_artifact, tinystories_file, "4")
 
 
 def test_calibrate_kv_adds_scales_and_keeps_the_shards(kv4_artifact, rtn_artifact: Path) -> None:
@@ -278,13 +285,7 @@ def test_group_sizes_must_be_even_divisors_of_the_head(
 def fp8_artifact(
     tmp_path_factory: pytest.TempPathFactory, rtn_artifact: Path, tinystories_file: Path
 ) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("fp8") / "stories-rtn-w4-fp8"
-    shutil.copytree(rtn_artifact, out)
-    result = runner.invoke(
-        app, ["calibrate-kv", str(out), "--bits", "fp8", "-c", str(tinystories_file), *CALIB, "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    return out, json.loads(result.stdout)
+    return calibrated_copy(tmp_path_factory, rtn_artifact, tinystories_file, "fp8")
 
 
 def test_fp8_writes_vllms_per_layer_scalars(fp8_artifact, rtn_artifact: Path) -> None:
