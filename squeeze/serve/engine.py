@@ -208,6 +208,7 @@ class Engine:
             block_size=self.blocks.block_size,
             kv_bits=self.pool.bits,
             kv_pool_bytes=self.pool.nbytes,
+            kv_cache=self.pool.label,
             preemptions_total=self.scheduler.preemptions,
             requests_finished_total=self._finished,
             prompt_tokens_total=self._prompt_tokens,

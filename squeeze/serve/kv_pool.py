@@ -212,6 +212,11 @@ class PagedKVPool:
         return self.spec.bits if self.spec is not None else 16
 
     @property
+    def label(self) -> str:
+        """The cache's name in reports: "16-bit", "int8", "int4" or "fp8"."""
+        return self.spec.label if self.spec is not None else "16-bit"
+
+    @property
     def block_bytes(self) -> int:
         return block_bytes(self.spec, self.shape, self.block_size, self.dtype)
 

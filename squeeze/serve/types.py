@@ -120,6 +120,8 @@ class EngineStats:
     #: 16 (full precision), 8 or 4.
     kv_bits: int
     kv_pool_bytes: int = 0
+    #: The cache's name: "16-bit", "int8", "int4" or "fp8" (an fp8 cache has kv_bits 8 too).
+    kv_cache: str = ""
     preemptions_total: int = 0
     requests_finished_total: int = 0
     prompt_tokens_total: int = 0

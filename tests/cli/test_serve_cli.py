@@ -261,3 +261,13 @@ def test_a_signal_stops_the_server_gracefully_with_exit_0(
     assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
     assert "engine shut down, grace 20.0, cancelled 0" in stderr
     assert "Traceback" not in stderr
+
+
+def test_the_startup_line_names_an_fp8_cache_as_fp8() -> None:
+    from squeeze.cli.serve import startup_line
+
+    info = {
+        "model": "m", "url": "http://127.0.0.1:1/v1", "kv_bits": 8, "kv_cache": "fp8", "kv_dynamic": False,
+        "kv_blocks": 4, "block_size": 16, "kv_pool_bytes": 2**20, "max_model_len": 64,
+    }  # fmt: skip
+    assert "| KV cache fp8, 4 blocks x 16 tokens (1.0 MiB) |" in startup_line(info, api_key=False)

@@ -126,3 +126,18 @@ def test_sized_pool_fills_the_budget_and_refuses_less_than_one_full_sequence() -
             min_tokens=4096,
         )
     assert "--kv-memory" in (caught.value.hint or "")
+
+
+def test_the_pool_names_its_cache_as_reports_do() -> None:
+    labels = {
+        name: PagedKVPool(spec, SHAPE, num_blocks=2, block_size=4, sequences=1, dtype=torch.float32).label
+        for name, spec in SPECS.items()
+    }
+    assert labels == {
+        "int8-dynamic": "int8",
+        "int4-dynamic": "int4",
+        "int8-asymmetric": "int8",
+        "int4-codebook": "int4",
+        "fp8": "fp8",  # 8 bits per element too, but not squeeze's int8 grid
+        "fp32": "16-bit",
+    }
