@@ -116,22 +116,25 @@ class SqueezeLinearMethod(LinearMethodBase):
             staged = state.staged.setdefault(shard_id, {})
             staged[role] = loaded
             if staged.keys() >= state.expected[shard_id]:
-                state.parts[shard_id] = self._take(plan, state.staged.pop(shard_id), state.geometry)
+                del state.staged[shard_id]
+                state.parts[shard_id] = self._take(plan, staged, state.geometry, param.device)
 
         return load
 
-    def _take(self, plan: ShardPlan, staged: dict[str, torch.Tensor], geometry: LayerGeometry) -> WeightFormat:
-        """The rank's part of one checkpoint module, rebuilt with every format check, in memory of its own."""
+    def _take(
+        self, plan: ShardPlan, staged: dict[str, torch.Tensor], geometry: LayerGeometry, device: torch.device
+    ) -> WeightFormat:
+        """The rank's part of one checkpoint module, rebuilt with every format check, in memory of its own on
+        ``device`` (the layer's: its runtime module is then built there once, with that device's layout)."""
         tensors = {f"{plan.module}.{role}": tensor for role, tensor in staged.items()}
         qweight = quantized_weight_from(tensors, plan.module, self.specs.modules[plan.module])
         part = take_shard(qweight, plan, geometry)
         # slices are views into the loaded file's bytes: copy, so those bytes are freed after loading
-        owned = {role: tensor.clone() for role, tensor in part.tensors_by_role().items()}
+        owned = {role: tensor.to(device, copy=True) for role, tensor in part.tensors_by_role().items()}
         return type(part).from_roles(part.bits, part.in_features, part.params(), owned)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         state: LayerState = layer.__dict__[STATE]
-        device = next(p.device for name, p in layer.named_parameters(recurse=False) if name != "bias")
         for shard_id, plan in state.plans.items():
             if shard_id not in state.parts:
                 found = state.staged.get(shard_id, {})
@@ -144,7 +147,7 @@ class SqueezeLinearMethod(LinearMethodBase):
         # parameters and modules (weight digests, reloading) see only what it created
         for group in fusable([state.parts[shard_id] for shard_id in state.plans]):
             weight = group[0] if len(group) == 1 else type(group[0]).cat_rows(group)
-            _LINEARS.append(SqueezeLinear(weight).to(device))
+            _LINEARS.append(SqueezeLinear(weight))  # on the layer's device already: its layout is prepared once
             state.handles.append(len(_LINEARS) - 1)
         state.parts.clear()  # the placeholders stay empty: the weights live in the runtime modules
 
