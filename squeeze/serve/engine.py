@@ -41,6 +41,7 @@ from squeeze.serve.types import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    check_prompt,
 )
 
 log = logging.getLogger(__name__)
@@ -165,15 +166,7 @@ class Engine:
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         prompt = list(prompt_ids)
-        if not prompt:
-            raise RequestError("the prompt is empty (zero tokens)", param="prompt")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) is more than the context of "
-                f"{self.max_model_len} tokens",
-                hint="shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
+        check_prompt(prompt, params.max_tokens, self.max_model_len)
         with self._cond:
             waiting = self._waiting()
             if waiting >= self.config.max_queue:

@@ -30,6 +30,20 @@ class RequestError(SqueezeError):
         self.param = param
 
 
+def check_prompt(prompt: Sequence[int], max_tokens: int, max_model_len: int) -> None:
+    """RequestError (400, naming the field) for an empty prompt, or one whose tokens plus ``max_tokens`` exceed
+    the context: what every engine checks before taking a request."""
+    if not prompt:
+        raise RequestError("the prompt is empty (zero tokens)", param="prompt")
+    if len(prompt) + max_tokens > max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) is more than the context of "
+            f"{max_model_len} tokens",
+            hint="shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+
+
 class QueueFullError(RequestError):
     """Too many requests waiting: HTTP 429 with a ``Retry-After`` header of ``retry_after`` seconds."""
 
@@ -195,6 +209,7 @@ class EngineClient(Protocol):
 __all__ = [
     "FinishReason",
     "RequestError",
+    "check_prompt",
     "QueueFullError",
     "EngineStoppedError",
     "EngineConfig",

@@ -28,6 +28,7 @@ from squeeze.serve.types import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    check_prompt,
 )
 
 VOCAB_LIMIT = 1000
@@ -146,14 +147,7 @@ class FakeEngine:
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         prompt = list(prompt_ids)
-        if not prompt:
-            raise RequestError("the prompt is empty (zero tokens)", param="prompt")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) is more than the context of "
-                f"{self.max_model_len} tokens",
-                param="max_tokens",
-            )
+        check_prompt(prompt, params.max_tokens, self.max_model_len)  # the real engine's check
         blocks = math.ceil((len(prompt) + params.max_tokens) / self.block_size)
         with self._cond:
             if len(self._active) >= self.max_running + self.max_queue:
