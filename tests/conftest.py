@@ -218,18 +218,36 @@ def tiny_llama(tiny_llama_dir: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture(scope="session")
+def resized_tiny_llama(tiny_llama_dir: Path) -> Callable[..., Path]:
+    """``resized_tiny_llama(directory, **config_changes)``: a random (seeded) Llama of the tiny Llama's config
+    with ``config_changes`` (e.g. intermediate_size=128), saved in ``directory`` with the tiny tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    def build(directory: Path, **config_changes: Any) -> Path:
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_llama_dir, **config_changes)).eval().save_pretrained(
+            directory
+        )
+        AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(directory)
+        return directory
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def compress_tiny(tiny_llama_dir: Path, tiny_text_file: Path) -> Callable[..., Path]:
-    """``compress_tiny(output, recipe="w4", **kwargs)``: api.compress of the tiny Llama, Fisher calibration on
-    4 windows of 32 tokens of the tiny text (so any built-in recipe runs in about a second)."""
+    """``compress_tiny(output, recipe="w4", source=None, **kwargs)``: api.compress of the tiny Llama (or of the
+    model directory ``source``), Fisher calibration on 4 windows of 32 tokens of the tiny text (so any built-in
+    recipe runs in about a second)."""
     from squeeze import api
 
-    def compress(output: Path, recipe: str = "w4", **kwargs: Any) -> Path:
+    def compress(output: Path, recipe: str = "w4", source: Path | None = None, **kwargs: Any) -> Path:
         kwargs.setdefault("calibration", str(tiny_text_file))
         kwargs.setdefault("calibration_overrides", {"num_samples": 4, "seq_len": 32})
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # often called from module-scoped fixtures, before _one_torch_thread applies
         try:
-            api.compress(str(tiny_llama_dir), output, recipe=recipe, **kwargs)
+            api.compress(str(source or tiny_llama_dir), output, recipe=recipe, **kwargs)
         finally:
             torch.set_num_threads(threads)
         return output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,31 +27,15 @@ def artifact_copy(tmp_path: Path, serve_artifact: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def wide32_artifact(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, tiny_text_file: Path) -> Path:
+def wide32_artifact(
+    tmp_path_factory: pytest.TempPathFactory,
+    resized_tiny_llama: Callable[..., Path],
+    compress_tiny: Callable[..., Path],
+) -> Path:
     """The tiny Llama with every layer width a multiple of 32 (intermediate 128 instead of 144), compressed w4.
 
     torch's elementwise CPU kernels run vectors of 32 floats and compute a leftover tail in scalar code, so
     only at such widths (those of real models) is each row's activation independent of the tensor around it.
     """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tiny_llama_dir, intermediate_size=128)).eval()
-    source = tmp_path_factory.mktemp("wide32") / "tiny-llama-128"
-    model.save_pretrained(source)
-    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(source)
-    out = source.parent / "tiny-llama-128-w4"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        api.compress(
-            str(source),
-            out,
-            recipe="w4",
-            calibration=str(tiny_text_file),
-            calibration_overrides={"num_samples": 4, "seq_len": 32},
-        )
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    source = resized_tiny_llama(tmp_path_factory.mktemp("wide32") / "tiny-llama-128", intermediate_size=128)
+    return compress_tiny(source.parent / "tiny-llama-128-w4", "w4", source=source)

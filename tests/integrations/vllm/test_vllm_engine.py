@@ -13,11 +13,11 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/check_vllm.sh builds an environment with it)")
 
@@ -34,12 +34,14 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, tiny_text_file: Path) -> Path:
+def vllm_tiny(
+    tmp_path_factory: pytest.TempPathFactory,
+    resized_tiny_llama: Callable[..., Path],
+    compress_tiny: Callable[..., Path],
+) -> Path:
     """The tiny vLLM-shaped Llama (the tiny Llama's config and tokenizer, resized) at 3 bits with a sparse part."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig.from_pretrained(
-        tiny_llama_dir,
+    source = resized_tiny_llama(
+        tmp_path_factory.mktemp("vllm-tiny") / "source",
         hidden_size=384,
         intermediate_size=300,
         num_attention_heads=6,
@@ -47,19 +49,7 @@ def vllm_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path, ti
         head_dim=64,  # the saved config spells out the tiny model's 16
         vocab_size=384,  # vLLM pads the vocabulary to a multiple of 64 and splits it over the ranks: 384 = 3 x 128
     )
-    torch.manual_seed(0)
-    source = tmp_path_factory.mktemp("vllm-tiny") / "source"
-    LlamaForCausalLM(config).eval().save_pretrained(source)
-    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(source)
-    out = source.parent / "w3"
-    api.compress(
-        str(source),
-        out,
-        recipe="w3-s045",
-        calibration=str(tiny_text_file),
-        calibration_overrides={"num_samples": 4, "seq_len": 32},
-    )
-    return out
+    return compress_tiny(source.parent / "w3", "w3-s045", source=source)
 
 
 def run_vllm(model: Path, **options: Any) -> tuple[dict[str, Any] | None, str]:
