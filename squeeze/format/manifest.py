@@ -21,6 +21,9 @@ from squeeze.format.paths import check_relative_path
 from squeeze.version import __version__
 
 MANIFEST_NAME = "squeeze.manifest.json"
+#: The artifact's detached signature (OpenSSF model signing bundle): the one file allowed beside the manifest's
+#: list, never listed in it (it signs the manifest, so it cannot be covered by it).
+SIGNATURE_NAME = "model.sig"
 MANIFEST_FORMAT = "squeeze.manifest"
 MANIFEST_VERSION = 1
 #: A manifest larger than this is refused unread (a real one is a few KB per thousand files).

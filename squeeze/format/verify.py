@@ -10,6 +10,7 @@ those shards hold. A malformed manifest raises FormatError; everything else land
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 import time
@@ -23,6 +24,7 @@ from squeeze.format.hashing import HashedFile, ProgressFn, hash_files
 from squeeze.format.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    SIGNATURE_NAME,
     FileEntry,
     Manifest,
     Provenance,
@@ -71,6 +73,10 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)  # artifact-level problems (root digest, index)
     bytes_hashed: int = 0
     seconds: float = 0.0
+    #: The manifest as parsed, and the SHA-256 of the exact bytes it was parsed from (a signature over the
+    #: artifact names this digest: checking it needs no second read). None / "" until read.
+    manifest: Manifest | None = field(default=None, repr=False)
+    manifest_sha256: str = ""
     #: Files read with ``capture``: their bytes as hashed, and parsed safetensors headers (not serialised).
     captured: dict[str, HashedFile] = field(default_factory=dict, repr=False)
     headers: dict[str, SafetensorsHeader] = field(default_factory=dict, repr=False)
@@ -146,9 +152,15 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     At most MAX_MANIFEST_BYTES are read (the size is checked before reading); a FIFO or device in its
     place is refused without blocking.
     """
+    return read_manifest_bytes(directory)[0]
+
+
+def read_manifest_bytes(directory: str | os.PathLike[str]) -> tuple[Manifest, bytes]:
+    """``read_manifest`` and the exact bytes it parsed (hardened read, size capped before reading)."""
     root = resolve_root(directory)
     shown = short_path(root / MANIFEST_NAME)
-    return parse_manifest(read_inside(root, MANIFEST_NAME, MAX_MANIFEST_BYTES, name=shown), shown)
+    data = read_inside(root, MANIFEST_NAME, MAX_MANIFEST_BYTES, name=shown)
+    return parse_manifest(data, shown), data
 
 
 def verify_artifact(
@@ -165,8 +177,9 @@ def verify_artifact(
     """
     started = time.perf_counter()
     directory, manifest_path = resolve_manifest_path(path)
-    manifest = read_manifest(directory)
+    manifest, manifest_bytes = read_manifest_bytes(directory)
     report = VerifyReport(str(directory), str(manifest_path), manifest.root_digest)
+    report.manifest, report.manifest_sha256 = manifest, hashlib.sha256(manifest_bytes).hexdigest()
     if root_digest(manifest.files) != manifest.root_digest:
         report.problems.append(
             f"{MANIFEST_NAME}: root digest does not match the listed entries (manifest edited after signing)"
@@ -211,8 +224,8 @@ def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
     """Regular files under ``directory`` (lstat); symlinks and special files are reported as failures."""
     found: dict[str, os.stat_result] = {}
     for relative, info in walk_artifact(directory):
-        if relative == MANIFEST_NAME:
-            continue
+        if relative == MANIFEST_NAME or (relative == SIGNATURE_NAME and stat.S_ISREG(info.st_mode)):
+            continue  # the signature is checked on request (--public-key), never listed
         if stat.S_ISLNK(info.st_mode):
             report.files.append(
                 FileResult(relative, False, f"{_link_target(directory, relative)}; artifacts may not contain links")

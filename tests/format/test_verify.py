@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import struct
@@ -6,8 +7,9 @@ import pytest
 
 from squeeze import verify_model_integrity
 from squeeze.errors import FormatError
-from squeeze.format.manifest import MANIFEST_NAME, FileEntry, root_digest
+from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, FileEntry, root_digest
 from squeeze.format.shards import INDEX_NAME
+from squeeze.format.verify import seal_artifact
 
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -195,3 +197,23 @@ def test_parallel_and_serial_agree(artifact):
     for report in (one, many):
         report.pop("seconds")
     assert one == many
+
+
+def test_a_signature_file_is_allowed_beside_the_list_and_never_listed(artifact):
+    (artifact / SIGNATURE_NAME).write_text("{}")
+    report = verify_model_integrity(artifact)
+    assert report.ok, report.to_dict()
+    assert SIGNATURE_NAME not in {r.path for r in report.files}
+    assert SIGNATURE_NAME not in {e.path for e in seal_artifact(artifact).files}
+
+
+def test_a_signature_that_is_a_link_is_refused(artifact, tmp_path):
+    (tmp_path / "elsewhere.sig").write_text("{}")
+    (artifact / SIGNATURE_NAME).symlink_to(tmp_path / "elsewhere.sig")
+    assert "symbolic link" in failures(verify_model_integrity(artifact))[SIGNATURE_NAME]
+
+
+def test_the_report_holds_the_manifest_and_the_digest_of_its_bytes(artifact):
+    report = verify_model_integrity(artifact)
+    assert report.manifest is not None and report.manifest.root_digest == report.root_digest
+    assert report.manifest_sha256 == hashlib.sha256((artifact / MANIFEST_NAME).read_bytes()).hexdigest()
