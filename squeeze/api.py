@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
 
     from squeeze.compression.calibrate_kv import CalibrateKVResult
     from squeeze.compression.pipeline import CompressResult as CompressResult
+    from squeeze.distribution.pull import PullResult
+    from squeeze.distribution.push import PushResult
     from squeeze.eval.compare import EvalResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult
     from squeeze.runtime.loader import LoadedModel
@@ -413,6 +415,41 @@ def create_serve_app(
     )
 
 
+def pull(
+    source: str,
+    output: str | os.PathLike[str] | None = None,
+    *,
+    public_key: str | os.PathLike[str] | None = None,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> PullResult:
+    """Download an artifact and verify every byte against its manifest before keeping it.
+
+    ``source``: an ``https://`` / ``http://`` URL of an artifact directory, or a Hugging Face Hub repo id.
+    ``output`` (default: the local artifact cache) appears only once every file is complete and verified;
+    an interrupted pull resumes from its partial files. ``public_key``: the artifact must carry a signature
+    by that key. ``progress(done_bytes, total_bytes)`` is called from worker threads.
+    """
+    from squeeze.distribution.pull import pull_artifact
+
+    return pull_artifact(source, output, public_key=public_key, workers=workers, progress=progress)
+
+
+def push(
+    path: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+) -> PushResult:
+    """Verify the artifact at ``path`` and upload it to the Hugging Face Hub repo ``repo_id``."""
+    from squeeze.distribution.push import push_artifact
+
+    return push_artifact(path, repo_id, token=token, private=private, revision=revision, commit_message=commit_message)
+
+
 def _loaded_on(
     model: str | os.PathLike[str] | LoadedModel, device: str, *, verify: bool, low_memory: bool, dense_cache: bool
 ) -> tuple[LoadedModel, float]:
@@ -450,6 +487,8 @@ __all__ = [
     "load",
     "generate",
     "serve_engine",
+    "pull",
+    "push",
     "create_serve_app",
     "check_engine_config",
     "EngineConfig",

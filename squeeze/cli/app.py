@@ -10,6 +10,8 @@ from squeeze.cli import calibrate_kv as calibrate_kv_cmd
 from squeeze.cli import compress as compress_cmd
 from squeeze.cli import eval as eval_cmd
 from squeeze.cli import inspect as inspect_cmd
+from squeeze.cli import pull as pull_cmd
+from squeeze.cli import push as push_cmd
 from squeeze.cli import run as run_cmd
 from squeeze.cli import serve as serve_cmd
 from squeeze.cli import verify as verify_cmd
@@ -54,6 +56,8 @@ app.command(
     "serve",
     short_help="Serve an artifact over an OpenAI-compatible HTTP API (continuous batching, paged quantized KV).",
 )(serve_cmd.serve)
+app.command("pull", short_help="Download an artifact (URL or Hub repo id), verified while it streams.")(pull_cmd.pull)
+app.command("push", short_help="Upload a verified artifact to the Hugging Face Hub.")(push_cmd.push)
 
 
 def quiet_third_party_progress() -> None:
