@@ -22,6 +22,7 @@ from typing import Any
 from squeeze.errors import FormatError, SqueezeError
 from squeeze.format.hashing import HashedFile, ProgressFn, hash_files
 from squeeze.format.manifest import (
+    DEFAULT_CHUNK_BYTES,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     SIGNATURE_NAME,
@@ -29,8 +30,8 @@ from squeeze.format.manifest import (
     Manifest,
     Provenance,
     build_manifest,
+    check_chunk_bytes,
     parse_manifest,
-    root_digest,
     strict_json_loads,
     write_manifest,
 )
@@ -180,10 +181,9 @@ def verify_artifact(
     manifest, manifest_bytes = read_manifest_bytes(directory)
     report = VerifyReport(str(directory), str(manifest_path), manifest.root_digest)
     report.manifest, report.manifest_sha256 = manifest, hashlib.sha256(manifest_bytes).hexdigest()
-    if root_digest(manifest.files) != manifest.root_digest:
-        report.problems.append(
-            f"{MANIFEST_NAME}: root digest does not match the listed entries (manifest edited after signing)"
-        )
+    if manifest.computed_root_digest() != manifest.root_digest:
+        covered = "the listed entries" if manifest.format_version == 1 else "its entries, provenance and tool"
+        report.problems.append(f"{MANIFEST_NAME}: root digest does not match {covered} (manifest edited after sealing)")
     expected = manifest.entry_map()
     on_disk = _scan(directory, report)
     for path_on_disk in sorted(set(on_disk) - set(expected)):
@@ -256,10 +256,13 @@ def _hash_listed(
     workers: int | None,
     progress: ProgressFn | None,
     capture: Callable[[str], bool] | None = None,
+    chunk_bytes: int | None = None,
 ) -> dict[str, HashedFile | BaseException]:
     root_fd = open_root(directory)
     try:
-        return hash_files(root_fd, paths, total, workers=workers, progress=progress, capture=capture)
+        return hash_files(
+            root_fd, paths, total, workers=workers, progress=progress, capture=capture, chunk_bytes=chunk_bytes
+        )
     finally:
         os.close(root_fd)
 
@@ -341,11 +344,15 @@ def seal_artifact(
     *,
     workers: int | None = None,
     progress: ProgressFn | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Manifest:
-    """Hash every file under ``directory`` and write its manifest atomically (the artifact's commit point).
+    """Hash every file under ``directory`` and write its version-2 manifest atomically (the artifact's
+    commit point). Each file is read once for its whole-file SHA-256 and, when larger than ``chunk_bytes``
+    (a multiple of 4096 in [4096, 2**30]; FormatError otherwise), the digests of its chunks.
 
     Refuses symlinks, special files and leftover temp files, so a sealed artifact always verifies.
     """
+    check_chunk_bytes(chunk_bytes)
     directory = resolve_root(directory)
     shown = short_path(directory)
     report = VerifyReport(str(directory), "", "")
@@ -356,12 +363,13 @@ def seal_artifact(
     partial = [p for p in files if p.rsplit("/", 1)[-1].startswith(".") and p.endswith(".partial")]
     if partial:
         raise FormatError(f"cannot seal {shown}: unfinished temp file {short_path(partial[0])}")
-    hashed = _hash_listed(directory, sorted(files), sum(i.st_size for i in files.values()), workers, progress)
+    total = sum(i.st_size for i in files.values())
+    hashed = _hash_listed(directory, sorted(files), total, workers, progress, chunk_bytes=chunk_bytes)
     entries = []
     for relative, outcome in sorted(hashed.items()):
         if isinstance(outcome, BaseException):
             raise FormatError(f"cannot seal {shown}: {short_path(relative)}: {_describe_error(outcome)}")
-        entries.append(FileEntry(relative, outcome.size, outcome.sha256))
-    manifest = build_manifest(entries, provenance)
+        entries.append(FileEntry(relative, outcome.size, outcome.sha256, outcome.chunks))
+    manifest = build_manifest(entries, provenance, chunk_bytes=chunk_bytes)
     write_manifest(directory, manifest)
     return manifest

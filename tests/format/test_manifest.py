@@ -68,7 +68,7 @@ def test_name_listed_twice_is_rejected():
 
 def test_duplicate_json_keys_are_rejected():
     text = json.dumps(valid_manifest())
-    text = text.replace('"format_version": 1', '"format_version": 1, "format_version": 1', 1)
+    text = text.replace('"format_version": 2', '"format_version": 2, "format_version": 2', 1)
     with pytest.raises(FormatError, match="duplicate JSON key 'format_version'"):
         parse_manifest(text)
 
@@ -80,8 +80,9 @@ def test_not_json_is_rejected(blob):
 
 
 def test_unknown_version_is_rejected():
-    with pytest.raises(FormatError, match="unknown format_version 2"):
-        parse_manifest(json.dumps(valid_manifest(format_version=2)))
+    with pytest.raises(FormatError, match="unknown format_version 3") as info:
+        parse_manifest(json.dumps(valid_manifest(format_version=3)))
+    assert "reads versions 1, 2" in info.value.message and info.value.hint
 
 
 @pytest.mark.parametrize("field", ["format_version", "files", "root_digest", "tool", "provenance", "created"])

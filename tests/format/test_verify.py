@@ -7,7 +7,7 @@ import pytest
 
 from squeeze import verify_model_integrity
 from squeeze.errors import FormatError
-from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, FileEntry, root_digest
+from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, root_digest_v2
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.verify import seal_artifact
 
@@ -123,7 +123,7 @@ def test_consistent_edit_of_an_entry_is_caught_by_the_hash(artifact):
     # an attacker edits a hash and recomputes the root digest: the file hash still fails
     def mutate(d):
         d["files"][0]["sha256"] = "0" * 64
-        d["root_digest"] = root_digest([FileEntry(**f) for f in d["files"]])
+        d["root_digest"] = root_digest_v2(d)
 
     rewrite_manifest(artifact, mutate)
     report = verify_model_integrity(artifact)
@@ -158,7 +158,7 @@ def _resign(artifact, relative):
         for entry in d["files"]:
             if entry["path"] == relative:
                 entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-        d["root_digest"] = root_digest([FileEntry(**f) for f in d["files"]])
+        d["root_digest"] = root_digest_v2(d)
 
     rewrite_manifest(artifact, mutate)
 
