@@ -176,8 +176,10 @@ def test_a_plain_model_becomes_an_artifact_with_calibrated_kv(
     ids = torch.tensor([[1, 200, 300, 400, 55]])
     original = model.state_dict()
     assert all(torch.equal(t, original[k]) for k, t in loaded.model.state_dict().items())  # the original weights
-    with torch.inference_mode():  # the LM head runs squeeze's row-stable kernel: same logits to float32 rounding
-        assert torch.allclose(loaded.model(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-6)
+    # The LM head runs squeeze's row-stable kernel: the same logits up to float32 rounding of 64-term dot products
+    # summed in another order (oneDNN's order depends on the CPU's vector width: 1e-4 apart on an AVX-512 Xeon).
+    with torch.inference_mode():
+        assert torch.allclose(loaded.model(ids).logits, model(ids).logits, atol=2e-4, rtol=1e-5)
         quantized = loaded.model(ids, use_cache=True, cache=SqueezeKVCache(loaded.kv_spec)).logits
         difference = float((quantized - model(ids).logits).abs().max())
     assert 0 < difference < 0.2  # int8 KV: a real but small change of the logits (which span ~25)

@@ -3,6 +3,13 @@
 The digests were recorded with squeeze at commit 32b3d12 (before the hardening and registry work) on this
 machine kind: CPU, torch 2.13, one thread. A change that moves a single bit of a shard fails here; if it is
 meant (a new format version), record the new digests in the same commit and say why.
+
+The calibrated cases depend on the CPU too: the Fisher comes from a backward pass whose float32 GEMMs sum in an
+order set by the CPU's vector width, and a last-bit change of a sensitivity can move a k-means centroid or an
+outlier. This machine kind has come as an AMD EPYC (the first recording) and as an Intel Xeon with AVX-512 and
+AMX (w3-s045 differed there, recorded at commit 063449f; the code had not changed): each case accepts the
+shards recorded on either CPU. A CPU of a third kind that fails only here, with unchanged code, needs its
+digests added (the failure prints them), not a code change.
 """
 
 from __future__ import annotations
@@ -27,6 +34,14 @@ GOLDEN = {
     "w4-lut8": {
         "model-00001-of-00001.safetensors": "a25891c3c522714a78d0a84aeb9055ce2348601a0c304f459fae1d75c8b0c97b",
         "model.safetensors.index.json": "0b75899fbf7beea54cef9fa85042fae1898d35b6eb3730c77d6f6b2a52216062",
+    },
+}
+
+#: The same cases recorded on the Intel Xeon (AVX-512, AMX) kind of this machine, where they differ.
+GOLDEN_XEON = {
+    "w3-s045": {
+        "model-00001-of-00001.safetensors": "d5a4f49b34d4481f831257e144e6d7b55f488efa6e6215eedf9c190254b9e3dc",
+        "model.safetensors.index.json": "a5054579a0bee6a464df07228f535b5a636b96274b0d951015a148762323a2bf",
     },
 }
 
@@ -60,4 +75,5 @@ def test_shards_are_bit_identical_to_the_recorded_ones(
         for p in sorted(out.iterdir())
         if p.suffix == ".safetensors" or p.name == "model.safetensors.index.json"
     }
-    assert digests == GOLDEN[case]
+    accepted = [GOLDEN[case], *([GOLDEN_XEON[case]] if case in GOLDEN_XEON else [])]
+    assert digests in accepted, f"shards of {case} match no recorded CPU's: {digests}"
