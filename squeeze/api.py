@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
     from squeeze.distribution.pull import PullResult
     from squeeze.distribution.push import PushResult
     from squeeze.eval.compare import EvalResult
+    from squeeze.format.signature import SignatureInfo as SignatureInfo
+    from squeeze.format.signature import SignResult as SignResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult
     from squeeze.runtime.loader import LoadedModel
     from squeeze.serve.engine import Engine
@@ -46,15 +48,69 @@ ProgressFn = Callable[[int, int], None]
 
 
 def verify_model_integrity(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: ProgressFn | None = None
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check every file of an artifact against its manifest (size and SHA-256, streamed, in parallel).
 
     ``path`` is the artifact directory or its ``squeeze.manifest.json``. Returns a VerifyReport whose
     ``ok`` is True only if the artifact is intact. Raises FormatError when the manifest is missing or
     malformed (nothing can be checked). ``progress(done_bytes, total_bytes)`` is called from worker threads.
+    ``public_key`` (PEM, EC): also check the artifact's ``model.sig`` against the digests just verified (no
+    second read); the report is then a SignedVerifyReport (``signature``, and a "signature" section in
+    ``to_dict``), and a missing, foreign or stale signature is one of its problems. ConfigError for a key
+    that cannot check signatures (or without the ``sign`` extra), before anything is hashed.
     """
+    if public_key is not None:
+        from squeeze.format.signature import verify_with_signature
+
+        return verify_with_signature(path, public_key, workers=workers, progress=progress)
     return verify_artifact(path, workers=workers, progress=progress)
+
+
+def check_signing_options(public_key: str | os.PathLike[str], *, verify: bool = True) -> None:
+    """The checks a ``public_key`` gets before anything loads (what ``--public-key`` is checked with): ConfigError
+    without verification (``verify=False``), for a key file that is unreadable, not PEM, or not an EC key on
+    P-256/384/521, and without the ``sign`` extra. Reads no artifact."""
+    from squeeze.runtime.loader import check_signing_options as check
+
+    check(public_key, verify=verify)
+
+
+def sign(
+    path: str | os.PathLike[str],
+    private_key: str | os.PathLike[str],
+    *,
+    password: str | None = None,
+    signing_certificate: str | os.PathLike[str] | None = None,
+    certificate_chain: Sequence[str | os.PathLike[str]] = (),
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> SignResult:
+    """Sign an artifact: verify it, then write ``model.sig`` (an OpenSSF model signing bundle) into it.
+
+    The signature lists every file with its SHA-256, the manifest (and so the provenance) included, as
+    ``model_signing sign key`` would: ``model_signing verify key`` accepts it, and :func:`verify_model_integrity`
+    / :func:`load` with ``public_key`` check it. The digests are the ones verification computed (one pass
+    over the bytes). ``private_key``: PEM EC key (P-256/384/521), decrypted with ``password`` if given;
+    ``signing_certificate`` (+ ``certificate_chain``) embeds an X.509 chain (model_signing's certificate
+    signer). Raises IntegrityError when the artifact does not verify (nothing is signed), ConfigError for
+    an unusable key or certificate or without the ``sign`` extra (``pip install 'squeeze[sign]'``).
+    """
+    from squeeze.format.signature import sign_artifact
+
+    return sign_artifact(
+        path,
+        private_key,
+        password=password,
+        signing_certificate=signing_certificate,
+        certificate_chain=certificate_chain,
+        workers=workers,
+        progress=progress,
+    )
 
 
 def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
@@ -248,6 +304,7 @@ def evaluate(
     progress: Callable[[str, int, int], None] | None = None,
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> EvalResult:
     """Perplexity of a model or artifact on a text file (paper protocol), with an optional baseline.
 
@@ -256,7 +313,8 @@ def evaluate(
     and loaded as :func:`load` does by default (weights compressed, native CPU kernels). The model (not
     the baseline) runs through the quantized KV cache the artifact was calibrated for; ``kv_bits`` 8 / 4
     picks it explicitly (ConfigError when not calibrated, unless ``kv_dynamic`` asks for uncalibrated
-    per-token scales), 16 turns it off.
+    per-token scales), 16 turns it off. ``public_key``: ``model`` must be an artifact signed by that key
+    (see :func:`load`; ConfigError for a model that is not an artifact); the baseline is not checked.
     """
     from squeeze.eval.compare import evaluate as _evaluate
 
@@ -269,6 +327,7 @@ def evaluate(
         progress=progress,
         kv_bits=kv_bits,
         kv_dynamic=kv_dynamic,
+        public_key=public_key,
     )
 
 
@@ -279,6 +338,7 @@ def load(
     dense_cache: bool = False,
     low_memory: bool = False,
     check_memory: bool = True,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
     """Verify an artifact against its manifest and load it on the CPU, weights kept compressed.
 
@@ -289,6 +349,10 @@ def load(
     Before reading any weight, the memory the load will hold is estimated from the manifest and config
     (artifact bytes + dense cache + a fixed overhead) and a ResourceError is raised when it exceeds the
     available memory (MemAvailable); ``check_memory=False`` skips that refusal.
+    ``public_key`` (PEM, EC): the artifact must carry a ``model.sig`` by that key over exactly the verified
+    bytes (:func:`sign`); checked right after verification, before anything is built, from the digests
+    verification computed (IntegrityError: unsigned, another key, another artifact). ConfigError with
+    ``verify=False`` or for a key that cannot check signatures.
     """
     from squeeze.runtime.loader import load_artifact
 
@@ -298,7 +362,12 @@ def load(
             hint="dense_cache caches dequantized weights, low_memory never builds them: choose one",
         )
     return load_artifact(
-        os.fspath(path), verify=verify, dense_cache=dense_cache, low_memory=low_memory, check_memory=check_memory
+        os.fspath(path),
+        verify=verify,
+        dense_cache=dense_cache,
+        low_memory=low_memory,
+        check_memory=check_memory,
+        public_key=public_key,
     )
 
 
@@ -318,6 +387,7 @@ def generate(
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
     dense_cache: bool = False,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> GenerationResult:
     """Load an artifact (verified unless ``verify=False``) and continue the prompts, all in one batch.
 
@@ -329,6 +399,8 @@ def generate(
     the device are checked (ConfigError), then whether the load fits in memory (ResourceError, see
     :func:`load`), before anything loads.
     ``kv_bits``: the KV cache, as in :func:`evaluate` (default: what the artifact was calibrated for).
+    ``public_key``: check the artifact's signature while loading, as :func:`load` does (with a LoadedModel,
+    pass it to :func:`load` instead: ConfigError here).
     Returns texts plus load time, time to first token, tokens/s, peak memory and KV-cache bytes.
     """
     from squeeze.runtime.generate import generate as _generate
@@ -343,7 +415,9 @@ def generate(
         kv_bits=kv_bits,
         kv_dynamic=kv_dynamic,
     )
-    loaded, load_seconds = _loaded_on(model, device, verify=verify, low_memory=low_memory, dense_cache=dense_cache)
+    loaded, load_seconds = _loaded_on(
+        model, device, verify=verify, low_memory=low_memory, dense_cache=dense_cache, public_key=public_key
+    )
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, kv_bits, dynamic=kv_dynamic)
     return _generate(
         loaded,
@@ -368,6 +442,7 @@ def serve_engine(
     dense_cache: bool = False,
     low_memory: bool = False,
     model_name: str | None = None,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> Engine:
     """Load an artifact (verified unless ``verify=False``) into a serving engine: continuous batching over a
     paged KV cache (squeeze.serve). Start it with ``engine.start()``, or hand it to
@@ -377,6 +452,7 @@ def serve_engine(
     Its ``kv_bits`` None takes the artifact's calibrated KV cache when it has one, else full precision;
     4 / 8 need calibrated scales unless ``kv_dynamic``. ``model_name``: what the API reports (default: the
     artifact directory's name). ConfigError when the KV memory cannot hold one full-context sequence.
+    ``public_key``: the artifact must be signed by that key (checked while loading, see :func:`load`).
     """
     from pathlib import Path
 
@@ -385,7 +461,7 @@ def serve_engine(
 
     config = config if config is not None else EngineConfig()
     check_engine_config(config)
-    loaded = load(path, verify=verify, dense_cache=dense_cache, low_memory=low_memory)
+    loaded = load(path, verify=verify, dense_cache=dense_cache, low_memory=low_memory, public_key=public_key)
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic)
     name = model_name or Path(os.fspath(path)).resolve().name
     return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
@@ -451,7 +527,13 @@ def push(
 
 
 def _loaded_on(
-    model: str | os.PathLike[str] | LoadedModel, device: str, *, verify: bool, low_memory: bool, dense_cache: bool
+    model: str | os.PathLike[str] | LoadedModel,
+    device: str,
+    *,
+    verify: bool,
+    low_memory: bool,
+    dense_cache: bool,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> tuple[LoadedModel, float]:
     """``model`` loaded (a path; a LoadedModel is taken as is) and moved to ``device``; the seconds loading took."""
     import time
@@ -460,6 +542,15 @@ def _loaded_on(
 
     target = resolve_device(device)
     load_seconds = 0.0
+    if public_key is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(
+            "public_key applies while loading an artifact, and this model is already loaded",
+            hint="pass public_key to squeeze.load(), or pass the artifact's path here",
+        )
+    if public_key is not None:
+        from squeeze.runtime.loader import check_signing_options
+
+        check_signing_options(public_key, verify=verify)  # before the memory check reads anything
     if isinstance(model, (str, os.PathLike)):
         start = time.perf_counter()
         if target.type != "cpu":  # host memory: the dense cache (if any) is built on the device, not here
@@ -469,7 +560,14 @@ def _loaded_on(
         on_cpu = target.type == "cpu"
         # off the CPU the native kernels do not run: load for the dense (or chunked) path the device takes
         dense = dense_cache or (not on_cpu and not low_memory)
-        loaded = load(model, verify=verify, dense_cache=dense, low_memory=low_memory, check_memory=on_cpu)
+        loaded = load(
+            model,
+            verify=verify,
+            dense_cache=dense,
+            low_memory=low_memory,
+            check_memory=on_cpu,
+            public_key=public_key,
+        )
         load_seconds = time.perf_counter() - start
     else:
         loaded = model
@@ -480,6 +578,8 @@ def _loaded_on(
 
 __all__ = [
     "verify_model_integrity",
+    "sign",
+    "check_signing_options",
     "inspect",
     "compress",
     "calibrate_kv",

@@ -14,6 +14,7 @@ from squeeze.cli import pull as pull_cmd
 from squeeze.cli import push as push_cmd
 from squeeze.cli import run as run_cmd
 from squeeze.cli import serve as serve_cmd
+from squeeze.cli import sign as sign_cmd
 from squeeze.cli import verify as verify_cmd
 from squeeze.version import __version__
 
@@ -49,6 +50,9 @@ app.command("calibrate-kv", short_help="Fit int8/int4 KV-cache scales and add th
 app.command("eval", short_help="Perplexity of a model or artifact, with a baseline side by side.")(eval_cmd.eval_)
 app.command("verify", short_help="Check an artifact against its manifest (exit 0 intact, 1 tampered, 2 malformed).")(
     verify_cmd.verify
+)
+app.command("sign", short_help="Sign a verified artifact (model.sig, OpenSSF model signing; checked by --public-key).")(
+    sign_cmd.sign
 )
 app.command("inspect", short_help="Show what an artifact holds.")(inspect_cmd.inspect)
 app.command("run", short_help="Generate text from an artifact (verified while loading), streamed.")(run_cmd.run)

@@ -8,7 +8,8 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -30,6 +31,16 @@ err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
 
 EXIT_INTERRUPTED = 130
+
+#: ``--public-key`` of verify, run, serve and eval (api: ``public_key=``).
+PublicKey = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--public-key",
+        help="Refuse the artifact unless its model.sig is a signature by this PEM EC public key over exactly "
+        "these bytes (squeeze sign; model_signing sign key). Needs the sign extra.",
+    ),
+]
 
 
 def debug_enabled() -> bool:

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
-from squeeze.cli.common import cli_errors, out_console, print_json, stage_progress
+from squeeze.cli.common import PublicKey, cli_errors, out_console, print_json, stage_progress
 
 # The options as Annotated aliases, so that the command's signature is one short line per option.
 Model = Annotated[
@@ -44,6 +44,7 @@ def eval_(
     kv_bits: KvBits = None,
     kv_dynamic: KvDynamic = False,
     json_out: JsonOut = False,
+    public_key: PublicKey = None,
 ) -> None:
     """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity."""
     with cli_errors():
@@ -58,6 +59,7 @@ def eval_(
                 progress=progress,
                 kv_bits=kv_bits,
                 kv_dynamic=kv_dynamic,
+                public_key=public_key,
             )
     if json_out:
         print_json(result.to_dict())

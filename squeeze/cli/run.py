@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from squeeze import api
-from squeeze.cli.common import cli_errors, err_console, kv_bytes_line, print_json
+from squeeze.cli.common import PublicKey, cli_errors, err_console, kv_bytes_line, print_json
 from squeeze.errors import ConfigError
 
 MIB = 1024 * 1024
@@ -114,6 +114,7 @@ def run(
     kv_bits: KvBits = None,
     kv_dynamic: KvDynamic = False,
     json_out: JsonOut = False,
+    public_key: PublicKey = None,
 ) -> None:
     """Generate text from an artifact: tokens stream to stdout; timings, peak memory and the weights path go to stderr.
 
@@ -127,6 +128,8 @@ def run(
         # everything cheap is checked before the model loads, so a bad option costs nothing and prints nothing
         checked = {name: ctx.params[name] for name in CHECKED_OPTIONS}
         prompts = api.check_generate_options(prompts, **checked)
+        if public_key is not None:
+            api.check_signing_options(public_key, verify=not no_verify)
         if no_verify:
             err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
         stream = None if json_out else _write
@@ -139,10 +142,17 @@ def run(
             verify=not no_verify,
             dense_cache=dense,
             low_memory=low_memory,
+            public_key=public_key,
             **checked,
         )
     if json_out:
-        extra = {"model": str(model), "verified": not no_verify, "dense": dense, "low_memory": low_memory}
+        extra = {
+            "model": str(model),
+            "verified": not no_verify,
+            "signature_checked": public_key is not None,
+            "dense": dense,
+            "low_memory": low_memory,
+        }
         print_json({**result.to_dict(), **extra})
         return
     _write("\n")

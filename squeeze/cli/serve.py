@@ -22,7 +22,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from squeeze import api
-from squeeze.cli.common import cli_errors, err_console
+from squeeze.cli.common import PublicKey, cli_errors, err_console
 from squeeze.cli.run import (  # the options squeeze run has too, declared once
     UNVERIFIED_WARNING,
     Dense,
@@ -254,6 +254,7 @@ def serve(
     dense: Dense = False,
     low_memory: LowMemory = False,
     json_out: JsonOut = False,
+    public_key: PublicKey = None,
 ) -> None:
     """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not),
     /v1/models, /health and Prometheus /metrics.
@@ -275,12 +276,19 @@ def serve(
         )
         check_server_options(port=port, shutdown_grace=shutdown_grace, api_key=api_key)
         check_serve_dependencies()
+        if public_key is not None:
+            api.check_signing_options(public_key, verify=not no_verify)
         sock = bind_socket(host, port)  # before the model loads: a port in use fails at once
         try:
             if no_verify:
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
             engine = api.serve_engine(
-                artifact, config=config, verify=not no_verify, dense_cache=dense, low_memory=low_memory
+                artifact,
+                config=config,
+                verify=not no_verify,
+                dense_cache=dense,
+                low_memory=low_memory,
+                public_key=public_key,
             )
             app = api.create_serve_app(
                 engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace

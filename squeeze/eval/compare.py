@@ -103,13 +103,14 @@ def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def _open(target: EvalTarget) -> tuple[nn.Module, Any, KVSpec | None]:
-    """(model, tokenizer, the artifact's calibrated KV spec or None)."""
+def _open(target: EvalTarget, public_key: str | os.PathLike[str] | None = None) -> tuple[nn.Module, Any, KVSpec | None]:
+    """(model, tokenizer, the artifact's calibrated KV spec or None); an artifact's signature is checked by
+    ``public_key`` when given."""
     from squeeze.models.source import load_model
     from squeeze.runtime.loader import load_artifact
 
     if target.artifact is not None:
-        loaded = load_artifact(target.artifact, verify=True)
+        loaded = load_artifact(target.artifact, verify=True, public_key=public_key)
         return loaded.model, loaded.tokenizer, loaded.kv_spec
     assert target.source is not None
     model, tokenizer = load_model(target.source)
@@ -138,24 +139,35 @@ def evaluate(
     progress: Callable[[str, int, int], None] | None = None,
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> EvalResult:
     """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate.
 
     The KV options apply to ``model`` only; the baseline always runs with a full-precision cache-free pass.
     Everything cheap is checked before the first model loads: the options, the text file, then that both
     ``model`` and ``baseline`` exist and can be opened (see :func:`resolve_target`).
+    ``public_key``: ``model`` must be an artifact signed by this key (checked while it loads); the baseline
+    is not checked.
     """
     from squeeze.runtime.kvcache import check_kv_options
+    from squeeze.runtime.loader import check_signing_options
 
     check_kv_options(kv_bits, kv_dynamic)
+    if public_key is not None:
+        check_signing_options(public_key, verify=True)
     text = read_text_file(text_file, "evaluation text", ConfigError)
     targets = {"model": resolve_target(model)}
+    if public_key is not None and targets["model"].artifact is None:
+        raise ConfigError(
+            f"--public-key checks an artifact's signature, and {model} is not a squeeze artifact",
+            hint="drop --public-key, or evaluate the signed artifact",
+        )
     if baseline is not None:
         targets["baseline"] = resolve_target(baseline, "--baseline")
     kv_used: list[tuple[int, str]] = []
 
     def measure(label: str, with_kv: bool) -> PerplexityResult:
-        net, tokenizer, calibrated = _open(targets[label])
+        net, tokenizer, calibrated = _open(targets[label], public_key if label == "model" else None)
         factory = None
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)

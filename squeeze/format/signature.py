@@ -20,7 +20,7 @@ import os
 import stat
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -103,6 +103,56 @@ class SignResult:
             "certificate": self.certificate,
             "ignore_paths": list(self.ignore_paths),
         }
+
+
+@dataclass
+class SignedVerifyReport(VerifyReport):
+    """A VerifyReport with the outcome of the signature check (``squeeze verify --public-key``).
+
+    A failed check is also one of ``problems`` (so ``ok`` is False); ``signature_error`` repeats it.
+    """
+
+    signature: SignatureInfo | None = None
+    signature_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        section = (
+            self.signature.to_dict() if self.signature is not None else {"ok": False, "error": self.signature_error}
+        )
+        return {**super().to_dict(), "signature": section}
+
+
+def verify_with_signature(
+    path: str | os.PathLike[str],
+    public_key: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> SignedVerifyReport:
+    """``verify_artifact``, then (when the files verify) ``check_signature`` on its report: one pass over the bytes.
+
+    The key is checked first (ConfigError before anything is hashed). A signature that does not check out is
+    a problem of the report (``ok`` False, exit 1 in the CLI), like any other integrity failure.
+    """
+    check_public_key(public_key)
+    plain = verify_artifact(path, workers=workers, progress=progress)
+    report = SignedVerifyReport(**{f.name: getattr(plain, f.name) for f in fields(plain)})
+    if not report.ok:
+        report.signature_error = "not checked: the artifact's files do not verify"
+        return report
+    try:
+        report.signature = check_signature(report, public_key)
+    except IntegrityError as exc:
+        report.signature_error = exc.message
+        report.problems.append(exc.message)
+    return report
+
+
+def check_public_key(public_key: str | os.PathLike[str]) -> str:
+    """The SHA-256 of ``public_key`` (see SignatureInfo.key_sha256) if it can check signatures: a readable PEM EC
+    key on a supported curve, with the ``sign`` extra installed. ConfigError otherwise. Reads no artifact."""
+    _model_signing()
+    return _key_sha256(_load_public_key(public_key))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,7 +477,7 @@ def _check_ec(key: object, path: str | os.PathLike[str]) -> EllipticCurvePublicK
     if not isinstance(key, ec.EllipticCurvePublicKey):
         kind = type(key).__name__.removeprefix("_").replace("PublicKey", "")
         raise ConfigError(
-            f"{short_path(path)} is a {kind} key; model signing supports EC keys on P-256, P-384 or P-521",
+            f"{short_path(path)} holds a key of type {kind}; model signing supports EC keys on P-256, P-384 or P-521",
             hint=KEY_HINT,
         )
     if key.curve.name not in SUPPORTED_CURVES:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.errors import FormatError, IntegrityError
+from squeeze.errors import ConfigError, FormatError, IntegrityError
 from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
@@ -39,6 +39,7 @@ from squeeze.format.paths import (
 from squeeze.format.quant_config import QUANT_METHOD
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
+from squeeze.format.signature import SignatureInfo, check_public_key, check_signature
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
@@ -60,6 +61,8 @@ class LoadedModel:
     report: VerifyReport | None
     #: The calibrated KV-cache quantizers (``squeeze calibrate-kv``), or None when the artifact has none.
     kv_spec: KVSpec | None = None
+    #: The signature checked while loading (``public_key``), or None when none was asked for.
+    signature: SignatureInfo | None = None
 
 
 def parse_config(data: bytes, where: str) -> dict[str, Any]:
@@ -267,6 +270,7 @@ def load_artifact(
     dense_cache: bool = False,
     low_memory: bool = False,
     check_memory: bool = True,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
     """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
 
@@ -279,12 +283,18 @@ def load_artifact(
     on the packed codes). ``check_memory``: first estimate the memory the load will hold (artifact bytes,
     plus the dense cache when ``dense_cache``) from the manifest and config, and raise ResourceError if it
     is not available.
+    ``public_key``: the artifact's ``model.sig`` must be a signature by this key (PEM, EC) over exactly the
+    verified bytes (IntegrityError otherwise, before anything is built); it reuses the digests verification
+    computed, so no file is hashed twice. ConfigError with ``verify=False`` or for an unusable key.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
     """
     directory = resolve_root(path)
+    if public_key is not None:
+        check_signing_options(public_key, verify=verify)
     if check_memory:
         check_load_memory(directory, dense_cache=dense_cache, low_memory=low_memory)
     report = verified_report(directory, capture=True) if verify else None
+    signature = check_signature(report, public_key) if report is not None and public_key is not None else None
     tensors, files, kv_names = _read_verified(report) if report is not None else _read_unverified(directory)
     kv_tensors = {k: tensors.pop(k) for k in kv_names if k in tensors}
     tensor_bytes = sum(t.nbytes for t in tensors.values())
@@ -312,10 +322,25 @@ def load_artifact(
     model.eval()
     kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
     loaded = LoadedModel(
-        model=model, tokenizer=_tokenizer_from_files(files), quantization=quant, report=report, kv_spec=kv_spec
+        model=model,
+        tokenizer=_tokenizer_from_files(files),
+        quantization=quant,
+        report=report,
+        kv_spec=kv_spec,
+        signature=signature,
     )
     release_free_heap()  # the load's temporaries, freed but still resident: 36 MB of a SmolLM2 load
     return loaded
+
+
+def check_signing_options(public_key: str | os.PathLike[str], *, verify: bool) -> None:
+    """ConfigError when a signature check is asked for without verification, or the key cannot check one."""
+    if not verify:
+        raise ConfigError(
+            "--public-key needs verification: a signature vouches for the bytes only once they are hashed",
+            hint="drop --no-verify (squeeze.load(..., verify=True)) or drop --public-key",
+        )
+    check_public_key(public_key)
 
 
 def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
@@ -387,6 +412,7 @@ __all__ = [
     "LoadedModel",
     "load_artifact",
     "verified_report",
+    "check_signing_options",
     "is_artifact",
     "parse_config",
     "build_skeleton",
