@@ -1,14 +1,33 @@
-"""``squeeze pull``: download an artifact, verifying every byte against its manifest before it is kept."""
+"""``squeeze pull``: download an artifact, verifying every byte against its manifest before it is kept.
+
+Order of work: the manifest (and ``model.sig``) first; the manifest is parsed strictly (paths inside the
+artifact only) and its root digest checked; with a public key the signature is checked over it before any
+weight is fetched. Then every listed file downloads in parallel into the staging directory (see
+``download`` for the pieces and resume, ``staging`` for the directory), and the staging directory is renamed
+to the output once all of them verified. A failed pull leaves nothing under the output name.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
+from squeeze.distribution.http import DEFAULT_TIMEOUT, HttpClient, NotFound, TransferError, show_url
+from squeeze.distribution.source import Source, parse_source
+from squeeze.distribution.staging import Staging
+from squeeze.errors import ConfigError, FormatError, IntegrityError
+from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME, Manifest, parse_manifest
+from squeeze.format.paths import short_path
+
 ProgressFn = Callable[[int, int], None]
+#: A real signature is a few hundred bytes per file; anything larger is refused unread.
+MAX_SIGNATURE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -46,7 +65,184 @@ def pull_artifact(
     public_key: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     progress: ProgressFn | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    retries: int = DEFAULT_RETRIES,
 ) -> PullResult:
-    """Download the artifact at ``source`` (an http(s) URL of its directory, or a Hub repo id) into ``output``
-    (default: the local artifact cache), verified against its manifest (and signature, with ``public_key``)."""
-    raise NotImplementedError("squeeze pull is being built")  # replaced by the pull implementation
+    """Download the artifact at ``source`` (an http(s) URL of its directory, or a Hub repo id
+    ``org/name[@revision]``) into ``output`` (default: the local artifact cache, see ``cache``), verified
+    against its manifest (and signature, with ``public_key``).
+
+    ``output`` must not exist, or be an empty directory, or hold a complete earlier pull of the same
+    artifact (then nothing is downloaded). ``timeout`` bounds each connect and read (seconds); a dropped
+    connection is retried ``retries`` times in a row from where it stopped. ``progress(done, total)`` is
+    called from worker threads. Raises ConfigError (bad source or output), FormatError (no manifest at the
+    source, malformed manifest), IntegrityError (a byte, size or signature that does not match; the bad
+    partial file is deleted) and TransferError (network; rerun to resume).
+    """
+    started = time.perf_counter()
+    parsed = parse_source(source)
+    target = Path(output).absolute() if output is not None else None
+    if target is not None:
+        _check_output(target, None)
+    client = HttpClient(parsed.headers, timeout=timeout)
+    try:
+        manifest_bytes, parsed = _fetch_manifest(client, parsed, retries)
+        shown = f"{MANIFEST_NAME} from {show_url(parsed.url_for(MANIFEST_NAME))}"
+        manifest = parse_manifest(manifest_bytes, shown)
+        if manifest.computed_root_digest() != manifest.root_digest:
+            raise IntegrityError(
+                f"{shown}: root digest does not match the manifest's content (edited after it was sealed)",
+                hint="the server holds a damaged or tampered manifest; nothing was downloaded",
+            )
+        manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+        signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries)
+        signed_by = None
+        if public_key is not None:
+            signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
+        if target is None:
+            from squeeze.distribution.cache import artifact_cache_dir
+
+            target = artifact_cache_dir(parsed, manifest.root_digest)
+        if _check_output(target, manifest):
+            return PullResult(
+                source=source,
+                output=target,
+                files=len(manifest.files),
+                bytes_downloaded=0,
+                bytes_reused=manifest.total_size,
+                seconds=time.perf_counter() - started,
+                root_digest=manifest.root_digest,
+                signed_by=signed_by,
+                extra={"already_present": True, "workers": 0},
+            )
+        with Staging(target) as staging:
+            downloader = Downloader(client, parsed, manifest, staging, retries=retries, progress=progress)
+            pieces = downloader.plan()
+            count = workers if workers is not None else default_workers(len(pieces))
+            if count < 1:
+                raise ConfigError(f"workers must be >= 1, found {count}")
+            totals = downloader.run(pieces, count)
+            staging.write_small(MANIFEST_NAME, manifest_bytes)
+            keep = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+            if signature is not None:
+                staging.write_small(SIGNATURE_NAME, signature)
+                keep.add(SIGNATURE_NAME)
+            staging.prune(keep)
+            staging.commit({entry.path: entry.size for entry in manifest.files})
+    finally:
+        client.close()
+    return PullResult(
+        source=source,
+        output=target,
+        files=len(manifest.files),
+        bytes_downloaded=totals.downloaded,
+        bytes_reused=totals.reused,
+        seconds=time.perf_counter() - started,
+        root_digest=manifest.root_digest,
+        signed_by=signed_by,
+        extra={"already_present": False, "workers": count},
+    )
+
+
+def _check_output(target: Path, manifest: Manifest | None) -> bool:
+    """True when ``target`` already holds a complete pull of ``manifest`` (same root digest, every listed
+    file there with its size; the bytes are verified when the artifact loads). False when it is absent or
+    an empty directory. ConfigError when it holds anything else. With ``manifest`` None (before it is
+    fetched) only what no manifest can make right is refused."""
+    try:
+        if not target.is_dir():
+            if target.exists() or target.is_symlink():
+                raise ConfigError(
+                    f"the output {short_path(target)} exists and is not a directory", hint="pass a new directory"
+                )
+            return False
+        names = os.listdir(target)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the output {short_path(target)}: {exc.strerror}") from None
+    if not names:
+        return False
+    if MANIFEST_NAME not in names:
+        raise ConfigError(
+            f"the output {short_path(target)} exists and is not empty",
+            hint="pull into a new or empty directory (or into the directory of an earlier pull of the same artifact)",
+        )
+    if manifest is None:
+        return False
+    from squeeze.format.verify import read_manifest
+
+    try:
+        local = read_manifest(target)
+    except FormatError as exc:
+        raise ConfigError(f"the output {short_path(target)} holds an unreadable artifact: {exc.message}") from None
+    if local.root_digest != manifest.root_digest:
+        raise ConfigError(
+            f"the output {short_path(target)} holds another artifact (root digest {local.root_digest[:16]}..., "
+            f"the source's is {manifest.root_digest[:16]}...)",
+            hint="pull into a new directory, or delete the old one first",
+        )
+    for entry in manifest.files:
+        try:
+            found = os.lstat(target / entry.path)
+        except OSError:
+            found = None
+        if found is None or found.st_size != entry.size:
+            raise ConfigError(
+                f"the output {short_path(target)} holds an incomplete copy of this artifact ({entry.path})",
+                hint="delete it and pull again",
+            )
+    return True
+
+
+def _fetch_manifest(client: HttpClient, source: Source, retries: int) -> tuple[bytes, Source]:
+    """The manifest's bytes, and the source pinned to the Hub commit they came from. FormatError when the
+    source has no manifest (not an artifact)."""
+    url = source.url_for(MANIFEST_NAME)
+    try:
+        data, headers = _get_small(client, url, MAX_MANIFEST_BYTES, retries)
+    except NotFound:
+        raise FormatError(
+            f"no {MANIFEST_NAME} at {show_url(url)}: not a squeeze artifact",
+            hint="pass the URL of the directory that holds squeeze.manifest.json (or a Hub repo with one)",
+        ) from None
+    return data, source.pinned(headers)
+
+
+def _fetch_optional(client: HttpClient, source: Source, name: str, limit: int, retries: int) -> bytes | None:
+    try:
+        return _get_small(client, source.url_for(name), limit, retries)[0]
+    except NotFound:
+        return None
+
+
+def _get_small(client: HttpClient, url: str, limit: int, retries: int) -> tuple[bytes, dict[str, str]]:
+    """A small whole response body (at most ``limit`` bytes, refused unread when it announces more)."""
+    for attempt in range(retries + 1):
+        try:
+            body = client.get(url)
+            if body.length > limit:
+                body.close(reuse=False)
+                raise FormatError(f"{show_url(url)} is {body.length} bytes, larger than the {limit} byte limit")
+            return body.read_all(), dict(body.headers)
+        except TransferError as exc:
+            if isinstance(exc, NotFound) or not exc.retryable or attempt == retries:
+                raise
+            time.sleep(min(2.0, 0.1 * 2 ** (attempt + 1)))
+    raise AssertionError("unreachable")
+
+
+def _check_signature(
+    signature: bytes | None,
+    manifest: Manifest,
+    manifest_sha256: str,
+    public_key: str | os.PathLike[str],
+    source: Source,
+) -> str:
+    """The signer's key digest, once ``signature`` checks out over the manifest; IntegrityError otherwise."""
+    if signature is None:
+        raise IntegrityError(
+            f"the artifact at {show_url(source.url_for(''))} is not signed (no {SIGNATURE_NAME})",
+            hint="pull without --public-key to accept an unsigned artifact, or ask its publisher to sign it",
+        )
+    from squeeze.format.signature import verify_signature_bytes
+
+    return verify_signature_bytes(signature, manifest, manifest_sha256, public_key).key_sha256

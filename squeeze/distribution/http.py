@@ -1,0 +1,283 @@
+"""A small HTTP(S) client for downloads: one kept-alive connection per host and thread, ranges, bounded redirects.
+
+The standard library's ``http.client`` is enough here (and keeps squeeze free of another dependency): every
+byte is verified against the manifest anyway, so the client's job is only to move bytes and to refuse
+responses that cannot be what was asked for. Redirects are followed (at most ``MAX_REDIRECTS``), also to
+another host or scheme, because what arrives is checked against the manifest whatever its origin; the
+``Authorization`` header is dropped when a redirect leaves the original host (a Hub token must not reach a CDN).
+"""
+
+from __future__ import annotations
+
+import http.client
+import re
+import ssl
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urljoin, urlsplit
+
+from squeeze.errors import IntegrityError, SqueezeError
+from squeeze.format.paths import short_path
+
+MAX_REDIRECTS = 5
+DEFAULT_TIMEOUT = 30.0
+_REDIRECTS = {301, 302, 303, 307, 308}
+#: Statuses worth another try on a fresh connection (the server is busy or restarting).
+_RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class TransferError(SqueezeError):
+    """A download failed on the way (connection refused or dropped, timeout, server error).
+
+    Nothing unverified is kept: rerunning the same pull resumes from the verified partial files.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, *, retryable: bool = True) -> None:
+        super().__init__(message, hint)
+        self.retryable = retryable
+
+
+class NotFound(TransferError):
+    """The server answered 404 / 410 for a URL."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message, retryable=False)
+        self.url = url
+
+
+def show_url(url: str) -> str:
+    """``url`` for a message: without its query string (a signed CDN URL carries credentials) and shortened."""
+    parts = urlsplit(url)
+    return short_path(f"{parts.scheme}://{parts.netloc}{parts.path}")
+
+
+@dataclass
+class Body:
+    """An open response body positioned at the requested offset; read at most ``length`` bytes from it."""
+
+    client: HttpClient
+    key: tuple[str, str, int]
+    connection: http.client.HTTPConnection
+    response: http.client.HTTPResponse
+    url: str
+    length: int
+    headers: Mapping[str, str] = field(default_factory=dict)
+    remaining: int = 0
+    #: True when the response holds exactly ``length`` bytes, so the connection can serve the next request.
+    exact: bool = False
+
+    def readinto(self, view: memoryview) -> int:
+        """Read up to ``len(view)`` bytes, never past ``length``; 0 at the end. TransferError on a dropped stream."""
+        if self.remaining <= 0:
+            return 0
+        if len(view) > self.remaining:
+            view = view[: self.remaining]
+        try:
+            count = self.response.readinto(view)
+        except (OSError, http.client.HTTPException) as exc:
+            self.close(reuse=False)
+            raise TransferError(f"{show_url(self.url)}: connection lost ({_describe(exc)})") from None
+        if count == 0:
+            self.close(reuse=False)
+            raise TransferError(
+                f"{show_url(self.url)}: connection closed after {self.length - self.remaining} of {self.length} bytes"
+            )
+        self.remaining -= count
+        return count
+
+    def read_all(self) -> bytes:
+        """The whole body (``length`` bytes; small bodies only: the manifest, the signature)."""
+        data = bytearray(self.length)
+        view = memoryview(data)
+        done = 0
+        while done < self.length:
+            done += self.readinto(view[done:])
+        self.close()
+        return bytes(data)
+
+    def close(self, *, reuse: bool = True) -> None:
+        """Give the connection back for the next request when the body was read to its exact end, else close it."""
+        if reuse and self.exact and self.remaining == 0 and not self.response.will_close:
+            self.client._release(self.key, self.connection)  # noqa: SLF001 - the client owns the pool
+        else:
+            self.response.close()
+            self.connection.close()
+
+
+class HttpClient:
+    """GET requests over kept-alive connections, one per (scheme, host, port) and thread.
+
+    ``headers`` go with every request (``Authorization`` only to the original hosts); ``timeout`` bounds
+    each connect and each read, so a stalled server raises TransferError instead of hanging.
+    """
+
+    def __init__(self, headers: Mapping[str, str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.headers = dict(headers or {})
+        self.timeout = timeout
+        self._local = threading.local()
+        self._ssl = ssl.create_default_context()
+
+    def _pool(self) -> dict[tuple[str, str, int], http.client.HTTPConnection]:
+        pool: dict[tuple[str, str, int], http.client.HTTPConnection] | None = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = {}
+        return pool
+
+    def _connection(self, key: tuple[str, str, int]) -> http.client.HTTPConnection:
+        idle = self._pool().pop(key, None)
+        if idle is not None:
+            return idle
+        scheme, host, port = key
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._ssl)
+        return http.client.HTTPConnection(host, port, timeout=self.timeout)
+
+    def _release(self, key: tuple[str, str, int], connection: http.client.HTTPConnection) -> None:
+        old = self._pool().pop(key, None)
+        if old is not None:
+            old.close()
+        self._pool()[key] = connection
+
+    def close(self) -> None:
+        """Close this thread's idle connections."""
+        pool = self._pool()
+        for connection in pool.values():
+            connection.close()
+        pool.clear()
+
+    def get(self, url: str, *, start: int = 0, length: int | None = None, total: int | None = None) -> Body:
+        """GET ``url`` from byte ``start``; ``length`` bytes (None: to the end, small bodies only).
+
+        ``total``: the file size the manifest lists; a response that says otherwise (Content-Length,
+        Content-Range) raises IntegrityError before a byte of it is read. A server that ignores the Range
+        header is read from its start, the first ``start`` bytes discarded. Raises NotFound (404 / 410),
+        TransferError (network, other statuses, more than MAX_REDIRECTS redirects).
+        """
+        origin = urlsplit(url).netloc
+        current = url
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = urlsplit(current)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise TransferError(f"cannot download {show_url(current)}: only http:// and https:// URLs work")
+            key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+            headers = {k: v for k, v in self.headers.items() if parts.netloc == origin or k.lower() != "authorization"}
+            wanted = length if length is not None else None
+            if start or wanted is not None:
+                end = "" if wanted is None else str(start + wanted - 1)
+                headers["Range"] = f"bytes={start}-{end}"
+            target = parts.path or "/"
+            if parts.query:
+                target += "?" + parts.query
+            connection = self._connection(key)
+            try:
+                response = _request(connection, target, headers)
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                raise TransferError(f"cannot download {show_url(current)}: {_describe(exc)}") from None
+            status = response.status
+            if status in _REDIRECTS:
+                location = response.getheader("Location")
+                response.close()
+                connection.close()
+                if not location:
+                    raise TransferError(f"{show_url(current)}: redirect ({status}) without a Location", retryable=False)
+                current = urljoin(current, location)
+                continue
+            if status in (200, 206):
+                return self._body(key, connection, response, current, start, length, total)
+            response.close()
+            connection.close()
+            if status in (404, 410):
+                raise NotFound(f"{show_url(current)}: not found (HTTP {status})", current)
+            raise TransferError(
+                f"cannot download {show_url(current)}: HTTP {status} {response.reason}",
+                hint="check the URL and your access to it" if status in (401, 403) else None,
+                retryable=status in _RETRYABLE,
+            )
+        raise TransferError(f"{show_url(url)}: more than {MAX_REDIRECTS} redirects", retryable=False)
+
+    def _body(
+        self,
+        key: tuple[str, str, int],
+        connection: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        url: str,
+        start: int,
+        length: int | None,
+        total: int | None,
+    ) -> Body:
+        shown = show_url(url)
+
+        def refuse(error: SqueezeError) -> SqueezeError:
+            response.close()
+            connection.close()
+            return error
+
+        encoding = (response.getheader("Content-Encoding") or "identity").lower()
+        if encoding != "identity":
+            raise refuse(TransferError(f"{shown}: the server sent {encoding}-encoded bytes", retryable=False))
+        declared = response.getheader("Content-Length")
+        body_length = int(declared) if declared and declared.isdigit() else None
+        skip = 0
+        if response.status == 206:
+            match = _CONTENT_RANGE.fullmatch((response.getheader("Content-Range") or "").strip())
+            if match is None or int(match[1]) != start:
+                raise refuse(TransferError(f"{shown}: the server answered another range than bytes {start}-"))
+            if match[3] != "*" and total is not None and int(match[3]) != total:
+                raise refuse(_size_error(shown, int(match[3]), total))
+            span = int(match[2]) - start + 1
+            if length is not None and span != length or body_length is not None and body_length != span:
+                raise refuse(TransferError(f"{shown}: the server answered another range than bytes {start}-"))
+            available = span
+        else:  # 200: the whole file, whatever range was asked for
+            if total is not None and body_length is not None and body_length != total:
+                raise refuse(_size_error(shown, body_length, total))
+            skip = start
+            available = (body_length if body_length is not None else (total or 0)) - start
+        want = length if length is not None else available
+        if body_length is None and length is None and total is None:
+            raise refuse(TransferError(f"{shown}: the server sent no Content-Length", retryable=False))
+        body = Body(self, key, connection, response, url, want, dict(response.getheaders()), want)
+        body.exact = body_length is not None and body_length == skip + want
+        if skip:
+            _discard(body, skip)
+        return body
+
+
+def _request(connection: http.client.HTTPConnection, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    """Send a GET and read the status line and headers; one retry on a kept-alive connection the server closed."""
+    for attempt in (0, 1):
+        try:
+            connection.request("GET", target, headers=headers)
+            return connection.getresponse()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            connection.close()  # an idle connection the server had closed: reconnect once
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _discard(body: Body, count: int) -> None:
+    """Read and drop ``count`` bytes before the wanted range (a server without Range support)."""
+    wanted, body.remaining = body.remaining, count
+    buffer = memoryview(bytearray(min(count, 1 << 20)))
+    while body.remaining:
+        body.readinto(buffer)
+    body.remaining = wanted
+
+
+def _size_error(shown: str, found: int, expected: int) -> IntegrityError:
+    word = "more" if found > expected else "fewer"
+    return IntegrityError(
+        f"{shown}: the server sends {found} bytes, {word} than the {expected} the manifest lists",
+        hint="the server holds other bytes than its manifest says; nothing of this file was kept",
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):  # socket.timeout is TimeoutError since Python 3.10
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text

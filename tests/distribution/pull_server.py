@@ -1,0 +1,183 @@
+"""A local HTTP server for pull tests and scripts/bench_pull.py: static files with Range support and faults.
+
+``ArtifactServer(root)`` serves ``root`` on 127.0.0.1 (an ephemeral port) from a daemon thread until
+``close()``; every socket has a timeout, so nothing it does can hang a test. ``faults`` changes what it
+sends: a flipped byte, a 404, a connection dropped after N bytes (once), extra bytes past the file with a
+Content-Length that admits them, a redirect to another base URL, no Range support. A Hub-style layout
+``/{org}/{name}/resolve/{revision}/{path}`` is served for the repos in ``hub``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+_HUB = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<path>.+)")
+
+
+@dataclass
+class Faults:
+    flip: dict[str, int] = field(default_factory=dict)  # path -> offset of a byte sent XOR 0xFF
+    missing: set[str] = field(default_factory=set)  # paths answered with 404
+    drop_after: dict[str, int] = field(default_factory=dict)  # path -> close after N body bytes (once)
+    drop_from: dict[str, int] = field(default_factory=dict)  # path -> drop only a request starting here or later
+    extra: dict[str, bytes] = field(default_factory=dict)  # path -> bytes sent after the file (counted)
+    redirect_to: str | None = None  # base URL every request is redirected to (302), path kept
+    no_range: bool = False  # ignore Range headers (answer 200 with the whole file)
+    delay_s: float = 0.0  # sleep before each body (a slow server)
+
+
+@dataclass
+class HubRepo:
+    directory: Path
+    commit: str = "0123456789abcdef0123456789abcdef01234567"
+
+
+class ArtifactServer:
+    """Serves ``root`` at ``url`` (``http://127.0.0.1:<port>/``); ``requests`` logs (method, path, range)."""
+
+    def __init__(self, root: Path | None = None, *, host: str = "127.0.0.1", timeout: float = 10.0) -> None:
+        self.root = Path(root) if root is not None else None
+        self.faults = Faults()
+        self.hub: dict[str, HubRepo] = {}
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.headers_seen: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                self.timeout = timeout  # applied to the socket by StreamRequestHandler.setup
+                super().setup()
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - the base class's name
+                server._serve(self)
+
+        self.httpd = ThreadingHTTPServer((host, 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}/"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> ArtifactServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------------------
+
+    def _locate(self, url_path: str, handler: BaseHTTPRequestHandler) -> tuple[Path | None, str]:
+        """(file on disk or None, artifact-relative path)."""
+        match = _HUB.fullmatch(url_path)
+        if match and match["repo"] in self.hub:
+            repo = self.hub[match["repo"]]
+            if match["revision"] not in ("main", repo.commit):
+                return None, ""
+            relative = unquote(match["path"])
+            handler.extra_headers = {"X-Repo-Commit": repo.commit}  # type: ignore[attr-defined]
+            return _inside(repo.directory, relative), relative
+        if self.root is None:
+            return None, ""
+        relative = unquote(url_path.lstrip("/"))
+        return _inside(self.root, relative), relative
+
+    def _serve(self, handler: BaseHTTPRequestHandler) -> None:
+        url_path = urlsplit(handler.path).path
+        wanted = handler.headers.get("Range")
+        with self._lock:
+            self.requests.append(("GET", url_path, wanted))
+            self.headers_seen.append(dict(handler.headers.items()))
+        faults = self.faults
+        if faults.redirect_to is not None:
+            handler.send_response(302)
+            handler.send_header("Location", faults.redirect_to.rstrip("/") + handler.path)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        handler.extra_headers = {}  # type: ignore[attr-defined]
+        path, relative = self._locate(url_path, handler)
+        if path is None or relative in faults.missing or not path.is_file():
+            body = b"not found\n"
+            handler.send_response(404)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+            return
+        size = path.stat().st_size
+        start, end = 0, size
+        match = _RANGE.fullmatch(wanted or "")
+        status = 200
+        if match and not faults.no_range:
+            start = int(match[1])
+            end = min(size, int(match[2]) + 1) if match[2] else size
+            if start >= size:
+                handler.send_response(416)
+                handler.send_header("Content-Range", f"bytes */{size}")
+                handler.send_header("Content-Length", "0")
+                handler.end_headers()
+                return
+            status = 206
+        extra = faults.extra.get(relative, b"") if end == size else b""
+        handler.send_response(status)
+        for key, value in handler.extra_headers.items():  # type: ignore[attr-defined]
+            handler.send_header(key, value)
+        if status == 206:
+            handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{size + len(extra)}")
+        handler.send_header("Content-Length", str(end - start + len(extra)))
+        handler.send_header("Accept-Ranges", "bytes")
+        handler.end_headers()
+        if faults.delay_s:
+            import time
+
+            time.sleep(faults.delay_s)
+        drop = None
+        with self._lock:
+            if relative in faults.drop_after and start >= faults.drop_from.get(relative, 0):
+                drop = faults.drop_after.pop(relative)
+        flip = faults.flip.get(relative)
+        with open(path, "rb") as handle:
+            if flip is None and drop is None and not extra:
+                handler.wfile.flush()
+                _sendfile(handler, handle, start, end - start)
+                return
+            handle.seek(start)
+            data = bytearray(handle.read(end - start))
+        if flip is not None and start <= flip < end:
+            data[flip - start] ^= 0xFF
+        data += extra
+        if drop is not None:
+            handler.wfile.write(bytes(data[:drop]))
+            handler.wfile.flush()
+            handler.close_connection = True
+            handler.connection.shutdown(2)
+            return
+        handler.wfile.write(bytes(data))
+
+
+def _sendfile(handler: BaseHTTPRequestHandler, handle: Any, offset: int, count: int) -> None:
+    if count:  # socket.sendfile: os.sendfile on Linux, and it honours the socket's timeout
+        handler.connection.sendfile(handle, offset, count)
+
+
+def _inside(root: Path, relative: str) -> Path | None:
+    if not relative or relative.startswith("/") or ".." in relative.split("/"):
+        return None
+    return root / relative
