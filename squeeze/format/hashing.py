@@ -1,9 +1,11 @@
 """Streaming SHA-256 of artifact files, in parallel threads, with bounded memory.
 
 Files are opened through ``open_inside`` (never following a symlink, never leaving the artifact) and read
-in fixed-size chunks into one reused buffer per thread; hashlib releases the GIL on large updates, so
-threads hash several files at disk speed. For safetensors files the header bytes are captured from the
-same read, so the header that gets validated is the header that was hashed.
+in fixed-size pieces into one reused buffer per thread; hashlib releases the GIL on large updates, so
+threads hash several files at disk speed. A file the manifest lists with chunk digests (format version 2)
+is checked as independent chunk tasks, ``os.preadv`` at each chunk's offset, so one big shard is hashed
+on every worker thread. For safetensors files the header bytes are captured from the same read, so the
+header that gets validated is the header that was hashed.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import hashlib
 import io
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from squeeze.errors import IntegrityError
 from squeeze.format.paths import open_inside
 from squeeze.format.safetensors_header import MAX_HEADER_BYTES
 
@@ -34,12 +37,24 @@ class HashedFile:
 
     path: str
     size: int
+    #: The SHA-256 of the whole file. For a file checked by its chunk digests (``ChunkPlan``) it is not
+    #: recomputed: it is the manifest's, which the matching chunk digests are bound to by the root digest.
     sha256: str
     head: bytes  # the whole file if small (<= KEEP_BYTES), else a safetensors header prefix, else b""
     #: With ``capture``: the whole file as read, uint8 (size,), the very bytes that were hashed.
     data: torch.Tensor | None = None
-    #: With ``chunk_bytes`` (sealing): the SHA-256 of each ``chunk_bytes`` piece, for a file larger than that.
+    #: With ``chunk_bytes`` (sealing) or a ``ChunkPlan`` (verifying): the SHA-256 of each chunk.
     chunks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What a manifest says about a file listed with chunk digests: check it chunk by chunk."""
+
+    size: int
+    sha256: str  # the whole file's, as listed (reported back when every chunk matches)
+    chunk_bytes: int
+    chunks: tuple[str, ...]  # ceil(size / chunk_bytes) lowercase hex SHA-256 digests
 
 
 class ChunkDigests:
@@ -147,8 +162,134 @@ class ByteCounter:
             self._progress(done, self.total)
 
 
-def default_workers(n_files: int) -> int:
-    return max(1, min(n_files, 8, (os.cpu_count() or 2) * 2))
+def default_workers(n_tasks: int) -> int:
+    """Threads for ``n_tasks`` files or chunks: two per core (one hashes while the other waits on the
+    disk), at most 8 and at most one per task."""
+    return max(1, min(n_tasks, 8, (os.cpu_count() or 2) * 2))
+
+
+def _head_limit(relative: str, size: int) -> int:
+    """How many leading bytes ``HashedFile.head`` may keep (trimmed to a safetensors header once known)."""
+    if size <= KEEP_BYTES:
+        return size
+    return min(size, 8 + MAX_HEADER_BYTES) if relative.endswith(".safetensors") else 0
+
+
+class _ChunkedFile:
+    """One file being checked as chunk tasks on several threads: the shared fd (opened by the first task
+    through ``open_inside``, closed by the last), the capture buffer, the head and the first failure."""
+
+    def __init__(self, root_fd: int, relative: str, plan: ChunkPlan, capture: bool) -> None:
+        self.root_fd, self.relative, self.plan, self.capture = root_fd, relative, plan, capture
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.data: torch.Tensor | None = None
+        self.view: memoryview | None = None
+        self.pending = len(plan.chunks)
+        self.failed = False
+        self.error: BaseException | None = None
+        self.error_index = len(plan.chunks)  # the lowest chunk that failed: its error is the one reported
+        self.digests: list[str] = [""] * len(plan.chunks)
+        self.head_limit = _head_limit(relative, plan.size)
+        self.head_parts: dict[int, bytes] = {}  # offset -> bytes of [0, head_limit) as hashed (no capture)
+
+    def open(self) -> int:
+        with self.lock:
+            if self.fd is None:
+                fd = open_inside(self.root_fd, self.relative)
+                try:
+                    found = os.fstat(fd).st_size
+                    if found != self.plan.size:
+                        raise IntegrityError(
+                            f"size changed while reading: {found} bytes, manifest says {self.plan.size}"
+                        )
+                    if self.capture:
+                        self.data = torch.empty(self.plan.size, dtype=torch.uint8)
+                        self.view = self.data.numpy().data
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.fd = fd
+            return self.fd
+
+    def fail(self, index: int, exc: BaseException) -> None:
+        with self.lock:
+            self.failed = True
+            if index < self.error_index:
+                self.error, self.error_index = exc, index
+
+    def done_one(self) -> None:
+        with self.lock:
+            self.pending -= 1
+            if self.pending == 0 and self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+    def describe(self, index: int) -> str:
+        start, end = index * self.plan.chunk_bytes, min((index + 1) * self.plan.chunk_bytes, self.plan.size)
+        return f"chunk {index} of {len(self.plan.chunks)} (bytes {start}-{end - 1})"
+
+    def check_chunk(self, index: int, buffer: memoryview, on_bytes: Callable[[int], None] | None) -> None:
+        """Read chunk ``index`` (into its slice of the capture buffer, else ``buffer`` piece by piece), hash
+        it and compare; IntegrityError naming the chunk on a mismatch or a size change."""
+        if self.failed:
+            return  # an earlier failure of this file: its remaining chunks are skipped
+        fd = self.open()
+        plan = self.plan
+        start, end = index * plan.chunk_bytes, min((index + 1) * plan.chunk_bytes, plan.size)
+        digest = hashlib.sha256()
+        position = start
+        while position < end:
+            if self.failed:
+                return
+            want = min(CHUNK_BYTES, end - position)
+            target = self.view[position : position + want] if self.view is not None else buffer[:want]
+            count = os.preadv(fd, [target], position)
+            if not count:
+                raise IntegrityError(
+                    f"{self.describe(index)}: size changed while reading: the file ends at byte {position}, "
+                    f"manifest says {plan.size} bytes"
+                )
+            piece = target[:count]
+            digest.update(piece)
+            if position < self.head_limit and self.view is None:
+                with self.lock:
+                    if position == 0 and self.plan.size > KEEP_BYTES and count >= 8:  # a safetensors header
+                        self.head_limit = min(self.head_limit, 8 + int.from_bytes(piece[:8], "little"))
+                    self.head_parts[position] = bytes(piece[: self.head_limit - position])
+            position += count
+            if on_bytes is not None:
+                on_bytes(count)
+        if end == plan.size and os.pread(fd, 1, end):
+            raise IntegrityError(
+                f"{self.describe(index)}: size changed while reading: the file is longer than the "
+                f"{plan.size} bytes the manifest says"
+            )
+        found = digest.hexdigest()
+        self.digests[index] = found
+        if found != plan.chunks[index]:
+            raise IntegrityError(
+                f"{self.describe(index)}: SHA-256 mismatch: {found[:16]}..., manifest says {plan.chunks[index][:16]}..."
+            )
+
+    def result(self) -> HashedFile | BaseException:
+        if self.error is not None:
+            return self.error
+        size, limit = self.plan.size, self.head_limit
+        if self.view is not None:
+            if size > KEEP_BYTES and limit >= 8:  # a safetensors file: keep just its header
+                limit = min(limit, 8 + int.from_bytes(self.view[:8], "little"))
+            prefix = bytes(self.view[:limit])
+        else:  # pieces read before the header length was known may run past it
+            prefix = b"".join(self.head_parts[offset] for offset in sorted(self.head_parts))[:limit]
+        return HashedFile(
+            path=self.relative,
+            size=size,
+            sha256=self.plan.sha256,
+            head=prefix,
+            data=self.data,
+            chunks=tuple(self.digests),
+        )
 
 
 def hash_files(
@@ -160,22 +301,50 @@ def hash_files(
     progress: ProgressFn | None = None,
     capture: Callable[[str], bool] | None = None,
     chunk_bytes: int | None = None,
+    plans: Mapping[str, ChunkPlan] | None = None,
 ) -> dict[str, HashedFile | BaseException]:
     """Hash ``paths`` in parallel threads; per path, the HashedFile or the exception that stopped it.
 
     ``capture(path)`` selects the files whose bytes are kept, ``chunk_bytes`` asks for chunk digests
-    (see ``hash_file``).
+    (sealing; see ``hash_file``). A path in ``plans`` is checked chunk by chunk instead, its chunks
+    spread over the same threads as the whole files: the first chunk that does not match its digest
+    (or a size change) is the file's IntegrityError, naming the chunk; its remaining chunks are skipped.
     """
     paths = list(paths)
+    plans = plans or {}
     counter = ByteCounter(total_bytes, progress)
     # only passed when asked for: tests wrap hash_file with the plain signature
     options: dict[str, int] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    chunked = {
+        path: _ChunkedFile(root_fd, path, plans[path], bool(capture and capture(path)))
+        for path in paths
+        if path in plans
+    }
+    buffers = threading.local()
 
-    def one(path: str) -> HashedFile | BaseException:
+    def whole(path: str) -> HashedFile | BaseException:
         try:
             return hash_file(root_fd, path, counter, capture=bool(capture and capture(path)), **options)
         except Exception as exc:  # noqa: BLE001 - reported against that file; the others still get checked
             return exc
 
-    with ThreadPoolExecutor(max_workers=workers or default_workers(len(paths))) as pool:
-        return dict(zip(paths, pool.map(one, paths), strict=True))
+    def chunk(state: _ChunkedFile, index: int) -> None:
+        try:
+            if getattr(buffers, "view", None) is None:
+                buffers.view = memoryview(bytearray(CHUNK_BYTES))
+            state.check_chunk(index, buffers.view, counter)
+        except Exception as exc:  # noqa: BLE001 - reported against that file
+            state.fail(index, exc)
+        finally:
+            state.done_one()
+
+    # the big files' chunks first, each file's in order (sequential reads for the disk), then whole files
+    by_size = sorted(chunked.values(), key=lambda state: -state.plan.size)
+    tasks = [(state, index) for state in by_size for index in range(len(state.plan.chunks))]
+    singles = [path for path in paths if path not in chunked]
+    with ThreadPoolExecutor(max_workers=workers or default_workers(len(tasks) + len(singles))) as pool:
+        for state, index in tasks:
+            pool.submit(chunk, state, index)
+        done = dict(zip(singles, pool.map(whole, singles), strict=True))
+    done.update((path, state.result()) for path, state in chunked.items())
+    return {path: done[path] for path in paths}

@@ -1,8 +1,11 @@
 """Integrity verification of an artifact against its manifest, and sealing a new artifact with one.
 
 ``verify_artifact`` checks, without ever opening a path outside the artifact directory:
-the manifest parses and is self-consistent (root digest); every listed file exists, is a regular file
-(no symlinks), has the listed size and SHA-256; no file is present that the manifest does not list;
+the manifest parses and is self-consistent (root digest: in version 2 over the whole manifest, provenance
+included); every listed file exists, is a regular file (no symlinks), has the listed size and SHA-256 or,
+when the manifest lists its chunk digests, the listed digest for every chunk (the chunks are hashed in
+parallel; the whole-file SHA-256 is then not recomputed: the root digest binds the chunk digests to it);
+no file is present that the manifest does not list;
 safetensors headers fit their files; the shard index names only listed shards and exactly the tensors
 those shards hold. A malformed manifest raises FormatError; everything else lands in the report.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from squeeze.errors import FormatError, SqueezeError
-from squeeze.format.hashing import HashedFile, ProgressFn, hash_files
+from squeeze.format.hashing import ChunkPlan, HashedFile, ProgressFn, hash_files
 from squeeze.format.manifest import (
     DEFAULT_CHUNK_BYTES,
     MANIFEST_NAME,
@@ -203,7 +206,13 @@ def verify_artifact(
             )
         else:
             to_hash.append(entry.path)
-    hashed = _hash_listed(directory, to_hash, sum(expected[p].size for p in to_hash), workers, progress, capture)
+    plans = {
+        relative: ChunkPlan(entry.size, entry.sha256, manifest.chunk_bytes, entry.chunks)
+        for relative in to_hash
+        if (entry := expected[relative]).chunks and manifest.chunk_bytes is not None
+    }
+    total = sum(expected[p].size for p in to_hash)
+    hashed = _hash_listed(directory, to_hash, total, workers, progress, capture, plans=plans)
     headers = report.headers
     for relative in to_hash:
         outcome = hashed[relative]
@@ -256,12 +265,21 @@ def _hash_listed(
     workers: int | None,
     progress: ProgressFn | None,
     capture: Callable[[str], bool] | None = None,
+    *,
     chunk_bytes: int | None = None,
+    plans: dict[str, ChunkPlan] | None = None,
 ) -> dict[str, HashedFile | BaseException]:
     root_fd = open_root(directory)
     try:
         return hash_files(
-            root_fd, paths, total, workers=workers, progress=progress, capture=capture, chunk_bytes=chunk_bytes
+            root_fd,
+            paths,
+            total,
+            workers=workers,
+            progress=progress,
+            capture=capture,
+            chunk_bytes=chunk_bytes,
+            plans=plans,
         )
     finally:
         os.close(root_fd)

@@ -230,3 +230,21 @@ def test_chunk_count_boundaries():
         build_manifest([FileEntry("a", 4097, "a" * 64)], chunk_bytes=4096)
     with pytest.raises(FormatError, match="multiple of 4096"):
         build_manifest([], chunk_bytes=1000)
+
+
+def test_v1_artifact_still_verifies_and_its_provenance_is_not_covered(tmp_path):
+    from squeeze.format.verify import verify_artifact
+
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "config.json").write_bytes(CONFIG)
+    (tmp_path / "weights" / "w.bin").write_bytes(V1_WEIGHTS)
+    (tmp_path / "squeeze.manifest.json").write_text(GOLDEN_V1)
+    report = verify_artifact(tmp_path)
+    assert report.ok, report.to_dict()
+    assert report.manifest is not None and report.manifest.format_version == 1
+    # version 1's root digest covers the entries only (the reason for version 2): a provenance edit passes
+    (tmp_path / "squeeze.manifest.json").write_text(GOLDEN_V1.replace('"tiny"', '"other"'))
+    assert verify_artifact(tmp_path).ok
+    (tmp_path / "weights" / "w.bin").write_bytes(V1_WEIGHTS[:-1] + b"\x00")
+    (bad,) = verify_artifact(tmp_path).failures
+    assert bad.path == "weights/w.bin" and bad.error is not None and bad.error.startswith("SHA-256 mismatch")
