@@ -1,4 +1,5 @@
-"""A local HTTP server for pull tests and scripts/bench_pull.py: static files with Range support and faults.
+"""Small sealed artifacts, and a local HTTP server for pull tests and scripts/bench_pull.py: static files with
+Range support and faults.
 
 ``ArtifactServer(root)`` serves ``root`` on 127.0.0.1 (an ephemeral port) from a daemon thread until
 ``close()``; every socket has a timeout, so nothing it does can hang a test. ``faults`` changes what it
@@ -9,6 +10,7 @@ Content-Length that admits them, a redirect to another base URL, no Range suppor
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass, field
@@ -16,6 +18,43 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+import torch
+from safetensors.torch import save_file
+
+from squeeze.format.manifest import MANIFEST_NAME, FileEntry, parse_manifest, root_digest
+from squeeze.format.verify import seal_artifact
+
+CHUNK = 4096
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def build_artifact(directory: Path, chunk_bytes: int = CHUNK) -> Path:
+    """A sealed artifact: one safetensors shard of ~40 KB (10 chunks of 4 KiB), a config, a nested file whose
+    name needs URL quoting, and an empty file."""
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    save_file({"w": torch.randn(100, 100, generator=generator)}, directory / SHARD)
+    (directory / "config.json").write_text('{"model_type": "llama"}\n')
+    (directory / "tok").mkdir()
+    (directory / "tok" / "a b%#?.json").write_text('{"x": 1}\n')
+    (directory / "empty.txt").write_bytes(b"")
+    seal_artifact(directory, chunk_bytes=chunk_bytes)
+    return directory
+
+
+def make_v1(directory: Path) -> None:
+    """Rewrite ``directory``'s manifest as format version 1 (no chunks: every file streams whole)."""
+    manifest = parse_manifest((directory / MANIFEST_NAME).read_bytes())
+    obj = manifest.to_dict()
+    obj["format_version"] = 1
+    obj.pop("chunk_bytes")
+    for entry in obj["files"]:
+        entry.pop("chunks", None)
+    plain = [FileEntry(e.path, e.size, e.sha256) for e in manifest.files]
+    obj["root_digest"] = root_digest(plain)
+    (directory / MANIFEST_NAME).write_text(json.dumps(obj, indent=2))
+
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 _HUB = re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<revision>[^/]+)/(?P<path>.+)")
@@ -104,7 +143,7 @@ class ArtifactServer:
         wanted = handler.headers.get("Range")
         with self._lock:
             self.requests.append(("GET", url_path, wanted))
-            self.headers_seen.append(dict(handler.headers.items()))
+            self.headers_seen.append({k.lower(): v for k, v in handler.headers.items()})
         faults = self.faults
         if faults.redirect_to is not None:
             handler.send_response(302)

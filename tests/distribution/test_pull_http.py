@@ -9,47 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from pull_server import ArtifactServer
-from safetensors.torch import save_file
+from pull_server import CHUNK, SHARD, ArtifactServer, build_artifact, make_v1
 
 from squeeze.distribution.download import Downloader
 from squeeze.distribution.http import TransferError
 from squeeze.distribution.pull import pull_artifact
 from squeeze.distribution.staging import Staging, staging_path
 from squeeze.errors import ConfigError, FormatError, IntegrityError, LockError
-from squeeze.format.manifest import MANIFEST_NAME, parse_manifest, root_digest
-from squeeze.format.verify import seal_artifact, verify_artifact
-
-CHUNK = 4096
-SHARD = "model-00001-of-00001.safetensors"
-
-
-def build_artifact(directory: Path, chunk_bytes: int = CHUNK) -> Path:
-    """A sealed artifact: one safetensors shard of ~40 KB (10 chunks of 4 KiB), a config, a nested file whose
-    name needs URL quoting, and an empty file."""
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(0)
-    save_file({"w": torch.randn(100, 100, generator=generator)}, directory / SHARD)
-    (directory / "config.json").write_text('{"model_type": "llama"}\n')
-    (directory / "tok").mkdir()
-    (directory / "tok" / "a b%#?.json").write_text('{"x": 1}\n')
-    (directory / "empty.txt").write_bytes(b"")
-    seal_artifact(directory, chunk_bytes=chunk_bytes)
-    return directory
-
-
-def make_v1(directory: Path) -> None:
-    """Rewrite ``directory``'s manifest as format version 1 (no chunks: every file streams whole)."""
-    manifest = parse_manifest((directory / MANIFEST_NAME).read_bytes())
-    obj = manifest.to_dict()
-    obj["format_version"] = 1
-    obj.pop("chunk_bytes")
-    for entry in obj["files"]:
-        entry.pop("chunks", None)
-    plain = [type(e)(e.path, e.size, e.sha256) for e in manifest.files]
-    obj["root_digest"] = root_digest(plain)
-    (directory / MANIFEST_NAME).write_text(json.dumps(obj, indent=2))
+from squeeze.format.manifest import MANIFEST_NAME, parse_manifest
+from squeeze.format.verify import verify_artifact
 
 
 @pytest.fixture

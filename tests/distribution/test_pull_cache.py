@@ -1,0 +1,75 @@
+"""resolve_source: local paths as they are, URLs and repo ids pulled into the artifact cache once per version."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pull_server import ArtifactServer, build_artifact
+
+from squeeze.distribution.cache import cache_root, resolve_source
+from squeeze.errors import ConfigError
+from squeeze.format.manifest import MANIFEST_NAME
+from squeeze.format.verify import verify_artifact
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Path:
+    return build_artifact(tmp_path / "served")
+
+
+@pytest.fixture
+def server(served: Path) -> Iterator[ArtifactServer]:
+    with ArtifactServer(served, timeout=5.0) as running:
+        yield running
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SQUEEZE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("SQUEEZE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "squeeze"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "squeeze"
+    monkeypatch.setenv("SQUEEZE_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+
+
+def test_local_path_is_returned_as_is(tmp_path, cache):
+    local = build_artifact(tmp_path / "org" / "model")
+    assert resolve_source(str(local)) == local
+    assert not cache.exists()
+
+
+def test_url_is_pulled_into_the_cache_once(server, served, cache):
+    first = resolve_source(server.url)
+    assert first.is_relative_to(cache / "artifacts") and verify_artifact(first).ok
+    assert (first / MANIFEST_NAME).read_bytes() == (served / MANIFEST_NAME).read_bytes()
+    server.requests.clear()
+    assert resolve_source(server.url) == first
+    assert all(r[1].endswith((MANIFEST_NAME, "model.sig")) for r in server.requests)  # nothing downloaded again
+
+
+def test_a_new_version_at_the_source_gets_its_own_directory(server, served, cache):
+    first = resolve_source(server.url)
+    (served / "config.json").write_text('{"model_type": "llama", "v": 2}\n')
+    (served / MANIFEST_NAME).unlink()
+    from squeeze.format.verify import seal_artifact
+
+    seal_artifact(served, chunk_bytes=4096)
+    second = resolve_source(server.url)
+    assert second != first and second.parent == first.parent
+    assert verify_artifact(first).ok and verify_artifact(second).ok
+
+
+def test_neither_path_nor_url_nor_repo_id(cache):
+    with pytest.raises(ConfigError, match="not an http"):
+        resolve_source("no such thing here")
+    assert not cache.exists()
