@@ -1,10 +1,29 @@
-"""``squeeze push``: upload a verified artifact to the Hugging Face Hub."""
+"""``squeeze push``: upload a verified artifact to the Hugging Face Hub.
+
+The artifact is verified first (every listed file hashed against the manifest); a damaged one raises
+IntegrityError before anything is sent. Then one Hub commit adds exactly the listed files, the manifest
+(its bytes as verified) and ``model.sig`` when present; nothing else in the directory is uploaded. Files
+are handed to huggingface_hub as file objects opened through the hardened path (no symlinks, regular files).
+Files already in the repo that the artifact does not list are left as they are (``squeeze pull`` reads only
+what the manifest lists).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from squeeze.errors import ConfigError, IntegrityError
+from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME
+from squeeze.format.paths import open_inside, open_root, read_inside, short_path
+from squeeze.version import __version__
+
+#: A signature is a few hundred bytes per file; anything larger is not one.
+MAX_SIGNATURE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -37,5 +56,62 @@ def push_artifact(
     commit_message: str | None = None,
 ) -> PushResult:
     """Verify the artifact at ``path`` and upload every file it lists (manifest and signature included) to the
-    Hub repo ``repo_id``."""
-    raise NotImplementedError("squeeze push is being built")  # replaced by the push implementation
+    Hub repo ``repo_id`` (created when missing; ``revision``: a branch, created when missing) in one commit.
+
+    ``token``: a Hub token (default: huggingface_hub's own, HF_TOKEN or ``hf auth login``). Raises
+    IntegrityError (the artifact does not verify: nothing is uploaded), FormatError (no manifest),
+    ConfigError (a malformed repo id); huggingface_hub's errors (auth, network) pass through.
+    """
+    from squeeze.distribution.source import parse_source
+    from squeeze.format.verify import verify_artifact
+
+    if "://" in repo_id or parse_source(repo_id).revision is not None:
+        raise ConfigError(f"{repo_id!r} is not a Hub repo id", hint="pass org/name; the branch goes in --revision")
+    report = verify_artifact(path)
+    if not report.ok or report.manifest is None:
+        raise IntegrityError(
+            f"{short_path(report.artifact_dir)} does not verify: {report.first_error()}",
+            hint="nothing was uploaded; run squeeze verify on it, and push an intact artifact",
+        )
+    directory = Path(report.artifact_dir)
+    manifest_bytes = read_inside(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if hashlib.sha256(manifest_bytes).hexdigest() != report.manifest_sha256:
+        raise IntegrityError(
+            f"{short_path(directory / MANIFEST_NAME)} changed while the artifact was being verified",
+            hint="nothing was uploaded; push again once nothing writes to the artifact",
+        )
+    signature = None
+    if (directory / SIGNATURE_NAME).exists():
+        signature = read_inside(directory, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(token=token, library_name="squeeze", library_version=__version__)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+    root_fd = open_root(directory)
+    with contextlib.ExitStack() as stack:
+        stack.callback(os.close, root_fd)
+        operations = []
+        for entry in report.manifest.files:
+            handle = stack.enter_context(os.fdopen(open_inside(root_fd, entry.path), "rb"))
+            operations.append(CommitOperationAdd(path_in_repo=entry.path, path_or_fileobj=handle))
+        operations.append(CommitOperationAdd(path_in_repo=MANIFEST_NAME, path_or_fileobj=manifest_bytes))
+        if signature is not None:
+            operations.append(CommitOperationAdd(path_in_repo=SIGNATURE_NAME, path_or_fileobj=signature))
+        info = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or f"squeeze push: artifact {report.manifest.root_digest[:16]}",
+            revision=revision,
+            repo_type="model",
+        )
+    uploaded = report.manifest.total_size + len(manifest_bytes) + len(signature or b"")
+    return PushResult(
+        repo_id=repo_id,
+        revision=revision,
+        files=len(operations),
+        bytes_uploaded=uploaded,
+        url=getattr(info, "commit_url", None),
+    )
