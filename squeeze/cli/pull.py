@@ -28,8 +28,12 @@ def pull(
             result = api.pull(source, output, public_key=public_key, workers=workers or None, progress=progress)
     if json_out:
         print_json(result.to_dict())
+    elif result.extra.get("already_present"):
+        err_console.print(f"[bold green]up to date[/] {result.output} already holds this artifact")
     else:
+        reused = f", {result.bytes_reused:,} kept from an earlier try" if result.bytes_reused else ""
+        signed = f", signed by key {result.signed_by[:16]}..." if result.signed_by else ""
         err_console.print(
-            f"[bold green]pulled[/] {result.files} files ({result.bytes_downloaded:,} bytes downloaded) "
-            f"into {result.output} in {result.seconds:.1f} s"
+            f"[bold green]pulled[/] {result.files} files ({result.bytes_downloaded:,} bytes downloaded{reused}) "
+            f"into {result.output} in {result.seconds:.1f} s, every byte verified{signed}"
         )
