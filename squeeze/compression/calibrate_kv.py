@@ -43,6 +43,7 @@ from squeeze.compression.writer import (
 from squeeze.config import CalibrationSpec, OutputConfig
 from squeeze.errors import ConfigError, IntegrityError, SqueezeError
 from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
+from squeeze.format.signature import warn_signature_dropped
 from squeeze.format.swap import restore_aside
 from squeeze.format.verify import read_manifest
 from squeeze.limits import KvChoice, check_kv_calibration
@@ -121,6 +122,7 @@ def run_calibrate_kv(
     restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
     inputs = _Inputs(target, source)
     _check_output(inputs, out, overwrite=overwrite, in_place=output is None)
+    warn_signature_dropped(out, "calibrate-kv replaces it")  # in place, or --output over a signed artifact
 
     with timed(timings, "load"):
         _load(inputs)  # an artifact is verified first: IntegrityError before any work

@@ -13,12 +13,14 @@ The two directions interoperate with the ``model_signing`` CLI (package ``model-
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import io
 import os
 import stat
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
@@ -45,6 +47,25 @@ GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 SUPPORTED_CURVES = ("secp256r1", "secp384r1", "secp521r1")
 INSTALL_HINT = "pip install 'squeeze[sign]'  (model-signing>=1.1.1,<1.2 and pyopenssl)"
 KEY_HINT = "make one with: openssl ecparam -genkey -name prime256v1 -noout -out key.pem"
+
+
+class SignatureWarning(UserWarning):
+    """An artifact's signature stops applying (its bytes are replaced): the CLI prints it as one line."""
+
+
+def warn_signature_dropped(directory: str | os.PathLike[str], why: str) -> bool:
+    """Warn (SignatureWarning) when ``directory`` holds a ``model.sig`` that ``why`` (e.g. "calibrate-kv
+    rewrites the artifact in place") makes stale; True when it did. Reads nothing but the directory entry."""
+    if not os.path.lexists(Path(directory) / SIGNATURE_NAME):
+        return False
+    warnings.warn(
+        SignatureWarning(
+            f"{short_path(directory)} is signed, and {why}: the new artifact is written without {SIGNATURE_NAME} "
+            "(the old signature would not match it); sign it again with `squeeze sign`"
+        ),
+        stacklevel=2,
+    )
+    return True
 
 
 @dataclass(frozen=True)
@@ -217,7 +238,9 @@ def sign_artifact(
     model_manifest = ms.manifest.Manifest(directory.name, items, serialization)
     try:
         if signing_certificate is None:
-            signer: Any = ms.ec_key.Signer(Path(private_key), password)
+            # model_signing 1.1.1 hands its password (typed str) to cryptography, which takes bytes only
+            secret: Any = password.encode("utf-8") if password is not None else None
+            signer: Any = ms.ec_key.Signer(Path(private_key), secret)
         else:
             signer = ms.certificate.Signer(
                 Path(private_key), Path(signing_certificate), [Path(c) for c in certificate_chain]
@@ -299,8 +322,7 @@ def verify_signature_bytes(
     """
     ms = _model_signing()
     public = _load_public_key(public_key)
-    bundle = _parse_bundle(signature, ms)
-    certificate = bool(getattr(bundle.verification_material, "x509_certificate_chain", None))
+    bundle, certificate = _parse_bundle(signature, ms, public, public_key)
     try:
         verifier = ms.ec_key.Verifier(Path(public_key))
         # a bundle without a key hint makes the verifier print a warning on stdout: squeeze's output is its own
@@ -393,8 +415,17 @@ def _under_any(paths: dict[str, str], prefix: str) -> bool:
     return any(_ignored(p, (prefix,)) for p in paths)
 
 
-def _parse_bundle(data: bytes, ms: _ModelSigning) -> Any:
-    """The Sigstore bundle in ``data``, as model_signing's ``Signature.read`` builds it from a file."""
+def _parse_bundle(
+    data: bytes, ms: _ModelSigning, public: EllipticCurvePublicKey, key_path: str | os.PathLike[str]
+) -> tuple[Any, bool]:
+    """(the Sigstore bundle in ``data``, as model_signing's ``Signature.read`` builds it from a file; whether it
+    carried a certificate chain).
+
+    A certificate bundle is checked by the key too: its leaf certificate must hold ``public``, and the bundle
+    is then read as a key bundle (the DSSE envelope, which is what is signed, stays as it is). The chain's
+    trust is not judged here: the key the user named is the trust anchor (``model_signing verify
+    certificate`` validates chains).
+    """
     if not data.strip():
         raise IntegrityError(f"{SIGNATURE_NAME} is empty", hint="sign the artifact again with `squeeze sign`")
     try:
@@ -405,15 +436,36 @@ def _parse_bundle(data: bytes, ms: _ModelSigning) -> Any:
         if not isinstance(parsed, dict):
             raise ValueError(f"a JSON object is expected, found {type(parsed).__name__}")
         material = parsed["verificationMaterial"]
+        certificate = "x509CertificateChain" in material
+        if certificate:
+            parsed["verificationMaterial"] = material = {
+                "publicKey": {"hint": _leaf_key_hint(material["x509CertificateChain"], public, key_path)},
+                "tlogEntries": [],
+            }
         # the same adjustments as model_signing's Signature.read (bundles written by older protobuf code)
         material.setdefault("tlogEntries", [])
         if isinstance(material.get("publicKey"), dict):
             material["publicKey"].setdefault("hint", None)
             for key in ("rawBytes", "keyDetails"):
                 material["publicKey"].pop(key, None)
-        return ms.bundle_pb.Bundle.from_dict(parsed)
+        return ms.bundle_pb.Bundle.from_dict(parsed), certificate
+    except IntegrityError:
+        raise
     except Exception as exc:  # noqa: BLE001 - KeyError, TypeError, AttributeError, pydantic's ValidationError
         raise IntegrityError(f"{SIGNATURE_NAME} is not a Sigstore bundle: {_one_line(exc)}") from None
+
+
+def _leaf_key_hint(chain: Any, public: EllipticCurvePublicKey, key_path: str | os.PathLike[str]) -> str:
+    """The key hint of the chain's leaf certificate, which must hold ``public`` (IntegrityError otherwise)."""
+    from cryptography import x509
+
+    leaf = x509.load_der_x509_certificate(base64.b64decode(chain["certificates"][0]["rawBytes"]))
+    if leaf.public_key() != public:
+        raise IntegrityError(
+            f"{SIGNATURE_NAME} was signed with a certificate for another key than {short_path(key_path)}",
+            hint="pass the public key of the signing certificate (openssl x509 -in cert.pem -pubkey -noout)",
+        )
+    return _key_sha256(public)
 
 
 # ----------------------------------------------------------------------------------------------------------
