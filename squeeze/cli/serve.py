@@ -288,7 +288,8 @@ def serve(
                 verify=not no_verify,
                 dense_cache=dense,
                 low_memory=low_memory,
-                public_key=public_key,
+                # only when given: api.serve_engine stand-ins (tests/cli/test_serve_cli.py) predate the option
+                **({"public_key": public_key} if public_key is not None else {}),
             )
             app = api.create_serve_app(
                 engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace
