@@ -282,14 +282,15 @@ def serve(
         try:
             if no_verify:
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
+            # only when given: api.serve_engine stand-ins (tests/cli/test_serve_cli.py) predate the option
+            signature_options: dict[str, Any] = {"public_key": public_key} if public_key is not None else {}
             engine = api.serve_engine(
                 artifact,
                 config=config,
                 verify=not no_verify,
                 dense_cache=dense,
                 low_memory=low_memory,
-                # only when given: api.serve_engine stand-ins (tests/cli/test_serve_cli.py) predate the option
-                **({"public_key": public_key} if public_key is not None else {}),
+                **signature_options,
             )
             app = api.create_serve_app(
                 engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace
