@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from squeeze.distribution.http import HttpClient, NotFound, TransferError, show_url
 from squeeze.distribution.source import Source
 from squeeze.distribution.staging import Staging
-from squeeze.errors import IntegrityError, SqueezeError
+from squeeze.errors import ConfigError, IntegrityError, SqueezeError
 from squeeze.format.hashing import ByteCounter
 from squeeze.format.manifest import FileEntry, Manifest
+from squeeze.format.paths import short_path
 
 BUFFER_BYTES = 1 << 20
 #: Read buffer size per worker; large enough that a syscall and a hash update each move a lot of bytes.
@@ -101,7 +102,13 @@ class Downloader:
         chunk_bytes = self.manifest.chunk_bytes
         pieces: list[Piece] = []
         for entry in self.manifest.files:
-            fd = self.staging.open_file(entry.path, create=True)
+            try:
+                fd = self.staging.open_file(entry.path, create=True)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot create {entry.path} in {short_path(self.staging.path)}: {exc.strerror or exc}",
+                    hint="delete that staging directory (left by an interrupted pull) and pull again",
+                ) from None
             try:
                 found = os.fstat(fd).st_size
                 if not found and entry.size:
@@ -148,12 +155,18 @@ class Downloader:
 
     def run(self, pieces: list[Piece], workers: int) -> Totals:
         """Fetch every piece with ``workers`` threads. Raises the first IntegrityError / TransferError."""
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="squeeze-pull") as pool:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="squeeze-pull")
+        try:
             futures = [pool.submit(self._run_piece, piece) for piece in pieces]
             wait(futures, return_when=FIRST_EXCEPTION)
             if any(f.done() and f.exception() is not None for f in futures):
                 self.cancel.set()  # the others stop at their next buffer
                 wait(futures)
+        except BaseException:  # Ctrl-C: stop the workers too (their partial files stay for a resume)
+            self.cancel.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         real = [e for f in futures if (e := f.exception()) is not None and not isinstance(e, _Cancelled)]
         if real:
             # an integrity failure says more than the network errors it may have caused elsewhere
@@ -162,13 +175,18 @@ class Downloader:
         return self.totals
 
     def _run_piece(self, piece: Piece) -> None:
+        if self.cancel.is_set():
+            raise _Cancelled
         try:
             if piece.digest is None:
                 self._whole_file(piece)
             else:
                 self._chunk(piece)
-        finally:
-            self.client.close()  # this thread's idle connections (the pool's threads end with the pull)
+        except OSError as exc:  # the staging directory itself (disk full, a path clash with an older pull)
+            raise ConfigError(
+                f"cannot write {piece.entry.path} in {short_path(self.staging.path)}: {exc.strerror or exc}",
+                hint="free disk space, or delete that staging directory and pull again",
+            ) from None
 
     def _add(self, downloaded: int = 0, reused: int = 0) -> None:
         with self._lock:
@@ -195,6 +213,7 @@ class Downloader:
                 self.staging.remove(entry.path)
                 what = f"bytes {piece.start}-{piece.end - 1}"
                 raise self._mismatch(entry, what, digest.hexdigest(), piece.digest or "")
+            os.fdatasync(fd)  # written back while other pieces download, not all at the end
         finally:
             os.close(fd)
 
@@ -218,6 +237,7 @@ class Downloader:
                 self.staging.remove(entry.path)
                 raise self._mismatch(entry, "the file", digest.hexdigest(), entry.sha256)
             self._add(reused=kept)
+            os.fdatasync(fd)
         finally:
             os.close(fd)
 

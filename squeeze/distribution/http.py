@@ -117,12 +117,16 @@ class HttpClient:
         self.headers = dict(headers or {})
         self.timeout = timeout
         self._local = threading.local()
-        self._ssl = ssl.create_default_context()
+        self._ssl: ssl.SSLContext | None = None  # made on the first https URL (loading CA certificates: ~50 ms)
+        self._ssl_lock = threading.Lock()  # guards the context and the list of pools
+        self._pools: list[dict[tuple[str, str, int], http.client.HTTPConnection]] = []
 
     def _pool(self) -> dict[tuple[str, str, int], http.client.HTTPConnection]:
         pool: dict[tuple[str, str, int], http.client.HTTPConnection] | None = getattr(self._local, "pool", None)
         if pool is None:
             pool = self._local.pool = {}
+            with self._ssl_lock:
+                self._pools.append(pool)
         return pool
 
     def _connection(self, key: tuple[str, str, int]) -> http.client.HTTPConnection:
@@ -131,6 +135,9 @@ class HttpClient:
             return idle
         scheme, host, port = key
         if scheme == "https":
+            with self._ssl_lock:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
             return http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._ssl)
         return http.client.HTTPConnection(host, port, timeout=self.timeout)
 
@@ -141,11 +148,13 @@ class HttpClient:
         self._pool()[key] = connection
 
     def close(self) -> None:
-        """Close this thread's idle connections."""
-        pool = self._pool()
-        for connection in pool.values():
-            connection.close()
-        pool.clear()
+        """Close every thread's idle connections (call it once the threads that used this client are done)."""
+        with self._ssl_lock:
+            pools = list(self._pools)
+        for pool in pools:
+            for connection in list(pool.values()):
+                connection.close()
+            pool.clear()
 
     def get(self, url: str, *, start: int = 0, length: int | None = None, total: int | None = None) -> Body:
         """GET ``url`` from byte ``start``; ``length`` bytes (None: to the end, small bodies only).

@@ -95,7 +95,7 @@ def pull_artifact(
                 hint="the server holds a damaged or tampered manifest; nothing was downloaded",
             )
         manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
-        signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries)
+        signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries, public_key is None)
         signed_by = None
         if public_key is not None:
             signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
@@ -207,11 +207,23 @@ def _fetch_manifest(client: HttpClient, source: Source, retries: int) -> tuple[b
     return data, source.pinned(headers)
 
 
-def _fetch_optional(client: HttpClient, source: Source, name: str, limit: int, retries: int) -> bytes | None:
+def _fetch_optional(
+    client: HttpClient, source: Source, name: str, limit: int, retries: int, lenient: bool
+) -> bytes | None:
+    """``name``'s bytes, or None when the server has none (404). ``lenient`` (nobody asked for it): any
+    refusal (403, too large) also reads as none; a network failure still fails the pull."""
     try:
         return _get_small(client, source.url_for(name), limit, retries)[0]
     except NotFound:
         return None
+    except TransferError as exc:
+        if lenient and not exc.retryable:
+            return None
+        raise
+    except FormatError:
+        if lenient:
+            return None
+        raise
 
 
 def _get_small(client: HttpClient, url: str, limit: int, retries: int) -> tuple[bytes, dict[str, str]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -70,6 +71,7 @@ class Faults:
     redirect_to: str | None = None  # base URL every request is redirected to (302), path kept
     no_range: bool = False  # ignore Range headers (answer 200 with the whole file)
     delay_s: float = 0.0  # sleep before each body (a slow server)
+    link_bytes_per_s: float = 0.0  # > 0: every body shares one link of this speed (benchmarks)
 
 
 @dataclass
@@ -87,7 +89,9 @@ class ArtifactServer:
         self.hub: dict[str, HubRepo] = {}
         self.requests: list[tuple[str, str, str | None]] = []
         self.headers_seen: list[dict[str, str]] = []
+        self.clients: set[tuple[str, int]] = set()  # (address, port) of every connection that sent a request
         self._lock = threading.Lock()
+        self._link_free = 0.0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -123,6 +127,20 @@ class ArtifactServer:
 
     # ----------------------------------------------------------------------------------------------------
 
+    def _paced(self, handler: BaseHTTPRequestHandler, handle: Any, offset: int, count: int, rate: float) -> None:
+        """Send in 256 KiB slices, each in its own time slot on one shared link of ``rate`` bytes/s."""
+        while count > 0:
+            size = min(count, 1 << 18)
+            with self._lock:
+                now = time.monotonic()
+                slot = max(now, self._link_free)
+                self._link_free = slot + size / rate
+            if slot > now:
+                time.sleep(slot - now)
+            _sendfile(handler, handle, offset, size)
+            offset += size
+            count -= size
+
     def _locate(self, url_path: str, handler: BaseHTTPRequestHandler) -> tuple[Path | None, str]:
         """(file on disk or None, artifact-relative path)."""
         match = _HUB.fullmatch(url_path)
@@ -144,6 +162,7 @@ class ArtifactServer:
         with self._lock:
             self.requests.append(("GET", url_path, wanted))
             self.headers_seen.append({k.lower(): v for k, v in handler.headers.items()})
+            self.clients.add(handler.client_address)
         faults = self.faults
         if faults.redirect_to is not None:
             handler.send_response(302)
@@ -184,8 +203,6 @@ class ArtifactServer:
         handler.send_header("Accept-Ranges", "bytes")
         handler.end_headers()
         if faults.delay_s:
-            import time
-
             time.sleep(faults.delay_s)
         drop = None
         with self._lock:
@@ -195,7 +212,10 @@ class ArtifactServer:
         with open(path, "rb") as handle:
             if flip is None and drop is None and not extra:
                 handler.wfile.flush()
-                _sendfile(handler, handle, start, end - start)
+                if faults.link_bytes_per_s:
+                    self._paced(handler, handle, start, end - start, faults.link_bytes_per_s)
+                else:
+                    _sendfile(handler, handle, start, end - start)
                 return
             handle.seek(start)
             data = bytearray(handle.read(end - start))

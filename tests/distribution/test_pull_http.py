@@ -66,6 +66,12 @@ def test_pull_is_byte_identical_verifies_and_uses_chunk_ranges(server, source_di
     assert "/tok/a%20b%25%23%3F.json" in {r[1] for r in server.requests}  # each component URL-quoted
 
 
+def test_one_worker_reuses_one_kept_alive_connection(server, tmp_path):
+    pull_artifact(server.url, tmp_path / "out", workers=1)
+    assert len(file_requests(server)) == 12  # 10 chunks, 2 small files (the empty one needs no request)
+    assert len(server.clients) <= 2  # the manifest and signature on one, all the files on one more at most
+
+
 def test_pull_again_into_the_same_output_downloads_nothing(server, tmp_path):
     out = tmp_path / "out"
     pull_artifact(server.url, out)
