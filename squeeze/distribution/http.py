@@ -67,6 +67,8 @@ class Body:
     remaining: int = 0
     #: True when the response holds exactly ``length`` bytes, so the connection can serve the next request.
     exact: bool = False
+    #: No Content-Length: the body ends where the stream does (``length`` is then an upper bound).
+    to_eof: bool = False
 
     def readinto(self, view: memoryview) -> int:
         """Read up to ``len(view)`` bytes, never past ``length``; 0 at the end. TransferError on a dropped stream."""
@@ -79,6 +81,10 @@ class Body:
         except (OSError, http.client.HTTPException) as exc:
             self.close(reuse=False)
             raise TransferError(f"{show_url(self.url)}: connection lost ({_describe(exc)})") from None
+        if count == 0 and self.to_eof:
+            self.length -= self.remaining  # the body ended: ``length`` is what it held
+            self.remaining = 0
+            return 0
         if count == 0:
             self.close(reuse=False)
             raise TransferError(
@@ -93,9 +99,12 @@ class Body:
         view = memoryview(data)
         done = 0
         while done < self.length:
-            done += self.readinto(view[done:])
-        self.close()
-        return bytes(data)
+            count = self.readinto(view[done:])
+            if not count:  # the end of a body without Content-Length
+                break
+            done += count
+        self.close(reuse=not self.to_eof)
+        return bytes(data[:done])
 
     def close(self, *, reuse: bool = True) -> None:
         """Give the connection back for the next request when the body was read to its exact end, else close it."""
@@ -156,13 +165,16 @@ class HttpClient:
                 connection.close()
             pool.clear()
 
-    def get(self, url: str, *, start: int = 0, length: int | None = None, total: int | None = None) -> Body:
+    def get(
+        self, url: str, *, start: int = 0, length: int | None = None, total: int | None = None, limit: int | None = None
+    ) -> Body:
         """GET ``url`` from byte ``start``; ``length`` bytes (None: to the end, small bodies only).
 
         ``total``: the file size the manifest lists; a response that says otherwise (Content-Length,
         Content-Range) raises IntegrityError before a byte of it is read. A server that ignores the Range
-        header is read from its start, the first ``start`` bytes discarded. Raises NotFound (404 / 410),
-        TransferError (network, other statuses, more than MAX_REDIRECTS redirects).
+        header is read from its start, the first ``start`` bytes discarded. ``limit`` (small bodies): a body
+        without Content-Length is read to its end, at most ``limit`` + 1 bytes (the caller refuses more).
+        Raises NotFound (404 / 410), TransferError (network, other statuses, more than MAX_REDIRECTS redirects).
         """
         origin = urlsplit(url).netloc
         current = url
@@ -195,7 +207,7 @@ class HttpClient:
                 current = urljoin(current, location)
                 continue
             if status in (200, 206):
-                return self._body(key, connection, response, current, start, length, total)
+                return self._body(key, connection, response, current, start, length, total, limit)
             response.close()
             connection.close()
             if status in (404, 410):
@@ -216,6 +228,7 @@ class HttpClient:
         start: int,
         length: int | None,
         total: int | None,
+        limit: int | None,
     ) -> Body:
         shown = show_url(url)
 
@@ -246,9 +259,12 @@ class HttpClient:
             skip = start
             available = (body_length if body_length is not None else (total or 0)) - start
         want = length if length is not None else available
-        if body_length is None and length is None and total is None:
-            raise refuse(TransferError(f"{shown}: the server sent no Content-Length", retryable=False))
-        body = Body(self, key, connection, response, url, want, dict(response.getheaders()), want)
+        to_eof = body_length is None and length is None and total is None
+        if to_eof:  # no Content-Length (chunked): read to the end, at most ``limit`` + 1 bytes
+            if limit is None:
+                raise refuse(TransferError(f"{shown}: the server sent no Content-Length", retryable=False))
+            want = limit + 1
+        body = Body(self, key, connection, response, url, want, dict(response.getheaders()), want, to_eof=to_eof)
         body.exact = body_length is not None and body_length == skip + want
         if skip:
             _discard(body, skip)

@@ -230,11 +230,14 @@ def _get_small(client: HttpClient, url: str, limit: int, retries: int) -> tuple[
     """A small whole response body (at most ``limit`` bytes, refused unread when it announces more)."""
     for attempt in range(retries + 1):
         try:
-            body = client.get(url)
-            if body.length > limit:
+            body = client.get(url, limit=limit)
+            if body.length > limit and not body.to_eof:
                 body.close(reuse=False)
                 raise FormatError(f"{show_url(url)} is {body.length} bytes, larger than the {limit} byte limit")
-            return body.read_all(), dict(body.headers)
+            data = body.read_all()
+            if len(data) > limit:
+                raise FormatError(f"{show_url(url)} is larger than the {limit} byte limit")
+            return data, dict(body.headers)
         except TransferError as exc:
             if isinstance(exc, NotFound) or not exc.retryable or attempt == retries:
                 raise

@@ -72,6 +72,7 @@ class Faults:
     no_range: bool = False  # ignore Range headers (answer 200 with the whole file)
     delay_s: float = 0.0  # sleep before each body (a slow server)
     link_bytes_per_s: float = 0.0  # > 0: every body shares one link of this speed (benchmarks)
+    no_length: set[str] = field(default_factory=set)  # paths sent without Content-Length (to the end, then close)
 
 
 @dataclass
@@ -194,6 +195,12 @@ class ArtifactServer:
                 return
             status = 206
         extra = faults.extra.get(relative, b"") if end == size else b""
+        if relative in faults.no_length and status == 200:
+            handler.send_response(200)
+            handler.end_headers()
+            handler.wfile.write(path.read_bytes() + extra)
+            handler.close_connection = True
+            return
         handler.send_response(status)
         for key, value in handler.extra_headers.items():  # type: ignore[attr-defined]
             handler.send_header(key, value)

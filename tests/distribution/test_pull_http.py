@@ -72,6 +72,14 @@ def test_one_worker_reuses_one_kept_alive_connection(server, tmp_path):
     assert len(server.clients) <= 2  # the manifest and signature on one, all the files on one more at most
 
 
+def test_manifest_without_content_length_is_read_to_its_end(server, tmp_path, monkeypatch):
+    server.faults.no_length.add(MANIFEST_NAME)
+    assert verify_artifact(pull_artifact(server.url, tmp_path / "out").output).ok
+    monkeypatch.setattr("squeeze.distribution.pull.MAX_MANIFEST_BYTES", 100)  # and never past the limit
+    with pytest.raises(FormatError, match="larger than the 100 byte limit"):
+        pull_artifact(server.url, tmp_path / "out2")
+
+
 def test_pull_again_into_the_same_output_downloads_nothing(server, tmp_path):
     out = tmp_path / "out"
     pull_artifact(server.url, out)
