@@ -437,6 +437,12 @@ def _parse_bundle(
             raise ValueError(f"a JSON object is expected, found {type(parsed).__name__}")
         material = parsed["verificationMaterial"]
         certificate = "x509CertificateChain" in material
+        if not certificate and not isinstance(material.get("publicKey"), dict):
+            kinds = ", ".join(sorted(material)) if isinstance(material, dict) else type(material).__name__
+            raise IntegrityError(
+                f"{SIGNATURE_NAME} is not a key or certificate signature (its verification material holds: {kinds})",
+                hint="a Sigstore keyless signature is checked with `model_signing verify sigstore`, not --public-key",
+            )
         if certificate:
             parsed["verificationMaterial"] = material = {
                 "publicKey": {"hint": _leaf_key_hint(material["x509CertificateChain"], public, key_path)},

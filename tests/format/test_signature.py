@@ -351,6 +351,15 @@ def test_shard_serialization_is_named_in_the_error(artifact: Path, keys) -> None
         check_signature(verify_artifact(artifact), keys["p256.pub"])
 
 
+def test_a_keyless_sigstore_bundle_is_named_as_such(artifact: Path, keys) -> None:
+    sign_artifact(artifact, keys["p256"])
+    bundle = json.loads((artifact / SIGNATURE_NAME).read_text())
+    bundle["verificationMaterial"] = {"certificate": {"rawBytes": "AAAA"}, "tlogEntries": []}  # as sigstore writes
+    (artifact / SIGNATURE_NAME).write_text(json.dumps(bundle))
+    with pytest.raises(IntegrityError, match="not a key or certificate signature .*certificate, tlogEntries"):
+        check_signature(verify_artifact(artifact), keys["p256.pub"])
+
+
 def test_a_bundle_without_key_hint_still_checks_and_prints_nothing(artifact: Path, keys, capsys) -> None:
     sign_artifact(artifact, keys["p256"])
     bundle = json.loads((artifact / SIGNATURE_NAME).read_text())
