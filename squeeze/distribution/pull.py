@@ -80,6 +80,8 @@ def pull_artifact(
     partial file is deleted) and TransferError (network; rerun to resume).
     """
     started = time.perf_counter()
+    if workers is not None and workers < 1:
+        raise ConfigError(f"workers must be >= 1, found {workers}", hint="omit it for the default")
     parsed = parse_source(source)
     target = Path(output).absolute() if output is not None else None
     if target is not None:
@@ -119,8 +121,6 @@ def pull_artifact(
             downloader = Downloader(client, parsed, manifest, staging, retries=retries, progress=progress)
             pieces = downloader.plan()
             count = workers if workers is not None else default_workers(len(pieces))
-            if count < 1:
-                raise ConfigError(f"workers must be >= 1, found {count}")
             totals = downloader.run(pieces, count)
             staging.write_small(MANIFEST_NAME, manifest_bytes)
             keep = {entry.path for entry in manifest.files} | {MANIFEST_NAME}

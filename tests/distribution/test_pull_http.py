@@ -249,9 +249,12 @@ def test_concurrent_pull_into_the_same_output_is_refused(server, tmp_path):
 
 
 def test_source_strings_that_are_not_pullable(tmp_path):
-    for bad in ("ftp://host/x/", "file:///etc/", "not a repo", "http://user:pw@host/x/", "a/b/c"):
+    for bad in ("ftp://host/x/", "file:///etc/", "not a repo", "http://user:pw@host/x/", "a/b/c", "http://h/x?y=1"):
         with pytest.raises(ConfigError):
             pull_artifact(bad, tmp_path / "out")
+    with pytest.raises(ConfigError, match="workers must be >= 1"):
+        pull_artifact("http://127.0.0.1:9/x/", tmp_path / "out", workers=0)
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
 
 
 def test_signed_artifact_checked_before_weights(server, source_dir, tmp_path):
