@@ -11,7 +11,10 @@ server process (tests/distribution/pull_server.py, socket.sendfile from the page
     /dev/null, and the same into files on disk (written, not fsynced);
 (b) ``squeeze pull`` with its default workers (v2: parallel chunk ranges verified as they stream; v1: one
     hashed stream per file), into a fresh output each time: hashing, staging, fsync and the final rename
-    included.
+    included;
+
+and, for the reading of (b)/(a), the machine's floors: ``squeeze verify`` of the served files (hashing every
+byte on every core, from the page cache) and a durable write of as many bytes (write + fdatasync).
 
 Prints the ratios (b)/(a) and the core count; writes JSON; deletes everything it built.
 """
@@ -99,6 +102,18 @@ def single_stream(base_url: str, names: list[str], sink: Path | None) -> int:
     return total
 
 
+def durable_write(path: Path, size: int) -> None:
+    """Write ``size`` bytes to ``path`` in 1 MiB buffers and fdatasync it."""
+    buffer = os.urandom(BUFFER)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(size // BUFFER):
+            os.write(fd, buffer)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
 def best(repeats: int, run, before=None) -> float:  # noqa: ANN001 - two small callables
     times = []
     for _ in range(repeats):
@@ -159,6 +174,11 @@ def main() -> None:
             args.repeats, lambda: single_stream(base + "v2/", names, sink), lambda: os.sync()
         )
         shutil.rmtree(sink)
+        # the machine's own floors for a verified, durable pull: hashing every byte (squeeze verify: the served
+        # files from the page cache, chunks on every core) and writing them to disk durably (fdatasync)
+        results["floor_verify_s"] = best(args.repeats, lambda: verify_artifact(v2))
+        results["floor_durable_write_s"] = best(args.repeats, lambda: durable_write(root / "write-test", size), os.sync)
+        (root / "write-test").unlink()
         out = root / "pulled"
 
         def clean() -> None:
