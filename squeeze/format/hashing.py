@@ -10,8 +10,10 @@ header that gets validated is the header that was hashed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -84,6 +86,26 @@ class ChunkDigests:
         return tuple(self.digests) if len(self.digests) > 1 else ()
 
 
+#: Captures at least this large are backed by an anonymous mapping advised to use transparent huge pages.
+HUGE_PAGE_BYTES = 2 * 2**20
+
+
+def private_bytes(size: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``size`` bytes, the private copy a capture reads into.
+
+    A large one is an anonymous ``mmap`` advised MADV_HUGEPAGE where the OS offers it (Linux with
+    transparent huge pages in "madvise" mode): the first write to each page is the load's hidden cost
+    (measured 0.5 s per GiB of 4 KiB page faults on the 2-core dev machine, 0.13-0.3 s with huge pages).
+    Elsewhere, or if the advice is refused, it is plain memory. The tensor keeps the mapping alive.
+    """
+    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(size, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # only advice: THP "never", or an old kernel
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 def hash_file(
     root_fd: int,
     relative: str,
@@ -106,7 +128,7 @@ def hash_file(
     size = 0
     want_head = KEEP_BYTES
     file_size = os.fstat(fd).st_size
-    data = torch.empty(file_size, dtype=torch.uint8) if capture else None
+    data = private_bytes(file_size) if capture else None
     buffer = bytearray(0 if capture else CHUNK_BYTES)
     # ndarray.data: the same writable view; numpy types memoryview(ndarray) only for Python >= 3.12
     view = data.numpy().data if data is not None else memoryview(buffer)
@@ -204,7 +226,7 @@ class _ChunkedFile:
                             f"size changed while reading: {found} bytes, manifest says {self.plan.size}"
                         )
                     if self.capture:
-                        self.data = torch.empty(self.plan.size, dtype=torch.uint8)
+                        self.data = private_bytes(self.plan.size)
                         self.view = self.data.numpy().data
                 except BaseException:
                     os.close(fd)

@@ -217,3 +217,21 @@ def test_the_loader_builds_the_same_model_from_a_chunked_artifact(compress_tiny,
     state = loaded.model.state_dict()
     assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in reference)
     assert loaded.report is not None and all(h.chunks for h in loaded.report.captured.values() if h.size > CHUNK)
+
+
+@pytest.mark.parametrize("chunk_bytes", [2**20, 2**26])  # chunked (4 chunks, the last short), and whole-file
+def test_a_large_capture_holds_the_file_bytes(tmp_path, chunk_bytes):
+    # captures of >= 2 MiB are backed by a huge-page-advised anonymous mapping (hashing.private_bytes)
+    from squeeze.runtime.loader import tensors_from_captured
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randint(0, 255, (3 * 2**20 + 77,), dtype=torch.uint8, generator=generator)
+    write_shards(tmp_path, {"w": weight}, 2**30)
+    seal_artifact(tmp_path, chunk_bytes=chunk_bytes)
+    (shard,) = [p for p in tmp_path.iterdir() if p.suffix == ".safetensors"]
+    report = verify_artifact(tmp_path, capture=lambda path: True)
+    assert report.ok
+    captured = report.captured[shard.name]
+    assert captured.data is not None and bytes(captured.data.numpy()) == shard.read_bytes()
+    assert len(captured.chunks) == (4 if chunk_bytes == 2**20 else 0)
+    assert torch.equal(tensors_from_captured(report)["w"], weight)
