@@ -217,6 +217,16 @@ def test_server_sending_more_bytes_than_listed_is_refused(server, tmp_path, path
     assert not (tmp_path / "out").exists()
 
 
+def test_unannounced_extra_bytes_are_never_read(server, source_dir, tmp_path):
+    server.faults.no_range = True
+    server.faults.no_length.add("config.json")  # no Content-Length: the body runs on past the listed size
+    server.faults.extra["config.json"] = b"EXTRA" * 1000
+    out = tmp_path / "out"
+    pull_artifact(server.url, out)
+    assert (out / "config.json").read_bytes() == (source_dir / "config.json").read_bytes()  # cut at its size
+    assert verify_artifact(out).ok
+
+
 def test_server_without_range_support_still_pulls(server, source_dir, tmp_path):
     server.faults.no_range = True
     out = tmp_path / "out"
