@@ -13,6 +13,8 @@ key, and measures (warm page cache, median of ``--repeats``):
 - a verified load's hashing (``capture``: every byte read into private memory), without and with the check;
 - for reference, model_signing's own ``sign key`` and ``verify key`` (in process; they hash every file again).
 
+The cases run round robin (each repeat runs every case once), so a busy machine slows them alike.
+
 Prints a table, writes JSON. The temp artifact is deleted afterwards (``--keep`` keeps it).
 """
 
@@ -23,21 +25,18 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import command_line, revision  # noqa: E402 - scripts/ is not a package
-
-from squeeze.format import Provenance, seal_artifact, write_shards  # noqa: E402
-from squeeze.format.manifest import SIGNATURE_NAME  # noqa: E402
-from squeeze.format.signature import check_signature, sign_artifact, verify_with_signature  # noqa: E402
-from squeeze.format.verify import verify_artifact  # noqa: E402
+from squeeze.format import Provenance, seal_artifact, write_shards
+from squeeze.format.manifest import SIGNATURE_NAME
+from squeeze.format.signature import check_signature, sign_artifact, verify_with_signature
+from squeeze.format.verify import verify_artifact
 
 
 def build(root: Path, size_mib: int) -> Path:
@@ -130,9 +129,13 @@ def main() -> None:
                 .use_elliptic_key_verifier(public_key=public)
                 .verify(directory, directory / SIGNATURE_NAME)
             )
-        for name, fn in cases.items():
+        for fn in cases.values():
             fn()  # warm-up
-            results[name] = statistics.median(timed(fn) for _ in range(args.repeats))
+        runs: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.repeats):  # round robin: a busy neighbour slows every case alike, not one of them
+            for name, fn in cases.items():
+                runs[name].append(timed(fn))
+        results.update({name: statistics.median(times) for name, times in runs.items()})
         ratios = {
             "verify with / without signature": results["verify with signature"] / results["verify without signature"],
             "load hashing with / without signature": results["load hashing (capture) + signature check"]
@@ -143,7 +146,7 @@ def main() -> None:
         print(command_line())
         print(
             f"artifact of {size / 2**30:.3f} GiB (one shard + config), {os.cpu_count()} CPUs, "
-            f"median of {args.repeats} warm runs (seal: once)"
+            f"median of {args.repeats} warm round-robin runs (seal: once)"
         )
         print(f"{'':44s} {'seconds':>8s} {'MB/s':>8s}")
         for name, seconds in results.items():
@@ -160,6 +163,7 @@ def main() -> None:
                     "cpus": os.cpu_count(),
                     "repeats": args.repeats,
                     "seconds": results,
+                    "runs": runs,
                     "ratios": ratios,
                 },
                 indent=2,
