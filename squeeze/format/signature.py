@@ -2,7 +2,8 @@
 
 The signature is a DSSE envelope over an in-toto statement listing every file of the artifact with its
 SHA-256 ("files" serialization, as ``model_signing sign key`` writes it), the manifest included, so it
-covers the provenance too. Signing reuses the digests ``verify_artifact`` just checked, and checking a
+covers the provenance too. Git files (``.gitattributes``...), which model_signing always skips, are left out
+of the list and covered through the manifest's digests. Signing reuses the digests ``verify_artifact`` just checked, and checking a
 signature reuses the digests of a ``VerifyReport`` (or a downloaded manifest): no file is hashed twice.
 The two directions interoperate with the ``model_signing`` CLI (package ``model-signing`` 1.1.x):
 ``model_signing verify key`` accepts squeeze's signature and squeeze accepts ``model_signing sign key``'s.
@@ -224,8 +225,10 @@ def sign_artifact(
         raise ValueError("verify_artifact returned no manifest")
     digests = {entry.path: entry.sha256 for entry in manifest.files}
     digests[MANIFEST_NAME] = report.manifest_sha256
-    # model_signing's CLI ignores the git paths and the signature; a git path the manifest lists stays signed
-    ignore = tuple(sorted([SIGNATURE_NAME, *(p for p in GIT_PATHS if not _under_any(digests, p))]))
+    # what model_signing's CLI records. Its verifier skips the git paths whatever a signature says, so a git
+    # file the manifest lists (.gitattributes) is left out here too: the signed manifest's digest covers it
+    ignore = tuple(sorted([SIGNATURE_NAME, *GIT_PATHS]))
+    digests = {path: digest for path, digest in digests.items() if not _ignored(path, ignore)}
     serialization = ms.manifest.SerializationType.from_args(
         {"method": "files", "hash_type": "sha256", "allow_symlinks": False, "ignore_paths": list(ignore)}
     )
@@ -409,10 +412,6 @@ def _ignored(path: str, ignore_paths: tuple[str, ...]) -> bool:
     """Whether model_signing leaves ``path`` out: it lies at or under one of ``ignore_paths``."""
     pure = PurePosixPath(path)
     return any(pure.is_relative_to(PurePosixPath(p)) for p in ignore_paths)
-
-
-def _under_any(paths: dict[str, str], prefix: str) -> bool:
-    return any(_ignored(p, (prefix,)) for p in paths)
 
 
 def _parse_bundle(

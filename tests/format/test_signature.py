@@ -351,6 +351,34 @@ def test_shard_serialization_is_named_in_the_error(artifact: Path, keys) -> None
         check_signature(verify_artifact(artifact), keys["p256.pub"])
 
 
+def test_a_listed_git_file_is_covered_through_the_manifest(artifact: Path, keys) -> None:
+    from model_signing import verifying
+
+    (artifact / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    seal_artifact(artifact)
+    sign_artifact(artifact, keys["p256"])
+    payload = sig_payload(artifact)
+    # model_signing's verifier skips git files whatever the signature says: listing one would fail it
+    assert ".gitattributes" not in {r["name"] for r in payload["predicate"]["resources"]}
+    assert ".gitattributes" in payload["predicate"]["serialization"]["ignore_paths"]
+    verifier = verifying.Config().use_elliptic_key_verifier(public_key=keys["p256.pub"])
+    verifier.verify(artifact, artifact / SIGNATURE_NAME)
+    info = check_signature(verify_artifact(artifact), keys["p256.pub"])
+    assert ".gitattributes" in info.ignore_paths
+    # the file is still covered: its digest is in the signed manifest, so changing it breaks one or the other
+    (artifact / ".gitattributes").write_text("changed\n")
+    seal_artifact(artifact)
+    with pytest.raises(IntegrityError, match="signs another artifact"):
+        check_signature(verify_artifact(artifact), keys["p256.pub"])
+
+
+def test_an_oversized_signature_is_refused_unread(artifact: Path, keys, monkeypatch) -> None:
+    sign_artifact(artifact, keys["p256"])
+    monkeypatch.setattr(signature_module, "MAX_SIGNATURE_BYTES", 100)
+    with pytest.raises(IntegrityError, match="larger than the 100 byte limit"):
+        check_signature(verify_artifact(artifact), keys["p256.pub"])
+
+
 def test_a_keyless_sigstore_bundle_is_named_as_such(artifact: Path, keys) -> None:
     sign_artifact(artifact, keys["p256"])
     bundle = json.loads((artifact / SIGNATURE_NAME).read_text())
