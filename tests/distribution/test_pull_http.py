@@ -89,11 +89,22 @@ def test_pull_again_into_the_same_output_downloads_nothing(server, tmp_path):
     assert all(r[1].endswith((MANIFEST_NAME, "model.sig")) for r in server.requests[before:])
 
 
-def test_pull_into_an_empty_directory(server, tmp_path):
+def test_pull_into_an_empty_directory_or_a_new_nested_one(server, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     pull_artifact(server.url, out)
     assert verify_artifact(out).ok
+    nested = tmp_path / "a" / "b" / "c"
+    pull_artifact(server.url, nested)
+    assert verify_artifact(nested).ok and sorted(p.name for p in nested.parent.iterdir()) == ["c"]
+
+
+def test_redirect_loop_stops(tmp_path):
+    with ArtifactServer() as loop:
+        loop.faults.redirect_to = loop.url
+        with pytest.raises(TransferError, match="more than 5 redirects"):
+            pull_artifact(loop.url, tmp_path / "out")
+        assert len(loop.requests) == 6  # the first request and 5 redirects followed, then no retry
 
 
 @pytest.mark.parametrize("path", [SHARD, "config.json"], ids=["chunked", "whole-file"])
