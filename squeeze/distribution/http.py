@@ -212,6 +212,11 @@ class HttpClient:
             connection.close()
             if status in (404, 410):
                 raise NotFound(f"{show_url(current)}: not found (HTTP {status})", current)
+            if status == 416 and total is not None:  # asked for bytes the manifest lists: the server has fewer
+                raise IntegrityError(
+                    f"{show_url(current)}: the server has no bytes {start}- (HTTP 416), the manifest lists {total}",
+                    hint="the server holds other bytes than its manifest lists; nothing of this file was kept",
+                )
             raise TransferError(
                 f"cannot download {show_url(current)}: HTTP {status} {response.reason}",
                 hint="check the URL and your access to it" if status in (401, 403) else None,

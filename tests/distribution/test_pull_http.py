@@ -238,6 +238,15 @@ def test_unannounced_extra_bytes_are_never_read(server, source_dir, tmp_path):
     assert verify_artifact(out).ok
 
 
+@pytest.mark.parametrize("keep", [5 * CHUNK, 0], ids=["content-range-total", "416"])
+def test_shorter_file_on_the_server_is_an_integrity_error(server, source_dir, tmp_path, keep):
+    data = (source_dir / SHARD).read_bytes()
+    (source_dir / SHARD).write_bytes(data[:keep])  # ranges past its end: 416, or a Content-Range of another size
+    with pytest.raises(IntegrityError, match=SHARD):
+        pull_artifact(server.url, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_server_without_range_support_still_pulls(server, source_dir, tmp_path):
     server.faults.no_range = True
     out = tmp_path / "out"
