@@ -9,6 +9,7 @@ import pytest
 from pull_server import ArtifactServer, build_artifact
 
 from squeeze.distribution.cache import cache_root, resolve_source
+from squeeze.distribution.http import TransferError
 from squeeze.errors import ConfigError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.verify import verify_artifact
@@ -73,3 +74,15 @@ def test_neither_path_nor_url_nor_repo_id(cache):
     with pytest.raises(ConfigError, match="not an http"):
         resolve_source("no such thing here")
     assert not cache.exists()
+
+
+def test_offline_falls_back_to_the_latest_complete_pull(served, cache):
+    with ArtifactServer(served) as server:
+        url = server.url
+        pulled = resolve_source(url)
+    # the server is gone: the cached pull is used (load verifies it), unless a signature was asked for
+    assert resolve_source(url) == pulled
+    with pytest.raises(TransferError):
+        resolve_source(url, public_key="unused.pem")
+    with pytest.raises(TransferError):
+        resolve_source(url + "other/")  # another source: nothing cached for it
