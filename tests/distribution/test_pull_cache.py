@@ -76,7 +76,8 @@ def test_neither_path_nor_url_nor_repo_id(cache):
     assert not cache.exists()
 
 
-def test_offline_falls_back_to_the_latest_complete_pull(served, cache):
+def test_offline_falls_back_to_the_latest_complete_pull(served, cache, monkeypatch):
+    monkeypatch.setattr("squeeze.distribution.pull.time.sleep", lambda _s: None)  # no backoff between retries
     with ArtifactServer(served) as server:
         url = server.url
         pulled = resolve_source(url)
