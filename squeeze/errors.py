@@ -48,6 +48,17 @@ class IntegrityError(SqueezeError):
     exit_code = 1
 
 
+class TransferError(SqueezeError):
+    """A download (``squeeze pull``) failed on the way (connection refused or dropped, timeout, server error).
+
+    Nothing unverified is kept: rerunning the same pull resumes from the verified partial files.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, *, retryable: bool = True) -> None:
+        super().__init__(message, hint)
+        self.retryable = retryable
+
+
 class ResourceError(SqueezeError):
     """Not enough disk or memory for the requested work (checked before it starts)."""
 

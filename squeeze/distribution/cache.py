@@ -4,7 +4,7 @@ Layout: ``${SQUEEZE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/squeeze}/artifacts/<sourc
 ``<source>`` is a readable name of the URL or repo (host and last path part, or ``org--name``) plus a short
 hash of the exact source text; the root digest names the artifact's content, so a source that publishes a
 new version gets a new directory and a complete earlier pull of the same version is reused as it is. Offline,
-``resolve_source`` falls back to the latest complete pull from the same source.
+``squeeze.distribution.pull.resolve_source`` falls back to the latest complete pull from the same source.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from squeeze.distribution.pull import ProgressFn
-from squeeze.distribution.source import Source, parse_source
+from squeeze.distribution.source import Source
 from squeeze.format.manifest import MANIFEST_NAME
 
 
@@ -37,35 +36,6 @@ def source_dir(source: Source) -> Path:
 def artifact_cache_dir(source: Source, root_digest: str) -> Path:
     """Where the artifact with ``root_digest`` pulled from ``source`` lives in the cache."""
     return source_dir(source) / root_digest[:16]
-
-
-def resolve_source(
-    source: str, *, public_key: str | os.PathLike[str] | None = None, progress: ProgressFn | None = None
-) -> Path:
-    """A local artifact directory for ``source``: an existing local path as it is; an http(s) URL or a Hub
-    repo id (``org/name[@revision]`` that is not an existing local path) pulled into the cache first
-    (reused when the cache already holds a complete pull of the version the source serves now).
-
-    When the source cannot be reached (TransferError: offline, server down) and the cache holds a complete
-    earlier pull from it, the most recent one is returned (without a ``public_key``: a signature is only
-    checked against what the source serves).
-
-    The returned directory is verified when it loads (``squeeze.api.load``). Raises what ``pull_artifact``
-    raises; ConfigError for a string that is neither a path nor a URL nor a repo id.
-    """
-    if "://" not in source and Path(source).expanduser().exists():
-        return Path(source).expanduser()
-    from squeeze.distribution.http import TransferError
-    from squeeze.distribution.pull import pull_artifact
-
-    parsed = parse_source(source)  # ConfigError before any network access for neither a URL nor a repo id
-    try:
-        return pull_artifact(source, None, public_key=public_key, progress=progress).output
-    except TransferError:
-        cached = None if public_key is not None else latest_cached(parsed)
-        if cached is None:
-            raise
-        return cached
 
 
 def latest_cached(source: Source) -> Path | None:

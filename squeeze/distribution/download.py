@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from squeeze.distribution.http import HttpClient, NotFound, TransferError, show_url
+from squeeze.distribution.http import HttpClient, NotFound, show_url
 from squeeze.distribution.source import Source
 from squeeze.distribution.staging import Staging
-from squeeze.errors import ConfigError, IntegrityError, SqueezeError
+from squeeze.errors import ConfigError, IntegrityError, SqueezeError, TransferError
 from squeeze.format.hashing import ByteCounter
 from squeeze.format.manifest import FileEntry, Manifest
 from squeeze.format.paths import short_path

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
-from squeeze.errors import IntegrityError, SqueezeError
+from squeeze.errors import IntegrityError, SqueezeError, TransferError
 from squeeze.format.paths import short_path
 
 MAX_REDIRECTS = 5
@@ -26,17 +26,6 @@ _REDIRECTS = {301, 302, 303, 307, 308}
 #: Statuses worth another try on a fresh connection (the server is busy or restarting).
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-class TransferError(SqueezeError):
-    """A download failed on the way (connection refused or dropped, timeout, server error).
-
-    Nothing unverified is kept: rerunning the same pull resumes from the verified partial files.
-    """
-
-    def __init__(self, message: str, hint: str | None = None, *, retryable: bool = True) -> None:
-        super().__init__(message, hint)
-        self.retryable = retryable
 
 
 class NotFound(TransferError):

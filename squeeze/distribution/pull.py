@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from squeeze.distribution.cache import artifact_cache_dir, latest_cached
 from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
-from squeeze.distribution.http import DEFAULT_TIMEOUT, HttpClient, NotFound, TransferError, show_url
+from squeeze.distribution.http import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
 from squeeze.distribution.source import Source, parse_source
 from squeeze.distribution.staging import Staging
-from squeeze.errors import ConfigError, FormatError, IntegrityError
+from squeeze.errors import ConfigError, FormatError, IntegrityError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME, Manifest, parse_manifest
 from squeeze.format.paths import short_path
 
@@ -102,8 +103,6 @@ def pull_artifact(
         if public_key is not None:
             signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
         if target is None:
-            from squeeze.distribution.cache import artifact_cache_dir
-
             target = artifact_cache_dir(parsed, manifest.root_digest)
         if _check_output(target, manifest):
             return PullResult(
@@ -261,3 +260,29 @@ def _check_signature(
     from squeeze.format.signature import verify_signature_bytes
 
     return verify_signature_bytes(signature, manifest, manifest_sha256, public_key).key_sha256
+
+
+def resolve_source(
+    source: str, *, public_key: str | os.PathLike[str] | None = None, progress: ProgressFn | None = None
+) -> Path:
+    """A local artifact directory for ``source``: an existing local path as it is; an http(s) URL or a Hub
+    repo id (``org/name[@revision]`` that is not an existing local path) pulled into the cache first
+    (reused when the cache already holds a complete pull of the version the source serves now).
+
+    When the source cannot be reached (TransferError: offline, server down) and the cache holds a complete
+    earlier pull from it, the most recent one is returned (without a ``public_key``: a signature is only
+    checked against what the source serves).
+
+    The returned directory is verified when it loads (``squeeze.api.load``). Raises what ``pull_artifact``
+    raises; ConfigError for a string that is neither a path nor a URL nor a repo id.
+    """
+    if "://" not in source and Path(source).expanduser().exists():
+        return Path(source).expanduser()
+    parsed = parse_source(source)  # ConfigError before any network access for neither a URL nor a repo id
+    try:
+        return pull_artifact(source, None, public_key=public_key, progress=progress).output
+    except TransferError:
+        cached = None if public_key is not None else latest_cached(parsed)
+        if cached is None:
+            raise
+        return cached

@@ -3,8 +3,9 @@
 The signature is a DSSE envelope over an in-toto statement listing every file of the artifact with its
 SHA-256 ("files" serialization, as ``model_signing sign key`` writes it), the manifest included, so it
 covers the provenance too. Git files (``.gitattributes``...), which model_signing always skips, are left out
-of the list and covered through the manifest's digests. Signing reuses the digests ``verify_artifact`` just checked, and checking a
-signature reuses the digests of a ``VerifyReport`` (or a downloaded manifest): no file is hashed twice.
+of the list and covered through the manifest's digests. Signing reuses the digests ``verify_artifact`` just
+checked, and checking a signature reuses the digests of a ``VerifyReport`` (or a downloaded manifest): no
+file is hashed twice.
 The two directions interoperate with the ``model_signing`` CLI (package ``model-signing`` 1.1.x):
 ``model_signing verify key`` accepts squeeze's signature and squeeze accepts ``model_signing sign key``'s.
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pull_server import ArtifactServer, build_artifact
 
-from squeeze.distribution.cache import cache_root, resolve_source
-from squeeze.distribution.http import TransferError
-from squeeze.errors import ConfigError
+from squeeze.distribution.cache import cache_root
+from squeeze.distribution.pull import resolve_source
+from squeeze.errors import ConfigError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.verify import verify_artifact
 

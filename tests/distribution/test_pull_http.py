@@ -12,10 +12,9 @@ import pytest
 from pull_server import CHUNK, SHARD, ArtifactServer, build_artifact, make_v1
 
 from squeeze.distribution.download import Downloader
-from squeeze.distribution.http import TransferError
 from squeeze.distribution.pull import pull_artifact
 from squeeze.distribution.staging import Staging, staging_path
-from squeeze.errors import ConfigError, FormatError, IntegrityError, LockError
+from squeeze.errors import ConfigError, FormatError, IntegrityError, LockError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME, parse_manifest
 from squeeze.format.verify import verify_artifact
 
