@@ -346,6 +346,8 @@ def load(
     machine). ``dense_cache=True`` caches every weight dequantized instead (the fastest prefill, 8x the
     memory at 4 bits); formats no kernel covers, or a machine without a C++ compiler, take that dense path
     too, unless ``low_memory=True``, which dequantizes them in row slices on every call instead.
+    ``path`` may also be an ``https://`` URL or a Hub repo id (naming no local path): it is pulled into the
+    artifact cache first (:func:`local_artifact`).
     Before reading any weight, the memory the load will hold is estimated from the manifest and config
     (artifact bytes + dense cache + a fixed overhead) and a ResourceError is raised when it exceeds the
     available memory (MemAvailable); ``check_memory=False`` skips that refusal.
@@ -362,7 +364,7 @@ def load(
             hint="dense_cache caches dequantized weights, low_memory never builds them: choose one",
         )
     return load_artifact(
-        os.fspath(path),
+        local_artifact(path, public_key=public_key),
         verify=verify,
         dense_cache=dense_cache,
         low_memory=low_memory,
@@ -461,9 +463,11 @@ def serve_engine(
 
     config = config if config is not None else EngineConfig()
     check_engine_config(config)
+    # a URL or repo id names the model by its last part, not by its directory in the cache
+    name = model_name or Path(os.fspath(path).rstrip("/")).resolve().name
+    path = local_artifact(path, public_key=public_key)
     loaded = load(path, verify=verify, dense_cache=dense_cache, low_memory=low_memory, public_key=public_key)
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic)
-    name = model_name or Path(os.fspath(path)).resolve().name
     return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
 
 
@@ -526,6 +530,26 @@ def push(
     return push_artifact(path, repo_id, token=token, private=private, revision=revision, commit_message=commit_message)
 
 
+def local_artifact(
+    source: str | os.PathLike[str],
+    *,
+    public_key: str | os.PathLike[str] | None = None,
+    progress: ProgressFn | None = None,
+) -> str:
+    """``source`` as a local artifact path: a local path as it is; an ``https://`` / ``http://`` URL, or a Hub
+    repo id naming no local path, pulled (:func:`pull`) into the artifact cache first, or found there
+    complete (``${SQUEEZE_CACHE:-~/.cache/squeeze}/artifacts``). What :func:`load` and ``squeeze run -m``
+    do with such a source; the loader then verifies the directory as always."""
+    from squeeze.distribution.source import is_remote
+
+    text = os.fspath(source)
+    if not is_remote(text):
+        return text
+    from squeeze.distribution.pull import resolve_source
+
+    return os.fspath(resolve_source(text, public_key=public_key, progress=progress))
+
+
 def _loaded_on(
     model: str | os.PathLike[str] | LoadedModel,
     device: str,
@@ -553,6 +577,7 @@ def _loaded_on(
         check_signing_options(public_key, verify=verify)  # before the memory check reads anything
     if isinstance(model, (str, os.PathLike)):
         start = time.perf_counter()
+        model = local_artifact(model, public_key=public_key)
         if target.type != "cpu":  # host memory: the dense cache (if any) is built on the device, not here
             from squeeze.runtime.memory import check_load_memory
 
@@ -589,6 +614,7 @@ __all__ = [
     "serve_engine",
     "pull",
     "push",
+    "local_artifact",
     "create_serve_app",
     "check_engine_config",
     "EngineConfig",

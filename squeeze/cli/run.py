@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from squeeze import api
-from squeeze.cli.common import PublicKey, cli_errors, err_console, kv_bytes_line, print_json
+from squeeze.cli.common import PublicKey, cli_errors, err_console, kv_bytes_line, print_json, progress_bar
 from squeeze.errors import ConfigError
 
 MIB = 1024 * 1024
@@ -53,7 +53,16 @@ def _write(piece: str) -> None:
 
 # The options as Annotated aliases, so that the command's signature is one short line per option.
 Prompt = Annotated[Optional[str], typer.Argument(help="Text to continue (may be omitted with --prompts-file).")]
-Model = Annotated[Path, typer.Option("--model", "-m", help="The artifact directory (written by squeeze compress).")]
+# a string, not a Path: a URL's "//" must survive
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="The artifact directory (written by squeeze compress), or an https:// URL or Hub repo id of one "
+        "(pulled into the artifact cache first, verified).",
+    ),
+]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt (>= 1).")]
 Temperature = Annotated[float, typer.Option("--temperature", help="0 = greedy; > 0 samples at this temperature.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")]
@@ -133,8 +142,10 @@ def run(
         if no_verify:
             err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
         stream = None if json_out else _write
+        with progress_bar("Pulling", not json_out, bytes_=True) as progress:
+            local = api.local_artifact(model, public_key=public_key, progress=progress)
         result = api.generate(
-            model,
+            local,
             prompts,
             seed=seed,
             chat=chat,

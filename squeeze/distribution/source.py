@@ -75,6 +75,14 @@ class Source:
         return re.sub(r"[^A-Za-z0-9._@-]", "_", name)[:80]
 
 
+def is_remote(text: str) -> bool:
+    """True when ``text`` names an artifact to pull: an http(s) URL, or a Hub repo id (``org/name[@revision]``)
+    that is not an existing local path (a local directory of that name always wins, as in transformers)."""
+    if text.startswith(("https://", "http://")):
+        return True
+    return _REPO_ID.fullmatch(text) is not None and not os.path.lexists(os.path.expanduser(text))
+
+
 def parse_source(text: str) -> Source:
     """A Source from an ``https://`` / ``http://`` URL or a Hub repo id (``org/name[@revision]``).
 
