@@ -278,7 +278,8 @@ class _ChunkedFile:
                 with self.lock:
                     if position == 0 and self.plan.size > KEEP_BYTES and count >= 8:  # a safetensors header
                         self.head_limit = min(self.head_limit, 8 + int.from_bytes(piece[:8], "little"))
-                    self.head_parts[position] = bytes(piece[: self.head_limit - position])
+                    if position < self.head_limit:  # again: chunk 0 may have just lowered it
+                        self.head_parts[position] = bytes(piece[: self.head_limit - position])
             position += count
             if on_bytes is not None:
                 on_bytes(count)

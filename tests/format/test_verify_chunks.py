@@ -235,3 +235,31 @@ def test_a_large_capture_holds_the_file_bytes(tmp_path, chunk_bytes):
     assert captured.data is not None and bytes(captured.data.numpy()) == shard.read_bytes()
     assert len(captured.chunks) == (4 if chunk_bytes == 2**20 else 0)
     assert torch.equal(tensors_from_captured(report)["w"], weight)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_the_header_of_a_big_shard_spans_chunks_and_is_kept_alone(tmp_path, capture):
+    # larger than hashing.KEEP_BYTES (16 MiB): only the safetensors header is kept, taken from the hashed
+    # pieces of several chunks (4 KiB chunks, a ~15 KB header)
+    generator = torch.Generator().manual_seed(2)
+    tensors = {f"small.{i}": torch.randn(3, generator=generator) for i in range(240)}
+    tensors["big"] = torch.randint(0, 255, (17 * 2**20,), dtype=torch.uint8, generator=generator)
+    write_shards(tmp_path, tensors, 2**30)
+    seal_artifact(tmp_path, chunk_bytes=CHUNK)
+    (shard,) = [p for p in tmp_path.iterdir() if p.suffix == ".safetensors"]
+    data = shard.read_bytes()
+    header = data[: 8 + int.from_bytes(data[:8], "little")]
+    assert len(data) > hashing.KEEP_BYTES and len(header) > 3 * CHUNK
+    report = verify_artifact(tmp_path, capture=(lambda path: True) if capture else None)
+    assert report.ok, report.first_error()
+    root = open_root(tmp_path)
+    try:
+        entry = next(e for e in read_manifest(tmp_path).files if e.path == shard.name)
+        plan = hashing.ChunkPlan(entry.size, entry.sha256, CHUNK, entry.chunks)
+        by_chunks = hashing.hash_files(root, [shard.name], 0, plans={shard.name: plan}, workers=4)[shard.name]
+        whole = hashing.hash_files(root, [shard.name], 0)[shard.name]
+    finally:
+        os.close(root)
+    assert isinstance(by_chunks, hashing.HashedFile) and isinstance(whole, hashing.HashedFile)
+    assert by_chunks.head == whole.head == header
+    assert report.headers[shard.name] == parse_safetensors_header(header, len(data), shard.name)
