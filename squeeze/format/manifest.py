@@ -13,12 +13,13 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from squeeze.errors import FormatError
+from squeeze.errors import ConfigError, FormatError
 from squeeze.format.atomic import atomic_write_text
 from squeeze.format.paths import check_relative_path, short_repr
 from squeeze.version import __version__
@@ -191,8 +192,9 @@ def build_manifest(
     created: str | None = None,
 ) -> Manifest:
     """A new version-2 manifest over ``entries`` (sorted by path), stamped with this tool's version and
-    ``created`` (default: now, UTC, ISO 8601 with a Z). Each entry larger than ``chunk_bytes`` must carry
-    its ceil(size / chunk_bytes) chunk digests, the others none. Raises FormatError."""
+    ``created`` (default: now, or SOURCE_DATE_EPOCH when set; UTC, ISO 8601 with a Z). Each entry larger
+    than ``chunk_bytes`` must carry its ceil(size / chunk_bytes) chunk digests, the others none. Raises
+    FormatError (ConfigError for a malformed SOURCE_DATE_EPOCH)."""
     check_chunk_bytes(chunk_bytes)
     ordered = tuple(sorted(entries, key=lambda e: e.path.encode("utf-8")))
     seen: set[str] = set()
@@ -203,7 +205,7 @@ def build_manifest(
         seen.add(entry.path)
         _check_chunks(entry, chunk_bytes, f"manifest entry {entry.path!r}")
     if created is None:
-        created = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+        created = _creation_time()
     unsigned = Manifest(
         files=ordered,
         root_digest="",
@@ -214,6 +216,22 @@ def build_manifest(
         chunk_bytes=chunk_bytes,
     )
     return replace(unsigned, root_digest=unsigned.computed_root_digest())
+
+
+def _creation_time() -> str:
+    """Now, UTC, ISO 8601 with a Z; or the time SOURCE_DATE_EPOCH names (seconds since 1970, the
+    reproducible-builds convention), so two runs over the same inputs can seal the same root digest."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if epoch:
+        if not epoch.isdigit():
+            raise ConfigError(
+                f"SOURCE_DATE_EPOCH must be a whole number of seconds since 1970, found {short_repr(epoch)}",
+                hint="unset it, or set it to e.g. $(git log -1 --format=%ct)",
+            )
+        moment = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc)
+    else:
+        moment = _dt.datetime.now(_dt.timezone.utc)
+    return moment.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _check_chunks(entry: FileEntry, chunk_bytes: int, where: str) -> None:

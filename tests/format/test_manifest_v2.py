@@ -248,3 +248,15 @@ def test_v1_artifact_still_verifies_and_its_provenance_is_not_covered(tmp_path):
     (tmp_path / "weights" / "w.bin").write_bytes(V1_WEIGHTS[:-1] + b"\x00")
     (bad,) = verify_artifact(tmp_path).failures
     assert bad.path == "weights/w.bin" and bad.error is not None and bad.error.startswith("SHA-256 mismatch")
+
+
+def test_source_date_epoch_makes_created_and_the_root_digest_reproducible(monkeypatch):
+    from squeeze.errors import ConfigError
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767323045")
+    first = build_manifest(golden_entries(), Provenance("m"), chunk_bytes=4096)
+    assert first.created == "2026-01-02T03:04:05Z"
+    assert build_manifest(golden_entries(), Provenance("m"), chunk_bytes=4096).root_digest == first.root_digest
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(ConfigError, match="SOURCE_DATE_EPOCH must be a whole number of seconds"):
+        build_manifest(golden_entries(), chunk_bytes=4096)
