@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -38,6 +39,11 @@ from squeeze.quant.schemes import format_for_recipe, formats, methods, recipe_op
 CONFIG_VERSION = 1
 #: Kept for callers of the old name; the table is squeeze.limits.
 SUPPORTED_BITS = WEIGHT_BITS
+#: What ``output.keep_dtype`` (``--keep-dtype``) may say.
+KeepDtype = Literal["source", "float32", "bfloat16", "float16"]
+KEEP_DTYPE_CHOICES: tuple[str, ...] = get_args(KeepDtype)
+#: The bits ``weights.embedding_bits`` may ask for.
+EMBEDDING_BITS = (4, 8)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Package data (shipped in the wheel), not the repository root: an installed squeeze has its built-ins too.
@@ -55,6 +61,10 @@ class WeightsConfig:
     #: A registered weight format's method (squeeze.quant.schemes): ``squeeze`` (LUT) or ``rtn`` built in.
     method: str = "squeeze"
     bits: int = 4
+    #: An average bits per weight over the quantized linears: compress then gives each linear (q/k/v and gate/up
+    #: of a block together) the width, and the sparse part or none, that meet it with the least Fisher-weighted
+    #: error (squeeze.compression.bit_budget); ``bits`` is then unused. None: every linear gets ``bits``.
+    target_bpw: float | None = None
     #: Fraction of weights kept exactly in the sparse part, chosen by sensitivity (Fisher). squeeze only.
     sensitive_fraction: float = 0.0
     #: Fraction kept exactly in the sparse part, chosen by magnitude (outliers). squeeze only.
@@ -66,10 +76,21 @@ class WeightsConfig:
     #: squeeze only: how each row's LUT is stored. ``float16`` (SqueezeLLM) or ``int8`` (8-bit levels on a
     #: per-row fp16 affine grid: half the LUT bits, ~0.1-0.2 fewer bits per weight at 3-4 bits).
     lut_dtype: LutDtype = "float16"
+    #: squeeze only: GPTQ-style error compensation (squeeze.quant.ec): codes chosen column by column against
+    #: each row's LUT, each column's error pushed onto the later columns through the inverse input Hessian
+    #: (accumulated during calibration). Same artifact format; needs calibration text.
+    error_compensation: bool = False
+    #: squeeze only, with error_compensation: dampening added to the Hessian's diagonal, as a fraction of its mean.
+    damp: float = 0.01
+    #: squeeze only, with error_compensation: refit each row's LUT once to the compensated codes (least squares).
+    refit_lut: bool = False
     #: Module-name suffixes of the nn.Linear layers to quantize.
     targets: tuple[str, ...] = DEFAULT_TARGETS
     #: Module-name substrings never quantized, even when they match a target.
     ignore: tuple[str, ...] = ("lm_head",)
+    #: Quantize the token embedding and an untied LM head too: 8 (int8 per row, RTN) or 4 (a 4-bit per-row
+    #: LUT, Fisher-weighted when the recipe is); None keeps them unquantized. A tied pair is quantized once.
+    embedding_bits: int | None = None
 
     def __post_init__(self) -> None:
         # squeeze.limits is the one table; a recipe read from YAML passes its Literal checks in from_dict too,
@@ -78,12 +99,32 @@ class WeightsConfig:
         check_choice(self.sensitivity, SENSITIVITIES, "weights.sensitivity")
         check_choice(self.lut_dtype, LUT_DTYPES, "weights.lut_dtype")
         check_weight_bits(self.bits, "weights.bits")
+        if self.target_bpw is not None:
+            _check_target_bpw(self.target_bpw)
         check_sparse_fractions(self.sensitive_fraction, self.outlier_fraction, "weights")
         if self.group_size is not None:
             check_group_size(self.group_size, "weights.group_size")
         self._check_options_of_format()
+        self._check_error_compensation()
+        if self.embedding_bits is not None and self.embedding_bits not in EMBEDDING_BITS:
+            raise ConfigError(
+                f"weights.embedding_bits must be one of {list(EMBEDDING_BITS)} or null, found {self.embedding_bits!r}",
+                hint="8: int8 rows (about 8.06 bits/weight), 4: a 4-bit LUT per row; null keeps the embedding",
+            )
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
+
+    def _check_error_compensation(self) -> None:
+        if not 0.0 < self.damp <= 1.0:
+            raise ConfigError(
+                f"weights.damp must be in (0, 1], found {self.damp!r}",
+                hint="0.01 (GPTQ's default) adds 1% of the Hessian's mean diagonal",
+            )
+        if not self.error_compensation and (self.damp != 0.01 or self.refit_lut):
+            raise ConfigError(
+                "weights.damp and weights.refit_lut apply only with weights.error_compensation: true",
+                hint="add error_compensation: true, or remove damp / refit_lut",
+            )
 
     def _check_options_of_format(self) -> None:
         """Every option the chosen format does not use keeps its default (the format registry says which)."""
@@ -109,9 +150,13 @@ class OutputConfig:
 
     #: Largest shard, as bytes or a string like "2GB", "500MB" (decimal, as transformers uses).
     max_shard_size: str = "2GB"
+    #: dtype of the tensors left unquantized (norms, biases, an unquantized embedding / LM head): "source"
+    #: keeps the checkpoint's own (float16 for GGUF), or float32 / bfloat16 / float16.
+    keep_dtype: KeepDtype = "source"
 
     def __post_init__(self) -> None:
         parse_size(self.max_shard_size)
+        check_choice(self.keep_dtype, KEEP_DTYPE_CHOICES, "output.keep_dtype")
 
     @property
     def max_shard_bytes(self) -> int:
@@ -188,11 +233,45 @@ def load_recipe(name_or_path: str | Path, **overrides: Any) -> Recipe:
             "recipe key 'kv_cache' is not a compress setting: the KV cache is calibrated on the artifact afterwards",
             hint="remove the kv_cache section and run `squeeze calibrate-kv ARTIFACT --bits 4|8`",
         )
+    _resolve_width(data, overrides, name_or_path)
     for dotted, value in overrides.items():
         if value is None:
             continue
         _set_dotted(data, dotted.split("."), value)
     return from_dict(Recipe, data, "recipe")
+
+
+def _check_target_bpw(value: float) -> None:
+    # the exact range depends on the model's shapes (LUT bytes per row): preflight checks it; here only what no
+    # model can store (every code takes at least 2 bits)
+    if not math.isfinite(value) or value < min(WEIGHT_BITS):
+        raise ConfigError(
+            f"weights.target_bpw must be a number of at least {min(WEIGHT_BITS)} (bits per weight), found {value!r}",
+            hint="e.g. 3.5 (between 3- and 4-bit) or 2.5",
+        )
+
+
+def _resolve_width(data: dict[str, Any], overrides: dict[str, Any], name: str | Path) -> None:
+    """``weights.bits`` and ``weights.target_bpw`` both set by one source (the recipe, or the flags) contradict:
+    ConfigError. One set by a flag replaces the other from the recipe (``--bits 4`` makes a budget recipe
+    uniform, ``--target-bpw 3.5`` budgets a uniform one)."""
+    weights = data.get("weights")
+    weights = weights if isinstance(weights, dict) else {}
+    if weights.get("bits") is not None and weights.get("target_bpw") is not None:
+        raise ConfigError(
+            f"recipe {name} sets both weights.bits ({weights['bits']}) and weights.target_bpw "
+            f"({weights['target_bpw']}), which contradict",
+            hint="keep bits for one width everywhere, or target_bpw for an average the linears are planned to",
+        )
+    flags = [key for key in ("weights.bits", "weights.target_bpw") if overrides.get(key) is not None]
+    if len(flags) == 2:
+        raise ConfigError(
+            f"--bits {overrides['weights.bits']} and --target-bpw {overrides['weights.target_bpw']} contradict: "
+            "one sets every linear's width, the other an average that the widths are planned to",
+            hint="pass only one of them",
+        )
+    if flags:
+        weights.pop("target_bpw" if flags[0] == "weights.bits" else "bits", None)
 
 
 def load_calibration_spec(name_or_path: str | Path, **overrides: Any) -> CalibrationSpec:
@@ -299,6 +378,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)][0]
         return _coerce(inner, value, where)
+    if tp is bool and isinstance(value, bool):
+        return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
