@@ -92,6 +92,9 @@ class WeightFormat:
     #: Whether ``quantize`` uses the Fisher sensitivities (then compress calibrates unless the recipe's
     #: sensitivity is "uniform"); formats that ignore ``fisher`` need no calibration text.
     uses_fisher: ClassVar[bool] = False
+    #: Whether ``quantize`` takes ``hessian=`` (the layer inputs' ``sum x x^T``) for error compensation, used
+    #: when the recipe's ``weights.error_compensation`` is on (then compress accumulates it while calibrating).
+    uses_hessian: ClassVar[bool] = False
     #: Kernel family that may run this format instead of the reference path ("lut"), or None.
     kernel: ClassVar[str | None] = None
     #: Per-module parameters beyond bits / in_features that the artifact's module entry carries; each is also

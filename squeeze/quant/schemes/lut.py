@@ -17,6 +17,7 @@ from torch import Tensor
 
 from squeeze.errors import FormatError
 from squeeze.limits import LUT_DTYPES
+from squeeze.quant.ec import DEFAULT_DAMP, compensated_codes, refit_lut
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import check_bits, pack_codes
 from squeeze.quant.schemes.base import ANY_FLOAT, COLUMN_INDEX, HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
@@ -43,8 +44,11 @@ class LutWeight(WeightFormat):
     name: ClassVar[str] = "lut"
     method: ClassVar[str] = "squeeze"
     recipe_match: ClassVar[Mapping[str, object]] = {"lut_dtype": "float16"}
-    recipe_options: ClassVar[frozenset[str]] = frozenset({"sensitive_fraction", "outlier_fraction", "lut_dtype"})
+    recipe_options: ClassVar[frozenset[str]] = frozenset(
+        {"sensitive_fraction", "outlier_fraction", "lut_dtype", "error_compensation", "damp", "refit_lut"}
+    )
     uses_fisher: ClassVar[bool] = True
+    uses_hessian: ClassVar[bool] = True
     kernel: ClassVar[str | None] = "lut"
     roles: ClassVar[tuple[Role, ...]] = (
         Role("weight_packed", torch.uint8, ("rows", "packed")),
@@ -112,14 +116,35 @@ class LutWeight(WeightFormat):
 
     @classmethod
     def quantize(
-        cls, weight: Tensor, fisher: Tensor | None, options: QuantOptions, timer: Timer = no_timer
+        cls,
+        weight: Tensor,
+        fisher: Tensor | None,
+        options: QuantOptions,
+        timer: Timer = no_timer,
+        *,
+        hessian: Tensor | None = None,
     ) -> LutWeight:
+        """As the base; with ``options.error_compensation`` the codes are chosen against ``hessian`` (float
+        (N, N), the layer inputs' ``sum x x^T``; required then, ValueError without it): squeeze.quant.ec."""
         mask = None
         if options.sensitive_fraction or options.outlier_fraction:
             with timer("sparse"):
                 mask = select_sparse(weight, fisher, options.sensitive_fraction, options.outlier_fraction)
         with timer("kmeans"):
-            return quantize_lut(weight, fisher, options.bits, mask=mask, lut_dtype=options.lut_dtype)
+            plain = quantize_lut(weight, fisher, options.bits, mask=mask, lut_dtype=options.lut_dtype)
+        if not getattr(options, "error_compensation", False):
+            return plain
+        if hessian is None:
+            raise ValueError("error compensation needs the layer's input Hessian, found none")
+        with timer("ec"):
+            return compensate_lut(
+                plain,
+                weight,
+                hessian,
+                mask=mask,
+                damp=getattr(options, "damp", DEFAULT_DAMP),
+                refit=getattr(options, "refit_lut", False),
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +299,41 @@ def quantize_lut(
     )
 
 
+def compensate_lut(
+    plain: LutWeight,
+    weight: Tensor,
+    hessian: Tensor,
+    *,
+    mask: Tensor | None = None,
+    damp: float = DEFAULT_DAMP,
+    refit: bool = False,
+) -> LutWeight:
+    """``plain`` (the k-means LUT weight of float (R, N) ``weight``) with its codes re-chosen column by column
+    with GPTQ error compensation against float (N, N) ``hessian`` (squeeze.quant.ec). Same LUT, sparse part
+    and format; with ``refit`` the LUT is refitted once to the compensated codes (least squares under H),
+    rounded as stored and re-sorted ascending (the codes follow their entries). ``mask``: the sparse
+    positions ``plain`` was built with (exact, never updated)."""
+    w32 = weight.detach().to(torch.float32)
+    k = 1 << plain.bits
+    codes = compensated_codes(w32, plain.lut_values(), hessian, mask=mask, damp=damp)
+    result = replace(plain, packed=pack_codes(codes.to(torch.uint8), plain.bits))
+    if not refit:
+        return result
+    fitted = refit_lut(w32, codes, hessian, k, mask=mask, damp=damp)
+    used = torch.nn.functional.one_hot(codes, k).sum(dim=1) > 0  # (R, K): entries no weight uses keep theirs
+    centroids = torch.where(used, fitted, plain.lut_values()).to(LUT_DTYPE).to(torch.float32)
+    # keep the codes the LUT was fitted to (least squares: no worse than before), re-sorted ascending
+    centroids, order = centroids.sort(dim=1, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(k).expand_as(order))  # old index -> new
+    codes = rank.gather(1, codes)
+    if isinstance(plain, Lut8Weight):
+        levels, scale, zero = affine_lut8(centroids)
+        return replace(
+            plain, lut=levels, lut_scale=scale, lut_zero=zero, packed=pack_codes(codes.to(torch.uint8), plain.bits)
+        )
+    return replace(plain, lut=centroids.to(LUT_DTYPE), packed=pack_codes(codes.to(torch.uint8), plain.bits))
+
+
 def _check_inputs(weight: Tensor, fisher: Tensor | None, mask: Tensor | None, lut_dtype: str) -> None:
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
@@ -307,4 +367,13 @@ def affine_lut8(centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return levels, scale, zero
 
 
-__all__ = ["LutWeight", "Lut8Weight", "quantize_lut", "affine_lut8", "LUT_DTYPE", "LUT8_DTYPE", "SPARSE_ROLES"]
+__all__ = [
+    "LutWeight",
+    "Lut8Weight",
+    "quantize_lut",
+    "compensate_lut",
+    "affine_lut8",
+    "LUT_DTYPE",
+    "LUT8_DTYPE",
+    "SPARSE_ROLES",
+]

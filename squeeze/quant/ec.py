@@ -1,0 +1,175 @@
+"""Error-compensated LUT quantization (GPTQ's column-by-column update against a per-row LUT).
+
+Plain SqueezeLLM gives every weight the code of its nearest LUT entry. With the input Hessian of the layer,
+``H = sum x x^T`` (in, in), the output error ``||X W^T - X Q^T||^2 = tr((W - Q) H (W - Q)^T)`` can be cut
+much further (LeanQuant, GuidedQuant): quantize the columns in order and push each column's rounding error
+onto the columns not yet quantized, weighted by the inverse Hessian (GPTQ, Frantar et al. 2022):
+
+    for column j:  q_j = nearest LUT entry of w_j (per row);  e_j = (w_j - q_j) / U_jj
+                   w_k -= e_j * U_jk  for every k > j
+
+with ``U`` the upper Cholesky factor of ``(H + lambda I)^-1``, ``lambda = damp * mean(diag H)``. Columns
+are processed in blocks of ``block_size``; the update of the columns after a block is applied once per block
+(GPTQ's lazy batch update). Dead inputs (``H_jj == 0``: the column never sees a nonzero input) get
+``H_jj = 1`` and their weights are treated as 0, as GPTQ does: whatever is stored there does not change the
+output.
+
+Dense-and-sparse: positions in ``mask`` are stored exactly (their original value) in the sparse part, so
+their error is 0 and later columns' compensation leaves them untouched.
+
+The LUT (and so the packed format) is the one weighted k-means fitted, unchanged; only the codes differ. The
+runtime reads the result as any other LUT weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: GPTQ's default dampening (fraction of the mean diagonal of H added to the diagonal).
+DEFAULT_DAMP = 0.01
+#: Columns per lazy-update block (GPTQ's default).
+DEFAULT_BLOCK = 128
+
+
+def inverse_hessian_factor(hessian: Tensor, damp: float = DEFAULT_DAMP) -> tuple[Tensor, Tensor]:
+    """(U, dead): ``U`` float32 (N, N) upper Cholesky factor of ``(H' + lambda I)^-1`` and ``dead`` bool (N,).
+
+    ``H'`` is ``hessian`` (float (N, N), symmetric PSD) with every zero diagonal entry set to 1 (dead inputs);
+    ``lambda = damp * mean(diag H')``. Computed in float64. If the Cholesky still fails (a numerically
+    indefinite H), the dampening is raised tenfold up to 5 times; ValueError after that, or for a bad shape
+    or a negative ``damp``.
+    """
+    if hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
+        raise ValueError(f"hessian must be a square (N, N) matrix, found {tuple(hessian.shape)}")
+    if not damp >= 0:
+        raise ValueError(f"damp must be >= 0, found {damp}")
+    h = hessian.detach().to(torch.float64).clone()
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError("hessian contains NaN or infinite values")
+    diag = torch.diagonal(h)
+    dead = diag <= 0
+    diag[dead] = 1.0
+    n = h.shape[0]
+    mean_diag = float(diag.mean()) if n else 1.0
+    idx = torch.arange(n)
+    factor = damp
+    for _ in range(6):
+        damped = h.clone()
+        damped[idx, idx] += factor * mean_diag
+        chol, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(chol)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper.to(torch.float32), dead
+        factor = max(factor * 10, 1e-6)
+    raise ValueError(f"the Hessian is not positive definite even with dampening {factor / 10:g} * mean(diag H)")
+
+
+def compensated_codes(
+    weight: Tensor,
+    grid: Tensor,
+    hessian: Tensor,
+    *,
+    mask: Tensor | None = None,
+    damp: float = DEFAULT_DAMP,
+    block_size: int = DEFAULT_BLOCK,
+) -> Tensor:
+    """Codes int64 (R, N): each row's LUT index per column, chosen column by column with error compensation.
+
+    weight: float (R, N). grid: float (R, K), each row's LUT values as stored (the dequantized values).
+    hessian: float (N, N), ``sum x x^T`` of the layer's inputs. mask: bool (R, N), positions stored exactly
+    (their codes are still nearest to their value, as plain quantization gives them; the sparse part
+    replaces them). ValueError for inconsistent shapes (see :func:`inverse_hessian_factor` for H's).
+    """
+    rows, cols = weight.shape
+    if grid.dim() != 2 or grid.shape[0] != rows:
+        raise ValueError(f"grid must be (R={rows}, K), found {tuple(grid.shape)}")
+    if hessian.shape != (cols, cols):
+        raise ValueError(
+            f"hessian must be ({cols}, {cols}) for a weight with {cols} columns, found {tuple(hessian.shape)}"
+        )
+    if mask is not None and (mask.shape != weight.shape or mask.dtype != torch.bool):
+        raise ValueError(f"mask must be bool {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, found {block_size}")
+    upper, dead = inverse_hessian_factor(hessian, damp)
+    w = weight.detach().to(torch.float32).clone()
+    original = w.clone()
+    w[:, dead] = 0.0  # a dead input: any stored value gives the same output; do not spread its rounding
+    g = grid.detach().to(torch.float32)
+    keep = None if mask is None or not bool(mask.any()) else mask
+    codes = torch.empty(rows, cols, dtype=torch.int64)
+    for start in range(0, cols, block_size):
+        stop = min(start + block_size, cols)
+        block = w[:, start:stop].clone()  # (R, B): updated in place as the block's columns are quantized
+        errors = torch.zeros_like(block)
+        u_block = upper[start:stop, start:stop]
+        block_keep = None if keep is None else keep[:, start:stop]
+        for i in range(stop - start):
+            column = block[:, i]
+            code = (column[:, None] - g).abs().argmin(dim=1)  # (R,): nearest entry (ties: the lower index)
+            value = g.gather(1, code[:, None]).squeeze(1)
+            err = (column - value) / u_block[i, i]
+            if block_keep is not None:
+                exact = block_keep[:, i]
+                err = err.masked_fill(exact, 0.0)  # stored exactly: no error to spread
+                code = torch.where(exact, _nearest(original[:, start + i], g), code)
+            codes[:, start + i] = code
+            errors[:, i] = err
+            if i + 1 < stop - start:
+                block[:, i + 1 :] -= err[:, None] * u_block[i, i + 1 :][None, :]
+                if block_keep is not None:
+                    block[:, i + 1 :] = torch.where(
+                        block_keep[:, i + 1 :], original[:, start + i + 1 : stop], block[:, i + 1 :]
+                    )
+        if stop < cols:
+            w[:, stop:] -= errors @ upper[start:stop, stop:]
+            if keep is not None:
+                w[:, stop:] = torch.where(keep[:, stop:], original[:, stop:], w[:, stop:])
+    return codes
+
+
+def _nearest(values: Tensor, grid: Tensor) -> Tensor:
+    return (values[:, None] - grid).abs().argmin(dim=1)
+
+
+def refit_lut(
+    weight: Tensor, codes: Tensor, hessian: Tensor, k: int, *, mask: Tensor | None = None, damp: float = DEFAULT_DAMP
+) -> Tensor:
+    """float32 (R, K): per row, the LUT values minimising ``(w - q) H (w - q)^T`` for the given codes.
+
+    q = lut[codes] (sparse positions in ``mask`` hold their exact value and are not part of the fit). Solved
+    per row as a K x K least-squares system ``(E H E^T) lut = E H r`` (E the one-hot code matrix, r the
+    target with the sparse contribution removed), dampened like the compensation; an unused entry keeps 0
+    contribution and is filled by the caller.
+    """
+    rows, cols = weight.shape
+    h = hessian.detach().to(torch.float64).clone()
+    diag = torch.diagonal(h)
+    diag[diag <= 0] = 1.0
+    diag += damp * float(diag.mean())
+    w = weight.detach().to(torch.float64)
+    onehot = torch.nn.functional.one_hot(codes.to(torch.int64), k).to(torch.float64)  # (R, N, K)
+    if mask is not None:
+        onehot = onehot.masked_fill(mask[:, :, None], 0.0)
+        residual = w.masked_fill(~mask, 0.0)  # the sparse values' part of q: fixed
+    else:
+        residual = torch.zeros_like(w)
+    eh = torch.einsum("rnk,nm->rkm", onehot, h)  # (R, K, N)
+    a = torch.einsum("rkm,rmj->rkj", eh, onehot)  # (R, K, K)
+    b = torch.einsum("rkm,rm->rk", eh, w - residual)  # (R, K)
+    a = (
+        a
+        + 1e-12
+        * torch.eye(k, dtype=torch.float64)
+        * a.diagonal(dim1=1, dim2=2).mean(dim=1).clamp_min(1e-30)[:, None, None]
+    )
+    used = onehot.sum(dim=1) > 0  # (R, K)
+    a = torch.where(used[:, :, None] & used[:, None, :], a, torch.eye(k, dtype=torch.float64).expand(rows, k, k))
+    b = torch.where(used, b, torch.zeros_like(b))
+    return torch.linalg.solve(a, b).to(torch.float32)
+
+
+__all__ = ["DEFAULT_DAMP", "DEFAULT_BLOCK", "inverse_hessian_factor", "compensated_codes", "refit_lut"]

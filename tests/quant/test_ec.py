@@ -1,0 +1,170 @@
+"""Error-compensated LUT quantization (squeeze.quant.ec, LutWeight.quantize with error_compensation)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from squeeze.quant.ec import compensated_codes, inverse_hessian_factor
+from squeeze.quant.schemes.lut import Lut8Weight, LutWeight, compensate_lut, quantize_lut
+from squeeze.quant.sparse import select_sparse
+
+
+def correlated_inputs(tokens: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """(tokens, cols) inputs with strongly correlated columns (a rank-16 signal plus a little noise)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, 16, generator=g) @ torch.randn(16, cols, generator=g) + 0.2 * torch.randn(
+        tokens, cols, generator=g
+    )
+
+
+def weight(rows: int, cols: int, seed: int = 1) -> torch.Tensor:
+    return 0.05 * torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def output_error(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor) -> float:
+    return float(((x @ w.T - x @ q.T) ** 2).sum())
+
+
+def reference_codes(w: torch.Tensor, grid: torch.Tensor, h: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """Optimal Brain Surgeon, one column at a time, in float64, without Cholesky or blocks (GPTQ's eq. 2/3):
+    quantize column j, spread its error over the remaining columns by Hinv[j, :] / Hinv[j, j], then remove j
+    from the inverse (Gaussian elimination)."""
+    w = w.to(torch.float64).clone()
+    h = h.to(torch.float64).clone()
+    n = h.shape[0]
+    h += damp * torch.diagonal(h).mean() * torch.eye(n, dtype=torch.float64)
+    hinv = torch.linalg.inv(h)
+    g = grid.to(torch.float64)
+    codes = torch.empty(w.shape, dtype=torch.int64)
+    for j in range(n):
+        code = (w[:, j : j + 1] - g).abs().argmin(dim=1)
+        codes[:, j] = code
+        err = (w[:, j] - g.gather(1, code[:, None]).squeeze(1)) / hinv[j, j]
+        w[:, j:] -= err[:, None] * hinv[j, j:][None, :]
+        hinv = hinv - torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
+    return codes
+
+
+def options(bits: int = 3, **changes: object) -> SimpleNamespace:
+    base = {
+        "bits": bits,
+        "group_size": None,
+        "sensitive_fraction": 0.0,
+        "outlier_fraction": 0.0,
+        "lut_dtype": "float16",
+        "error_compensation": True,
+        "damp": 0.01,
+        "refit_lut": False,
+    }
+    return SimpleNamespace(**(base | changes))
+
+
+def test_identity_hessian_gives_plain_nearest_lut_codes_bit_for_bit():
+    w = weight(48, 96)
+    plain = quantize_lut(w, None, 3)
+    ec = compensate_lut(plain, w, torch.eye(96))
+    assert torch.equal(ec.packed, plain.packed) and torch.equal(ec.lut, plain.lut)
+    # a diagonal H couples no columns either, whatever its scale
+    diag = compensate_lut(plain, w, torch.diag(torch.linspace(0.5, 3.0, 96)))
+    assert torch.equal(diag.packed, plain.packed)
+
+
+def test_codes_match_the_unblocked_obs_reference():
+    x = correlated_inputs(512, 80)
+    w = weight(24, 80)
+    h = x.T @ x
+    plain = quantize_lut(w, None, 3)
+    grid = plain.lut_values()
+    ours = compensated_codes(w, grid, h, block_size=32)  # 80 columns: two full blocks and a partial one
+    ref = reference_codes(w, grid, h)
+    assert float((ours == ref).double().mean()) >= 0.99  # float32 vs float64: near-ties may flip
+    # and the block size does not change the result beyond rounding
+    assert float((compensated_codes(w, grid, h, block_size=7) == ours).double().mean()) >= 0.99
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_compensation_cuts_the_output_error_on_correlated_inputs(bits):
+    x = correlated_inputs(1024, 128)
+    w = weight(64, 128)
+    plain = quantize_lut(w, None, bits)
+    ec = compensate_lut(plain, w, x.T @ x)
+    before, after = output_error(x, w, plain.dequantize()), output_error(x, w, ec.dequantize())
+    assert after < 0.25 * before, (before, after)
+    refit = compensate_lut(plain, w, x.T @ x, refit=True)
+    assert output_error(x, w, refit.dequantize()) <= after * 1.02
+    lut = refit.lut.to(torch.float32)
+    assert refit.lut.dtype == torch.float16 and bool((lut[:, 1:] >= lut[:, :-1]).all())  # still ascending
+
+
+def test_sparse_positions_stay_exact_and_are_never_updated():
+    x = correlated_inputs(512, 64)
+    w = weight(32, 64)
+    w[3, 5] = 0.9  # an outlier the sparse part takes
+    fisher = torch.rand(32, 64, generator=torch.Generator().manual_seed(2))
+    mask = select_sparse(w, fisher, 0.02, 0.03)
+    plain = quantize_lut(w, fisher, 3, mask=mask)
+    ec = compensate_lut(plain, w, x.T @ x, mask=mask)
+    deq = ec.dequantize()
+    assert torch.equal(deq[mask], w[mask])  # bit-exact, as stored
+    assert ec.sparse is plain.sparse
+    # "never updated": the compensation treats sparse positions as fixed at their value, so giving the sparse
+    # weights any other value changes no code outside them
+    moved = w.clone()
+    moved[mask] += 0.37
+    other = compensated_codes(moved, plain.lut_values(), x.T @ x, mask=mask)
+    codes = compensated_codes(w, plain.lut_values(), x.T @ x, mask=mask)
+    assert torch.equal(other[~mask], codes[~mask])
+    assert output_error(x, w, deq) < output_error(x, w, plain.dequantize())
+
+
+def test_dead_inputs_and_a_singular_hessian_work_with_dampening():
+    x = correlated_inputs(256, 48)
+    x[:, 7] = 0.0  # a dead input: H[7, :] = H[:, 7] = 0
+    x[:, 9] = x[:, 8]  # two identical inputs: H is singular beyond the dead one
+    h = x.T @ x
+    assert int(torch.linalg.matrix_rank(h)) < 47
+    w = weight(16, 48)
+    plain = quantize_lut(w, None, 3)
+    ec = compensate_lut(plain, w, h)
+    assert torch.isfinite(ec.dequantize()).all()
+    # the dead column is quantized as 0 would be (nothing it stores reaches the output)
+    zero = (plain.lut_values()).abs().argmin(dim=1)
+    assert torch.equal(ec.codes()[:, 7].to(torch.int64), zero)
+    assert output_error(x, w, ec.dequantize()) < output_error(x, w, plain.dequantize())
+    upper, dead = inverse_hessian_factor(h)
+    assert dead.tolist() == [i == 7 for i in range(48)] and torch.isfinite(upper).all()
+    # every input dead (H = 0): plain nearest rounding of zeros, nothing raised
+    all_dead = compensated_codes(w, plain.lut_values(), torch.zeros(48, 48))
+    assert bool((all_dead == zero[:, None]).all())
+
+
+def test_bad_hessians_are_refused():
+    w = weight(4, 8)
+    grid = quantize_lut(w, None, 2).lut_values()
+    with pytest.raises(ValueError, match="square"):
+        inverse_hessian_factor(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"\(8, 8\)"):
+        compensated_codes(w, grid, torch.eye(7))
+    with pytest.raises(ValueError, match="NaN"):
+        inverse_hessian_factor(torch.full((8, 8), float("nan")))
+    with pytest.raises(ValueError, match="damp"):
+        inverse_hessian_factor(torch.eye(8), damp=-1.0)
+
+
+def test_lut_weight_quantize_with_error_compensation():
+    x = correlated_inputs(512, 64)
+    w = weight(32, 64)
+    h = x.T @ x
+    ec = LutWeight.quantize(w, None, options(), hessian=h)
+    plain = LutWeight.quantize(w, None, options(error_compensation=False), hessian=h)
+    assert type(ec) is LutWeight and torch.equal(ec.lut, plain.lut) and not torch.equal(ec.packed, plain.packed)
+    assert output_error(x, w, ec.dequantize()) < output_error(x, w, plain.dequantize())
+    ec8 = LutWeight.quantize(w, None, options(lut_dtype="int8"), hessian=h)
+    assert type(ec8) is Lut8Weight
+    plain8 = quantize_lut(w, None, 3, lut_dtype="int8")
+    assert output_error(x, w, ec8.dequantize()) < output_error(x, w, plain8.dequantize())
+    with pytest.raises(ValueError, match="Hessian"):
+        LutWeight.quantize(w, None, options())
