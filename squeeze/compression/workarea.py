@@ -1,6 +1,7 @@
 """The resumable work area of a compress run: ``<output>/.squeeze-work/``.
 
-It holds the lock, the run's fingerprint, the Fisher information once computed, one checkpoint per
+It holds the lock, the run's fingerprint, the Fisher information once computed (and, for error-compensated
+recipes, the layer inputs' Hessians, computed in the same pass), one checkpoint per
 quantized layer group, and the staging directory where the final artifact is assembled. Every checkpoint
 is a safetensors file committed atomically (temp file, fsync, rename), so a run killed at any moment
 leaves only complete checkpoints under final names; leftover temp files are removed on the next run.
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from squeeze.calibrate.hessian import dedupe_hessians
 from squeeze.compression.lock import LOCK_NAME
 from squeeze.errors import FormatError, ResumeError
 from squeeze.format.atomic import PARTIAL_SUFFIX, atomic_write_text, commit_file, temp_path_for
@@ -28,6 +30,7 @@ from squeeze.format.manifest import strict_json_loads
 WORK_NAME = ".squeeze-work"
 _FINGERPRINT = "fingerprint.json"
 _FISHER = "fisher.safetensors"
+_HESSIAN = "hessian.safetensors"
 _GROUPS = "groups"
 _STAGING = "artifact"
 _PUBLISHING = "publishing.json"
@@ -148,6 +151,32 @@ class WorkArea:
             path.unlink(missing_ok=True)
             return None
         return fisher if sorted(fisher) == sorted(names) else None
+
+    # -- input Hessians (error compensation)
+
+    def has_hessians(self) -> bool:
+        return (self.root / _HESSIAN).is_file()
+
+    def save_hessians(self, hessians: dict[str, torch.Tensor]) -> None:
+        """Commit ``hessians`` (name -> float32 (in, in)); a tensor shared by several names is stored once."""
+        stored, alias = dedupe_hessians(hessians)
+        _save_atomic(self.root / _HESSIAN, stored, {_META_KEY: json.dumps(alias, sort_keys=True)})
+
+    def load_hessians(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """The saved Hessians if they exist, read back, and cover exactly ``names`` (names that shared one tensor
+        share it again); else None (an unreadable file is removed)."""
+        path = self.root / _HESSIAN
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                alias = json.loads((handle.metadata() or {})[_META_KEY])
+                stored = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+            hessians = {name: stored[owner] for name, owner in alias.items()}
+        except Exception:  # noqa: BLE001 - an unreadable cache is recomputed, whatever safetensors raised
+            path.unlink(missing_ok=True)
+            return None
+        return hessians if sorted(hessians) == sorted(names) else None
 
     # -- layer groups
 
