@@ -17,18 +17,25 @@ DEFAULT_MODEL = "smollm2-135m"
 RECIPE_KEYS = {
     "method": "weights.method",
     "bits": "weights.bits",
+    "target_bpw": "weights.target_bpw",
     "sensitivity": "weights.sensitivity",
     "sensitive_fraction": "weights.sensitive_fraction",
     "outlier_fraction": "weights.outlier_fraction",
     "group_size": "weights.group_size",
     "lut_dtype": "weights.lut_dtype",
     "max_shard_size": "output.max_shard_size",
+    "keep_dtype": "output.keep_dtype",
+    "embedding_bits": "weights.embedding_bits",
 }
 #: The options that override the calibration spec.
 CALIBRATION_KEYS = ("num_samples", "seq_len")
 #: The options a resumed run repeats (everything that shapes the artifact), in the order its command lists them.
 RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS)
-STAGE_LABELS = {"fisher": "Fisher sensitivity (windows)", "quantize": "Quantizing (layers)"}
+STAGE_LABELS = {
+    "fisher": "Fisher sensitivity (windows)",
+    "plan": "Planning bits per linear (units)",
+    "quantize": "Quantizing (layers)",
+}
 
 
 # The options as Annotated aliases, so that the command's signature is one short line per option.
@@ -60,6 +67,15 @@ NumSamples = Annotated[
 SeqLen = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Calibration window length in tokens.")]
 Method = Annotated[Optional[str], typer.Option("--method", help="squeeze (LUT k-means) or rtn (round-to-nearest).")]
 Bits = Annotated[Optional[int], typer.Option("--bits", help="Bits per weight code: 2, 3, 4 or 8.")]
+TargetBpw = Annotated[
+    Optional[float],
+    typer.Option(
+        "--target-bpw",
+        help="Average bits per weight over the quantized linears, e.g. 3.5: each linear gets the width (2, 3, 4, "
+        "8; with or without the recipe's sparse part) that meets it with the least Fisher-weighted error. "
+        "Not with --bits.",
+    ),
+]
 Sensitivity = Annotated[Optional[str], typer.Option("--sensitivity", help="fisher or uniform (ablation).")]
 SensitiveFraction = Annotated[
     Optional[float], typer.Option("--sensitive-fraction", help="Share of weights kept exact by Fisher, e.g. 0.0005.")
@@ -73,6 +89,20 @@ LutDtype = Annotated[
     typer.Option("--lut-dtype", help="float16 (SqueezeLLM) or int8 (compact LUT, ~0.1-0.2 fewer bits/weight)."),
 ]
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest shard, e.g. 2GB.")]
+KeepDtype = Annotated[
+    Optional[str],
+    typer.Option(
+        "--keep-dtype",
+        help="dtype of unquantized tensors: source (the checkpoint's; float16 for GGUF), float32, bfloat16, float16.",
+    ),
+]
+EmbeddingBits = Annotated[
+    Optional[int],
+    typer.Option(
+        "--embedding-bits",
+        help="Quantize the token embedding and an untied LM head: 8 (int8 rows) or 4 (4-bit LUT rows).",
+    ),
+]
 Seed = Annotated[
     Optional[int], typer.Option("--seed", help="Seed for calibration sampling and k-means (default: the spec's, 0).")
 ]
@@ -107,12 +137,15 @@ def compress(
     seq_len: SeqLen = None,
     method: Method = None,
     bits: Bits = None,
+    target_bpw: TargetBpw = None,
     sensitivity: Sensitivity = None,
     sensitive_fraction: SensitiveFraction = None,
     outlier_fraction: OutlierFraction = None,
     group_size: GroupSize = None,
     lut_dtype: LutDtype = None,
     max_shard_size: MaxShardSize = None,
+    keep_dtype: KeepDtype = None,
+    embedding_bits: EmbeddingBits = None,
     seed: Seed = None,
     overwrite: Overwrite = False,
     resume: Resume = False,
@@ -173,9 +206,10 @@ def _print_summary(result: api.CompressResult) -> None:
         f"[bold green]wrote[/] {result.output}: {result.quantized_modules} linears, "
         f"{result.bits_per_weight:.3f} bits/weight, {result.seconds:.1f} s"
     )
+    source = result.source_bytes or result.original_bytes  # a publish record of an older squeeze has no source
     out_console.print(
-        f"size: {result.original_bytes / 1e6:,.1f} MB (fp32 tensors) -> {result.artifact_bytes / 1e6:,.1f} MB "
-        f"(artifact), {result.original_bytes / max(result.artifact_bytes, 1):.2f}x smaller"
+        f"size: {source / 1e6:,.1f} MB (source tensors) -> {result.artifact_bytes / 1e6:,.1f} MB "
+        f"(artifact), {source / max(result.artifact_bytes, 1):.2f}x smaller"
     )
     err_console.print(f"[dim]stages: {stages}[/]")
     err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")

@@ -31,6 +31,7 @@ from squeeze.compression.writer import (
 from squeeze.config import Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
+from squeeze.models.source import keep_dtype, source_dtype
 
 
 @contextlib.contextmanager
@@ -49,22 +50,32 @@ def write_stage(job: CompressJob) -> None:
         shutil.rmtree(staging)  # a previous run's half-assembled artifact; rebuilt from the checkpoints
     net = job.loaded_model()
     job.original_bytes = state_bytes(net)
+    job.source_bytes = state_bytes(net, source_dtype(job.source))
+    kept = keep_dtype(job.source, job.recipe.output.keep_dtype)
     job.modules, job.n_weights, job.storage_bits = {}, 0, 0  # filled while the shards stream out
     with _discarded_on_error(staging):
-        write_tensors(staging, _artifact_tensors(job), job.recipe.output.max_shard_bytes)
-        write_metadata(net, job.tokenizer, job.recipe, job.modules, job.storage_bits, job.n_weights, staging)
+        write_tensors(staging, _artifact_tensors(job, kept), job.recipe.output.max_shard_bytes)
+        write_metadata(
+            net, job.tokenizer, job.recipe, job.modules, job.storage_bits, job.n_weights, staging, kept_dtype=kept
+        )
 
 
-def _artifact_tensors(job: CompressJob) -> Iterator[tuple[str, torch.Tensor]]:
+def _kept(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An unquantized tensor as the artifact stores it: floating point in ``dtype``, anything else as is."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _artifact_tensors(job: CompressJob, kept: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model in state-dict order, tied ones once; a target's weight replaced by its
-    quantized tensors from the group checkpoint. Fills ``job.modules``, ``n_weights`` and ``storage_bits``."""
+    quantized tensors from the group checkpoint, every other floating tensor cast to ``kept``. Fills
+    ``job.modules``, ``n_weights`` and ``storage_bits``."""
     group_of = {name: index for index, names in enumerate(job.groups) for name in names}
     remaining = {index: len(names) for index, names in enumerate(job.groups)}
     loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
     for key, tensor in unique_tensors(job.loaded_model().state_dict()):
         module_name = key.removesuffix(".weight") if key.endswith(".weight") else None
         if module_name not in group_of:
-            yield key, tensor
+            yield key, _kept(tensor, kept)
             continue
         index = group_of[module_name]
         if index not in loaded:
@@ -105,6 +116,8 @@ def write_metadata(
     storage_bits: int,
     n_weights: int,
     staging: Path,
+    *,
+    kept_dtype: torch.dtype = torch.float32,
 ) -> None:
     """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
     config = net.config.to_dict()  # type: ignore[union-attr, operator]
@@ -120,6 +133,8 @@ def write_metadata(
         "lut_dtype": w.lut_dtype if "lut_dtype" in weight_format(recipe).recipe_options else None,
         "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else None,
         "modules": quantized,
+        # the dtype every unquantized tensor is stored in; loaders compute in float32 whatever it is
+        "unquantized_dtype": str(kept_dtype).removeprefix("torch."),
     }
     write_config(staging, config)
     write_model_files(staging, net, tokenizer)
@@ -148,6 +163,7 @@ def seal_stage(job: CompressJob) -> None:
         "quantized_weights": job.n_weights,
         "artifact_bytes": manifest.total_size,
         "original_bytes": job.original_bytes,
+        "source_bytes": job.source_bytes,
         "root_digest": manifest.root_digest,
     }
 

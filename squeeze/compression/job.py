@@ -2,7 +2,8 @@
 
 The stages run in this order (pipeline.py): ``fingerprint`` (the work area belongs to this job, or is
 claimed for it), ``calibrate`` (token windows; before the model loads, so a text too short fails fast),
-``load``, ``sensitivity`` (Fisher information, or its checkpoint), ``quantize`` (layer groups, each
+``load``, ``sensitivity`` (Fisher information, or its checkpoint), ``plan`` (each linear's width for a
+``weights.target_bpw`` budget, or its checkpoint; nothing without one), ``quantize`` (layer groups, each
 committed as a checkpoint), ``write`` (shards and metadata assembled in the staging directory), ``seal``
 (the manifest) and ``publish`` (the sealed artifact moved into the output). Each stage's seconds are kept
 under its name in ``timings``; "checkpoint" (checkpoint I/O) and "sparse" / "kmeans" / "rtn" (one
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from squeeze.compression.bit_budget import Setting
 from squeeze.compression.signals import SignalGuard
 from squeeze.compression.workarea import WorkArea
 from squeeze.config import CalibrationSpec, Recipe
@@ -30,7 +32,7 @@ from squeeze.models.source import ModelSource
 StageProgress = Callable[[str, int, int], None]
 
 #: The job's stages, in the order they run.
-STAGES = ("fingerprint", "calibrate", "load", "sensitivity", "quantize", "write", "seal", "publish")
+STAGES = ("fingerprint", "calibrate", "load", "sensitivity", "plan", "quantize", "write", "seal", "publish")
 
 
 @dataclass
@@ -48,6 +50,7 @@ class CompressResult:
     artifact_bytes: int = 0
     original_bytes: int = 0  # the loaded model's tensors (fp32), tied weights once
     root_digest: str = ""
+    source_bytes: int = 0  # the model's tensors in the source checkpoint's dtype (float16 for GGUF), tied once
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +64,7 @@ class CompressResult:
             "quantized_weights": self.quantized_weights,
             "artifact_bytes": self.artifact_bytes,
             "original_bytes": self.original_bytes,
+            "source_bytes": self.source_bytes,
             "root_digest": self.root_digest,
         }
 
@@ -77,6 +81,9 @@ class CompressJob:
     calibration: CalibrationSpec | None  # None: no Fisher (uniform sensitivity or RTN)
     work: WorkArea
     target_names: tuple[str, ...]  # the linears to quantize, found once on the meta model in preflight
+    #: the embeddings to quantize (``weights.embedding_bits``): the input embedding, an untied LM head; found in
+    #: preflight, none when the recipe keeps them
+    embedding_names: tuple[str, ...] = ()
     seed: int = 0
     overwrite: bool = False
     restart: bool = False
@@ -91,12 +98,17 @@ class CompressJob:
     model: nn.Module | None = None  # load: fp32 weights
     tokenizer: Any = None  # load
     targets: dict[str, nn.Linear] = field(default_factory=dict)  # load: target_names -> modules of ``model``
+    #: load: embedding_names -> modules of ``model`` (the nn.Embedding; an untied LM head's nn.Linear)
+    embeddings: dict[str, nn.Linear | nn.Embedding] = field(default_factory=dict)
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity: name -> (out, in) fp32
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity (EC): name -> (in, in) fp32
+    bit_plan: dict[str, Setting] = field(default_factory=dict)  # plan (weights.target_bpw): name -> its setting
     groups: list[list[str]] = field(default_factory=list)  # quantize: target names by decoder block
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # write: quantization_config.modules
     n_weights: int = 0  # write: quantized weights
     storage_bits: int = 0  # write: bits they take in the artifact
     original_bytes: int = 0  # write
+    source_bytes: int = 0  # write
     manifest: Manifest | None = None  # seal
     summary: dict[str, Any] = field(default_factory=dict)  # seal (or the publishing record): CompressResult fields
 

@@ -46,9 +46,13 @@ def unique_tensors(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, tor
         yield key, tensor
 
 
-def state_bytes(model: nn.Module) -> int:
-    """Bytes of ``model``'s state dict as held in memory, tied weights once."""
-    return sum(t.numel() * t.element_size() for _, t in unique_tensors(model.state_dict()))
+def state_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``model``'s state dict, tied weights once: as held in memory, or with every floating tensor
+    in ``dtype`` (e.g. the source checkpoint's bfloat16)."""
+    return sum(
+        t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+        for _, t in unique_tensors(model.state_dict())
+    )
 
 
 def write_tensors(staging: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int) -> ShardIndex:

@@ -366,7 +366,12 @@ def quantized_modules(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
 
 
 def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Every tensor that is not a quantized weight, assigned by name; FormatError for extra or missing ones."""
+    """Every tensor that is not a quantized weight, assigned by name; FormatError for extra or missing ones.
+
+    Floating tensors stored in another dtype (an artifact keeps its source's bfloat16 / float16) are upcast
+    to float32, the dtype the runtime computes in.
+    """
+    tensors = {name: _runtime_dtype(t) for name, t in tensors.items()}
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:  # shape mismatches: the config and the tensors disagree
@@ -383,6 +388,11 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
         raise FormatError(f"artifact lacks tensors the architecture needs: {sorted(missing)[:3]}")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()  # type: ignore[operator]
+
+
+def _runtime_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 when it is a floating tensor of another dtype, else as is (no copy)."""
+    return tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
 
 
 #: Buffers computed at init (rotary tables...) may take this much, or as much as the artifact's tensors.
