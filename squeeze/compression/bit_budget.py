@@ -1,0 +1,257 @@
+"""Bits per layer for an average budget (``weights.target_bpw``): the settings, the units, the allocator.
+
+A *setting* is what one quantized linear can be given: a code width (2, 3, 4 or 8 bits) and, when the
+recipe has a sparse part, either that part or none (dense only). A *unit* is a set of linears that must
+share one setting: the projections a runtime fuses into one GEMM (q/k/v, gate/up) of one block, else a
+single linear. Given per unit and setting its stored bits (exact, LUTs / scales / sparse entries included)
+and its estimated error (the Fisher-weighted squared error of its quantization), :func:`allocate` picks one
+setting per unit minimising the summed error with the summed bits within the budget: a multiple-choice
+knapsack, solved exactly by dynamic programming over the budget cut into at most ``resolution`` steps
+(exact when the bits are already that coarse), then topped up greedily with the exact leftover bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from squeeze.config import Recipe, WeightsConfig
+from squeeze.errors import ConfigError
+from squeeze.limits import WEIGHT_BITS
+from squeeze.quant.schemes import format_for_recipe
+
+#: Module-name suffixes a runtime fuses into one matrix (vLLM's qkv_proj and gate_up_proj): one setting each.
+FUSED_SUFFIXES: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: Budget steps of the dynamic program: the plan may leave up to (units / resolution) of the budget unused
+#: before the greedy top-up (120 units of SmolLM2: 0.2%); time and memory grow linearly with it.
+DEFAULT_RESOLUTION = 1 << 16
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    """One choice for a linear: code width and sparse fractions (of all its weights)."""
+
+    bits: int
+    sensitive_fraction: float = 0.0
+    outlier_fraction: float = 0.0
+
+    @property
+    def sparse(self) -> bool:
+        return bool(self.sensitive_fraction or self.outlier_fraction)
+
+    def label(self) -> str:
+        """``w3``, ``w3-s045``-style (the sparse percentage in hundredths of a percent when it is not 0.45%)."""
+        if not self.sparse:
+            return f"w{self.bits}"
+        return f"w{self.bits}-s{round((self.sensitive_fraction + self.outlier_fraction) * 1e4):03d}"
+
+    def weights(self, base: WeightsConfig) -> WeightsConfig:
+        """``base`` with this setting's width and fractions, and no budget (a uniform config)."""
+        return replace(
+            base,
+            bits=self.bits,
+            sensitive_fraction=self.sensitive_fraction,
+            outlier_fraction=self.outlier_fraction,
+            target_bpw=None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bits": self.bits,
+            "sensitive_fraction": self.sensitive_fraction,
+            "outlier_fraction": self.outlier_fraction,
+        }
+
+
+def candidate_settings(weights: WeightsConfig) -> tuple[Setting, ...]:
+    """The settings a budget chooses from: every width of squeeze.limits.WEIGHT_BITS, each dense and, when the
+    recipe has sparse fractions (and its format a sparse part), with them; ascending by width, dense first."""
+    fmt = format_for_recipe(weights)
+    has_sparse = fmt is not None and {"sensitive_fraction", "outlier_fraction"} <= fmt.recipe_options
+    sparse = (weights.sensitive_fraction, weights.outlier_fraction)
+    choices = [(0.0, 0.0)] + ([sparse] if has_sparse and any(sparse) else [])
+    return tuple(Setting(bits, s, o) for bits in WEIGHT_BITS for s, o in choices)
+
+
+def fused_units(names: Sequence[str]) -> list[tuple[str, ...]]:
+    """``names`` (module names, model order) grouped into units that share one setting, in model order.
+
+    Linears of one parent module whose suffixes form one of FUSED_SUFFIXES are one unit (only those of the
+    set that are present: a model quantizing q and k but not v fuses q and k); every other linear is its own.
+    """
+    units: list[tuple[str, ...]] = []
+    placed: set[str] = set()
+    by_name = set(names)
+    for name in names:
+        if name in placed:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        unit: tuple[str, ...] = (name,)
+        for fused in FUSED_SUFFIXES:
+            if leaf in fused:
+                members = [f"{parent}.{sub}" if parent else sub for sub in fused]
+                unit = tuple(m for m in names if m in members and m in by_name)
+                break
+        units.append(unit)
+        placed.update(unit)
+    return units
+
+
+def bits_range(costs: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(fewest, most) bits over all plans: each unit at its cheapest, or at its dearest, setting."""
+    return sum(min(c) for c in costs), sum(max(c) for c in costs)
+
+
+def check_target(target_bpw: float, n_weights: int, costs: Sequence[Sequence[int]], where: str) -> int:
+    """The budget in bits for ``target_bpw`` over ``n_weights``; ConfigError (with the range this model allows)
+    when no plan reaches it or it is above what the largest setting stores."""
+    lo, hi = bits_range(costs)
+    budget = math.floor(target_bpw * n_weights)
+    if budget < lo or target_bpw * n_weights > hi:
+        low, high = lo / n_weights, hi / n_weights
+        raise ConfigError(
+            f"{where} {target_bpw:g} is outside what this model's settings store: between {low:.3f} (every "
+            f"linear at its smallest setting) and {high:.3f} bits per weight (every linear at its largest)",
+            hint=f"pass a target in [{math.ceil(low * 1000) / 1000:.3f}, {math.floor(high * 1000) / 1000:.3f}]",
+        )
+    return budget
+
+
+def estimated_bits(
+    shapes: Mapping[str, Sequence[int]], weights: WeightsConfig, value_bytes: int
+) -> tuple[list[tuple[str, ...]], list[list[int]]]:
+    """(units, bits of each unit at each candidate setting) from the linears' (out, in) shapes alone, by the
+    format's exact size accounting (``estimate_bytes``; ``value_bytes`` per sparse value): for preflight."""
+    fmt = format_for_recipe(weights)
+    if fmt is None:  # a WeightsConfig is validated against the registry when it is built
+        raise ValueError(f"no registered weight format for method {weights.method!r}")
+    settings = candidate_settings(weights)
+    units = fused_units(list(shapes))
+    options = [s.weights(weights) for s in settings]
+    bits = [
+        [
+            8 * sum(fmt.estimate_bytes(int(shapes[n][0]), int(shapes[n][1]), o, value_bytes) for n in unit)
+            for o in options
+        ]
+        for unit in units
+    ]
+    return units, bits
+
+
+def budget_bytes(shapes: Mapping[str, Sequence[int]], weights: WeightsConfig, value_bytes: int) -> int:
+    """Most bytes the linears of ``shapes`` take under ``weights.target_bpw`` (ConfigError when out of reach)."""
+    if weights.target_bpw is None:
+        raise ValueError("budget_bytes needs weights.target_bpw")
+    _, bits = estimated_bits(shapes, weights, value_bytes)
+    n_weights = sum(int(shape[0]) * int(shape[1]) for shape in shapes.values())
+    return -(-check_target(weights.target_bpw, n_weights, bits, "weights.target_bpw") // 8)
+
+
+def allocate(
+    costs: Sequence[Sequence[int]],
+    errors: Sequence[Sequence[float]],
+    budget: int,
+    *,
+    resolution: int = DEFAULT_RESOLUTION,
+) -> list[int]:
+    """One choice per unit minimising the summed error with the summed cost at most ``budget``.
+
+    costs: per unit, the stored bits of each choice (ints >= 0); errors: per unit, the error of each choice
+    (finite floats), same shape. Returns the index of each unit's choice. Exact when every cost is a
+    multiple of ``ceil(budget / resolution)`` (e.g. a budget of at most ``resolution``); otherwise costs are
+    rounded up to that step (the plan never exceeds the budget) and what the rounding leaves is spent
+    greedily on the upgrades that cut the most error per extra bit. ValueError when no choice fits.
+    """
+    if len(costs) != len(errors) or any(len(c) != len(e) or not c for c, e in zip(costs, errors, strict=True)):
+        raise ValueError("costs and errors must have one non-empty row per unit, of equal lengths")
+    if budget < sum(min(c) for c in costs):
+        raise ValueError(f"no plan fits in {budget} bits: the cheapest takes {sum(min(c) for c in costs)}")
+    if not costs:
+        return []
+    step = max(1, math.ceil(budget / resolution))
+    slots = budget // step
+    # best[j]: least error of the units so far with at most j steps; pick[u, j]: the choice reaching it
+    best = np.zeros(slots + 1, dtype=np.float64)
+    pick = np.zeros((len(costs), slots + 1), dtype=np.int16)
+    for u, (unit_costs, unit_errors) in enumerate(zip(costs, errors, strict=True)):
+        nxt = np.full(slots + 1, np.inf)
+        for k, (cost, error) in enumerate(zip(unit_costs, unit_errors, strict=True)):
+            need = -(-int(cost) // step)  # ceil: the rounded plan never exceeds the budget
+            if need > slots:
+                continue
+            candidate = np.full(slots + 1, np.inf)
+            candidate[need:] = best[: slots + 1 - need] + float(error)
+            better = candidate < nxt
+            nxt[better] = candidate[better]
+            pick[u, better] = k
+        best = nxt
+    if not np.isfinite(best[slots]):  # only possible when rounding up pushed the cheapest plan over
+        choice = [int(np.argmin(c)) for c in costs]
+    else:
+        choice = [0] * len(costs)
+        j = slots
+        for u in range(len(costs) - 1, -1, -1):
+            k = int(pick[u, j])
+            choice[u] = k
+            j -= -(-int(costs[u][k]) // step)
+    return _top_up(costs, errors, budget, choice)
+
+
+def _top_up(
+    costs: Sequence[Sequence[int]], errors: Sequence[Sequence[float]], budget: int, choice: list[int]
+) -> list[int]:
+    """Spend the bits the rounded plan left: repeatedly the change that cuts the most error per extra bit and
+    still fits (a change that costs nothing extra and cuts error first)."""
+    spent = sum(int(costs[u][k]) for u, k in enumerate(choice))
+    while True:
+        best_gain, best_move = 0.0, None
+        for u, k in enumerate(choice):
+            for j, (cost, error) in enumerate(zip(costs[u], errors[u], strict=True)):
+                extra = int(cost) - int(costs[u][k])
+                cut = float(errors[u][k]) - float(error)
+                if cut <= 0 or spent + extra > budget:
+                    continue
+                gain = math.inf if extra <= 0 else cut / extra
+                if gain > best_gain:
+                    best_gain, best_move = gain, (u, j)
+        if best_move is None:
+            return choice
+        u, j = best_move
+        spent += int(costs[u][j]) - int(costs[u][choice[u]])
+        choice[u] = j
+
+
+def planned_recipe(recipe: Recipe, setting: Setting | None) -> Recipe:
+    """``recipe`` with a planned linear's setting (uniform weights, no budget); ``recipe`` itself for None."""
+    if setting is None:
+        return recipe
+    return replace(recipe, weights=setting.weights(recipe.weights))
+
+
+def plan_summary(plan: Mapping[str, Setting], sizes: Mapping[str, int]) -> dict[str, dict[str, float]]:
+    """Share of the weights (by count) at each setting label, for reports: {"w3-s045": 0.62, ...}."""
+    total = sum(sizes[name] for name in plan) or 1
+    shares: dict[str, float] = {}
+    for name, setting in plan.items():
+        shares[setting.label()] = shares.get(setting.label(), 0.0) + sizes[name] / total
+    return {"weights": dict(sorted(shares.items()))}
+
+
+__all__ = [
+    "FUSED_SUFFIXES",
+    "DEFAULT_RESOLUTION",
+    "Setting",
+    "candidate_settings",
+    "fused_units",
+    "bits_range",
+    "estimated_bits",
+    "budget_bytes",
+    "check_target",
+    "allocate",
+    "planned_recipe",
+    "plan_summary",
+]
