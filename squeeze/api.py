@@ -199,11 +199,14 @@ def compress(
 
     ``model``: a local HF directory, a hub id in the local HF cache, a ``.gguf`` file, or ``smollm2-135m``.
     ``recipe``: a built-in name (``w4``, ``w3-s045``, ``rtn-w4``, ...), a YAML path or a Recipe;
-    ``overrides`` are dotted recipe keys (``{"weights.bits": 3}``). ``calibration``: a built-in spec name,
-    a spec YAML, a plain text file or a CalibrationSpec (needed for Fisher sensitivity); ``seed`` overrides
-    the calibration sampling seed and seeds k-means: the same inputs and seed give byte-identical shards.
-    ``output`` must not exist or be empty unless ``overwrite``; the old artifact is replaced only once the
-    new one is complete. ``progress(stage, done, total)`` reports the "fisher" and "quantize" stages.
+    ``overrides`` are dotted recipe keys (``{"weights.bits": 3}``); ``weights.target_bpw`` (e.g. 3.5, built-in
+    ``b3.5``) plans each linear's width for that average instead (ConfigError, naming the range, when the
+    model's settings cannot meet it; with ``weights.bits`` in the same place it contradicts: ConfigError).
+    ``calibration``: a built-in spec name, a spec YAML, a plain text file or a CalibrationSpec (needed for Fisher
+    sensitivity); ``seed`` overrides the calibration sampling seed and seeds k-means: the same inputs and seed
+    give byte-identical shards. ``output`` must not exist or be empty unless ``overwrite``; the old artifact is
+    replaced only once the new one is complete. ``progress(stage, done, total)`` reports the "fisher", "plan"
+    (budget recipes) and "quantize" stages.
 
     Interruptions: the Fisher information and each quantized layer group are checkpointed in
     ``output/.squeeze-work``; calling again with the same arguments resumes after the last committed group
