@@ -119,20 +119,24 @@ def hash_file(
     With ``capture`` the file is read into one private uint8 tensor and hashed from there, so a caller
     that builds tensors from ``data`` uses exactly the bytes that were hashed, whatever happens to the
     file afterwards (replaced, rewritten in place). With ``chunk_bytes`` the same read also yields the
-    digest of each ``chunk_bytes`` piece (``chunks``, for a file larger than one piece).
+    digest of each ``chunk_bytes`` piece (``chunks``, for a file larger than one piece), hashed on a
+    second thread from the same buffer, so sealing a big file takes one hash's time, not two; a file that
+    grows past ``chunk_bytes`` while being read raises IntegrityError.
     """
     fd = open_inside(root_fd, relative)
     digest = hashlib.sha256()
-    pieces = ChunkDigests(chunk_bytes) if chunk_bytes is not None else None
     head = bytearray()
     size = 0
     want_head = KEEP_BYTES
     file_size = os.fstat(fd).st_size
+    # only a file larger than one chunk has chunk digests (the whole-file digest covers a smaller one)
+    pieces = ChunkDigests(chunk_bytes) if chunk_bytes is not None and file_size > chunk_bytes else None
+    second_thread = ThreadPoolExecutor(max_workers=1) if pieces is not None else contextlib.nullcontext()
     data = private_bytes(file_size) if capture else None
     buffer = bytearray(0 if capture else CHUNK_BYTES)
     # ndarray.data: the same writable view; numpy types memoryview(ndarray) only for Python >= 3.12
     view = data.numpy().data if data is not None else memoryview(buffer)
-    with io.FileIO(fd, "rb", closefd=True) as handle:
+    with io.FileIO(fd, "rb", closefd=True) as handle, second_thread as helper:
         keep_all = file_size <= KEEP_BYTES
         if not keep_all and relative.endswith(".safetensors"):
             want_head = 8 + MAX_HEADER_BYTES  # trimmed below once the real header length is known
@@ -150,9 +154,12 @@ def hash_file(
                 chunk = view[:count]
             if not count:
                 break
+            # the chunk digests on the helper thread while this one updates the whole-file digest (hashlib
+            # releases the GIL); both are done before the buffer is read into again
+            pending = helper.submit(pieces.update, chunk) if pieces is not None and helper is not None else None
             digest.update(chunk)
-            if pieces is not None:
-                pieces.update(chunk)
+            if pending is not None:
+                pending.result()
             if len(head) < want_head:
                 head += chunk[: want_head - len(head)]
                 if not keep_all and len(head) >= 8:
@@ -163,6 +170,10 @@ def hash_file(
                 on_bytes(count)
     if data is not None and size != file_size:
         data = data[:size]  # the file shrank while being read: the size check reports it
+    if chunk_bytes is not None and pieces is None and size > chunk_bytes:
+        raise IntegrityError(
+            f"size changed while reading: {size} bytes, {file_size} when opened; re-run once nothing writes the file"
+        )
     chunks = pieces.finish() if pieces is not None else ()
     return HashedFile(path=relative, size=size, sha256=digest.hexdigest(), head=bytes(head), data=data, chunks=chunks)
 
