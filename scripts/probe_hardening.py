@@ -360,12 +360,14 @@ def set_config(artifact: Path, key: str, value: object) -> None:
     edit_json(artifact / "config.json", lambda config: config.__setitem__(key, value))
 
 
-def root_digest(files: list[dict]) -> str:
-    """The manifest's root digest over its entries (same formula as squeeze.format.manifest.root_digest)."""
-    digest = hashlib.sha256()
-    for entry in sorted(files, key=lambda e: e["path"].encode("utf-8")):
-        digest.update(f"{entry['path']}\x00{entry['size']}\x00{entry['sha256']}\n".encode())
-    return digest.hexdigest()
+def root_digest(manifest: dict) -> str:
+    """The manifest's root digest (squeeze.format.manifest's formula for its format_version)."""
+    from squeeze.format.manifest import FileEntry, root_digest_v2
+    from squeeze.format.manifest import root_digest as root_digest_v1
+
+    if manifest.get("format_version") == 1:
+        return root_digest_v1([FileEntry(e["path"], e["size"], e["sha256"]) for e in manifest["files"]])
+    return root_digest_v2(manifest)
 
 
 def leftovers(parent: Path, name: str) -> list[str]:
@@ -595,7 +597,7 @@ def probe_digest_newline(ctx: Ctx) -> list[Row]:
 
     def sha_newline(m: dict) -> None:
         m["files"][0]["sha256"] += "\n"
-        m["root_digest"] = root_digest(m["files"])
+        m["root_digest"] = root_digest(m)
 
     edit_json(art / MANIFEST, sha_newline)
     out = ctx.cli(["verify", "art"], d)

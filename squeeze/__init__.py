@@ -22,6 +22,7 @@ from squeeze.errors import (  # noqa: E402
     ResourceError,
     ResumeError,
     SqueezeError,
+    TransferError,
 )
 from squeeze.runtime import hf_hook as _hf_hook  # noqa: E402
 from squeeze.version import __version__
@@ -49,4 +50,5 @@ __all__ = [
     "LockError",
     "ResumeError",
     "Interrupted",
+    "TransferError",
 ]
