@@ -24,13 +24,14 @@ Progress = Callable[[int, int], None]
 def fisher_information(
     model: nn.Module,
     windows: torch.Tensor,
-    modules: Mapping[str, nn.Linear],
+    modules: Mapping[str, nn.Linear | nn.Embedding],
     *,
     batch_size: int = 1,
     accumulator_device: torch.device | str | None = None,
     progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Diagonal Fisher of each target linear's weight over ``windows`` (int64 ``(n, T)``).
+    """Diagonal Fisher of each target linear's weight over ``windows`` (int64 ``(n, T)``); an ``nn.Embedding``
+    target (its (V, d) table) works alike: F of a tied embedding / LM head sums both uses' gradients.
 
     Returns ``{name: F}`` with ``F`` fp32, shaped like ``modules[name].weight`` (``(out, in)``), on
     ``accumulator_device`` (default: the weight's device). With ``batch_size == 1`` (the default, as
@@ -66,7 +67,9 @@ def fisher_information(
     return fisher
 
 
-def _check_contract(model: nn.Module, windows: torch.Tensor, modules: Mapping[str, nn.Linear], batch_size: int) -> None:
+def _check_contract(
+    model: nn.Module, windows: torch.Tensor, modules: Mapping[str, nn.Linear | nn.Embedding], batch_size: int
+) -> None:
     # Contract checks (ValueError: a bug in the caller, reported as an internal error). What users choose
     # (num_samples, seq_len) was checked against squeeze.limits when the calibration spec was read.
     if windows.ndim != 2 or windows.dtype != torch.long:

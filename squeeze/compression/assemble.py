@@ -32,6 +32,7 @@ from squeeze.config import Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
 from squeeze.models.source import keep_dtype, source_dtype
+from squeeze.models.targets import embedding_modules
 
 
 @contextlib.contextmanager
@@ -56,8 +57,30 @@ def write_stage(job: CompressJob) -> None:
     with _discarded_on_error(staging):
         write_tensors(staging, _artifact_tensors(job, kept), job.recipe.output.max_shard_bytes)
         write_metadata(
-            net, job.tokenizer, job.recipe, job.modules, job.storage_bits, job.n_weights, staging, kept_dtype=kept
+            net,
+            job.tokenizer,
+            job.recipe,
+            job.modules,
+            job.storage_bits,
+            job.n_weights,
+            staging,
+            kept_dtype=kept,
+            embeddings=_embeddings_entry(job),
         )
+
+
+def _embeddings_entry(job: CompressJob) -> dict[str, Any] | None:
+    """``quantization_config.embeddings``: the quantized embeddings and, for a tied model, which one its LM
+    head reads (``tied``: head name -> embedding name); None when the recipe keeps them."""
+    if not job.embedding_names:
+        return None
+    _found, head = embedding_modules(job.loaded_model())
+    inputs = [name for name, module in job.embeddings.items() if isinstance(module, nn.Embedding)]
+    return {
+        "bits": job.recipe.weights.embedding_bits,
+        "modules": list(job.embedding_names),
+        "tied": {head: inputs[0]} if head is not None and inputs else {},
+    }
 
 
 def _kept(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,6 +141,7 @@ def write_metadata(
     staging: Path,
     *,
     kept_dtype: torch.dtype = torch.float32,
+    embeddings: dict[str, Any] | None = None,
 ) -> None:
     """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
     config = net.config.to_dict()  # type: ignore[union-attr, operator]
@@ -136,6 +160,8 @@ def write_metadata(
         # the dtype every unquantized tensor is stored in; loaders compute in float32 whatever it is
         "unquantized_dtype": str(kept_dtype).removeprefix("torch."),
     }
+    if embeddings is not None:  # weights.embedding_bits: the loaders rebuild the embedding (and a tied head)
+        config["quantization_config"]["embeddings"] = embeddings
     write_config(staging, config)
     write_model_files(staging, net, tokenizer)
     write_recipe(staging, recipe.to_yaml())

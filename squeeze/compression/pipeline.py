@@ -23,8 +23,11 @@ import torch
 from torch import nn
 
 from squeeze.calibrate.fisher import fisher_information
+from squeeze.calibrate.hessian import hessian_bytes_bound, input_hessians
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.assemble import seal_stage, write_stage
+from squeeze.compression.bit_plan import plan_stage
+from squeeze.compression.embeddings import embedding_names, embedding_targets
 from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences
 from squeeze.compression.job import CompressJob, CompressResult, Stage, StageProgress, run_stages, timed
 from squeeze.compression.lock import OutputLock
@@ -51,8 +54,15 @@ from squeeze.version import __version__
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    """Whether compress needs calibration text: the recipe's format uses the Fisher and the recipe asks for it."""
-    return weight_format(recipe).uses_fisher and recipe.weights.sensitivity == "fisher"
+    """Whether compress needs calibration text: the recipe's format uses the Fisher and the recipe asks for it,
+    or the recipe asks for error compensation (the input Hessians come from the same calibration pass)."""
+    fmt = weight_format(recipe)
+    return (fmt.uses_fisher and recipe.weights.sensitivity == "fisher") or uses_hessians(recipe)
+
+
+def uses_hessians(recipe: Recipe) -> bool:
+    """Whether the recipe quantizes with error compensation (then calibration also accumulates input Hessians)."""
+    return weight_format(recipe).uses_hessian and recipe.weights.error_compensation
 
 
 def run_compress(
@@ -150,6 +160,8 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     estimate = estimate_size(skeleton, job.recipe, targets=targets)
     calibration = job.calibration
     checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibration else 0)
+    if uses_hessians(job.recipe):
+        checkpoint_bytes += hessian_bytes_bound(targets)
     already = 0 if job.restart else job.work.disk_bytes()
     check_disk(job.work.output, estimate, checkpoint_bytes - already, force)
     seq_len = calibration.seq_len if calibration else None
@@ -157,6 +169,7 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
     job.target_names = tuple(targets)
+    job.embedding_names = embedding_names(skeleton, job.recipe, targets)  # weights.embedding_bits
     return estimate
 
 
@@ -211,6 +224,7 @@ def load_stage(job: CompressJob) -> None:
     """The model in fp32 and its target linears (the ones preflight found on the meta-device build)."""
     job.model, job.tokenizer = load_model(job.source, dtype=torch.float32)
     job.targets = _target_modules(job.model, job.target_names)
+    job.embeddings = embedding_targets(job.model, job.embedding_names)
 
 
 def _target_modules(net: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Linear]:
@@ -229,17 +243,27 @@ def sensitivity_stage(job: CompressJob) -> None:
     calibration = job.calibration
     if calibration is None:
         return
+    ec = uses_hessians(job.recipe)
     with timed(job.timings, "checkpoint"):
-        loaded = job.work.load_fisher(list(job.targets))
-    if loaded is not None:
+        loaded = job.work.load_fisher([*job.targets, *job.embeddings])
+        hessians = job.work.load_hessians(list(job.targets)) if ec and loaded is not None else None
+    if loaded is not None and (hessians is not None or not ec):
         job.fisher = loaded
+        job.hessians = hessians or {}
     else:
-        if job.windows is None:  # the saved Fisher was unreadable
+        if job.windows is None:  # the saved Fisher (or Hessians) was unreadable
             job.windows = calibration_windows(calibration, load_tokenizer(job.source))
         progress = job.progress
         report = (lambda done, total: progress("fisher", done, total)) if progress else None
-        job.fisher = fisher_information(job.loaded_model(), job.windows, job.targets, progress=report)
+        # the input Hessians (error compensation) accumulate by forward hooks during the Fisher pass itself
+        with input_hessians(job.targets if ec else {}) as accumulated:
+            job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
+                job.loaded_model(), job.windows, {**job.targets, **job.embeddings}, progress=report
+            )
+        job.hessians = accumulated.result() if ec else {}
         with timed(job.timings, "checkpoint"):
+            if ec:  # first: a committed Fisher without its Hessians is recomputed, never half trusted
+                job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
 
@@ -251,6 +275,7 @@ STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
     ("calibrate", calibrate_stage),
     ("load", load_stage),
     ("sensitivity", sensitivity_stage),
+    ("plan", plan_stage),
     ("quantize", quantize_stage),
     ("write", write_stage),
     ("seal", seal_stage),

@@ -7,11 +7,14 @@ last committed group; a committed group is never recomputed.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from squeeze.compression.bit_budget import planned_recipe
+from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import Recipe
 from squeeze.quant.schemes import WeightFormat, format_for_recipe
@@ -26,18 +29,28 @@ def weight_format(recipe: Recipe) -> type[WeightFormat]:
 
 
 def quantize_module(
-    weight: torch.Tensor, fisher: torch.Tensor | None, recipe: Recipe, timings: dict[str, float] | None = None
+    weight: torch.Tensor,
+    fisher: torch.Tensor | None,
+    recipe: Recipe,
+    timings: dict[str, float] | None = None,
+    hessian: torch.Tensor | None = None,
 ) -> WeightFormat:
     """Quantize one (out, in) fp32 weight by the format ``recipe.weights`` selects.
 
-    The format's named parts (e.g. "sparse" / "kmeans", "rtn") add their seconds to ``timings``.
+    The format's named parts (e.g. "sparse" / "kmeans", "rtn", "ec") add their seconds to ``timings``.
+    ``hessian``: fp32 (in, in) input Hessian, passed to formats that use one when the recipe's
+    ``weights.error_compensation`` is on.
     """
     timings = {} if timings is None else timings
     fisher = fisher if recipe.weights.sensitivity == "fisher" else None
-    return weight_format(recipe).quantize(weight, fisher, recipe.weights, lambda part: timed(timings, part))
+    fmt = weight_format(recipe)
+    timer = lambda part: timed(timings, part)  # noqa: E731
+    if fmt.uses_hessian and recipe.weights.error_compensation:
+        return fmt.quantize(weight, fisher, recipe.weights, timer, hessian=hessian)  # type: ignore[call-arg]
+    return fmt.quantize(weight, fisher, recipe.weights, timer)
 
 
-def layer_groups(net: nn.Module, targets: dict[str, nn.Linear]) -> list[list[str]]:
+def layer_groups(net: nn.Module, targets: Mapping[str, nn.Module]) -> list[list[str]]:
     """Target linears grouped by decoder block (``...layers.<i>``), in model order: the checkpoint unit."""
     order = [key.removesuffix(".weight") for key in net.state_dict() if key.removesuffix(".weight") in targets]
     groups: dict[str, list[str]] = {}
@@ -52,7 +65,7 @@ _BLOCK_RE = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
 
 def quantize_stage(job: CompressJob) -> None:
     """Quantize every group without a committed checkpoint, committing each as soon as it is done."""
-    job.groups = layer_groups(job.loaded_model(), job.targets)
+    job.groups = layer_groups(job.loaded_model(), {**job.targets, **job.embeddings})
     done = 0
     for index, names in enumerate(job.groups):
         with timed(job.timings, "checkpoint"):
@@ -60,6 +73,7 @@ def quantize_stage(job: CompressJob) -> None:
         if committed:
             for name in names:
                 job.fisher.pop(name, None)
+                job.hessians.pop(name, None)
         else:
             tensors, meta = _quantize_group(job, names)
             with timed(job.timings, "checkpoint"):
@@ -68,6 +82,7 @@ def quantize_stage(job: CompressJob) -> None:
         if job.progress:
             job.progress("quantize", done, len(job.targets))
     job.fisher = {}  # every entry was used once; free the memory before the write stage
+    job.hessians = {}
 
 
 def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -75,8 +90,13 @@ def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}, "specs": {}}
     for name in names:
-        weight = job.targets[name].weight.detach().float()
-        qweight = quantize_module(weight, job.fisher.pop(name, None), job.recipe, job.timings)
+        module = job.targets[name] if name in job.targets else job.embeddings[name]
+        weight = module.weight.detach().float()
+        hessian = job.hessians.pop(name, None)
+        # an embedding by weights.embedding_bits; a linear by a budget's setting for it
+        planned = planned_recipe(job.recipe, job.bit_plan.get(name))
+        recipe = embedding_recipe(job.recipe) if name in job.embeddings else planned
+        qweight = quantize_module(weight, job.fisher.pop(name, None), recipe, job.timings, hessian)
         parts = qweight.to_tensors(name)
         tensors.update(parts)
         meta["tensors"][name] = list(parts)

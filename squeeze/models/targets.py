@@ -49,6 +49,37 @@ def find_target_linears(model: nn.Module, targets: Sequence[str], ignore: Sequen
     return found
 
 
+def embedding_modules(model: nn.Module) -> tuple[dict[str, nn.Embedding | nn.Linear], str | None]:
+    """The token embeddings to quantize: ``({name: module}, tied LM head name or None)``.
+
+    The input embedding (an ``nn.Embedding``, (V, d) weight) always; the output embedding (the LM head, an
+    ``nn.Linear`` with a (V, d) weight) too when it has a weight of its own. When the LM head shares the
+    input embedding's weight (``tie_word_embeddings``), it is left out and its name returned: that one
+    weight is quantized once and serves both. ModelError when the model has no token embedding module.
+    """
+    get_input = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get_input() if callable(get_input) else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if not isinstance(embedding, nn.Embedding):
+        raise ModelError(
+            f"weights.embedding_bits is set, but {_architecture(model)} has no token embedding (nn.Embedding) "
+            "that squeeze can quantize",
+            hint="remove embedding_bits (--embedding-bits) from the recipe for this model",
+        )
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    names = {id(module): name for name, module in model.named_modules()}
+    found: dict[str, nn.Embedding | nn.Linear] = {names[id(embedding)]: embedding}
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False) is True
+    if isinstance(head, nn.Linear) and id(head) in names and tuple(head.weight.shape) == tuple(embedding.weight.shape):
+        if tied or head.weight is embedding.weight:
+            return found, names[id(head)]
+        found[names[id(head)]] = head
+    return found, None
+
+
 def _architecture(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     architectures = getattr(config, "architectures", None)
@@ -82,4 +113,4 @@ def attention_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(found[i] for i in range(len(found)))
 
 
-__all__ = ["find_target_linears", "attention_modules"]
+__all__ = ["find_target_linears", "attention_modules", "embedding_modules"]

@@ -47,6 +47,7 @@ from squeeze.format.verify import VerifyReport
 from squeeze.quant.schemes import WeightFormat, stored_roles
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
+from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
     QUANT_METHOD,
@@ -113,9 +114,16 @@ class SqueezeHfQuantizer(HfQuantizer):
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
         for name, spec in self.quantization_config.modules.items():
             _swap_in_squeeze_linear(model, name, spec, infos)
+        _untie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        for name, module in model.named_modules():
+            if isinstance(module, SqueezeEmbedding):
+                if any(t.is_meta for t in module.buffers()):
+                    raise FormatError(f"artifact lacks tensors of the quantized embedding {name!r}")
+                module.rebind(name)
+        tie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))  # over the loaded embedding
         for name, module in model.named_modules():
             if not isinstance(module, SqueezeLinear):
                 continue
@@ -167,6 +175,20 @@ def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) 
 
 def _swap_in_squeeze_linear(model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> None:
     swap_in_quantized(model, name, meta_qweight(name, spec, infos), _meta(infos, f"{name}.bias"))
+
+
+def _untie_quantized_heads(model: nn.Module, tied: dict[str, str]) -> None:
+    """Before loading: a tied LM head reads its quantized embedding (rebuilt after loading), so transformers
+    must neither tie ``head.weight`` to an embedding weight that no longer exists nor expect the head's own
+    tensors: its tie entry is dropped and it becomes a SqueezeLinear whose buffers are not loaded by name."""
+    keys = getattr(model, "all_tied_weights_keys", None)  # transformers >= 5: {target: source} used while loading
+    for head in tied:
+        if isinstance(keys, dict):
+            keys.pop(f"{head}.weight", None)
+    tie_quantized_heads(model, tied)
+    for head in tied:
+        module = model.get_submodule(head)
+        module._non_persistent_buffers_set.update(name for name, _ in module.named_buffers(recurse=False))
 
 
 def register() -> None:

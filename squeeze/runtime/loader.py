@@ -46,6 +46,7 @@ from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stor
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
+from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads, tied_heads
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
 from squeeze.system import release_free_heap
@@ -247,7 +248,28 @@ def swap_in_quantized(
             )
         return SqueezeLinear(qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
 
-    replace_linear(model, name, build)
+    def build_embedding(old: nn.Embedding) -> SqueezeEmbedding:
+        if (old.num_embeddings, old.embedding_dim) != (qweight.out_features, qweight.in_features):
+            raise FormatError(
+                f"{name}: config.json builds a {old.num_embeddings} x {old.embedding_dim} embedding, but the "
+                f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
+                hint="config.json does not belong to these tensors; re-create the artifact",
+            )
+        if bias is not None:
+            raise FormatError(f"{name}: an embedding has no bias, found {name}.bias")
+        return SqueezeEmbedding(qweight, old.padding_idx)
+
+    if _is_embedding(model, name):  # a quantized token embedding (weights.embedding_bits)
+        replace_embedding(model, name, build_embedding)
+    else:
+        replace_linear(model, name, build)
+
+
+def _is_embedding(model: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name), nn.Embedding)
+    except AttributeError:
+        return False
 
 
 def verified_report(directory: Path, *, capture: bool | Callable[[str], bool] = False) -> VerifyReport:
@@ -313,6 +335,7 @@ def load_artifact(
             del tensors[key]
         bias = tensors.pop(f"{name}.bias", None)
         swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
+    tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory)  # a tied LM head reads the embedding's
     _load_other_tensors(model, tensors)
     stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
@@ -386,8 +409,8 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
         raise FormatError(f"artifact holds tensors this architecture does not have: {sorted(unexpected)[:3]}")
     if missing:
         raise FormatError(f"artifact lacks tensors the architecture needs: {sorted(missing)[:3]}")
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()  # type: ignore[operator]
+    if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.get_input_embeddings(), nn.Embedding):  # type: ignore[operator]
+        model.tie_weights()  # type: ignore[operator]  # (a quantized embedding's head was tied above)
 
 
 def _runtime_dtype(tensor: torch.Tensor) -> torch.Tensor:
@@ -413,7 +436,7 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
 def _is_quantized_param(model: nn.Module, key: str) -> bool:
     parent, _, _ = key.rpartition(".")
     try:
-        return isinstance(model.get_submodule(parent), SqueezeLinear)
+        return isinstance(model.get_submodule(parent), (SqueezeLinear, SqueezeEmbedding))
     except AttributeError:
         return False
 

@@ -50,6 +50,15 @@ def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     modules = config.get("modules")
     if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
         raise FormatError("quantization_config.modules must map module names to objects")
+    embeddings = config.get("embeddings")
+    if embeddings is not None:  # vLLM's (vocab-parallel) embedding and LM head read plain weights only
+        names = embeddings.get("modules") if isinstance(embeddings, dict) else None
+        shown = ", ".join(map(str, names)) if isinstance(names, list) else "its token embedding"
+        raise FormatError(
+            f"the squeeze vLLM plugin cannot serve a quantized token embedding / LM head ({short_repr(shown, 80)}); "
+            "this artifact was compressed with weights.embedding_bits",
+            hint="serve it with `squeeze serve`, or re-compress without --embedding-bits for vLLM",
+        )
     for name, spec in modules.items():
         where = f"quantization_config.modules[{name!r}]"
         method = spec.get("method")

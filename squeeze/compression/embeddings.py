@@ -1,0 +1,69 @@
+"""How compress quantizes the token embedding and an untied LM head (``weights.embedding_bits``).
+
+An embedding row is read whole (one token's vector), so the formats are per row: 8 bits as RTN int8 rows
+(one float16 scale and zero per row: 8.06 bits per weight at d = 576; a 256-entry LUT per row would cost
+more than the codes save), 4 bits as the recipe's per-row LUT (Fisher-weighted k-means when the recipe is,
+no sparse part). A tied embedding / LM head is one weight, quantized once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+from torch import nn
+
+from squeeze.config import Recipe, WeightsConfig
+from squeeze.models.targets import embedding_modules
+
+
+def embedding_recipe(recipe: Recipe) -> Recipe:
+    """The recipe an embedding weight is quantized with: ``recipe`` with its weights section set to
+    ``weights.embedding_bits`` (8: RTN per row; 4: the recipe's LUT format, dense only; a recipe of another
+    method: that method per row). ValueError when the recipe quantizes no embedding."""
+    w = recipe.weights
+    bits = w.embedding_bits
+    if bits is None:
+        raise ValueError("the recipe keeps the embeddings unquantized (weights.embedding_bits is null)")
+    # every other option back to its default (sparse fractions, error compensation, a bits budget...): they
+    # are the linears' and mean nothing for a table of rows; the sensitivity (Fisher or not) is kept
+    if bits == 8 or w.method == "rtn":
+        weights = WeightsConfig(
+            method="rtn", bits=bits, sensitivity=w.sensitivity, targets=w.targets, ignore=w.ignore, embedding_bits=bits
+        )
+    else:  # the recipe's LUT (float16 or int8 entries), dense only: a gathered row needs nothing else
+        weights = WeightsConfig(
+            method="squeeze",
+            bits=bits,
+            lut_dtype=w.lut_dtype,
+            sensitivity=w.sensitivity,
+            targets=w.targets,
+            ignore=w.ignore,
+            embedding_bits=bits,
+        )
+    return dataclasses.replace(recipe, weights=weights)
+
+
+def embedding_names(model: nn.Module, recipe: Recipe, linears: Collection[str] = ()) -> tuple[str, ...]:
+    """Names of the embeddings ``recipe`` quantizes in ``model`` (meta or loaded): none unless
+    ``weights.embedding_bits`` is set; else the input embedding and an untied LM head (a tied one is the
+    embedding's weight), less any the recipe already quantizes as a linear target (``linears``).
+    ModelError when the recipe asks for it and the model has no token embedding."""
+    if recipe.weights.embedding_bits is None:
+        return ()
+    found, _tied = embedding_modules(model)
+    return tuple(name for name in found if name not in linears)
+
+
+def embedding_targets(model: nn.Module, names: Collection[str]) -> dict[str, nn.Linear | nn.Embedding]:
+    """``names`` (from :func:`embedding_names` on the same architecture) -> the modules of ``model``."""
+    found: dict[str, nn.Linear | nn.Embedding] = {}
+    for name in names:
+        module = model.get_submodule(name)
+        if not isinstance(module, (nn.Embedding, nn.Linear)):
+            raise TypeError(f"{name} is an embedding on the meta device but a {type(module).__name__} once loaded")
+        found[name] = module
+    return found
+
+
+__all__ = ["embedding_recipe", "embedding_names", "embedding_targets"]

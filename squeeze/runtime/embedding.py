@@ -1,0 +1,176 @@
+"""SqueezeEmbedding: a token embedding stored quantized, dequantized one looked-up row at a time.
+
+The table (V, d) is held as a registered format's weight (:mod:`squeeze.quant.schemes`: the per-row LUT,
+or RTN int8 rows), as buffers named as in the artifact (``weight_packed``, ``weight_lut``...). ``forward``
+gathers the packed codes (and per-row LUT / scales) of the requested token ids and dequantizes only those
+rows: the full (V, d) table is never expanded. A tied LM head is a :class:`SqueezeLinear` over the very same
+weight (:func:`tied_head`): one stored copy serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.errors import FormatError
+from squeeze.quant.schemes import WeightFormat
+from squeeze.runtime.linear import SqueezeLinear
+
+
+def gather_rows(qweight: WeightFormat, index: torch.Tensor) -> WeightFormat:
+    """Rows ``index`` (int64 (n,), each in [0, R)) of ``qweight`` as a weight of the same format, (n, N).
+
+    ``dequantize()`` of the result equals ``qweight.dequantize()[index]`` bit for bit: every stored tensor
+    of a dense per-row format is indexed by row. ValueError for a format with tensors not indexed by row
+    (a sparse part); IndexError for an id outside the table.
+    """
+    found: dict[str, torch.Tensor] = {}
+    tensors = qweight.tensors_by_role()
+    for role in type(qweight).roles:
+        if role.name not in tensors:
+            continue
+        if not role.shape or role.shape[0] != "rows":
+            raise ValueError(f"{type(qweight).__name__}.{role.name} is not stored by row: rows cannot be gathered")
+        found[role.name] = tensors[role.name].index_select(0, index)
+    return type(qweight).from_roles(qweight.bits, qweight.in_features, qweight.params(), found)
+
+
+def check_embedding_weight(qweight: WeightFormat, name: str) -> None:
+    """FormatError when ``qweight`` cannot serve as an embedding table (a tensor not stored by row)."""
+    for role in type(qweight).roles:
+        if role.name in qweight.tensors_by_role() and (not role.shape or role.shape[0] != "rows"):
+            raise FormatError(
+                f"{name}: a quantized embedding stores every tensor by row, found {name}.{role.name}",
+                hint="squeeze compress writes embeddings without a sparse part; re-create the artifact",
+            )
+
+
+class SqueezeEmbedding(nn.Module):
+    """ids (...) int64 -> (..., embedding_dim) float32, rows dequantized from the quantized (V, d) table."""
+
+    def __init__(self, qweight: WeightFormat, padding_idx: int | None = None):
+        super().__init__()
+        check_embedding_weight(qweight, "embedding")
+        self.num_embeddings = qweight.out_features
+        self.embedding_dim = qweight.in_features
+        self.padding_idx = padding_idx  # kept for code that reads it; the stored row is what is returned
+        self._qweight = qweight
+        for name, tensor in qweight.tensors_by_role().items():
+            self.register_buffer(name, tensor)
+
+    @property
+    def qweight(self) -> WeightFormat:
+        return self._qweight
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole table (V, d) in ``dtype`` (the reference; ``forward`` never builds it)."""
+        return self._qweight.dequantize(dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range: the embedding has {self.num_embeddings} rows")
+        rows = gather_rows(self._qweight, flat).dequantize(torch.float32)  # (n, d)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def rebind(self, name: str = "") -> None:
+        """Rebuild the weight from the live buffers with every format check (FormatError); see SqueezeLinear."""
+        self._qweight = self._from_buffers(name, check=True)
+        check_embedding_weight(self._qweight, name or "embedding")
+
+    def _from_buffers(self, prefix: str = "", *, check: bool) -> WeightFormat:
+        tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
+        q = self._qweight
+        return type(q).from_tensors(
+            tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check, **q.params()
+        )
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SqueezeEmbedding:
+        super()._apply(fn, recurse)  # .to(device) replaces the buffers: the weight object follows them
+        if not any(b.is_meta for b in self.buffers(recurse=False)):
+            self._qweight = self._from_buffers(check=False)
+        return self
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if not any(b.is_meta for b in self.buffers(recurse=False)):
+            self.rebind(prefix.rstrip("."))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self._qweight.name}, bits={self._qweight.bits}"
+
+
+def replace_embedding(model: nn.Module, name: str, build: Callable[[nn.Embedding], nn.Module]) -> None:
+    """Replace the ``nn.Embedding`` called ``name`` in ``model`` by ``build(old)`` (FormatError if there is none)."""
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent: Any = model.get_submodule(parent_name) if parent_name else model
+    except AttributeError:
+        parent = None
+    old = getattr(parent, child, None) if parent is not None else None
+    if not isinstance(old, nn.Embedding):
+        raise FormatError(f"quantization_config names {name!r} as an embedding, but this architecture has none there")
+    setattr(parent, child, build(old))
+
+
+def tied_heads(quant: Mapping[str, Any]) -> dict[str, str]:
+    """``quantization_config.embeddings.tied`` (LM head name -> the quantized embedding it shares), checked.
+
+    Absent when the artifact quantizes no embedding, or its LM head has a weight of its own.
+    """
+    embeddings = quant.get("embeddings")
+    if embeddings is None:
+        return {}
+    tied = embeddings.get("tied", {}) if isinstance(embeddings, dict) else None
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise FormatError("config.json: quantization_config.embeddings.tied must map module names to module names")
+    return dict(tied)
+
+
+def tie_quantized_heads(model: nn.Module, tied: Mapping[str, str], *, low_memory: bool = False) -> None:
+    """Make each tied LM head of ``model`` a SqueezeLinear over its quantized embedding's weight (the same
+    buffers: one stored copy serves both); FormatError when a name does not fit the architecture.
+
+    The head found there may be the ``nn.Linear`` of the skeleton or a SqueezeLinear placed earlier (the
+    ``from_pretrained`` path places one before loading and rebuilds it over the loaded embedding after).
+    """
+    for head, source in tied.items():
+        embedding = _submodule(model, source)
+        if not isinstance(embedding, SqueezeEmbedding):
+            raise FormatError(
+                f"quantization_config.embeddings.tied names {source!r} for the LM head {head!r}, which is not a "
+                "quantized embedding of this artifact"
+            )
+        weight = embedding.qweight
+        parent_name, _, child = head.rpartition(".")
+        parent = _submodule(model, parent_name)
+        old = getattr(parent, child, None) if parent is not None else None
+        if not isinstance(old, (nn.Linear, SqueezeLinear)):
+            raise FormatError(f"quantization_config.embeddings.tied names {head!r}, which is not an LM head here")
+        if (old.out_features, old.in_features) != (weight.out_features, weight.in_features):
+            raise FormatError(
+                f"{head}: config.json builds a {old.out_features} x {old.in_features} LM head, but the tied "
+                f"embedding is {weight.out_features} x {weight.in_features}",
+                hint="config.json does not belong to these tensors; re-create the artifact",
+            )
+        setattr(parent, child, SqueezeLinear(weight, low_memory=low_memory))
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name) if name else model
+    except AttributeError:
+        return None
+
+
+__all__ = [
+    "SqueezeEmbedding",
+    "gather_rows",
+    "check_embedding_weight",
+    "replace_embedding",
+    "tied_heads",
+    "tie_quantized_heads",
+]

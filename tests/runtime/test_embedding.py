@@ -1,0 +1,87 @@
+"""SqueezeEmbedding: gathered rows equal the reference dequantization bit for bit, for every dense format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from squeeze.errors import FormatError
+from squeeze.quant.schemes.lut import quantize_lut
+from squeeze.quant.schemes.rtn import rtn_quantize
+from squeeze.runtime.embedding import SqueezeEmbedding, gather_rows, tie_quantized_heads
+from squeeze.runtime.linear import SqueezeLinear
+
+TABLE = torch.randn(97, 40, generator=torch.Generator().manual_seed(0))
+FISHER = torch.rand(97, 40, generator=torch.Generator().manual_seed(1))
+WEIGHTS = {
+    "lut4": lambda: quantize_lut(TABLE, FISHER, 4),
+    "lut4-int8": lambda: quantize_lut(TABLE, FISHER, 4, lut_dtype="int8"),
+    "lut3": lambda: quantize_lut(TABLE, None, 3),
+    "rtn8": lambda: rtn_quantize(TABLE, 8),
+    "rtn4-g16": lambda: rtn_quantize(TABLE, 4, 16),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+def test_gathered_rows_are_the_reference_rows_bit_for_bit(kind: str) -> None:
+    qweight = WEIGHTS[kind]()
+    index = torch.tensor([5, 0, 96, 5, 33])  # repeats and both ends
+    assert torch.equal(gather_rows(qweight, index).dequantize(), qweight.dequantize()[index])
+
+
+@pytest.mark.parametrize("kind", ["lut4", "rtn8"])
+def test_forward_equals_the_dense_lookup_and_keeps_the_ids_shape(kind: str) -> None:
+    qweight = WEIGHTS[kind]()
+    module = SqueezeEmbedding(qweight)
+    ids = torch.tensor([[1, 2, 3], [96, 0, 1]])
+    out = module(ids)
+    assert out.shape == (2, 3, 40) and out.dtype == torch.float32
+    assert torch.equal(out, F.embedding(ids, qweight.dequantize()))
+    assert module(torch.zeros(0, dtype=torch.long)).shape == (0, 40)
+
+
+def test_forward_never_dequantizes_the_whole_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    qweight = WEIGHTS["lut4"]()
+    module = SqueezeEmbedding(qweight)
+    sizes: list[int] = []
+    original = type(qweight).dequantize
+
+    def spy(self, dtype=torch.float32):  # noqa: ANN001, ANN202
+        sizes.append(self.out_features)
+        return original(self, dtype)
+
+    monkeypatch.setattr(type(qweight), "dequantize", spy)
+    module(torch.tensor([[4, 4, 7]]))
+    assert sizes == [3]  # the looked-up rows only, never the 97-row table
+
+
+def test_an_id_outside_the_table_is_an_index_error() -> None:
+    module = SqueezeEmbedding(WEIGHTS["lut4"]())
+    for bad in (97, -1):
+        with pytest.raises(IndexError, match="97 rows"):
+            module(torch.tensor([0, bad]))
+
+
+def test_a_weight_with_a_sparse_part_cannot_be_an_embedding() -> None:
+    with_sparse = quantize_lut(TABLE, FISHER, 4, 0.01, 0.01)
+    with pytest.raises(FormatError, match="by row"):
+        SqueezeEmbedding(with_sparse)
+    with pytest.raises(ValueError, match="not stored by row"):
+        gather_rows(with_sparse, torch.tensor([0]))
+
+
+def test_a_tied_head_reads_the_embedding_buffers_without_a_copy() -> None:
+    model = torch.nn.Module()
+    model.embed = SqueezeEmbedding(WEIGHTS["lut4"]())
+    model.head = torch.nn.Linear(40, 97, bias=False)
+    tie_quantized_heads(model, {"head": "embed"})
+    assert isinstance(model.head, SqueezeLinear)
+    assert model.head.weight_packed is model.embed.weight_packed and model.head.weight_lut is model.embed.weight_lut
+    x = torch.randn(2, 40)
+    torch.testing.assert_close(model.head(x), x @ WEIGHTS["lut4"]().dequantize().T, rtol=1e-5, atol=1e-5)
+    model.head = torch.nn.Linear(40, 96, bias=False)  # a head of another size is not this embedding's
+    with pytest.raises(FormatError, match="96 x 40 LM head"):
+        tie_quantized_heads(model, {"head": "embed"})
+    with pytest.raises(FormatError, match="not a quantized embedding"):
+        tie_quantized_heads(model, {"head": "missing"})
