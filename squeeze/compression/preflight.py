@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from squeeze.calibrate.hessian import hessian_bytes_bound
+from squeeze.compression.bit_budget import budget_bytes
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError, ModelError, ResourceError
 from squeeze.models.source import ModelSource
@@ -90,6 +92,8 @@ def estimate_size(
         target_params.add(id(module.weight))
         n_weights += out_f * in_f
         quantized += fmt.estimate_bytes(out_f, in_f, weights, dtype_bytes)
+    if weights.target_bpw is not None:  # a budget: at most target_bpw bits per weight (ConfigError out of reach)
+        quantized = budget_bytes({n: m.weight.shape for n, m in targets.items()}, weights, dtype_bytes)
     seen: set[int] = set()
     other = 0
     for param in list(model.parameters()) + list(model.buffers()):
@@ -138,7 +142,7 @@ def estimate_peak_memory(
 
     fp32 weights stay loaded throughout; loading briefly holds a second copy (GGUF dequantization, state
     dict); Fisher adds one fp32 accumulator per target weight plus one window's activations (logits,
-    their gradient and the saved activations of every layer).
+    their gradient and the saved activations of every layer); error compensation adds the input Hessians.
     """
     seen: set[int] = set()
     params = 0
@@ -157,6 +161,8 @@ def estimate_peak_memory(
         inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
         layers = int(getattr(config, "num_hidden_layers", 0) or 0)
         fisher = sum(m.weight.numel() for m in targets.values()) * 4
+        if getattr(recipe.weights, "error_compensation", False):  # the input Hessians live beside the Fisher
+            fisher += hessian_bytes_bound(targets)
         activations = calibration_seq_len * 4 * (3 * vocab + layers * (12 * hidden + 4 * inter))
         working = max(working, fisher + activations)
     return BASE_PROCESS_BYTES + params + max(params, working)
