@@ -85,3 +85,13 @@ def test_a_tied_head_reads_the_embedding_buffers_without_a_copy() -> None:
         tie_quantized_heads(model, {"head": "embed"})
     with pytest.raises(FormatError, match="not a quantized embedding"):
         tie_quantized_heads(model, {"head": "missing"})
+
+
+def test_config_vocab_must_match_a_quantized_embedding() -> None:
+    from squeeze.runtime.config_shapes import check_config_shapes
+
+    spec = {"method": "squeeze", "bits": 4, "in_features": 40, "out_features": 97}
+    config = {"vocab_size": 97, "hidden_size": 40, "num_hidden_layers": 0}
+    check_config_shapes(config, {}, {"model.embed_tokens": spec})
+    with pytest.raises(FormatError, match="model.embed_tokens has out_features 97"):
+        check_config_shapes({**config, "vocab_size": 10**9}, {}, {"model.embed_tokens": spec})
