@@ -1,0 +1,140 @@
+"""compress with error compensation (weights.error_compensation, recipes w3-ec / w4-ec / w3-s045-ec) on
+stories260K: the artifact is an ordinary squeeze artifact (existing loader and runtime), better than plain at
+equal bits, and resuming from a committed Fisher + Hessian gives identical bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import squeeze.compression.pipeline as pipeline
+from squeeze import api
+from squeeze.compression.workarea import WORK_NAME, WorkArea
+from squeeze.config import load_recipe
+from squeeze.errors import ConfigError, Interrupted
+from squeeze.format.manifest import MANIFEST_NAME
+
+CALIB = {"num_samples": 32, "seq_len": 256}  # error compensation needs enough tokens (4 x 64 makes w3 worse)
+
+
+def compress(stories_dir: Path, text: Path, out: Path, recipe: str = "w3-ec", **kwargs):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return api.compress(str(stories_dir), out, recipe, str(text), calibration_overrides=CALIB, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+
+
+@pytest.fixture(scope="module")
+def ec_artifact(tmp_path_factory, stories_dir, tinystories_file) -> Path:
+    out = tmp_path_factory.mktemp("ec") / "w3-ec"
+    compress(stories_dir, tinystories_file, out)
+    return out
+
+
+def test_ec_artifact_is_an_ordinary_squeeze_artifact_and_beats_plain(
+    ec_artifact, tmp_path, stories_dir, tinystories_file
+):
+    plain = tmp_path / "w3"
+    compress(stories_dir, tinystories_file, plain, recipe="w3")
+    config = json.loads((ec_artifact / "config.json").read_text())["quantization_config"]
+    plain_config = json.loads((plain / "config.json").read_text())["quantization_config"]
+    assert config["modules"] == plain_config["modules"]  # same format, same module entries
+    assert api.verify_model_integrity(ec_artifact).ok
+    # same tensor names, dtypes and shapes; different codes
+    from safetensors import safe_open
+
+    def layout(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+        out = {}
+        for shard in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118
+                    t = handle.get_tensor(name)
+                    out[name] = (str(t.dtype), tuple(t.shape))
+        return out
+
+    assert layout(ec_artifact) == layout(plain)
+    assert files(ec_artifact) != files(plain)
+    # the existing loader and runtime run it, and it is closer to the original on the calibration text
+    text = str(tinystories_file)
+    scores = {
+        name: api.evaluate(str(path), text, seq_len=64, max_windows=8).result.perplexity
+        for name, path in (("ec", ec_artifact), ("plain", plain))
+    }
+    reference = api.evaluate(str(stories_dir), text, seq_len=64, max_windows=8).result.perplexity
+    assert abs(scores["ec"] - reference) < abs(scores["plain"] - reference), (scores, reference)
+
+
+def test_resume_with_a_committed_hessian_gives_identical_bytes(
+    ec_artifact, tmp_path, stories_dir, tinystories_file, monkeypatch
+):
+    out = tmp_path / "out"
+
+    def stop(stage, done, total):
+        if stage == "quantize" and done == 14:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Interrupted):
+        compress(stories_dir, tinystories_file, out, progress=stop)
+    work = WorkArea(out)
+    assert work.has_fisher() and work.has_hessians() and work.committed_groups() == 2
+    assert work.load_hessians(["model.layers.0.self_attn.q_proj"]) is None  # must cover exactly the targets
+
+    def no_second_pass(*_args, **_kwargs):
+        raise AssertionError("the committed Fisher and Hessians must be reused")
+
+    monkeypatch.setattr(pipeline, "fisher_information", no_second_pass)
+    compress(stories_dir, tinystories_file, out)
+    assert not (out / WORK_NAME).exists()
+    assert files(out) == files(ec_artifact)
+
+
+def test_a_missing_hessian_checkpoint_is_recomputed(ec_artifact, tmp_path, stories_dir, tinystories_file):
+    out = tmp_path / "out"
+
+    def stop(stage, done, total):
+        if stage == "quantize" and done == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Interrupted):
+        compress(stories_dir, tinystories_file, out, progress=stop)
+    (out / WORK_NAME / "hessian.safetensors").write_bytes(b"not a safetensors file")
+    compress(stories_dir, tinystories_file, out)
+    assert files(out) == files(ec_artifact)
+
+
+def test_recipe_validation():
+    assert load_recipe("w3-ec").weights.error_compensation is True
+    assert load_recipe("w3-s045-ec").weights.sensitive_fraction == 0.0005
+    with pytest.raises(ConfigError, match="error_compensation applies to method squeeze"):
+        load_recipe("rtn-w3", **{"weights.error_compensation": True})
+    with pytest.raises(ConfigError, match="damp"):
+        load_recipe("w3-ec", **{"weights.damp": 0.0})
+    with pytest.raises(ConfigError, match="damp"):
+        load_recipe("w3-ec", **{"weights.damp": 1.5})
+    with pytest.raises(ConfigError, match="only with weights.error_compensation"):
+        load_recipe("w3", **{"weights.refit_lut": True})
+    with pytest.raises(ConfigError, match="bool"):
+        load_recipe("w3", **{"weights.error_compensation": "yes"})
+
+
+def test_ec_needs_calibration_even_with_uniform_sensitivity(tmp_path, stories_dir):
+    recipe = load_recipe("w3-ec", **{"weights.sensitivity": "uniform"})
+    assert pipeline.needs_calibration(recipe)
+    assert not pipeline.needs_calibration(load_recipe("w3", **{"weights.sensitivity": "uniform"}))
+    with pytest.raises(ConfigError, match="no calibration text"):
+        api.compress(str(stories_dir), tmp_path / "x", recipe, None)
