@@ -23,6 +23,9 @@ runtime reads the result as any other LUT weight.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -30,6 +33,22 @@ from torch import Tensor
 DEFAULT_DAMP = 0.01
 #: Columns per lazy-update block (GPTQ's default).
 DEFAULT_BLOCK = 128
+
+
+#: The last factor computed: (weak reference to its Hessian, the Hessian's version counter, damp, result). Linears
+#: that share an input (q/k/v, gate/up) are quantized one after another with the same Hessian tensor.
+_LAST: list[Any] = []
+
+
+def cached_inverse_hessian_factor(hessian: Tensor, damp: float = DEFAULT_DAMP) -> tuple[Tensor, Tensor]:
+    """:func:`inverse_hessian_factor`, reused while the same unmodified tensor comes back with the same damp."""
+    if _LAST:
+        ref, version, last_damp, result = _LAST
+        if ref() is hessian and version == hessian._version and last_damp == damp:
+            return result  # type: ignore[no-any-return]
+    result = inverse_hessian_factor(hessian, damp)
+    _LAST[:] = [weakref.ref(hessian), hessian._version, damp, result]
+    return result
 
 
 def inverse_hessian_factor(hessian: Tensor, damp: float = DEFAULT_DAMP) -> tuple[Tensor, Tensor]:
@@ -94,7 +113,7 @@ def compensated_codes(
         raise ValueError(f"mask must be bool {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, found {block_size}")
-    upper, dead = inverse_hessian_factor(hessian, damp)
+    upper, dead = cached_inverse_hessian_factor(hessian, damp)
     w = weight.detach().to(torch.float32).clone()
     original = w.clone()
     w[:, dead] = 0.0  # a dead input: any stored value gives the same output; do not spread its rounding

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from squeeze.quant.ec import compensated_codes, inverse_hessian_factor
+from squeeze.quant.ec import cached_inverse_hessian_factor, compensated_codes, inverse_hessian_factor
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight, compensate_lut, quantize_lut
 from squeeze.quant.sparse import select_sparse
 
@@ -168,3 +168,16 @@ def test_lut_weight_quantize_with_error_compensation():
     assert output_error(x, w, ec8.dequantize()) < output_error(x, w, plain8.dequantize())
     with pytest.raises(ValueError, match="Hessian"):
         LutWeight.quantize(w, None, options())
+
+
+def test_the_factor_is_reused_only_for_the_same_unmodified_hessian():
+    x = correlated_inputs(256, 32)
+    h = x.T @ x
+    first = cached_inverse_hessian_factor(h)
+    assert cached_inverse_hessian_factor(h) is first  # q, k, v in a row: one Cholesky
+    assert cached_inverse_hessian_factor(h, damp=0.1) is not first
+    h.mul_(2.0)  # changed in place: recomputed
+    again = cached_inverse_hessian_factor(h)
+    assert again is not first
+    torch.testing.assert_close(again[0], inverse_hessian_factor(h)[0])
+    assert cached_inverse_hessian_factor(h.clone()) is not again
