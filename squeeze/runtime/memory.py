@@ -66,6 +66,9 @@ class LoadEstimate:
     #: dense caches of the weights no kernel covers (the default path's fallback)
     fallback_bytes: int = 0
     overhead_bytes: int = OVERHEAD_BYTES
+    #: float32 copies of the unquantized tensors stored in bfloat16 / float16 (the loader upcasts them; the
+    #: stored bytes stay held with the shard the quantized tensors are views of)
+    upcast_bytes: int = 0
 
     def working_bytes(self, *, dense_cache: bool = False, low_memory: bool = False) -> int:
         """What the quantized linears add to the artifact's bytes on the path the flags choose."""
@@ -76,7 +79,7 @@ class LoadEstimate:
     def total(self, *, dense_cache: bool = False, low_memory: bool = False) -> int:
         """Bytes the whole load holds on that path: artifact + working bytes + the fixed overhead."""
         working = self.working_bytes(dense_cache=dense_cache, low_memory=low_memory)
-        return self.artifact_bytes + working + self.overhead_bytes
+        return self.artifact_bytes + self.upcast_bytes + working + self.overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def estimate_load(
             # every quantized weight stores at least one bit: such a config does not describe this artifact
             modules = []
         nnz = _sparse_entries(root_fd, regular) if any(m.covered for m in modules) else {}
+        upcast = _upcast_bytes(root_fd, regular, {m.name for m in modules})
     except OSError:
         return None
     finally:
@@ -130,6 +134,7 @@ def estimate_load(
         low_memory_bytes=max((min(m.rows, chunk_rows) * m.cols * width for m in fallback), default=0),
         prepared_bytes=sum(SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) for m in covered),
         fallback_bytes=sum(m.rows * m.cols * width for m in fallback),
+        upcast_bytes=upcast,
     )
 
 
@@ -203,6 +208,28 @@ def _sparse_entries(root_fd: int, regular: Mapping[str, int]) -> dict[str, int]:
     return counts
 
 
+def _upcast_bytes(root_fd: int, regular: Mapping[str, int], quantized: Iterable[str]) -> int:
+    """Bytes of the float32 copies the loader makes of 16-bit tensors that belong to no quantized module, from
+    the top-level shards' headers (only the headers are read; an unreadable shard counts nothing)."""
+    modules = set(quantized)
+    total = 0
+    for rel in _shards(regular):
+        try:
+            fd = open_inside(root_fd, rel)
+        except (OSError, SqueezeError):
+            continue
+        with os.fdopen(fd, "rb") as handle:
+            prefix = read_header_prefix(handle)
+        try:
+            tensors = parse_safetensors_header(prefix, regular[rel], rel).tensors
+        except SqueezeError:
+            continue
+        for key, info in tensors.items():
+            if info.dtype in ("F16", "BF16") and key.rpartition(".")[0] not in modules:
+                total += (info.end - info.begin) * 2
+    return total
+
+
 def _shards(regular: Iterable[str]) -> list[str]:
     return sorted(rel for rel in regular if "/" not in rel and rel.endswith(".safetensors"))
 
@@ -245,7 +272,12 @@ def _parts(estimate: LoadEstimate, *, dense_cache: bool, low_memory: bool) -> st
             ("row slice", estimate.low_memory_bytes) if low_memory else ("dense fallback", estimate.fallback_bytes)
         )
         parts = [("kernel sparse entries", estimate.prepared_bytes), fallback]
-    named = [("artifact", estimate.artifact_bytes), *parts, ("overhead", estimate.overhead_bytes)]
+    named = [
+        ("artifact", estimate.artifact_bytes),
+        ("float32 copies of 16-bit tensors", estimate.upcast_bytes),
+        *parts,
+        ("overhead", estimate.overhead_bytes),
+    ]
     return " + ".join(f"{name} {_gb(n)}" for name, n in named if n or name in ("artifact", "overhead"))
 
 

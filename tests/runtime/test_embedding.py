@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,3 +97,24 @@ def test_config_vocab_must_match_a_quantized_embedding() -> None:
     check_config_shapes(config, {}, {"model.embed_tokens": spec})
     with pytest.raises(FormatError, match="model.embed_tokens has out_features 97"):
         check_config_shapes({**config, "vocab_size": 10**9}, {}, {"model.embed_tokens": spec})
+
+
+def test_the_load_estimate_counts_the_float32_copies_of_16_bit_tensors(tmp_path) -> None:  # noqa: ANN001
+    from safetensors.torch import save_file
+
+    from squeeze.runtime.memory import estimate_load
+
+    save_file(
+        {
+            "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
+            "model.embed_tokens.weight": torch.ones(10, 8, dtype=torch.float16),
+            "model.layers.0.mlp.up_proj.weight_lut": torch.ones(4, 16, dtype=torch.float16),  # a quantized role
+            "model.layers.0.mlp.down_proj.weight": torch.ones(4, 4),  # float32: no copy
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    spec = {"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 4}
+    config = {"quantization_config": {"quant_method": "squeeze", "modules": {"model.layers.0.mlp.up_proj": spec}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    estimate = estimate_load(tmp_path)
+    assert estimate is not None and estimate.upcast_bytes == (64 + 80) * 4
