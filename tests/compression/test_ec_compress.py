@@ -19,7 +19,7 @@ from squeeze.config import load_recipe
 from squeeze.errors import ConfigError, Interrupted
 from squeeze.format.manifest import MANIFEST_NAME
 
-CALIB = {"num_samples": 32, "seq_len": 256}  # error compensation needs enough tokens (4 x 64 makes w3 worse)
+CALIB = {"num_samples": 8, "seq_len": 128}  # error compensation needs enough tokens (4 x 64 makes w3 worse)
 
 
 def compress(stories_dir: Path, text: Path, out: Path, recipe: str = "w3-ec", **kwargs):
