@@ -68,13 +68,21 @@ class Setting:
 
 
 def candidate_settings(weights: WeightsConfig) -> tuple[Setting, ...]:
-    """The settings a budget chooses from: every width of squeeze.limits.WEIGHT_BITS, each dense and, when the
-    recipe has sparse fractions (and its format a sparse part), with them; ascending by width, dense first."""
+    """The settings a budget chooses from: the widths of squeeze.limits.WEIGHT_BITS up to twice
+    ``weights.target_bpw`` (all of them without one), each dense and, when the recipe has sparse fractions
+    (and its format a sparse part), with them; ascending by width, dense first.
+
+    Why the cap: a width over twice the average must be paid for by other linears far below it, and the
+    8-bit candidates cost most of the estimate (k-means into 256 levels) while an 8-bit fp16 LUT alone adds
+    7 bits per weight on rows of 576: at 3.5 or 2.5 bits they are never worth it; from 4 bits on they stay.
+    """
     fmt = format_for_recipe(weights)
     has_sparse = fmt is not None and {"sensitive_fraction", "outlier_fraction"} <= fmt.recipe_options
     sparse = (weights.sensitive_fraction, weights.outlier_fraction)
     choices = [(0.0, 0.0)] + ([sparse] if has_sparse and any(sparse) else [])
-    return tuple(Setting(bits, s, o) for bits in WEIGHT_BITS for s, o in choices)
+    target = weights.target_bpw
+    widths = [bits for bits in WEIGHT_BITS if target is None or bits <= 2 * target]
+    return tuple(Setting(bits, s, o) for bits in widths for s, o in choices)
 
 
 def fused_units(names: Sequence[str]) -> list[tuple[str, ...]]:

@@ -103,6 +103,10 @@ def test_candidates_are_every_width_dense_and_with_the_recipes_sparse_part() -> 
     assert [s.label() for s in got[:2]] == ["w2", "w2-s045"]
     rtn = WeightsConfig(method="rtn", bits=4)
     assert candidate_settings(rtn) == tuple(Setting(b) for b in (2, 3, 4, 8))
+    # a budget offers the widths up to twice its average: 8 bits only from a target of 4
+    assert [s.bits for s in candidate_settings(WeightsConfig(target_bpw=3.5))] == [2, 3, 4]
+    assert [s.bits for s in candidate_settings(WeightsConfig(target_bpw=2.0))] == [2, 3, 4]
+    assert [s.bits for s in candidate_settings(WeightsConfig(target_bpw=4.0))] == [2, 3, 4, 8]
 
 
 def test_a_planned_recipe_is_uniform() -> None:

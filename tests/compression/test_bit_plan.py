@@ -111,7 +111,7 @@ def test_the_error_table_counts_exact_bits_and_weighted_error() -> None:
 
     table = error_table(weights, fisher, recipe, lambda w, f, r: quantize_module(w, f, r))
     assert table.units == [("l.q_proj", "l.k_proj"), ("l.o_proj",)]
-    assert [s.bits for s in table.settings] == [2, 3, 4, 8]
+    assert [s.bits for s in table.settings] == [2, 3, 4]  # up to twice the target
     for u, unit in enumerate(table.units):
         assert table.errors[u] == sorted(table.errors[u], reverse=True)  # more bits, less error
         for k, setting in enumerate(table.settings):
