@@ -1,4 +1,4 @@
-"""Perplexity per bit: FP32, RTN, squeeze (SqueezeLLM) and HQQ side by side, in one run, on the same windows.
+"""Perplexity per bit: FP32, RTN, squeeze (SqueezeLLM; -ec: error-compensated) and HQQ side by side, in one run.
 
     .venv/bin/python scripts/bench_quality.py                 # SmolLM2-135M (GGUF), sotu -> wikitext2
     .venv/bin/python scripts/bench_quality.py --methods fp32,rtn-w3,w3,w3-s045 --eval-windows 10
@@ -7,6 +7,9 @@ Calibration on ../shared/corpora/sotu.txt, evaluation on ../shared/corpora/wikit
 (512-token windows, first 40). The Fisher pass runs once and feeds every squeeze variant; each variant
 replaces the target weights by their exact dequantization (the artifact's reference path) and is scored
 on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
+Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
+the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
+in descending diag(H) order).
 Writes JSON (--out) and prints a table.
 """
 
@@ -26,12 +29,14 @@ SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
 from squeeze.calibrate.fisher import fisher_information  # noqa: E402
+from squeeze.calibrate.hessian import dedupe_hessians, input_hessians  # noqa: E402
 from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
 from squeeze.models.targets import find_target_linears  # noqa: E402
-from squeeze.quant.schemes.lut import quantize_lut  # noqa: E402
+from squeeze.quant.schemes.lut import compensate_lut, quantize_lut  # noqa: E402
 from squeeze.quant.schemes.rtn import rtn_quantize  # noqa: E402
+from squeeze.quant.sparse import select_sparse  # noqa: E402
 
 SQUEEZE = {
     "w4": (4, 0.0, 0.0),
@@ -41,8 +46,21 @@ SQUEEZE = {
     "w3-uniform": (3, 0.0, 0.0),
 }
 SQUEEZE.update({f"{name}-lut8": spec for name, spec in list(SQUEEZE.items()) if not name.endswith("uniform")})
-RTN = {"rtn-w4": (4, None), "rtn-w3": (3, None), "rtn-w4-g128": (4, 128), "rtn-w3-g128": (3, 128)}
-HQQ = {"hqq-w4-g128": 4, "hqq-w3-g128": 3}
+SQUEEZE["w2"] = (2, 0.0, 0.0)
+SQUEEZE["w2-s045"] = (2, 0.0005, 0.004)
+# error compensation: -ec, plus -act (columns by descending diag H) and / or -refit (LUT refitted once)
+for _suffix in ("-ec", "-ec-act", "-ec-refit", "-ec-act-refit"):
+    SQUEEZE.update(
+        {f"{n}{_suffix}": spec for n, spec in list(SQUEEZE.items()) if "-ec" not in n and "uniform" not in n}
+    )
+RTN = {
+    "rtn-w4": (4, None),
+    "rtn-w3": (3, None),
+    "rtn-w4-g128": (4, 128),
+    "rtn-w3-g128": (3, 128),
+    "rtn-w2-g128": (2, 128),
+}
+HQQ = {"hqq-w4-g128": 4, "hqq-w3-g128": 3, "hqq-w2-g128": 2}
 DEFAULT_METHODS = "fp32,rtn-w4,rtn-w4-g128,hqq-w4-g128,w4,w4-s045,rtn-w3,rtn-w3-g128,hqq-w3-g128,w3,w3-s045"
 
 
@@ -98,26 +116,41 @@ def main() -> None:
     eval_ids = tokenize_text(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer)[None, :]
 
     fisher: dict[str, torch.Tensor] = {}
+    hessians: dict[str, torch.Tensor] = {}
     fisher_seconds = 0.0
+    want_ec = any("-ec" in m for m in methods)
     if any(m in SQUEEZE for m in methods):
         cache = Path(args.fisher_cache) if args.fisher_cache else None
-        if cache is not None and cache.is_file():
+        hcache = cache.with_name(cache.stem + "-hessian.safetensors") if cache is not None else None
+        if cache is not None and cache.is_file() and (not want_ec or (hcache is not None and hcache.is_file())):
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
             fisher = load_file(str(cache))  # safetensors: no pickle, safe to reuse across runs
+            if want_ec and hcache is not None:
+                with safe_open(str(hcache), framework="pt") as handle:
+                    alias = json.loads((handle.metadata() or {})["alias"])
+                stored = load_file(str(hcache))
+                hessians = {name: stored[owner] for name, owner in alias.items()}
             print(f"Fisher: loaded from {cache}", flush=True)
         else:
             calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
             windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
             t0 = time.perf_counter()
-            fisher = fisher_information(model, windows, targets)
+            with input_hessians(targets) as acc:
+                fisher = fisher_information(model, windows, targets)
+            hessians = acc.result()
             fisher_seconds = time.perf_counter() - t0
-            print(f"Fisher: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True)
-            if cache is not None:
+            print(
+                f"Fisher + Hessians: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True
+            )
+            if cache is not None and hcache is not None:
                 from safetensors.torch import save_file
 
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 save_file({k: v.contiguous() for k, v in fisher.items()}, str(cache))
+                stored, alias = dedupe_hessians(hessians)
+                save_file(stored, str(hcache), metadata={"alias": json.dumps(alias)})
 
     rows = []
     for method in methods:
@@ -130,7 +163,12 @@ def main() -> None:
                 if method in SQUEEZE:
                     bits, s, o = SQUEEZE[method]
                     f = None if method.endswith("uniform") else fisher[name]
-                    q = quantize_lut(weight, f, bits, s, o, lut_dtype="int8" if method.endswith("lut8") else "float16")
+                    mask = select_sparse(weight, f, s, o) if (s or o) else None
+                    lut_dtype = "int8" if "lut8" in method else "float16"
+                    q = quantize_lut(weight, f, bits, mask=mask, lut_dtype=lut_dtype)
+                    if "-ec" in method:
+                        refit, act = method.endswith("refit"), "-act" in method
+                        q = compensate_lut(q, weight, hessians[name], mask=mask, refit=refit, act_order=act)
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:
                     q = rtn_quantize(weight, *RTN[method])

@@ -40,14 +40,24 @@ DEFAULT_BLOCK = 128
 _LAST: list[Any] = []
 
 
-def cached_inverse_hessian_factor(hessian: Tensor, damp: float = DEFAULT_DAMP) -> tuple[Tensor, Tensor]:
-    """:func:`inverse_hessian_factor`, reused while the same unmodified tensor comes back with the same damp."""
+def cached_inverse_hessian_factor(
+    hessian: Tensor, damp: float = DEFAULT_DAMP, act_order: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(U, dead, order): :func:`inverse_hessian_factor` of ``hessian`` (with ``act_order``: of ``hessian``
+    permuted by ``order``, the columns by descending ``diag H``; else order is None), reused while the same
+    unmodified tensor comes back with the same options."""
     if _LAST:
-        ref, version, last_damp, result = _LAST
-        if ref() is hessian and version == hessian._version and last_damp == damp:
+        ref, version, options, result = _LAST
+        if ref() is hessian and version == hessian._version and options == (damp, act_order):
             return result  # type: ignore[no-any-return]
-    result = inverse_hessian_factor(hessian, damp)
-    _LAST[:] = [weakref.ref(hessian), hessian._version, damp, result]
+    order = None
+    if act_order:
+        order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+        upper, dead = inverse_hessian_factor(hessian[order][:, order], damp)
+    else:
+        upper, dead = inverse_hessian_factor(hessian, damp)
+    result = (upper, dead, order)
+    _LAST[:] = [weakref.ref(hessian), hessian._version, (damp, act_order), result]
     return result
 
 
@@ -94,13 +104,16 @@ def compensated_codes(
     mask: Tensor | None = None,
     damp: float = DEFAULT_DAMP,
     block_size: int = DEFAULT_BLOCK,
+    act_order: bool = False,
 ) -> Tensor:
     """Codes int64 (R, N): each row's LUT index per column, chosen column by column with error compensation.
 
     weight: float (R, N). grid: float (R, K), each row's LUT values as stored (the dequantized values).
     hessian: float (N, N), ``sum x x^T`` of the layer's inputs. mask: bool (R, N), positions stored exactly
     (their codes are still nearest to their value, as plain quantization gives them; the sparse part
-    replaces them). ValueError for inconsistent shapes (see :func:`inverse_hessian_factor` for H's).
+    replaces them). act_order: quantize the columns by descending ``diag H`` (GPTQ's act-order; the codes
+    come back in the weight's own column order). ValueError for inconsistent shapes (see
+    :func:`inverse_hessian_factor` for H's).
     """
     rows, cols = weight.shape
     if grid.dim() != 2 or grid.shape[0] != rows:
@@ -113,7 +126,10 @@ def compensated_codes(
         raise ValueError(f"mask must be bool {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, found {block_size}")
-    upper, dead = cached_inverse_hessian_factor(hessian, damp)
+    upper, dead, order = cached_inverse_hessian_factor(hessian, damp, act_order)
+    if order is not None:
+        weight = weight[:, order]
+        mask = mask[:, order] if mask is not None else None
     w = weight.detach().to(torch.float32).clone()
     original = w.clone()
     w[:, dead] = 0.0  # a dead input: any stored value gives the same output; do not spread its rounding
@@ -147,6 +163,8 @@ def compensated_codes(
             w[:, stop:] -= errors @ upper[start:stop, stop:]
             if keep is not None:
                 w[:, stop:] = torch.where(keep[:, stop:], original[:, stop:], w[:, stop:])
+    if order is not None:
+        codes = torch.empty_like(codes).index_copy_(1, order, codes)  # back to the weight's column order
     return codes
 
 

@@ -175,9 +175,22 @@ def test_the_factor_is_reused_only_for_the_same_unmodified_hessian():
     h = x.T @ x
     first = cached_inverse_hessian_factor(h)
     assert cached_inverse_hessian_factor(h) is first  # q, k, v in a row: one Cholesky
+    assert cached_inverse_hessian_factor(h, act_order=True) is not first
     assert cached_inverse_hessian_factor(h, damp=0.1) is not first
     h.mul_(2.0)  # changed in place: recomputed
     again = cached_inverse_hessian_factor(h)
     assert again is not first
     torch.testing.assert_close(again[0], inverse_hessian_factor(h)[0])
     assert cached_inverse_hessian_factor(h.clone()) is not again
+
+
+def test_act_order_is_the_plain_run_on_columns_sorted_by_descending_diag_h():
+    x = correlated_inputs(512, 40) * torch.linspace(0.2, 3.0, 40)  # distinct input scales: a real reordering
+    w = weight(12, 40)
+    h = x.T @ x
+    grid = quantize_lut(w, None, 3).lut_values()
+    order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    assert not torch.equal(order, torch.arange(40))
+    permuted = compensated_codes(w[:, order], grid, h[order][:, order].contiguous())
+    ours = compensated_codes(w, grid, h, act_order=True)
+    assert torch.equal(ours[:, order], permuted)

@@ -307,15 +307,17 @@ def compensate_lut(
     mask: Tensor | None = None,
     damp: float = DEFAULT_DAMP,
     refit: bool = False,
+    act_order: bool = False,
 ) -> LutWeight:
     """``plain`` (the k-means LUT weight of float (R, N) ``weight``) with its codes re-chosen column by column
     with GPTQ error compensation against float (N, N) ``hessian`` (squeeze.quant.ec). Same LUT, sparse part
     and format; with ``refit`` the LUT is refitted once to the compensated codes (least squares under H),
     rounded as stored and re-sorted ascending (the codes follow their entries). ``mask``: the sparse
-    positions ``plain`` was built with (exact, never updated)."""
+    positions ``plain`` was built with (exact, never updated). ``act_order``: columns in descending diag(H)
+    order (GPTQ's act-order)."""
     w32 = weight.detach().to(torch.float32)
     k = 1 << plain.bits
-    codes = compensated_codes(w32, plain.lut_values(), hessian, mask=mask, damp=damp)
+    codes = compensated_codes(w32, plain.lut_values(), hessian, mask=mask, damp=damp, act_order=act_order)
     result = replace(plain, packed=pack_codes(codes.to(torch.uint8), plain.bits))
     if not refit:
         return result
