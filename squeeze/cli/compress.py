@@ -211,6 +211,9 @@ def _print_summary(result: api.CompressResult) -> None:
         f"size: {source / 1e6:,.1f} MB (source tensors) -> {result.artifact_bytes / 1e6:,.1f} MB "
         f"(artifact), {source / max(result.artifact_bytes, 1):.2f}x smaller"
     )
+    if result.plan:  # a bits-per-weight budget: how the linears' weights were spread over the settings
+        shares = ", ".join(f"{label} {share:.0%}" for label, share in result.plan.items())
+        out_console.print(f"plan: {shares} of the quantized weights")
     err_console.print(f"[dim]stages: {stages}[/]")
     err_console.print(f"[dim]root digest {result.root_digest}; check it with `squeeze verify {result.output}`[/]")
 

@@ -240,13 +240,14 @@ def planned_recipe(recipe: Recipe, setting: Setting | None) -> Recipe:
     return replace(recipe, weights=setting.weights(recipe.weights))
 
 
-def plan_summary(plan: Mapping[str, Setting], sizes: Mapping[str, int]) -> dict[str, dict[str, float]]:
-    """Share of the weights (by count) at each setting label, for reports: {"w3-s045": 0.62, ...}."""
+def plan_summary(plan: Mapping[str, Setting], sizes: Mapping[str, int]) -> dict[str, float]:
+    """Share of the planned weights (by count, rounded to 4 places) at each setting, by label, widest last:
+    {"w2": 0.05, "w3-s045": 0.62, "w4": 0.33}. ``sizes``: module name -> its weight count."""
     total = sum(sizes[name] for name in plan) or 1
-    shares: dict[str, float] = {}
+    shares: dict[Setting, float] = {}
     for name, setting in plan.items():
-        shares[setting.label()] = shares.get(setting.label(), 0.0) + sizes[name] / total
-    return {"weights": dict(sorted(shares.items()))}
+        shares[setting] = shares.get(setting, 0.0) + sizes[name] / total
+    return {setting.label(): round(share, 4) for setting, share in sorted(shares.items())}
 
 
 __all__ = [

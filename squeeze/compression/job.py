@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.compression.bit_budget import Setting
+from squeeze.compression.bit_budget import Setting, plan_summary
 from squeeze.compression.signals import SignalGuard
 from squeeze.compression.workarea import WorkArea
 from squeeze.config import CalibrationSpec, Recipe
@@ -50,6 +50,8 @@ class CompressResult:
     artifact_bytes: int = 0
     original_bytes: int = 0  # the loaded model's tensors (fp32), tied weights once
     root_digest: str = ""
+    #: a weights.target_bpw run: the share of the quantized linears' weights at each setting ({"w4": 0.3, ...})
+    plan: dict[str, float] | None = None
     source_bytes: int = 0  # the model's tensors in the source checkpoint's dtype (float16 for GGUF), tied once
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,6 +68,7 @@ class CompressResult:
             "original_bytes": self.original_bytes,
             "source_bytes": self.source_bytes,
             "root_digest": self.root_digest,
+            **({"plan": self.plan} if self.plan is not None else {}),
         }
 
 
@@ -118,7 +121,11 @@ class CompressJob:
         return self.model
 
     def result(self) -> CompressResult:
-        return CompressResult(**self.summary, seconds=time.perf_counter() - self.started, timings=self.timings)
+        plan = None
+        if self.bit_plan and self.targets:  # a budget recipe: the share of the weights at each setting
+            plan = plan_summary(self.bit_plan, {name: m.weight.numel() for name, m in self.targets.items()})
+        seconds = time.perf_counter() - self.started
+        return CompressResult(**self.summary, seconds=seconds, timings=self.timings, plan=plan)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from squeeze import api
 from squeeze.cli.app import app
-from squeeze.compression.bit_budget import Setting, fused_units
+from squeeze.compression.bit_budget import Setting, candidate_settings, fused_units
 from squeeze.compression.bit_plan import PLAN_NAME, ErrorTable, error_table, load_plan, plan_from_table, save_plan
 from squeeze.config import Recipe, WeightsConfig, load_recipe
 from squeeze.errors import ConfigError
@@ -196,8 +196,10 @@ def test_the_cli_refuses_bits_with_a_target(tmp_path: Path, tiny_llama_dir: Path
 def test_a_resumed_budget_run_reuses_the_committed_plan_and_gives_the_same_artifact(
     tmp_path: Path,
     budget_artifact: Path,
-    compress_tiny,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+    compress_tiny,  # noqa: ANN001
+    tiny_llama_dir: Path,
+    tiny_text_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import squeeze.compression.bit_plan as bit_plan
     import squeeze.compression.quantize as quantize
@@ -223,7 +225,18 @@ def test_a_resumed_budget_run_reuses_the_committed_plan_and_gives_the_same_artif
         raise AssertionError("the committed plan must be reused, not estimated again")
 
     monkeypatch.setattr(bit_plan, "error_table", no_estimate)
-    compress_tiny(out, "w3-s045", overrides={"weights.target_bpw": TARGET})
+    result = api.compress(
+        str(tiny_llama_dir),
+        out,
+        "w3-s045",
+        str(tiny_text_file),
+        overrides={"weights.target_bpw": TARGET},
+        calibration_overrides={"num_samples": 4, "seq_len": 32},
+    )
+    # the summary says how the weights were spread over the settings
+    assert result.plan is not None and sum(result.plan.values()) == pytest.approx(1.0, abs=1e-3)
+    assert set(result.plan) <= {s.label() for s in candidate_settings(load_recipe("w3-s045").weights)}
+    assert result.to_dict()["plan"] == result.plan and result.bits_per_weight <= TARGET
     shards = sorted(p.name for p in budget_artifact.glob("*.safetensors"))
     assert shards and all((out / n).read_bytes() == (budget_artifact / n).read_bytes() for n in shards)
     assert quant_config(out) == quant_config(budget_artifact)
