@@ -10,11 +10,11 @@ token): symmetric grids read back ``q * scale`` with int8 codes in [-qmax - 1, q
   1-D k-means of the calibration values, so they sit where values are dense instead of evenly spaced.
 - Keys: keys have a few channels far larger than the rest (KVQuant), so they are first normalised per
   channel with a calibrated ``k_scale`` and centre ``k_zero`` (H, D), ``(k - k_zero) / k_scale``, and the
-  normalised vector gets symmetric per-token grids (one per ``k_group`` channels: 32 at int4). A purely
-  static per-channel grid (KVQuant without its sparse outliers) clamps every key outside the calibrated
-  range: on stories260K, calibrated on 500 tokens, one key of another text came back off by 18 (its range
-  is +-24). Normalising per channel and then scaling per token keeps the calibrated channel balance and
-  adapts to every token.
+  normalised vector gets symmetric per-token grids (one per ``k_group`` channels: at int4 32, or half the
+  head under 64 channels; squeeze.quant.kv_spec.default_key_group). A purely static per-channel grid
+  (KVQuant without its sparse outliers) clamps every key outside the calibrated range: on stories260K,
+  calibrated on 500 tokens, one key of another text came back off by 18 (its range is +-24). Normalising
+  per channel and then scaling per token keeps the calibrated channel balance and adapts to every token.
 - The uncalibrated baseline: symmetric per-token absmax grids for keys and values, no normalisation.
 - fp8 (vLLM's ``kv_cache_dtype="fp8"``): no grid at all. Every element is stored as float8_e4m3fn of
   ``x / scale`` with one float32 scale per layer for keys and one for values, read back as ``code * scale``.

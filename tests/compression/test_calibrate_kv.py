@@ -135,13 +135,15 @@ def test_inspect_shows_kv_bytes_per_token(kv4_artifact, rtn_artifact: Path) -> N
     assert info.kv_bytes_per_token == summary["kv_bytes_per_token"]
     kv = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache"]
     asymmetric = sum(not layer["v_symmetric"] for layer in kv["layers"])
-    # 5 layers x 4 heads x 8 channels: codes for K and V, an fp16 scale per head for K and V, an offset for
-    # asymmetric V layers; int4 as calibrated, int8 (not calibrated) with the default symmetric layout
+    # 5 layers x 4 heads x 8 channels: codes for K and V, fp16 scales (int4: two key grids of 4 channels per
+    # head, 8-channel heads being small; int8: one), one value scale per head, an offset for asymmetric V
+    # layers; int4 as calibrated, int8 (not calibrated) with the default symmetric layout
+    assert {layer["k_group"] for layer in kv["layers"]} == {4}
     assert info.kv_bytes_per_token == {
         "fp16": 2 * 5 * 4 * 8 * 2,
         "fp8": 2 * 5 * 4 * 8,  # one byte per element, its scales per layer
         "int8": 5 * (2 * 4 * 8 + 2 * 4 * 2),
-        "int4": 5 * (2 * 4 * 4 + 2 * 4 * 2) + asymmetric * 4 * 2,
+        "int4": 5 * (2 * 4 * 4 + 4 * 2 * 2 + 4 * 2) + asymmetric * 4 * 2,
     }
     assert api.inspect(rtn_artifact).kv_bytes_per_token["fp16"] == 640
     text = runner.invoke(app, ["inspect", str(out)]).stdout
