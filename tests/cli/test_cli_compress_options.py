@@ -16,7 +16,7 @@ ALL_OPTIONS = [
     "my model", "-o", "out dir", "--recipe", "w3", "--calibration", "cal.txt", "--num-samples", "4",
     "--seq-len", "64", "--method", "rtn", "--bits", "3", "--sensitivity", "uniform", "--sensitive-fraction",
     "0.001", "--outlier-fraction", "0.002", "--group-size", "32", "--lut-dtype", "int8", "--max-shard-size",
-    "1GB", "--seed", "7", "--overwrite", "--force",
+    "1GB", "--keep-dtype", "bfloat16", "--embedding-bits", "8", "--seed", "7", "--overwrite", "--force",
 ]  # fmt: skip
 
 
@@ -52,12 +52,16 @@ def test_every_option_reaches_api_and_the_resume_hint(monkeypatch: pytest.Monkey
         "weights.group_size": 32,
         "weights.lut_dtype": "int8",
         "output.max_shard_size": "1GB",
+        "output.keep_dtype": "bfloat16",
+        "weights.embedding_bits": 8,
+        "weights.target_bpw": None,  # not given (it and --bits come from one source: tests/compression)
     }
     assert call["calibration_overrides"] == {"num_samples": 4, "seq_len": 64}
     command = (
         "squeeze compress 'my model' --output 'out dir' --recipe w3 --calibration cal.txt --num-samples 4 "
         "--seq-len 64 --seed 7 --method rtn --bits 3 --sensitivity uniform --sensitive-fraction 0.001 "
-        "--outlier-fraction 0.002 --group-size 32 --lut-dtype int8 --max-shard-size 1GB --overwrite"
+        "--outlier-fraction 0.002 --group-size 32 --lut-dtype int8 --max-shard-size 1GB --keep-dtype bfloat16 "
+        "--embedding-bits 8 --overwrite"
     )
     hint = f"resume with: {command} --resume" if resumable else f"start again with: {command}"
     assert hint in " ".join(result.stderr.split()), result.stderr
@@ -69,3 +73,12 @@ def test_the_default_output_is_spelled_out_in_the_hint(monkeypatch: pytest.Monke
     assert "resume with: squeeze compress models/tiny --output tiny-rtn-w4 --recipe rtn-w4 --resume" in " ".join(
         result.stderr.split()
     )
+
+
+def test_target_bpw_reaches_api_and_the_resume_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(api, "compress", _interrupted(True, calls))
+    result = runner.invoke(app, ["compress", "m", "-o", "out", "--target-bpw", "3.5"], terminal_width=1000)
+    assert result.exit_code == 130, result.output
+    assert calls[0]["overrides"]["weights.target_bpw"] == 3.5
+    assert "--target-bpw 3.5 --resume" in " ".join(result.stderr.split()), result.stderr
