@@ -9,7 +9,7 @@ replaces the target weights by their exact dequantization (the artifact's refere
 on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
 Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
 the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
-in descending diag(H) order).
+in descending diag(H) order; a trailing -dampX sets the dampening, default 0.01).
 Writes JSON (--out) and prints a table.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,16 @@ def hqq_dequantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
     return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
 
 
+def _base_method(method: str) -> str:
+    """The method without a trailing -dampX (the dampening of an -ec variant, e.g. w3-ec-damp0.1)."""
+    return re.sub(r"-damp[0-9.]+$", "", method)
+
+
+def _damp(method: str) -> float:
+    match = re.search(r"-damp([0-9.]+)$", method)
+    return float(match.group(1)) if match else 0.01
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -101,7 +112,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
-    unknown = [m for m in methods if m != "fp32" and m not in SQUEEZE and m not in RTN and m not in HQQ]
+    known = set(SQUEEZE) | set(RTN) | set(HQQ) | {"fp32"}
+    unknown = [m for m in methods if _base_method(m) not in known]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}")
 
@@ -119,7 +131,7 @@ def main() -> None:
     hessians: dict[str, torch.Tensor] = {}
     fisher_seconds = 0.0
     want_ec = any("-ec" in m for m in methods)
-    if any(m in SQUEEZE for m in methods):
+    if any(_base_method(m) in SQUEEZE for m in methods):
         cache = Path(args.fisher_cache) if args.fisher_cache else None
         hcache = cache.with_name(cache.stem + "-hessian.safetensors") if cache is not None else None
         if cache is not None and cache.is_file() and (not want_ec or (hcache is not None and hcache.is_file())):
@@ -160,15 +172,16 @@ def main() -> None:
             bits_total = 0
             for name, module in targets.items():
                 weight = originals[name]
-                if method in SQUEEZE:
-                    bits, s, o = SQUEEZE[method]
+                if _base_method(method) in SQUEEZE:
+                    bits, s, o = SQUEEZE[_base_method(method)]
                     f = None if method.endswith("uniform") else fisher[name]
                     mask = select_sparse(weight, f, s, o) if (s or o) else None
                     lut_dtype = "int8" if "lut8" in method else "float16"
                     q = quantize_lut(weight, f, bits, mask=mask, lut_dtype=lut_dtype)
                     if "-ec" in method:
-                        refit, act = method.endswith("refit"), "-act" in method
-                        q = compensate_lut(q, weight, hessians[name], mask=mask, refit=refit, act_order=act)
+                        refit, act = _base_method(method).endswith("refit"), "-act" in method
+                        hessian, damp = hessians[name], _damp(method)
+                        q = compensate_lut(q, weight, hessian, mask=mask, refit=refit, act_order=act, damp=damp)
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:
                     q = rtn_quantize(weight, *RTN[method])
