@@ -202,7 +202,7 @@ def compress(
     ``overrides`` are dotted recipe keys (``{"weights.bits": 3}``); ``weights.target_bpw`` (e.g. 3.5, built-in
     ``b3.5``) plans each linear's width for that average instead (ConfigError, naming the range, when the
     model's settings cannot meet it; with ``weights.bits`` in the same place it contradicts: ConfigError).
-    ``weights.embedding_bits`` (4 or 8; built-ins ``w4-e4``, ``w3-s045-e4``, ``w4-e8``) quantizes the token
+    ``weights.embedding_bits`` (4 or 8; built-ins ``w4-e4``, ``w3-s045-e4``, ``w4-lut8-e8``) quantizes the token
     embedding and an untied LM head too (a tied pair once; ModelError for a model without a token embedding);
     ``output.keep_dtype`` (``source``, ``float32``, ``bfloat16``, ``float16``) is the dtype of every tensor left
     unquantized, by default the source checkpoint's (float16 for GGUF). The result's ``source_bytes`` is the
