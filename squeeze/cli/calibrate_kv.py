@@ -48,7 +48,9 @@ SinkTokens = Annotated[
 KeyGroup = Annotated[
     Optional[int],
     typer.Option(
-        "--key-group-size", help="Channels per key grid (default: 32 at int4, else the whole head; int8 / int4 only)."
+        "--key-group-size",
+        help="Channels per key grid (default at int4: 32, or half the head under 64 channels; at int8: the whole "
+        "head; int8 / int4 only).",
     ),
 ]
 ValueGroup = Annotated[
