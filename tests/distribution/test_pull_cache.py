@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from pull_server import ArtifactServer, build_artifact
 
@@ -13,23 +10,6 @@ from squeeze.distribution.pull import resolve_source
 from squeeze.errors import ConfigError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.verify import verify_artifact
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Path:
-    return build_artifact(tmp_path / "served")
-
-
-@pytest.fixture
-def server(served: Path) -> Iterator[ArtifactServer]:
-    with ArtifactServer(served, timeout=5.0) as running:
-        yield running
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SQUEEZE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def test_cache_root_follows_the_environment(tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,17 +18,6 @@ from squeeze.format.manifest import MANIFEST_NAME, parse_manifest
 from squeeze.format.verify import verify_artifact
 
 
-@pytest.fixture
-def source_dir(tmp_path: Path) -> Path:
-    return build_artifact(tmp_path / "served")
-
-
-@pytest.fixture
-def server(source_dir: Path) -> Iterator[ArtifactServer]:
-    with ArtifactServer(source_dir, timeout=5.0) as running:
-        yield running
-
-
 def same_tree(a: Path, b: Path) -> None:
     names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
@@ -41,7 +29,7 @@ def file_requests(server: ArtifactServer) -> list[tuple[str, str, str | None]]:
     return [r for r in server.requests if not r[1].endswith((MANIFEST_NAME, "model.sig"))]
 
 
-def test_pull_is_byte_identical_verifies_and_uses_chunk_ranges(server, source_dir, tmp_path):
+def test_pull_is_byte_identical_verifies_and_uses_chunk_ranges(server, served, tmp_path):
     seen: list[tuple[int, int]] = []
     lock = threading.Lock()
 
@@ -51,14 +39,14 @@ def test_pull_is_byte_identical_verifies_and_uses_chunk_ranges(server, source_di
 
     out = tmp_path / "out"
     result = pull_artifact(server.url, out, workers=4, progress=progress)
-    same_tree(source_dir, out)
+    same_tree(served, out)
     assert verify_artifact(out).ok
-    total = sum(p.stat().st_size for p in source_dir.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    total = sum(p.stat().st_size for p in served.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
     assert (result.files, result.bytes_downloaded, result.bytes_reused) == (4, total, 0)
-    assert result.root_digest == parse_manifest((source_dir / MANIFEST_NAME).read_bytes()).root_digest
+    assert result.root_digest == parse_manifest((served / MANIFEST_NAME).read_bytes()).root_digest
     assert result.output == out and not staging_path(out).exists()
     assert max(seen) == (total, total)
-    shard_size = (source_dir / SHARD).stat().st_size
+    shard_size = (served / SHARD).stat().st_size
     ranges = sorted(r[2] for r in file_requests(server) if r[1] == "/" + SHARD)
     expected = sorted(f"bytes={s}-{min(s + CHUNK, shard_size) - 1}" for s in range(0, shard_size, CHUNK))
     assert ranges == expected  # one range request per chunk, nothing fetched twice
@@ -125,21 +113,21 @@ def test_missing_file_fails_with_integrity_error(server, tmp_path):
     assert not out.exists()
 
 
-def test_dropped_connection_is_retried_from_where_it_stopped(server, source_dir, tmp_path):
-    make_v1(source_dir)  # one stream for the whole shard: the retry must continue it, not restart it
+def test_dropped_connection_is_retried_from_where_it_stopped(server, served, tmp_path):
+    make_v1(served)  # one stream for the whole shard: the retry must continue it, not restart it
     server.faults.drop_after[SHARD] = 10_000
     out = tmp_path / "out"
     result = pull_artifact(server.url, out, workers=1)
     assert verify_artifact(out).ok
     assert result.bytes_downloaded == sum(e.size for e in parse_manifest((out / MANIFEST_NAME).read_bytes()).files)
-    last = (source_dir / SHARD).stat().st_size - 1
+    last = (served / SHARD).stat().st_size - 1
     assert [r[2] for r in file_requests(server) if r[1] == "/" + SHARD] == [f"bytes=0-{last}", f"bytes=10000-{last}"]
 
 
 @pytest.mark.parametrize("v1", [False, True], ids=["chunked", "whole-file"])
-def test_interrupted_pull_resumes_from_verified_partial_files(server, source_dir, tmp_path, v1):
+def test_interrupted_pull_resumes_from_verified_partial_files(server, served, tmp_path, v1):
     if v1:
-        make_v1(source_dir)
+        make_v1(served)
     server.faults.drop_after[SHARD] = 10_000 if v1 else 2_000
     server.faults.drop_from[SHARD] = 0 if v1 else 3 * CHUNK  # chunks 0-2 complete before the drop
     out = tmp_path / "out"
@@ -150,19 +138,19 @@ def test_interrupted_pull_resumes_from_verified_partial_files(server, source_dir
     server.requests.clear()
     result = pull_artifact(server.url, out, workers=1)
     assert verify_artifact(out).ok
-    same_tree(source_dir, out)
-    assert result.bytes_reused > 0 and result.bytes_downloaded < (source_dir / SHARD).stat().st_size + 100
+    same_tree(served, out)
+    assert result.bytes_reused > 0 and result.bytes_downloaded < (served / SHARD).stat().st_size + 100
     shard_requests = [r[2] for r in file_requests(server) if r[1] == "/" + SHARD]
     if v1:
-        last = (source_dir / SHARD).stat().st_size - 1
+        last = (served / SHARD).stat().st_size - 1
         assert shard_requests == [f"bytes=10000-{last}"]  # the 10000 bytes on disk were re-hashed and kept
     else:
         assert len(shard_requests) == 7 and "bytes=0-4095" not in shard_requests  # 3 chunks on disk kept
         assert result.bytes_reused == 3 * CHUNK  # (the small files come after the chunks: none was fetched)
 
 
-def test_resume_with_a_bad_prefix_downloads_the_file_again(server, source_dir, tmp_path):
-    make_v1(source_dir)
+def test_resume_with_a_bad_prefix_downloads_the_file_again(server, served, tmp_path):
+    make_v1(served)
     out = tmp_path / "out"
     partial = staging_path(out) / SHARD
     partial.parent.mkdir(parents=True)
@@ -173,10 +161,10 @@ def test_resume_with_a_bad_prefix_downloads_the_file_again(server, source_dir, t
     assert not (out / "leftover.bin").exists()
 
 
-def test_manifest_listing_a_path_outside_the_artifact_is_refused(server, source_dir, tmp_path):
-    manifest = json.loads((source_dir / MANIFEST_NAME).read_text())
+def test_manifest_listing_a_path_outside_the_artifact_is_refused(server, served, tmp_path):
+    manifest = json.loads((served / MANIFEST_NAME).read_text())
     manifest["files"][0]["path"] = "../escape.txt"
-    (source_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (served / MANIFEST_NAME).write_text(json.dumps(manifest))
     out = tmp_path / "out"
     with pytest.raises(FormatError, match=r"'\.\.' component"):
         pull_artifact(server.url, out)
@@ -184,10 +172,10 @@ def test_manifest_listing_a_path_outside_the_artifact_is_refused(server, source_
     assert file_requests(server) == []
 
 
-def test_tampered_manifest_root_digest_is_refused(server, source_dir, tmp_path):
-    manifest = json.loads((source_dir / MANIFEST_NAME).read_text())
+def test_tampered_manifest_root_digest_is_refused(server, served, tmp_path):
+    manifest = json.loads((served / MANIFEST_NAME).read_text())
     manifest["provenance"]["source_model"] = "someone-else"
-    (source_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (served / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(IntegrityError, match="root digest"):
         pull_artifact(server.url, tmp_path / "out")
     assert file_requests(server) == []
@@ -208,9 +196,9 @@ def test_redirect_to_another_host_with_the_same_files_verifies(server, tmp_path)
     assert len(server.requests) > 2
 
 
-def test_redirect_to_a_host_with_other_bytes_fails(server, source_dir, tmp_path):
+def test_redirect_to_a_host_with_other_bytes_fails(server, served, tmp_path):
     other = build_artifact(tmp_path / "other")
-    (other / MANIFEST_NAME).write_bytes((source_dir / MANIFEST_NAME).read_bytes())
+    (other / MANIFEST_NAME).write_bytes((served / MANIFEST_NAME).read_bytes())
     (other / "config.json").write_text('{"model_type": "evil!"}\n')  # same size, other bytes
     with ArtifactServer(other) as evil:
         server.faults.redirect_to = evil.url
@@ -227,30 +215,30 @@ def test_server_sending_more_bytes_than_listed_is_refused(server, tmp_path, path
     assert not (tmp_path / "out").exists()
 
 
-def test_unannounced_extra_bytes_are_never_read(server, source_dir, tmp_path):
+def test_unannounced_extra_bytes_are_never_read(server, served, tmp_path):
     server.faults.no_range = True
     server.faults.no_length.add("config.json")  # no Content-Length: the body runs on past the listed size
     server.faults.extra["config.json"] = b"EXTRA" * 1000
     out = tmp_path / "out"
     pull_artifact(server.url, out)
-    assert (out / "config.json").read_bytes() == (source_dir / "config.json").read_bytes()  # cut at its size
+    assert (out / "config.json").read_bytes() == (served / "config.json").read_bytes()  # cut at its size
     assert verify_artifact(out).ok
 
 
 @pytest.mark.parametrize("keep", [5 * CHUNK, 0], ids=["content-range-total", "416"])
-def test_shorter_file_on_the_server_is_an_integrity_error(server, source_dir, tmp_path, keep):
-    data = (source_dir / SHARD).read_bytes()
-    (source_dir / SHARD).write_bytes(data[:keep])  # ranges past its end: 416, or a Content-Range of another size
+def test_shorter_file_on_the_server_is_an_integrity_error(server, served, tmp_path, keep):
+    data = (served / SHARD).read_bytes()
+    (served / SHARD).write_bytes(data[:keep])  # ranges past its end: 416, or a Content-Range of another size
     with pytest.raises(IntegrityError, match=SHARD):
         pull_artifact(server.url, tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
 
 
-def test_server_without_range_support_still_pulls(server, source_dir, tmp_path):
+def test_server_without_range_support_still_pulls(server, served, tmp_path):
     server.faults.no_range = True
     out = tmp_path / "out"
     pull_artifact(server.url, out, workers=2)
-    same_tree(source_dir, out)
+    same_tree(served, out)
 
 
 def test_stalled_server_times_out(server, tmp_path):
@@ -286,7 +274,7 @@ def test_source_strings_that_are_not_pullable(tmp_path):
     assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
 
 
-def test_signed_artifact_checked_before_weights(server, source_dir, tmp_path):
+def test_signed_artifact_checked_before_weights(server, served, tmp_path):
     signature = pytest.importorskip("squeeze.format.signature")
     if not signature.signing_available():
         pytest.skip("model_signing is not installed")
@@ -306,10 +294,10 @@ def test_signed_artifact_checked_before_weights(server, source_dir, tmp_path):
     with pytest.raises(IntegrityError, match="not signed"):
         pull_artifact(server.url, tmp_path / "unsigned", public_key=key_pair("nobody")[1])
     private, public = key_pair("signer")
-    signature.sign_artifact(source_dir, private)
+    signature.sign_artifact(served, private)
     out = tmp_path / "out"
     result = pull_artifact(server.url, out, public_key=public)
-    assert result.signed_by is not None and (out / "model.sig").read_bytes() == (source_dir / "model.sig").read_bytes()
+    assert result.signed_by is not None and (out / "model.sig").read_bytes() == (served / "model.sig").read_bytes()
     assert verify_artifact(out).ok
     server.requests.clear()
     with pytest.raises(IntegrityError, match="model.sig"):
@@ -317,11 +305,11 @@ def test_signed_artifact_checked_before_weights(server, source_dir, tmp_path):
     assert file_requests(server) == []  # refused before a single weight byte was fetched
 
 
-def test_downloader_plans_one_piece_per_chunk_largest_first(server, source_dir, tmp_path):
+def test_downloader_plans_one_piece_per_chunk_largest_first(server, served, tmp_path):
     from squeeze.distribution.http import HttpClient
     from squeeze.distribution.source import parse_source
 
-    manifest = parse_manifest((source_dir / MANIFEST_NAME).read_bytes())
+    manifest = parse_manifest((served / MANIFEST_NAME).read_bytes())
     with Staging(tmp_path / "out") as staging:
         pieces = Downloader(HttpClient(), parse_source(server.url), manifest, staging).plan()
     shard = next(e for e in manifest.files if e.path == SHARD)

@@ -4,7 +4,7 @@ run from there; the second run reuses the cached copy."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,18 +23,6 @@ def served(tmp_path_factory: pytest.TempPathFactory, compress_tiny: Callable[...
     root = tmp_path_factory.mktemp("served")
     compress_tiny(root / "tiny-w4")
     return root
-
-
-@pytest.fixture
-def server(served: Path) -> Iterator[ArtifactServer]:
-    with ArtifactServer(served, timeout=5.0) as running:
-        yield running
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SQUEEZE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def _run(model: str) -> dict:
