@@ -17,7 +17,7 @@ from torch import nn
 
 from squeeze.errors import FormatError
 from squeeze.quant.schemes import WeightFormat
-from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.linear import SqueezeLinear, replace_module
 
 
 def gather_rows(qweight: WeightFormat, index: torch.Tensor) -> WeightFormat:
@@ -105,15 +105,8 @@ class SqueezeEmbedding(nn.Module):
 
 def replace_embedding(model: nn.Module, name: str, build: Callable[[nn.Embedding], nn.Module]) -> None:
     """Replace the ``nn.Embedding`` called ``name`` in ``model`` by ``build(old)`` (FormatError if there is none)."""
-    parent_name, _, child = name.rpartition(".")
-    try:
-        parent: Any = model.get_submodule(parent_name) if parent_name else model
-    except AttributeError:
-        parent = None
-    old = getattr(parent, child, None) if parent is not None else None
-    if not isinstance(old, nn.Embedding):
-        raise FormatError(f"quantization_config names {name!r} as an embedding, but this architecture has none there")
-    setattr(parent, child, build(old))
+    error = f"quantization_config names {name!r} as an embedding, but this architecture has none there"
+    replace_module(model, name, nn.Embedding, build, error)
 
 
 def tied_heads(quant: Mapping[str, Any]) -> dict[str, str]:

@@ -167,20 +167,26 @@ class SqueezeLinear(nn.Module):
         )
 
 
-def replace_linear(model: nn.Module, name: str, build: Callable[[nn.Linear], nn.Module]) -> None:
-    """Replace the ``nn.Linear`` called ``name`` in ``model`` by ``build(old)`` (FormatError if there is none).
-
-    The one module swap of both loaders (``squeeze.load`` and ``from_pretrained``).
-    """
+def replace_module(
+    model: nn.Module, name: str, kind: type[nn.Module], build: Callable[[Any], nn.Module], error: str
+) -> None:
+    """Replace the ``kind`` module called ``name`` in ``model`` by ``build(old)``; FormatError(``error``) when
+    ``name`` is not a ``kind`` there. The one module swap of both loaders (``squeeze.load``, ``from_pretrained``)."""
     parent_name, _, child = name.rpartition(".")
     try:
         parent: Any = model.get_submodule(parent_name) if parent_name else model
     except AttributeError:
         parent = None
     old = getattr(parent, child, None) if parent is not None else None
-    if not isinstance(old, nn.Linear):
-        raise FormatError(f"quantization_config names {name!r}, which is not a linear layer of this architecture")
+    if not isinstance(old, kind):
+        raise FormatError(error)
     setattr(parent, child, build(old))
 
 
-__all__ = ["SqueezeLinear", "replace_linear", "DEFAULT_CHUNK_ROWS"]
+def replace_linear(model: nn.Module, name: str, build: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace the ``nn.Linear`` called ``name`` in ``model`` by ``build(old)`` (FormatError if there is none)."""
+    error = f"quantization_config names {name!r}, which is not a linear layer of this architecture"
+    replace_module(model, name, nn.Linear, build, error)
+
+
+__all__ = ["SqueezeLinear", "replace_linear", "replace_module", "DEFAULT_CHUNK_ROWS"]
