@@ -149,7 +149,9 @@ def write_metadata(
     config["quantization_config"] = {
         **quantization_header(),
         "method": w.method,
-        "bits": w.bits,
+        # a budget recipe has no one width: each module entry carries its own, and target_bpw the average asked
+        "bits": None if w.target_bpw is not None else w.bits,
+        "target_bpw": w.target_bpw,
         "sensitive_fraction": w.sensitive_fraction,
         "outlier_fraction": w.outlier_fraction,
         "sensitivity": w.sensitivity,

@@ -72,6 +72,8 @@ def test_the_budget_artifact_loads_and_runs(budget_artifact: Path) -> None:
 def test_the_recipe_records_the_target(budget_artifact: Path) -> None:
     recipe = (budget_artifact / "recipe.yaml").read_text()
     assert f"target_bpw: {TARGET}" in recipe
+    header = quant_config(budget_artifact)  # no one width for the artifact: each module entry has its own
+    assert header["bits"] is None and header["target_bpw"] == TARGET
 
 
 # -- the plan on its own
