@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from squeeze.format.paths import (
     short_path,
     walk_artifact,
 )
-from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
+from squeeze.format.safetensors_header import TensorInfo, parse_safetensors_header, read_header_prefix
 from squeeze.limits import is_weight_bits
 from squeeze.quant.schemes import formats_of
 from squeeze.system import available_memory_bytes
@@ -119,8 +119,9 @@ def estimate_load(
         if sum(m.rows * m.cols for m in modules) > 8 * artifact:
             # every quantized weight stores at least one bit: such a config does not describe this artifact
             modules = []
-        nnz = _sparse_entries(root_fd, regular) if any(m.covered for m in modules) else {}
-        upcast = _upcast_bytes(root_fd, regular, {m.name for m in modules})
+        tensors = list(_shard_tensors(root_fd, regular))  # one pass over the shard headers serves both counts
+        nnz = _sparse_entries(tensors) if any(m.covered for m in modules) else {}
+        upcast = _upcast_bytes(tensors, {m.name for m in modules})
     except OSError:
         return None
     finally:
@@ -185,12 +186,9 @@ def _modules(config: Mapping[str, Any], native: bool) -> list[_Module]:
     return modules
 
 
-def _sparse_entries(root_fd: int, regular: Mapping[str, int]) -> dict[str, int]:
-    """Sparse entries per module (``<module>.weight_sparse_cols`` lengths) from the top-level shards' headers.
-
-    Only the headers are read (capped by read_header_prefix); a shard that cannot be read counts nothing.
-    """
-    counts: dict[str, int] = {}
+def _shard_tensors(root_fd: int, regular: Mapping[str, int]) -> Iterator[tuple[str, TensorInfo]]:
+    """(name, header entry) of every tensor of the top-level shards. Only the headers are read (capped by
+    read_header_prefix); a shard that cannot be read, or was replaced since the walk, yields nothing."""
     for rel in _shards(regular):
         try:
             fd = open_inside(root_fd, rel)
@@ -202,32 +200,26 @@ def _sparse_entries(root_fd: int, regular: Mapping[str, int]) -> dict[str, int]:
             tensors = parse_safetensors_header(prefix, regular[rel], rel).tensors
         except SqueezeError:
             continue
-        for key, info in tensors.items():
-            if key.endswith(_SPARSE_COLS) and len(info.shape) == 1:
-                counts[key.removesuffix(_SPARSE_COLS)] = info.shape[0]
-    return counts
+        yield from tensors.items()
 
 
-def _upcast_bytes(root_fd: int, regular: Mapping[str, int], quantized: Iterable[str]) -> int:
-    """Bytes of the float32 copies the loader makes of 16-bit tensors that belong to no quantized module, from
-    the top-level shards' headers (only the headers are read; an unreadable shard counts nothing)."""
+def _sparse_entries(tensors: Iterable[tuple[str, TensorInfo]]) -> dict[str, int]:
+    """Sparse entries per module: the lengths of its ``<module>.weight_sparse_cols``."""
+    return {
+        key.removesuffix(_SPARSE_COLS): info.shape[0]
+        for key, info in tensors
+        if key.endswith(_SPARSE_COLS) and len(info.shape) == 1
+    }
+
+
+def _upcast_bytes(tensors: Iterable[tuple[str, TensorInfo]], quantized: Iterable[str]) -> int:
+    """Bytes of the float32 copies the loader makes of 16-bit tensors that belong to no quantized module."""
     modules = set(quantized)
-    total = 0
-    for rel in _shards(regular):
-        try:
-            fd = open_inside(root_fd, rel)
-        except (OSError, SqueezeError):
-            continue
-        with os.fdopen(fd, "rb") as handle:
-            prefix = read_header_prefix(handle)
-        try:
-            tensors = parse_safetensors_header(prefix, regular[rel], rel).tensors
-        except SqueezeError:
-            continue
-        for key, info in tensors.items():
-            if info.dtype in ("F16", "BF16") and key.rpartition(".")[0] not in modules:
-                total += (info.end - info.begin) * 2
-    return total
+    return sum(
+        (info.end - info.begin) * 2
+        for key, info in tensors
+        if info.dtype in ("F16", "BF16") and key.rpartition(".")[0] not in modules
+    )
 
 
 def _shards(regular: Iterable[str]) -> list[str]:
