@@ -93,15 +93,8 @@ def _check_tensor_dims(
                 f"{name} has in_features {short_repr(spec.get('in_features'), 60)}",
                 _HINT,
             )
-        elif f"{name}.weight".endswith(_EMBEDDING_SUFFIXES):  # a quantized token embedding (embedding_bits)
-            _expect(
-                config,
-                "vocab_size",
-                spec.get("out_features"),
-                f"{name} has out_features {short_repr(spec.get('out_features'), 60)}",
-                _HINT,
-            )
-        elif name == "lm_head" or name.endswith(".lm_head"):
+        # a quantized token embedding (embedding_bits) or LM head: one row per token of the vocabulary
+        elif f"{name}.weight".endswith(_EMBEDDING_SUFFIXES) or name == "lm_head" or name.endswith(".lm_head"):
             _expect(
                 config,
                 "vocab_size",
