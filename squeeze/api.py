@@ -194,6 +194,7 @@ def compress(
     overrides: Mapping[str, Any] | None = None,
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    max_memory: int | str | None = None,
 ) -> CompressResult:
     """Compress a causal LM with SqueezeLLM (or RTN) into a sealed artifact directory.
 
@@ -220,6 +221,11 @@ def compress(
     differences) unless ``restart``, which discards it. SIGINT/SIGTERM raise Interrupted (exit code 130/143)
     after the last commit. A concurrent run into the same output raises LockError. Estimated peak memory
     and disk are checked first (ResourceError); ``force`` skips those two refusals.
+
+    ``max_memory`` (bytes, or a size like ``"1GB"``): keep the run's peak resident memory under this budget by
+    streaming the model block by block from the source safetensors; the shards are byte-identical to an
+    unbounded run. A budget that cannot hold one block and its activations is refused in preflight
+    (ResourceError naming the minimum).
     """
     from squeeze.compression.pipeline import needs_calibration, run_compress
 
@@ -244,6 +250,7 @@ def compress(
         restart=restart,
         force=force,
         progress=progress,
+        max_memory=None if max_memory is None else parse_size(max_memory),
     )
 
 

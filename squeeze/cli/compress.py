@@ -30,7 +30,7 @@ RECIPE_KEYS = {
 #: The options that override the calibration spec.
 CALIBRATION_KEYS = ("num_samples", "seq_len")
 #: The options a resumed run repeats (everything that shapes the artifact), in the order its command lists them.
-RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS)
+RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory")
 STAGE_LABELS = {
     "fisher": "Fisher sensitivity (windows)",
     "plan": "Planning bits per linear (units)",
@@ -125,6 +125,13 @@ Force = Annotated[
     bool, typer.Option("--force", help="Run even when the estimated peak memory or disk exceeds what is available.")
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary to stdout.")]
+MaxMemory = Annotated[
+    Optional[str],
+    typer.Option(
+        "--max-memory",
+        help="Keep peak memory under SIZE (e.g. 1GB) by streaming the model block by block; same bytes out.",
+    ),
+]
 
 
 def compress(
@@ -151,6 +158,7 @@ def compress(
     resume: Resume = False,
     restart: Restart = False,
     force: Force = False,
+    max_memory: MaxMemory = None,
     json_out: JsonOut = False,
 ) -> None:
     """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact.
@@ -177,6 +185,7 @@ def compress(
                     overrides=overrides,
                     calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
                     progress=progress,
+                    max_memory=max_memory,
                 )
         except Interrupted as exc:
             flags = {f"--{name.replace('_', '-')}": options[name] for name in RESUME_OPTIONS}

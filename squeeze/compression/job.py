@@ -91,6 +91,8 @@ class CompressJob:
     overwrite: bool = False
     restart: bool = False
     progress: StageProgress | None = None
+    #: ``--max-memory``: the peak resident bytes the run must stay under (streaming block by block); None: unbounded
+    max_memory: int | None = None
     guard: SignalGuard = field(default_factory=SignalGuard)
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)

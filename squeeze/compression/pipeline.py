@@ -77,6 +77,7 @@ def run_compress(
     restart: bool = False,
     force: bool = False,
     progress: StageProgress | None = None,
+    max_memory: int | None = None,
 ) -> CompressResult:
     """Compress ``model`` with ``recipe`` into the artifact directory ``output``. See squeeze.api.compress."""
     started = time.perf_counter()
@@ -98,6 +99,7 @@ def run_compress(
         restart=restart,
         progress=progress,
         started=started,
+        max_memory=max_memory,
     )
     created_output = not output.exists()
     created_work = work.create()
