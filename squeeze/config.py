@@ -84,6 +84,9 @@ class WeightsConfig:
     damp: float = 0.01
     #: squeeze only, with error_compensation: refit each row's LUT once to the compensated codes (least squares).
     refit_lut: bool = False
+    #: squeeze only, with error_compensation: quantize the columns by descending diag(H), GPTQ's act-order
+    #: (measured on SmolLM2 w3: 55.1 vs 57.2 WikiText-2 perplexity in the original column order).
+    act_order: bool = False
     #: Module-name suffixes of the nn.Linear layers to quantize.
     targets: tuple[str, ...] = DEFAULT_TARGETS
     #: Module-name substrings never quantized, even when they match a target.
@@ -120,10 +123,10 @@ class WeightsConfig:
                 f"weights.damp must be in (0, 1], found {self.damp!r}",
                 hint="0.01 (GPTQ's default) adds 1% of the Hessian's mean diagonal",
             )
-        if not self.error_compensation and (self.damp != 0.01 or self.refit_lut):
+        if not self.error_compensation and (self.damp != 0.01 or self.refit_lut or self.act_order):
             raise ConfigError(
-                "weights.damp and weights.refit_lut apply only with weights.error_compensation: true",
-                hint="add error_compensation: true, or remove damp / refit_lut",
+                "weights.damp, refit_lut and act_order apply only with weights.error_compensation: true",
+                hint="add error_compensation: true, or remove damp / refit_lut / act_order",
             )
 
     def _check_options_of_format(self) -> None:

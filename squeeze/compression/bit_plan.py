@@ -147,7 +147,7 @@ def _estimate_recipe(recipe: Recipe) -> Recipe:
     if not weights.error_compensation:
         return recipe
     base = WeightsConfig()  # error_compensation and its options at their defaults (off)
-    plain = replace(weights, error_compensation=False, damp=base.damp, refit_lut=base.refit_lut)
+    plain = replace(weights, error_compensation=False, damp=base.damp, refit_lut=base.refit_lut, act_order=False)
     return replace(recipe, weights=plain)
 
 

@@ -128,6 +128,9 @@ def test_recipe_validation():
         load_recipe("w3-ec", **{"weights.damp": 1.5})
     with pytest.raises(ConfigError, match="only with weights.error_compensation"):
         load_recipe("w3", **{"weights.refit_lut": True})
+    with pytest.raises(ConfigError, match="only with weights.error_compensation"):
+        load_recipe("w3", **{"weights.act_order": True})
+    assert load_recipe("w3-ec", **{"weights.act_order": True}).weights.act_order is True
     with pytest.raises(ConfigError, match="bool"):
         load_recipe("w3", **{"weights.error_compensation": "yes"})
 

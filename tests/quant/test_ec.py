@@ -194,3 +194,12 @@ def test_act_order_is_the_plain_run_on_columns_sorted_by_descending_diag_h():
     permuted = compensated_codes(w[:, order], grid, h[order][:, order].contiguous())
     ours = compensated_codes(w, grid, h, act_order=True)
     assert torch.equal(ours[:, order], permuted)
+
+
+def test_the_recipe_act_order_key_reaches_the_column_order():
+    x = correlated_inputs(512, 40) * torch.linspace(0.2, 3.0, 40)
+    w, h = weight(12, 40), x.T @ x
+    plain = quantize_lut(w, None, 3)
+    by_recipe = LutWeight.quantize(w, None, options(act_order=True), hessian=h)
+    assert torch.equal(by_recipe.packed, compensate_lut(plain, w, h, act_order=True).packed)
+    assert not torch.equal(by_recipe.packed, compensate_lut(plain, w, h).packed)

@@ -144,6 +144,7 @@ class LutWeight(WeightFormat):
                 mask=mask,
                 damp=getattr(options, "damp", DEFAULT_DAMP),
                 refit=getattr(options, "refit_lut", False),
+                act_order=getattr(options, "act_order", False),
             )
 
 
