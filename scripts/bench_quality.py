@@ -60,25 +60,27 @@ RTN = {
     "rtn-w4-g128": (4, 128),
     "rtn-w3-g128": (3, 128),
     "rtn-w2-g128": (2, 128),
+    "rtn-w2-g64": (2, 64),  # 2.5 bpw with its fp16 scale and zero: the peer of --target-bpw 2.5
 }
-HQQ = {"hqq-w4-g128": 4, "hqq-w3-g128": 3, "hqq-w2-g128": 2}
+#: HQQ variants: (bits, group size); g64 at 2 bits is 2.5 bpw, the peer of --target-bpw 2.5
+HQQ = {"hqq-w4-g128": (4, 128), "hqq-w3-g128": (3, 128), "hqq-w2-g128": (2, 128), "hqq-w2-g64": (2, 64)}
 DEFAULT_METHODS = "fp32,rtn-w4,rtn-w4-g128,hqq-w4-g128,w4,w4-s045,rtn-w3,rtn-w3-g128,hqq-w3-g128,w3,w3-s045"
 
 
-def hqq_dequantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tuple[torch.Tensor, int]:
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data.copy_(weight)
     quantized = HQQLinear(
         linear,
-        BaseQuantizeConfig(nbits=bits, group_size=128),
+        BaseQuantizeConfig(nbits=bits, group_size=group_size),
         compute_dtype=torch.float32,
         device="cpu",
         del_orig=False,
     )
     w = quantized.dequantize().detach().float().reshape(weight.shape)
-    groups = math.ceil(weight.numel() / 128)
+    groups = math.ceil(weight.numel() / group_size)
     return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
 
 
@@ -125,6 +127,8 @@ def main() -> None:
     )
     originals = {name: module.weight.detach().clone() for name, module in targets.items()}
     n_weights = sum(w.numel() for w in originals.values())
+    # the model's other tensors as the artifact keeps them: in the source's 16-bit dtype, tied weights once
+    other_bytes = 2 * (sum(p.numel() for p in model.parameters()) - n_weights)
     eval_ids = tokenize_text(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer)[None, :]
 
     fisher: dict[str, torch.Tensor] = {}
@@ -187,7 +191,7 @@ def main() -> None:
                     q = rtn_quantize(weight, *RTN[method])
                     w, b = q.dequantize(), q.storage_bits()
                 else:
-                    w, b = hqq_dequantize(weight, HQQ[method])
+                    w, b = hqq_dequantize(weight, *HQQ[method])
                 module.weight.data.copy_(w)
                 bits_total += b
         quant_seconds = time.perf_counter() - t0
@@ -203,6 +207,9 @@ def main() -> None:
             "perplexity": result.perplexity,
             "word_perplexity": result.word_perplexity,
             "bits_per_weight": bits_total / n_weights,
+            # what the artifact would weigh: the quantized linears' exact bits + every other tensor in 16 bits
+            # (fp32 counts the whole model in 16 bits too: the bf16 original users compare with)
+            "model_bytes": (n_weights * 16 if method == "fp32" else bits_total) // 8 + other_bytes,
             "quantize_seconds": quant_seconds,
             "eval_seconds": eval_seconds,
         }
