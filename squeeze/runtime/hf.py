@@ -11,9 +11,10 @@ transformers' quantizer registry (see :mod:`squeeze.runtime.hf_hook` for when). 
    before transformers builds the skeleton (``update_attn_implementation`` is its one hook that sees the
    config then), so a config asking for a million layers fails at once instead of hanging;
 2. replaces each quantized ``nn.Linear`` named in ``quantization_config.modules`` by a :class:`SqueezeLinear`
-   whose buffers (``weight_packed``, ``weight_lut``, ...) have the shapes and dtypes of the artifact's
-   tensors, read from the verified safetensors headers, so transformers' ordinary state-dict loading fills
-   them by name;
+   (each quantized 3-D expert parameter by a :class:`~squeeze.runtime.experts.SqueezeExperts`, with the
+   eager experts forward) whose buffers (``weight_packed``, ``weight_lut``, ...) have the shapes and dtypes
+   of the artifact's tensors, read from the verified safetensors headers, so transformers' ordinary
+   state-dict loading fills them by name;
 3. after loading, rebuilds every module's quantized weight from its filled buffers with the full format
    checks (FormatError on malformed data).
 
@@ -48,6 +49,13 @@ from squeeze.quant.schemes import WeightFormat, stored_roles
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
+from squeeze.runtime.experts import (
+    SqueezeExperts,
+    experts_layout,
+    format_spec,
+    replace_expert_parameter,
+    use_eager_experts,
+)
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
     QUANT_METHOD,
@@ -100,6 +108,10 @@ class SqueezeHfQuantizer(HfQuantizer):
         if isinstance(name, str) and name and is_artifact(name):
             self._verified = verified_report(resolve_root(name))
             _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
+        if any(experts_layout(spec, key) for key, spec in self.quantization_config.modules.items()):
+            # quantized experts are indexed one routed expert at a time: transformers' eager experts forward
+            # (the grouped / batched ones read whole 3-D tensors); set before the skeleton reads it
+            config._experts_implementation = "eager"
         return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(
@@ -125,11 +137,13 @@ class SqueezeHfQuantizer(HfQuantizer):
                 module.rebind(name)
         tie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))  # over the loaded embedding
         for name, module in model.named_modules():
-            if not isinstance(module, SqueezeLinear):
+            if not isinstance(module, (SqueezeLinear, SqueezeExperts)):
                 continue
             if any(t.is_meta for t in list(module.buffers()) + list(module.parameters())):
-                raise FormatError(f"artifact lacks tensors of the quantized linear {name!r}")
+                what = "expert parameter" if isinstance(module, SqueezeExperts) else "linear"
+                raise FormatError(f"artifact lacks tensors of the quantized {what} {name!r}")
             module.rebind(name)  # the full dtype / shape / value checks of the format, on the loaded tensors
+        use_eager_experts(model)
         stabilise_dense_linears(model)  # the LM head as squeeze.load runs it
         return model
 
@@ -174,6 +188,10 @@ def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) 
 
 
 def _swap_in_squeeze_linear(model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> None:
+    layout = experts_layout(spec, name)
+    if layout is not None:  # a 3-D expert parameter: a SqueezeExperts in the parameter's dtype
+        replace_expert_parameter(model, name, meta_qweight(name, format_spec(spec), infos), *layout)
+        return
     swap_in_quantized(model, name, meta_qweight(name, spec, infos), _meta(infos, f"{name}.bias"))
 
 

@@ -4,7 +4,8 @@ The artifact is verified against its manifest first (unless ``verify=False``); n
 from the artifact is built before that succeeded. Then config.json's dimensions are checked against the
 verified tensor shapes (``check_config_shapes``), the model skeleton is built from it, each quantized linear
 named in ``quantization_config.modules`` becomes a SqueezeLinear holding its packed codes and LUT (or RTN
-scales), and every other tensor is loaded as is.
+scales), each quantized 3-D expert parameter of a MoE layer (an entry with ``experts``) a SqueezeExperts
+(squeeze.runtime.experts), and every other tensor is loaded as is.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weight
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads, tied_heads
+from squeeze.runtime.experts import (
+    SqueezeExperts,
+    experts_layout,
+    format_spec,
+    replace_expert_parameter,
+    use_eager_experts,
+)
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
 from squeeze.system import release_free_heap
@@ -330,11 +338,16 @@ def load_artifact(
     check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
     model = build_skeleton(config)
     for name, spec in modules.items():
-        qweight = quantized_weight_from(tensors, name, spec)
+        layout = experts_layout(spec, name)  # (E, transposed) of a 3-D expert parameter, None for a linear
+        qweight = quantized_weight_from(tensors, name, format_spec(spec) if layout else spec)
         for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
             del tensors[key]
+        if layout is not None:  # the runtime computes in float32 (unquantized tensors are upcast below)
+            replace_expert_parameter(model, name, qweight, *layout, dtype=torch.float32)
+            continue
         bias = tensors.pop(f"{name}.bias", None)
         swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
+    use_eager_experts(model)  # quantized experts are indexed one routed expert at a time
     tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory)  # a tied LM head reads the embedding's
     _load_other_tensors(model, tensors)
     stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
@@ -436,7 +449,7 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
 def _is_quantized_param(model: nn.Module, key: str) -> bool:
     parent, _, _ = key.rpartition(".")
     try:
-        return isinstance(model.get_submodule(parent), (SqueezeLinear, SqueezeEmbedding))
+        return isinstance(model.get_submodule(parent), (SqueezeLinear, SqueezeEmbedding, SqueezeExperts))
     except AttributeError:
         return False
 

@@ -1,0 +1,296 @@
+"""SqueezeExperts: one quantized 3-D expert parameter of a MoE model, dequantized one routed expert at a time.
+
+transformers 5 keeps a MoE layer's routed experts as 3-D parameters of one experts module
+(``...mlp.experts.gate_up_proj`` of shape (E, out, in), or (E, in, out) where the class sets
+``is_transposed``, as gpt-oss does). squeeze quantizes such a parameter as ONE matrix of shape (E*out, in)
+by a registered weight format: rows ``e*out .. (e+1)*out-1`` are expert e's output rows (the experts
+contract of docs/format.md). This module stands in for the parameter: it holds the format's buffers (named
+as in the artifact, ``{name}.weight_packed`` ...), is registered on the experts module under the parameter's
+attribute name, and indexing it like the parameter (``experts.gate_up_proj[e]``) returns expert e's
+dequantized matrix in the parameter's layout and dtype. Only the indexed experts are dequantized, so the
+eager experts forward of transformers (which loops over the experts the batch routes to) runs unchanged
+and never expands the whole (E, out, in) tensor. The loaders select that eager forward
+(:func:`use_eager_experts`); the batched forwards index with every routed (token, expert) pair (a 1-D index,
+also supported) or read the whole tensor (not supported).
+
+Paths: on CUDA with triton the selected experts' rows are dequantized by one grouped Triton kernel
+(:mod:`.kernels.triton_experts`, LUT formats); otherwise by the format's own reference ``dequantize`` of the
+expert's row slice (exact; the CPU native kernels compute ``x @ W^T`` products, not dequantized weights,
+and eager experts forwards ask for the weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from squeeze.errors import FormatError
+from squeeze.limits import is_int
+from squeeze.quant.schemes import WeightFormat
+
+#: The module-entry keys of an expert parameter (popped before the format's ``from_spec``).
+EXPERTS_KEY, TRANSPOSED_KEY = "experts", "transposed"
+
+
+def experts_layout(spec: Any, name: str) -> tuple[int, bool] | None:
+    """(E, transposed) of a ``quantization_config.modules`` entry naming an expert parameter, or None for an
+    ordinary linear / embedding entry (no "experts" key). FormatError for malformed values."""
+    if not isinstance(spec, dict) or EXPERTS_KEY not in spec:
+        return None
+    experts, transposed = spec.get(EXPERTS_KEY), spec.get(TRANSPOSED_KEY, False)
+    if not is_int(experts) or experts < 1:
+        raise FormatError(
+            f"quantization_config.modules[{name!r}].experts must be an integer >= 1, found {experts!r}",
+            hint="re-create the artifact with squeeze compress",
+        )
+    if not isinstance(transposed, bool):
+        raise FormatError(
+            f"quantization_config.modules[{name!r}].transposed must be true or false, found {transposed!r}",
+            hint="re-create the artifact with squeeze compress",
+        )
+    return int(experts), transposed
+
+
+def format_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The module entry without the experts keys: what the weight format's ``from_spec`` reads."""
+    return {k: v for k, v in spec.items() if k not in (EXPERTS_KEY, TRANSPOSED_KEY)}
+
+
+def check_expert_rows(qweight: WeightFormat, experts: int, name: str) -> int:
+    """Output rows per expert (the weight's rows / E); FormatError when E does not divide them."""
+    rows = qweight.out_features
+    if experts < 1 or rows % experts:
+        raise FormatError(
+            f"{name}: the quantized weight has {rows} rows, not a multiple of its {experts} experts",
+            hint="config.json does not belong to these tensors; re-create the artifact",
+        )
+    return rows // experts
+
+
+class SqueezeExperts(nn.Module):
+    """A quantized expert parameter: ``self[e]`` is expert e's matrix, (out, in) or (in, out) when transposed.
+
+    ``qweight``: the format's weight of shape (E*out, in); ``experts``: E; ``transposed``: the parameter is
+    (E, in, out); ``dtype``: the dtype matrices are returned in (the parameter's).
+    """
+
+    #: transformers' init helpers skip a tensor so flagged; a loaded quantized weight has nothing to initialise
+    _is_hf_initialized = True
+
+    def __init__(
+        self, qweight: WeightFormat, experts: int, *, transposed: bool = False, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        self.num_experts = int(experts)
+        self.expert_rows = check_expert_rows(qweight, self.num_experts, "experts")
+        self.in_features = qweight.in_features
+        self.transposed = bool(transposed)
+        self.compute_dtype = dtype
+        #: how many expert matrices were dequantized so far (each routed expert once per index)
+        self.dequantized = 0
+        self._qweight = qweight
+        self._prepared: Any = None  # the grouped Triton kernel's layout, on CUDA
+        for name, tensor in qweight.tensors_by_role().items():
+            self.register_buffer(name, tensor)
+        self._layout_changed()
+
+    # -- what transformers may read off a parameter --------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        """(E, out, in), or (E, in, out) when transposed: the parameter's shape."""
+        inner = (self.in_features, self.expert_rows) if self.transposed else (self.expert_rows, self.in_features)
+        return torch.Size((self.num_experts, *inner))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers(recurse=False)).device
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    def dim(self) -> int:
+        return 3
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    @property
+    def qweight(self) -> WeightFormat:
+        return self._qweight
+
+    # -- indexing ------------------------------------------------------------------------------------
+
+    def __getitem__(self, index: Any) -> Tensor:
+        """Expert ``index``'s matrix (int or 0-d integer tensor), or (k, ...) stacked for a 1-D index tensor
+        (or a slice). Only the indexed experts are dequantized. IndexError for an expert outside [0, E)."""
+        if isinstance(index, slice):
+            index = torch.arange(self.num_experts)[index]
+        if isinstance(index, Tensor):
+            if index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() > 1:
+                raise IndexError(
+                    f"experts are indexed by an integer or a 1-D integer tensor, found {index.dtype} "
+                    f"{tuple(index.shape)}"
+                )
+            if index.dim() == 0:
+                return self.expert(int(index))
+            return self.experts(index)
+        if is_int(index):
+            return self.expert(int(index))
+        raise IndexError(f"experts are indexed by an integer or a 1-D integer tensor, found {type(index).__name__}")
+
+    def expert(self, e: int) -> Tensor:
+        """Expert ``e``'s matrix in the parameter's layout and dtype."""
+        return self.experts(torch.tensor([e]))[0]
+
+    def experts(self, index: Tensor) -> Tensor:
+        """(k, out, in) (or (k, in, out) when transposed) for the k expert ids of ``index`` (int (k,)); each
+        distinct expert is dequantized once."""
+        ids = index.reshape(-1).to(device="cpu", dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < -self.num_experts or int(ids.max()) >= self.num_experts):
+            raise IndexError(f"expert index out of range: this layer has {self.num_experts} experts")
+        ids = ids % self.num_experts  # negative indices count from the end, as for the parameter
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        mats = self.dequantize_experts(unique, self.compute_dtype)  # (u, out, in)
+        out = mats if unique.numel() == ids.numel() and bool((unique == ids).all()) else mats[inverse.to(mats.device)]
+        return out.transpose(1, 2) if self.transposed else out
+
+    def dequantize_experts(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(k, out, in) in ``dtype``: the experts ``ids`` (int64 (k,), each in [0, E)) as stored (rows of the
+        format's matrix), bit-identical to the reference ``dequantize()`` of their rows."""
+        self.dequantized += int(ids.numel())
+        if self._prepared is not None:
+            from squeeze.runtime.kernels.triton_experts import dequantize_experts
+
+            return dequantize_experts(self._prepared, self._qweight, ids, self.expert_rows, dtype)
+        out = self.expert_rows
+        mats = [self._qweight.row_slice(e * out, (e + 1) * out).dequantize(dtype) for e in ids.tolist()]
+        if not mats:
+            return torch.empty(0, out, self.in_features, dtype=dtype, device=self.device)
+        return torch.stack(mats)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The whole parameter (E, out, in) (or (E, in, out)) in ``dtype`` (default: the parameter's), by the
+        reference path: for tests and exports; ``forward`` paths never build it."""
+        full = self._qweight.dequantize(dtype or self.compute_dtype).reshape(
+            self.num_experts, self.expert_rows, self.in_features
+        )
+        return full.transpose(1, 2) if self.transposed else full
+
+    # -- buffers set or moved ------------------------------------------------------------------------
+
+    def rebind(self, name: str = "") -> None:
+        """Rebuild the weight from the live buffers with every format check (FormatError); see SqueezeLinear."""
+        self._qweight = self._from_buffers(name, check=True)
+        check_expert_rows(self._qweight, self.num_experts, name or "experts")
+        self._layout_changed()
+
+    def _from_buffers(self, prefix: str = "", *, check: bool) -> WeightFormat:
+        tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
+        q = self._qweight
+        return type(q).from_tensors(
+            tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check, **q.params()
+        )
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SqueezeExperts:
+        super()._apply(fn, recurse)
+        if not any(b.is_meta for b in self.buffers(recurse=False)):
+            self._qweight = self._from_buffers(check=False)
+        self._layout_changed()
+        return self
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if not any(b.is_meta for b in self.buffers(recurse=False)):
+            self.rebind(prefix.rstrip("."))
+
+    def _layout_changed(self) -> None:
+        self._prepared = None
+        if self.device.type == "cuda":
+            from squeeze.runtime.kernels.triton_experts import prepare_experts
+
+            self._prepared = prepare_experts(self._qweight, self.device)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, shape={tuple(self.shape)}, transposed={self.transposed}, "
+            f"format={self._qweight.name}, bits={self._qweight.bits}"
+        )
+
+
+def replace_expert_parameter(
+    model: nn.Module,
+    name: str,
+    qweight: WeightFormat,
+    experts: int,
+    transposed: bool,
+    *,
+    dtype: torch.dtype | None = None,
+) -> SqueezeExperts:
+    """Replace the 3-D parameter ``name`` of ``model`` (e.g. ``model.layers.1.mlp.experts.gate_up_proj``) by a
+    SqueezeExperts over ``qweight`` (E*out, in). FormatError when the model has no such parameter, or one of
+    another shape or layout. ``dtype``: the dtype experts are returned in (default: the parameter's)."""
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent: Any = model.get_submodule(parent_name) if parent_name else model
+    except AttributeError:
+        parent = None
+    old = parent._parameters.get(child) if parent is not None else None
+    if old is None or old.dim() != 3:
+        raise FormatError(
+            f"quantization_config names {name!r} as an expert parameter, which is not a 3-D parameter of this "
+            "architecture",
+            hint="config.json does not belong to these tensors; re-create the artifact",
+        )
+    layout = getattr(parent, "is_transposed", None)
+    if isinstance(layout, bool) and layout != transposed:
+        raise FormatError(
+            f"{name}: the artifact says transposed={transposed}, but this architecture's experts are "
+            f"{'' if layout else 'not '}transposed",
+            hint="config.json does not belong to these tensors; re-create the artifact",
+        )
+    rows = check_expert_rows(qweight, experts, name)
+    want = (experts, qweight.in_features, rows) if transposed else (experts, rows, qweight.in_features)
+    if tuple(old.shape) != want:
+        raise FormatError(
+            f"{name}: config.json builds a {tuple(old.shape)} expert parameter, but the artifact's weight is "
+            f"{want} ({experts} experts of {rows} x {qweight.in_features})",
+            hint="config.json does not belong to these tensors; re-create the artifact",
+        )
+    module = SqueezeExperts(qweight, experts, transposed=transposed, dtype=dtype or old.dtype)
+    del parent._parameters[child]
+    setattr(parent, child, module)
+    return module
+
+
+def use_eager_experts(model: nn.Module) -> None:
+    """Make every experts module holding a SqueezeExperts run transformers' eager experts forward (it indexes
+    the routed experts one at a time); the grouped / batched forwards read whole 3-D tensors."""
+    for module in model.modules():
+        if any(isinstance(child, SqueezeExperts) for child in module.children()):
+            config = getattr(module, "config", None)
+            if config is not None and getattr(config, "_experts_implementation", "eager") != "eager":
+                config._experts_implementation = "eager"
+
+
+__all__ = [
+    "SqueezeExperts",
+    "replace_expert_parameter",
+    "use_eager_experts",
+    "experts_layout",
+    "format_spec",
+    "check_expert_rows",
+    "EXPERTS_KEY",
+    "TRANSPOSED_KEY",
+]
