@@ -1,9 +1,15 @@
 """Diagonal Fisher information of target linears: SqueezeLLM's per-weight sensitivity.
 
 F[w] = sum over calibration windows of (dL/dw)^2, where L is the mean next-token cross-entropy of a window.
-Only the target weights require grad, and each gradient is squared into an fp32 accumulator the moment
+Only the target weights require grad, and each gradient is squared into an accumulator the moment
 autograd produces it (a post-accumulate-grad hook), then dropped: at no point does a second full copy of
 the target gradients exist next to the accumulators.
+
+The accumulators are float64 (twice the memory of the fp32 result, e.g. 8 bytes per target weight): a
+gradient is fp32, so its square is exact in float64, and sums of such squares are exact or nearly so. The
+sum therefore barely depends on the order the windows are added in, and the windows can be split across
+processes (torchrun, squeeze.compression.distributed) whose float64 partials are combined in rank order
+and rounded to fp32 once, at the end (:func:`finish_sums`): the same bits as one process summing them all.
 """
 
 from __future__ import annotations
@@ -44,18 +50,33 @@ def fisher_information(
     are restored when this returns (or raises), and the target weights are left with ``.grad = None`` (a
     stale ``.grad`` is cleared first, or it would be summed into the first window's gradient).
     """
+    sums = fisher_sums(
+        model, windows, modules, batch_size=batch_size, accumulator_device=accumulator_device, progress=progress
+    )
+    return finish_sums(sums)
+
+
+def fisher_sums(
+    model: nn.Module,
+    windows: torch.Tensor,
+    modules: Mapping[str, nn.Linear | nn.Embedding],
+    *,
+    batch_size: int = 1,
+    accumulator_device: torch.device | str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`fisher_information` before its final rounding: ``{name: float64 sum of squared gradients}``.
+
+    The partial sums of a share of the windows (one rank's): add the partials of all shares in a fixed
+    order (float64), then :func:`finish_sums`.
+    """
     _check_contract(model, windows, modules, batch_size)
     weights = {name: mod.weight for name, mod in modules.items()}
     device = input_device(model)
     # Leave any caller's inference_mode/no_grad first: accumulators and inputs made inside inference mode
     # would be inference tensors, which cannot be updated in place or take part in autograd.
     with torch.inference_mode(False), torch.enable_grad():
-        fisher = {
-            name: torch.zeros(
-                w.shape, dtype=torch.float32, device=w.device if accumulator_device is None else accumulator_device
-            )
-            for name, w in weights.items()
-        }
+        fisher = new_sums(weights, accumulator_device)
         if windows.is_inference():
             windows = windows.clone()
         with (
@@ -65,6 +86,34 @@ def fisher_information(
         ):
             _run_windows(model, windows, batch_size, device, progress)
     return fisher
+
+
+#: The accumulators' dtype: fp32 gradients square exactly into it (see the module docstring).
+SUM_DTYPE = torch.float64
+
+
+def new_sums(weights: Mapping[str, torch.Tensor], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Zeroed float64 accumulators shaped like each weight, on ``device`` (default: the weight's device)."""
+    return {
+        name: torch.zeros(w.shape, dtype=SUM_DTYPE, device=w.device if device is None else device)
+        for name, w in weights.items()
+    }
+
+
+def add_square(acc: torch.Tensor, grad: torch.Tensor) -> None:
+    """``acc += grad**2`` in ``acc``'s dtype (float64 from :func:`new_sums`: the square of an fp32 gradient is
+    exact there)."""
+    g = grad.to(device=acc.device, dtype=acc.dtype)
+    acc.addcmul_(g, g)  # without allocating grad**2
+
+
+def finish_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Fisher in fp32: each float64 sum rounded once. Empties ``sums`` (each float64 tensor is dropped
+    as its fp32 copy is made, so the peak is the float64 sums plus one fp32 tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in list(sums):
+        out[name] = sums.pop(name).to(torch.float32)
+    return out
 
 
 def _check_contract(
@@ -151,8 +200,7 @@ def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[
             if grad is None:  # pragma: no cover - autograd calls this hook only after accumulating a grad
                 return
             for acc in accumulators:
-                g = grad.to(device=acc.device, dtype=torch.float32)  # no-op for fp32 on the same device
-                acc.addcmul_(g, g)  # acc += grad**2 without allocating grad**2
+                add_square(acc, grad)
             # Drop the gradient now, so that its memory is free for the backward of the layers below.
             param.grad = None
 
@@ -172,4 +220,4 @@ def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[
             w.grad = None
 
 
-__all__ = ["fisher_information"]
+__all__ = ["SUM_DTYPE", "add_square", "finish_sums", "fisher_information", "fisher_sums", "new_sums"]
