@@ -1,0 +1,408 @@
+"""The diagonal Fisher computed one decoder block at a time, from the end backwards (``--max-memory``).
+
+Same numbers as :func:`squeeze.calibrate.fisher.fisher_information` on the whole model (bit for bit: the same
+windows, the same per-window gradients, added in the same order by the same helpers), but only one block's
+weights and one block's autograd graph are alive at a time:
+
+1. prologue: each window runs through the model with every decoder block stubbed out (identity), which
+   records block 0's input hidden states and the keyword inputs each block gets (rotary cos/sin, attention
+   mask, position ids), as accelerate / llm-compressor capture them;
+2. forward, block by block (no grad): block i's output over every window is block i+1's input; each
+   block's inputs are kept (in memory, or spilled to ``spill_dir`` as safetensors, never pickle);
+3. the head (final norm, LM head, loss) gives dL/d(last block's output) per window;
+4. for block i = N-1 .. 0: its forward is recomputed from its saved input with grad, and backpropagated
+   with the carried dL/d(output); each target weight's gradient is squared into its accumulator (the hooks
+   of fisher.py) and dL/d(input) is carried to block i-1;
+5. the input embedding's gradient last, when it is a target (with a tied LM head the head's share of the
+   same weight's gradient is recomputed in the same backward, so the two are summed before squaring, as
+   autograd sums them on the whole model).
+
+Each group's Fisher (one block's targets, or an embedding) is handed to ``on_group`` as soon as its windows are
+done, so a caller can commit it and free its accumulators. Supported: models whose ``get_decoder()`` has
+``layers`` (the blocks) and ``norm`` (the final norm), and whose logits are ``lm_head(norm(h))``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from squeeze.calibrate.fisher import (
+    _only_targets_require_grad,
+    _square_and_drop_hooks,
+    _window_loss,
+    finish_sums,
+    new_sums,
+)
+from squeeze.errors import ConfigError
+
+#: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
+Materializer = Callable[..., contextlib.AbstractContextManager[None]]
+#: ``on_group(fisher)``: one group's finished Fisher, ``{name: fp32 tensor}``
+GroupSink = Callable[[dict[str, torch.Tensor]], None]
+Progress = Callable[[int, int], None]
+
+
+class _Stop(Exception):
+    """Raised by the final norm's pre-hook in the prologue: nothing after the blocks is needed there."""
+
+
+def _resident(*_modules: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def model_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
+    """``(input embedding, decoder blocks, final norm, LM head)`` of a causal LM; ConfigError if it has
+    another shape (or post-processes its logits), which the block-by-block Fisher cannot reproduce."""
+    arch = type(model).__name__
+    get_decoder = getattr(model, "get_decoder", None)
+    base = get_decoder() if callable(get_decoder) else None
+    blocks = getattr(base, "layers", None)
+    norm = getattr(base, "norm", None)
+    get_embed, get_head = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embed = get_embed() if callable(get_embed) else None
+    head = get_head() if callable(get_head) else None
+    config = getattr(model, "config", None)
+    scaled = any(getattr(config, key, None) not in (None, 1, 1.0) for key in ("final_logit_softcapping", "logit_scale"))
+    if not isinstance(blocks, nn.ModuleList) or not isinstance(norm, nn.Module) or not isinstance(head, nn.Linear):
+        raise ConfigError(
+            f"--max-memory streams decoder blocks of models shaped like Llama (model.layers, model.norm, lm_head); "
+            f"{arch} is not",
+            hint="drop --max-memory for this model",
+        )
+    if scaled or not isinstance(embed, nn.Module):
+        raise ConfigError(
+            f"--max-memory cannot stream {arch}: its logits are not lm_head(norm(hidden))",
+            hint="drop --max-memory for this model",
+        )
+    return embed, blocks, norm, head
+
+
+class _Store:
+    """Per-window tensors of one block boundary: in memory, or spilled to ``directory`` (fp32 safetensors)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.memory: dict[int, list[torch.Tensor]] = {}
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def put(self, index: int, tensors: list[torch.Tensor]) -> None:
+        if self.directory is None:
+            self.memory[index] = tensors
+        else:
+            save_file({str(w): t.contiguous() for w, t in enumerate(tensors)}, str(self._path(index)))
+
+    def take(self, index: int) -> list[torch.Tensor]:
+        """The tensors of ``index``, forgotten here (a spilled file is removed)."""
+        if self.directory is None:
+            return self.memory.pop(index)
+        path = self._path(index)
+        loaded = load_file(str(path))
+        path.unlink()
+        return [loaded[str(w)] for w in range(len(loaded))]
+
+    def _path(self, index: int) -> Path:
+        return Path(self.directory or ".") / f"hidden-{index:05d}.safetensors"
+
+
+def blockwise_fisher(
+    model: nn.Module,
+    windows: torch.Tensor,
+    modules: Mapping[str, nn.Linear | nn.Embedding],
+    *,
+    materialized: Materializer | None = None,
+    spill_dir: Path | None = None,
+    on_group: GroupSink | None = None,
+    progress: Progress | None = None,
+) -> dict[str, torch.Tensor]:
+    """The Fisher of ``modules``' weights over int64 ``windows (n, T)``, block by block (batch 1, as
+    fisher_information's default). ``model`` may live on the meta device: ``materialized(*modules)`` makes the
+    given modules' weights resident for a block (LazyModel.materialized); by default they already are.
+
+    Returns ``{name: fp32 F}`` (shaped like the weight), or ``{}`` when ``on_group`` takes each group's
+    Fisher as it is done. ``spill_dir``: keep the per-block hidden states (n x T x hidden fp32 each) in files
+    there instead of in memory (removed as they are read back). ``progress(done, total)`` counts blocks.
+    Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
+    """
+    materialize = materialized or _resident
+    embed, blocks, norm, head = model_parts(model)
+    n_blocks = len(blocks)
+    owners = _owners(model, modules, embed, blocks, head)
+    store = _Store(spill_dir)
+    done: dict[str, torch.Tensor] = {}
+    sink = on_group or done.update
+    total = n_blocks + 2
+    tied = _tied(embed, head)
+    embed_targets = [name for name, owner in owners.items() if owner == "embed"]
+    head_targets = [name for name, owner in owners.items() if owner == "head"]
+    with torch.inference_mode(False), _eval(model), _frozen(model):
+        hidden, block_kwargs = _prologue(model, windows, embed, blocks, norm, materialize, bool(embed_targets))
+        # -- forward, block by block: inputs[i] kept for the recomputation
+        for i, block in enumerate(blocks):
+            store.put(i, hidden)
+            with materialize(block), torch.no_grad():
+                hidden = [_block_out(block(h, **kw)) for h, kw in zip(hidden, block_kwargs[i], strict=True)]
+        if tied and embed_targets:
+            store.put(n_blocks, hidden)  # the head's share of a tied weight is recomputed with the embedding's
+        # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher)
+        with materialize(norm, head):
+            grads = _head_grads(model, windows, hidden, norm, head, {n: modules[n] for n in head_targets}, sink)
+        del hidden
+        if progress:
+            progress(1, total)
+        # -- blocks from the end backwards
+        for i in range(n_blocks - 1, -1, -1):
+            names = [name for name, owner in owners.items() if owner == i]
+            need_input = i > 0 or bool(embed_targets)
+            inputs = store.take(i)
+            with materialize(blocks[i]):
+                grads = _block_backward(
+                    blocks[i], inputs, block_kwargs[i], grads, {n: modules[n] for n in names}, need_input, sink
+                )
+            block_kwargs[i] = []
+            if progress:
+                progress(n_blocks - i + 1, total)
+        # -- the input embedding (and a tied LM head's share of its weight)
+        if embed_targets:
+            finals = store.take(n_blocks) if tied else None
+            with materialize(embed, norm, head):
+                _embedding_backward(
+                    model, windows, embed, norm, head, grads, finals, {n: modules[n] for n in embed_targets}, sink
+                )
+        if progress:
+            progress(total, total)
+    return done
+
+
+def _owners(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    embed: nn.Module,
+    blocks: nn.ModuleList,
+    head: nn.Module,
+) -> dict[str, int | str]:
+    """Each target name -> the block index holding it, or "embed" / "head"; ConfigError for one elsewhere."""
+    block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
+    owners: dict[str, int | str] = {}
+    for name, module in modules.items():
+        if module is embed:
+            owners[name] = "embed"
+        elif module is head:
+            owners[name] = "embed" if _tied(embed, head) else "head"
+        elif id(module) in block_of:
+            owners[name] = block_of[id(module)]
+        else:
+            raise ConfigError(
+                f"--max-memory computes the Fisher block by block, and the target {name} of {type(model).__name__} "
+                "is in no decoder block",
+                hint="drop --max-memory, or leave that module out of the recipe's targets",
+            )
+    return owners
+
+
+def _tied(embed: nn.Module, head: nn.Module) -> bool:
+    return getattr(embed, "weight", None) is getattr(head, "weight", None)
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+@contextlib.contextmanager
+def _frozen(model: nn.Module) -> Iterator[None]:
+    """Nothing requires grad but what a step turns on (as fisher_information freezes all but its targets);
+    every flag is restored afterwards."""
+    with _only_targets_require_grad(model, ()):
+        yield
+
+
+def _prologue(
+    model: nn.Module,
+    windows: torch.Tensor,
+    embed: nn.Module,
+    blocks: nn.ModuleList,
+    norm: nn.Module,
+    materialize: Materializer,
+    check_embedding: bool,
+) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
+    """Block 0's input per window, and each block's keyword inputs per window (``kwargs[block][window]``).
+    ``check_embedding``: refuse (ConfigError) a model whose block 0 input is not its embedding's output (e.g.
+    scaled), as the embedding's gradient is then taken from the embedding alone."""
+    hidden: list[torch.Tensor] = []
+    kwargs: list[list[dict[str, Any]]] = [[] for _ in blocks]
+
+    def stub(index: int) -> Callable[..., torch.Tensor]:
+        def forward(*args: Any, **kw: Any) -> torch.Tensor:
+            h = args[0] if args else kw.pop("hidden_states")
+            if len(args) > 1:
+                raise ConfigError(
+                    f"--max-memory cannot stream {type(model).__name__}: its blocks take positional inputs",
+                    hint="drop --max-memory for this model",
+                )
+            kwargs[index].append(kw)
+            if index == 0:
+                hidden.append(h.detach())
+            return h
+
+        return forward
+
+    def stop(_module: nn.Module, _args: Any) -> None:
+        raise _Stop
+
+    saved = [block.forward for block in blocks]
+    handle = norm.register_forward_pre_hook(stop)
+    try:
+        for index, block in enumerate(blocks):
+            block.forward = stub(index)  # type: ignore[method-assign]
+        with materialize(embed), torch.no_grad():
+            for row in windows:
+                with contextlib.suppress(_Stop):
+                    model(input_ids=row[None], use_cache=False)
+                if check_embedding and not torch.equal(embed(row[None]), hidden[-1]):
+                    raise ConfigError(
+                        f"--max-memory cannot take {type(model).__name__}'s embedding gradient block by block: its "
+                        "first block's input is not the embedding's output",
+                        hint="drop --max-memory, or keep the embeddings unquantized (no --embedding-bits)",
+                    )
+    finally:
+        handle.remove()
+        for block, forward in zip(blocks, saved, strict=True):
+            block.forward = forward  # type: ignore[method-assign]
+    return hidden, kwargs
+
+
+def _block_out(output: Any) -> torch.Tensor:
+    """A block's hidden-state output (transformers 5 returns the tensor, older versions a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _loss(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fisher.py's window loss on ``lm_head(norm(hidden))``: the same code computes the same bits."""
+    logits_of = lambda **_kw: SimpleNamespace(logits=head(norm(hidden)))  # noqa: E731
+    return _window_loss(logits_of, ids)  # type: ignore[arg-type]
+
+
+def _head_grads(
+    model: nn.Module,
+    windows: torch.Tensor,
+    finals: list[torch.Tensor],
+    norm: nn.Module,
+    head: nn.Module,
+    targets: Mapping[str, nn.Module],
+    sink: GroupSink,
+) -> list[torch.Tensor]:
+    """dL/d(last block's output) per window; an untied LM head's Fisher (when it is a target) to ``sink``."""
+    weights = _weights(targets)
+    sums = new_sums(weights)
+    grads: list[torch.Tensor] = []
+    with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
+        for row, final in zip(windows, finals, strict=True):
+            x = final.detach().requires_grad_(True)
+            _loss(norm, head, x, row[None]).backward(inputs=[x, *weights.values()])
+            grads.append(_take_grad(x))
+    if weights:
+        sink(finish_sums(sums))
+    return grads
+
+
+def _block_backward(
+    block: nn.Module,
+    inputs: list[torch.Tensor],
+    kwargs: list[dict[str, Any]],
+    grads: list[torch.Tensor],
+    targets: Mapping[str, nn.Module],
+    need_input: bool,
+    sink: GroupSink,
+) -> list[torch.Tensor]:
+    """Recompute ``block`` per window with grad, backpropagate the carried gradients; the block's Fisher to
+    ``sink``; returns dL/d(input) per window (empty when ``need_input`` is False)."""
+    weights = _weights(targets)
+    sums = new_sums(weights)
+    carried: list[torch.Tensor] = []
+    with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
+        for w, (h, kw) in enumerate(zip(inputs, kwargs, strict=True)):
+            x = h.detach().requires_grad_(need_input)
+            out = _block_out(block(x, **kw))
+            wanted = [x, *weights.values()] if need_input else list(weights.values())
+            if wanted:
+                out.backward(grads[w], inputs=wanted)
+            grads[w] = torch.empty(0)  # used: free it before the next window
+            if need_input:
+                carried.append(_take_grad(x))
+    if weights:
+        sink(finish_sums(sums))
+    return carried
+
+
+def _embedding_backward(
+    model: nn.Module,
+    windows: torch.Tensor,
+    embed: nn.Module,
+    norm: nn.Module,
+    head: nn.Module,
+    grads: list[torch.Tensor],
+    finals: list[torch.Tensor] | None,
+    targets: Mapping[str, nn.Module],
+    sink: GroupSink,
+) -> None:
+    """The input embedding's Fisher: dL/dE from block 0's input gradient (plus, for a tied LM head, the head's
+    gradient of the same weight, recomputed from the last block's output, ``finals``) per window."""
+    weights = _weights(targets)
+    sums = new_sums(weights)
+    with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
+        for w, row in enumerate(windows):
+            ids = row[None]
+            out = embed(ids)
+            outputs, seeds = [out], [grads[w]]
+            if finals is not None:  # the LM head uses the same weight: one backward sums both gradients
+                outputs.append(_loss(norm, head, finals[w].detach(), ids))
+                seeds.append(torch.ones(()))
+            torch.autograd.backward(outputs, seeds, inputs=list(weights.values()))
+    sink(finish_sums(sums))
+    del model
+
+
+def _weights(targets: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for name, module in targets.items():
+        weight = module.weight
+        if not isinstance(weight, torch.Tensor):  # pragma: no cover - targets are linears and embeddings
+            raise TypeError(f"{name} has no weight tensor")
+        found[name] = weight
+    return found
+
+
+@contextlib.contextmanager
+def _requires_grad(weights: Any) -> Iterator[None]:
+    params = list(weights)
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+def _take_grad(x: torch.Tensor) -> torch.Tensor:
+    grad = x.grad
+    if grad is None:  # pragma: no cover - x takes part in the loss
+        raise RuntimeError("no gradient reached a block's input")
+    return grad
+
+
+__all__ = ["blockwise_fisher", "model_parts"]

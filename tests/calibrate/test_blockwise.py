@@ -1,0 +1,118 @@
+"""The block-by-block Fisher (--max-memory) equals fisher_information on the whole model, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from squeeze.calibrate.blockwise import blockwise_fisher
+from squeeze.calibrate.fisher import fisher_information
+from squeeze.errors import ConfigError
+from squeeze.models import resolve_model
+from squeeze.models.lazy import LazyModel
+from squeeze.models.targets import find_target_linears
+
+
+def _windows(vocab: int, n: int = 3, seq_len: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(model: Any, windows: torch.Tensor, modules: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return fisher_information(model, windows, modules)
+
+
+def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], want[name]), name
+        assert want[name].abs().sum() > 0, name  # a gradient reached it: equality of zeros would prove nothing
+
+
+def test_resident_model_matches_whole_model(tiny_llama: tuple[Any, Any], tmp_path: Path) -> None:
+    model, _ = tiny_llama
+    targets = find_target_linears(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    windows = _windows(model.config.vocab_size)
+    want = _reference(model, windows, targets)
+    _assert_identical(blockwise_fisher(model, windows, targets), want)
+    groups: list[list[str]] = []
+    spilled: dict[str, torch.Tensor] = {}
+
+    def sink(part: dict[str, torch.Tensor]) -> None:
+        groups.append(sorted(part))
+        spilled.update(part)
+
+    assert blockwise_fisher(model, windows, targets, spill_dir=tmp_path / "spill", on_group=sink) == {}
+    _assert_identical(spilled, want)
+    assert [g[0].split(".")[2] for g in groups] == ["1", "0"]  # from the end backwards, one group per block
+    assert list((tmp_path / "spill").iterdir()) == []  # every spilled file read back and removed
+
+
+def test_lazy_model_matches_loaded_model(tiny_llama_dir: Path, tiny_llama: tuple[Any, Any]) -> None:
+    model, _ = tiny_llama
+    lazy = LazyModel(resolve_model(str(tiny_llama_dir)))
+    names = list(find_target_linears(model, ["q_proj", "down_proj"]))
+    windows = _windows(model.config.vocab_size, n=2)
+    want = _reference(model, windows, {n: model.get_submodule(n) for n in names})
+    got = blockwise_fisher(
+        lazy.model, windows, {n: lazy.model.get_submodule(n) for n in names}, materialized=lazy.materialized
+    )
+    _assert_identical(got, want)
+    assert all(p.is_meta for p in lazy.model.parameters())  # every block went back to the meta device
+
+
+def _small_llama(tied: bool) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embeddings_match(tied: bool) -> None:
+    """A quantized input embedding (and an untied LM head) get their Fisher too; a tied weight sums the
+    embedding's and the head's gradients before squaring, as autograd does on the whole model."""
+    model = _small_llama(tied)
+    modules: dict[str, Any] = {
+        "model.embed_tokens": model.model.embed_tokens,
+        "model.layers.1.mlp.up_proj": model.model.layers[1].mlp.up_proj,
+    }
+    if not tied:
+        modules["lm_head"] = model.lm_head
+    windows = _windows(96)
+    _assert_identical(blockwise_fisher(model, windows, modules), _reference(model, windows, modules))
+
+
+def test_stories260k_matches(stories: tuple[Any, Any]) -> None:
+    model, _ = stories
+    targets = find_target_linears(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    windows = _windows(model.config.vocab_size, n=2, seq_len=64)
+    _assert_identical(blockwise_fisher(model, windows, targets), _reference(model, windows, targets))
+
+
+def test_target_outside_blocks_refused() -> None:
+    model = _small_llama(False)
+    with pytest.raises(ConfigError, match="in no decoder block"):
+        blockwise_fisher(model, _windows(96), {"x": torch.nn.Linear(2, 2)})
+
+
+def test_gguf_source_refused(tmp_path: Path) -> None:
+    from squeeze.models.source import ModelSource
+
+    with pytest.raises(ConfigError, match="GGUF") as info:
+        LazyModel(ModelSource(kind="gguf", path=tmp_path / "m.gguf", model_id="m"))
+    assert "save_pretrained" in (info.value.hint or "")
