@@ -85,7 +85,9 @@ def _check_tensor_dims(
         elif re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj\.weight$", name) and len(shape) == 2:
             _expect(config, "intermediate_size", shape[1], f"{name} has {shape[1]} columns", _HINT)
     for name, spec in modules.items():
-        if re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj$", name):
+        if "experts" in spec:  # a 3-D expert parameter stored as one (E*out, in) matrix
+            _check_experts(config, name, spec)
+        elif re.search(r"(?:^|\.)layers\.\d+\.mlp\.down_proj$", name):
             _expect(
                 config,
                 "intermediate_size",
@@ -105,6 +107,47 @@ def _check_tensor_dims(
     head = shapes.get("lm_head.weight")
     if head is not None and len(head) == 2:
         _expect(config, "vocab_size", head[0], f"lm_head.weight has {head[0]} rows", _HINT)
+
+
+#: The config keys of a MoE layer's routed-expert count and of one expert's intermediate size, by family
+#: (Qwen2/3-MoE: num_experts; Mixtral, gpt-oss: num_local_experts; DeepSeek-V3, GLM-4-MoE: n_routed_experts).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERT_SIZE_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def _check_experts(config: Mapping[str, Any], name: str, spec: Mapping[str, Any]) -> None:
+    """An expert parameter's entry: E must be the config's expert count, its rows E * out and its columns in,
+    with (out, in) = (2 * I, hidden) for ``gate_up_proj`` and (hidden, I) for ``down_proj`` (I: one expert's
+    intermediate size). Parameters of other names are checked for E only."""
+    found = [spec.get(key) for key in ("experts", "out_features", "in_features")]
+    where = f"quantization_config.modules[{short_repr(name, 120)}]"
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in found):
+        raise FormatError(
+            f"{where}: experts, out_features and in_features must be integers >= 1, found "
+            + ", ".join(short_repr(v, 30) for v in found),
+            hint=_HINT,
+        )
+    experts, rows, cols = (int(v or 0) for v in found)  # all ints >= 1 (checked above)
+    count_key = next((k for k in _EXPERT_COUNT_KEYS if isinstance(config.get(k), int)), None)
+    if count_key is not None and config[count_key] != experts:
+        raise FormatError(
+            f"config.json: {count_key} is {config[count_key]}, but {where} holds {experts} experts", hint=_HINT
+        )
+    if rows % experts:
+        raise FormatError(f"{where}: out_features {rows} is not a multiple of its {experts} experts", hint=_HINT)
+    hidden = config.get("hidden_size")
+    size_key = next((k for k in _EXPERT_SIZE_KEYS if isinstance(config.get(k), int)), None)
+    if not isinstance(hidden, int) or size_key is None:
+        return
+    size = config[size_key]
+    leaf = name.rpartition(".")[2]
+    expected = {"gate_up_proj": (2 * size, hidden), "down_proj": (hidden, size)}.get(leaf)
+    if expected is not None and (rows // experts, cols) != expected:
+        raise FormatError(
+            f"config.json: hidden_size {hidden} and {size_key} {size} make each of {name}'s experts "
+            f"{expected[0]} x {expected[1]}, but the artifact's are {rows // experts} x {cols}",
+            hint=_HINT,
+        )
 
 
 def _expect(config: Mapping[str, Any], key: str, found: object, what: str, hint: str) -> None:
