@@ -13,6 +13,10 @@ bytes. What the quantized linears add depends on their path (``SqueezeLinear.wei
 * ``low_memory=True`` (``--low-memory``): weights no kernel covers are dequantized one (chunk_rows,
   in_features) slice at a time instead of cached.
 
+Quantized expert parameters of MoE layers (squeeze.runtime.experts) stay compressed on every path: the
+eager experts forward dequantizes one routed expert's gate/up and down matrices at a time, so they add
+the largest expert's two matrices (float32) whatever the flags.
+
 Add a fixed allowance for what the imports, tokenizer and a short generation allocate.
 """
 
@@ -69,12 +73,14 @@ class LoadEstimate:
     #: float32 copies of the unquantized tensors stored in bfloat16 / float16 (the loader upcasts them; the
     #: stored bytes stay held with the shard the quantized tensors are views of)
     upcast_bytes: int = 0
+    #: the dequantized matrices of one routed expert in flight (twice the largest expert matrix, float32)
+    experts_bytes: int = 0
 
     def working_bytes(self, *, dense_cache: bool = False, low_memory: bool = False) -> int:
-        """What the quantized linears add to the artifact's bytes on the path the flags choose."""
+        """What the quantized linears and experts add to the artifact's bytes on the path the flags choose."""
         if dense_cache:
-            return self.dense_cache_bytes
-        return self.prepared_bytes + (self.low_memory_bytes if low_memory else self.fallback_bytes)
+            return self.dense_cache_bytes + self.experts_bytes
+        return self.prepared_bytes + (self.low_memory_bytes if low_memory else self.fallback_bytes) + self.experts_bytes
 
     def total(self, *, dense_cache: bool = False, low_memory: bool = False) -> int:
         """Bytes the whole load holds on that path: artifact + working bytes + the fixed overhead."""
@@ -91,6 +97,7 @@ class _Module:
     cols: int
     bits: int
     covered: bool  # the native kernels run its format
+    experts: int = 0  # E for a 3-D expert parameter (rows = E * one expert's rows), 0 for a linear
 
 
 def estimate_load(
@@ -127,15 +134,18 @@ def estimate_load(
     finally:
         os.close(root_fd)
     width = _float_width(config)
-    covered = [m for m in modules if m.covered]
-    fallback = [m for m in modules if not m.covered]
+    experts = [m for m in modules if m.experts]
+    linears = [m for m in modules if not m.experts]  # experts are never cached nor run by the native kernels
+    covered = [m for m in linears if m.covered]
+    fallback = [m for m in linears if not m.covered]
     return LoadEstimate(
         artifact_bytes=artifact,
-        dense_cache_bytes=sum(m.rows * m.cols * width for m in modules),
+        dense_cache_bytes=sum(m.rows * m.cols * width for m in linears),
         low_memory_bytes=max((min(m.rows, chunk_rows) * m.cols * width for m in fallback), default=0),
         prepared_bytes=sum(SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) for m in covered),
         fallback_bytes=sum(m.rows * m.cols * width for m in fallback),
         upcast_bytes=upcast,
+        experts_bytes=2 * max((m.rows // m.experts * m.cols * 4 for m in experts), default=0),
     )
 
 
@@ -181,6 +191,7 @@ def _modules(config: Mapping[str, Any], native: bool) -> list[_Module]:
                 cols=module_dim(spec, "in_features"),
                 bits=bits if is_weight_bits(bits) else 0,
                 covered=covered,
+                experts=module_dim(spec, "experts") if isinstance(spec, dict) and "experts" in spec else 0,
             )
         )
     return modules
@@ -264,6 +275,7 @@ def _parts(estimate: LoadEstimate, *, dense_cache: bool, low_memory: bool) -> st
             ("row slice", estimate.low_memory_bytes) if low_memory else ("dense fallback", estimate.fallback_bytes)
         )
         parts = [("kernel sparse entries", estimate.prepared_bytes), fallback]
+    parts.append(("routed experts in flight", estimate.experts_bytes))
     named = [
         ("artifact", estimate.artifact_bytes),
         ("float32 copies of 16-bit tensors", estimate.upcast_bytes),
