@@ -50,6 +50,10 @@ class ArtifactInfo:
     quantization: dict[str, Any] | None = None
     bits_per_weight: float | None = None
     quantized_modules: int = 0
+    #: quantized 3-D expert parameters of MoE layers (module entries with ``experts``; counted in
+    #: quantized_modules too) and the expert matrices they hold together (each entry's E summed)
+    expert_parameters: int = 0
+    experts: int = 0
     manifest_status: str = "absent"
     root_digest: str | None = None
     provenance: dict[str, Any] | None = None
@@ -68,6 +72,8 @@ class ArtifactInfo:
             "roles": [{"role": r.role, "count": r.count, "bytes": r.bytes} for r in self.roles],
             "quantization": quant or None,
             "quantized_modules": self.quantized_modules,
+            "expert_parameters": self.expert_parameters,
+            "experts": self.experts,
             "bits_per_weight": self.bits_per_weight,
             "manifest": {"status": self.manifest_status, "root_digest": self.root_digest},
             "provenance": self.provenance,
@@ -186,6 +192,8 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
     modules = quant.get("modules")
     if isinstance(modules, dict) and modules:
         info.quantized_modules = len(modules)
+        counts = [module_dim(m, "experts") for m in modules.values() if isinstance(m, dict) and "experts" in m]
+        info.expert_parameters, info.experts = len(counts), sum(counts)
         n_weights = sum(module_dim(m, "in_features") * module_dim(m, "out_features") for m in modules.values())
         quant_bytes = sum(roles[r].bytes for r in stored_roles() if r in roles)  # every registered format's
         if n_weights:
@@ -193,7 +201,7 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
 
 
 def module_dim(module: object, key: str) -> int:
-    """A quantized module's dimension (``in_features`` / ``out_features``) from an unverified config.json,
+    """A quantized module's dimension (``in_features`` / ``out_features`` / ``experts``) from an unverified config.json,
     0 when absent or not a positive integer: sizing and summaries never fail on junk."""
     value = module.get(key) if isinstance(module, dict) else None
     return value if is_int(value) and value > 0 else 0
