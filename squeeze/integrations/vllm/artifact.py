@@ -59,6 +59,13 @@ def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "this artifact was compressed with weights.embedding_bits",
             hint="serve it with `squeeze serve`, or re-compress without --embedding-bits for vLLM",
         )
+    experts = [name for name, spec in modules.items() if "experts" in spec]
+    if experts:  # vLLM's fused-MoE layers read their own weight formats; serving squeeze experts is future work
+        raise FormatError(
+            f"the squeeze vLLM plugin cannot serve quantized MoE experts ({len(experts)} expert parameters, e.g. "
+            f"{short_repr(experts[0], 80)}); MoE serving on vLLM is future work",
+            hint="serve it with `squeeze serve` (or squeeze.load / from_pretrained)",
+        )
     for name, spec in modules.items():
         where = f"quantization_config.modules[{name!r}]"
         method = spec.get("method")

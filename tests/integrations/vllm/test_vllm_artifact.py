@@ -61,6 +61,18 @@ def tiny_w3(
             {"modules": {"m.o_proj": {"method": "squeeze", "bits": 4, "in_features": "8", "out_features": 8}}},
             r"modules\['m.o_proj'\].in_features must be an integer >= 0, found '8'",
         ),
+        (  # a MoE artifact's expert parameters: refused at start, one line
+            {
+                "modules": {
+                    "m.experts.gate_up_proj": {
+                        **{"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 32},
+                        **{"experts": 4, "transposed": False},
+                    }
+                }
+            },
+            r"cannot serve quantized MoE experts \(1 expert parameters, e.g. 'm.experts.gate_up_proj'\); MoE serving "
+            "on vLLM is future work",
+        ),
     ],
 )
 def test_bad_quantization_configs_name_what_is_wrong(change: dict, message: str) -> None:
