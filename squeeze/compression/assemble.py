@@ -96,7 +96,8 @@ def _artifact_tensors(job: CompressJob, kept: torch.dtype) -> Iterator[tuple[str
     remaining = {index: len(names) for index, names in enumerate(job.groups)}
     loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
     for key, tensor in unique_tensors(job.loaded_model().state_dict()):
-        module_name = key.removesuffix(".weight") if key.endswith(".weight") else None
+        # a linear's weight is ``{name}.weight``; an expert parameter's key is its name (``...experts.down_proj``)
+        module_name = key.removesuffix(".weight") if key.endswith(".weight") else key
         if module_name not in group_of:
             yield key, _kept(tensor, kept)
             continue
@@ -193,6 +194,8 @@ def seal_stage(job: CompressJob) -> None:
         "original_bytes": job.original_bytes,
         "source_bytes": job.source_bytes,
         "root_digest": manifest.root_digest,
+        "experts": job.n_experts,
+        "unrouted_experts": sum(len(ids) for ids in job.unrouted.values()),
     }
 
 

@@ -240,6 +240,20 @@ def planned_recipe(recipe: Recipe, setting: Setting | None) -> Recipe:
     return replace(recipe, weights=setting.weights(recipe.weights))
 
 
+def without_error_compensation(recipe: Recipe) -> Recipe:
+    """``recipe`` with error compensation off (its options at their defaults): what a weight without an input
+    Hessian (a 3-D expert parameter) and the plan's error estimates are quantized with; ``recipe`` itself
+    when it has none."""
+    weights = recipe.weights
+    if not weights.error_compensation:
+        return recipe
+    base = WeightsConfig()  # error_compensation and its options at their defaults (off)
+    plain = replace(
+        weights, error_compensation=False, damp=base.damp, refit_lut=base.refit_lut, act_order=base.act_order
+    )
+    return replace(recipe, weights=plain)
+
+
 def plan_summary(plan: Mapping[str, Setting], sizes: Mapping[str, int]) -> dict[str, float]:
     """Share of the planned weights (by count, rounded to 4 places) at each setting, by label, widest last:
     {"w2": 0.05, "w3-s045": 0.62, "w4": 0.33}. ``sizes``: module name -> its weight count."""
@@ -254,6 +268,7 @@ __all__ = [
     "FUSED_SUFFIXES",
     "DEFAULT_RESOLUTION",
     "Setting",
+    "without_error_compensation",
     "candidate_settings",
     "fused_units",
     "bits_range",

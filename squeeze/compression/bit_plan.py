@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,13 @@ from squeeze.compression.bit_budget import (
     check_target,
     fused_units,
     planned_recipe,
+    without_error_compensation,
 )
 from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.quantize import quantize_module, weight_format
-from squeeze.config import Recipe, WeightsConfig
+from squeeze.config import Recipe
 from squeeze.format.atomic import atomic_write_text
+from squeeze.models.targets import matrix_fisher, target_matrix
 
 PLAN_NAME = "bit_plan.json"
 _PLAN_VERSION = 1
@@ -117,7 +119,8 @@ def plan_stage(job: CompressJob) -> None:
     target = job.recipe.weights.target_bpw
     if target is None:
         return
-    # the linears only: embeddings (weights.embedding_bits, job.embeddings) keep the width the recipe gives them
+    # the linears and expert parameters (each one matrix, one setting): embeddings (weights.embedding_bits,
+    # job.embeddings) keep the width the recipe gives them
     names = list(job.targets)
     settings = candidate_settings(job.recipe.weights)
     saved = load_plan(job.work.root, names, settings)
@@ -126,8 +129,10 @@ def plan_stage(job: CompressJob) -> None:
         return
     progress = job.progress
     report = (lambda done, total: progress("plan", done, total)) if progress else None
-    weights = {name: job.targets[name].weight.detach().float() for name in names}
-    fisher = job.fisher if job.recipe.weights.sensitivity == "fisher" else {}
+    weights = {name: target_matrix(job.targets[name]) for name in names}  # (out, in); experts (E*out, in)
+    fisher = {name: matrix_fisher(job.targets[name], f) for name, f in job.fisher.items() if name in job.targets}
+    if job.recipe.weights.sensitivity != "fisher":
+        fisher = {}
     timings: dict[str, float] = {}  # the candidates' k-means is the plan's time, not the quantize stage's
 
     def quantize(weight: torch.Tensor, f: torch.Tensor | None, uniform: Recipe) -> Any:
@@ -143,12 +148,7 @@ def plan_stage(job: CompressJob) -> None:
 def _estimate_recipe(recipe: Recipe) -> Recipe:
     """The recipe a setting's error is estimated with: error compensation off (it needs each layer's input
     Hessian and costs a GPTQ pass per candidate; the plain quantization ranks the layers' difficulty)."""
-    weights = recipe.weights
-    if not weights.error_compensation:
-        return recipe
-    base = WeightsConfig()  # error_compensation and its options at their defaults (off)
-    plain = replace(weights, error_compensation=False, damp=base.damp, refit_lut=base.refit_lut, act_order=False)
-    return replace(recipe, weights=plain)
+    return without_error_compensation(recipe)
 
 
 def save_plan(root: Path, plan: Mapping[str, Setting], table: ErrorTable | None = None) -> None:

@@ -27,6 +27,7 @@ from squeeze.compression.workarea import WorkArea
 from squeeze.config import CalibrationSpec, Recipe
 from squeeze.format.manifest import Manifest
 from squeeze.models.source import ModelSource
+from squeeze.models.targets import Target
 
 #: progress(stage, done, total); stages: "fisher", "quantize".
 StageProgress = Callable[[str, int, int], None]
@@ -53,6 +54,10 @@ class CompressResult:
     #: a weights.target_bpw run: the share of the quantized linears' weights at each setting ({"w4": 0.3, ...})
     plan: dict[str, float] | None = None
     source_bytes: int = 0  # the model's tensors in the source checkpoint's dtype (float16 for GGUF), tied once
+    #: a MoE model: the (layer, expert) pairs quantized, and those the calibration never routed to (zero
+    #: Fisher; quantized with uniform weights); both 0 for a dense model, unrouted 0 without calibration
+    experts: int = 0
+    unrouted_experts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +74,7 @@ class CompressResult:
             "source_bytes": self.source_bytes,
             "root_digest": self.root_digest,
             **({"plan": self.plan} if self.plan is not None else {}),
+            **({"experts": self.experts, "unrouted_experts": self.unrouted_experts} if self.experts else {}),
         }
 
 
@@ -102,13 +108,17 @@ class CompressJob:
     windows: torch.Tensor | None = None  # calibrate: (n, T) token ids; dropped after sensitivity
     model: nn.Module | None = None  # load: fp32 weights
     tokenizer: Any = None  # load
-    targets: dict[str, nn.Linear] = field(default_factory=dict)  # load: target_names -> modules of ``model``
+    #: load: target_names -> the linears and expert parameters (squeeze.models.experts) of ``model``
+    targets: dict[str, Target] = field(default_factory=dict)
     #: load: embedding_names -> modules of ``model`` (the nn.Embedding; an untied LM head's nn.Linear)
     embeddings: dict[str, nn.Linear | nn.Embedding] = field(default_factory=dict)
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity: name -> (out, in) fp32
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity (EC): name -> (in, in) fp32
     bit_plan: dict[str, Setting] = field(default_factory=dict)  # plan (weights.target_bpw): name -> its setting
     groups: list[list[str]] = field(default_factory=list)  # quantize: target names by decoder block
+    #: quantize: experts the calibration never reached ({experts module: [expert ids]}) and the experts counted
+    unrouted: dict[str, list[int]] = field(default_factory=dict)
+    n_experts: int = 0
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # write: quantization_config.modules
     n_weights: int = 0  # write: quantized weights
     storage_bits: int = 0  # write: bits they take in the artifact

@@ -49,7 +49,7 @@ from squeeze.errors import ConfigError, Interrupted, ResourceError, ResumeError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.quant_config import FORMAT_VERSION
 from squeeze.models.source import ModelSource, load_model, load_tokenizer, resolve_model, source_digest
-from squeeze.models.targets import find_target_linears
+from squeeze.models.targets import Target, find_targets, linear_targets, target_at
 from squeeze.version import __version__
 
 
@@ -158,12 +158,13 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     """Size, disk, memory and context checks on the meta-device model; finds the target linears (once)."""
     skeleton = meta_model(job.source)
     weights = job.recipe.weights
-    targets = find_target_linears(skeleton, weights.targets, weights.ignore)  # ModelError when there is none
+    # linears and 3-D expert parameters (MoE); ModelError when there is none
+    targets = find_targets(skeleton, weights.targets, weights.ignore)
     estimate = estimate_size(skeleton, job.recipe, targets=targets)
     calibration = job.calibration
     checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibration else 0)
     if uses_hessians(job.recipe):
-        checkpoint_bytes += hessian_bytes_bound(targets)
+        checkpoint_bytes += hessian_bytes_bound(linear_targets(targets))
     already = 0 if job.restart else job.work.disk_bytes()
     check_disk(job.work.output, estimate, checkpoint_bytes - already, force)
     seq_len = calibration.seq_len if calibration else None
@@ -229,15 +230,10 @@ def load_stage(job: CompressJob) -> None:
     job.embeddings = embedding_targets(job.model, job.embedding_names)
 
 
-def _target_modules(net: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Linear]:
-    """``names`` -> the modules of ``net``; the meta build and the loaded model share one architecture."""
-    found: dict[str, nn.Linear] = {}
-    for name in names:
-        module = net.get_submodule(name)
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"{name} is an nn.Linear on the meta device but a {type(module).__name__} once loaded")
-        found[name] = module
-    return found
+def _target_modules(net: nn.Module, names: tuple[str, ...]) -> dict[str, Target]:
+    """``names`` -> the targets of ``net`` (linears, expert parameters); the meta build and the loaded model
+    share one architecture, so every name is found again."""
+    return {name: target_at(net, name) for name in names}
 
 
 def sensitivity_stage(job: CompressJob) -> None:
@@ -248,7 +244,7 @@ def sensitivity_stage(job: CompressJob) -> None:
     ec = uses_hessians(job.recipe)
     with timed(job.timings, "checkpoint"):
         loaded = job.work.load_fisher([*job.targets, *job.embeddings])
-        hessians = job.work.load_hessians(list(job.targets)) if ec and loaded is not None else None
+        hessians = job.work.load_hessians(list(linear_targets(job.targets))) if ec and loaded is not None else None
     if loaded is not None and (hessians is not None or not ec):
         job.fisher = loaded
         job.hessians = hessians or {}
@@ -258,9 +254,10 @@ def sensitivity_stage(job: CompressJob) -> None:
         progress = job.progress
         report = (lambda done, total: progress("fisher", done, total)) if progress else None
         # the input Hessians (error compensation) accumulate by forward hooks during the Fisher pass itself
-        with input_hessians(job.targets if ec else {}) as accumulated:
+        # (expert parameters have no input of their own: no Hessian, they are quantized without compensation)
+        with input_hessians(linear_targets(job.targets) if ec else {}) as accumulated:
             job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
-                job.loaded_model(), job.windows, {**job.targets, **job.embeddings}, progress=report
+                job.loaded_model(), job.windows, _fisher_modules(job), progress=report
             )
         job.hessians = accumulated.result() if ec else {}
         with timed(job.timings, "checkpoint"):
@@ -268,6 +265,13 @@ def sensitivity_stage(job: CompressJob) -> None:
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
+
+
+def _fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:
+    """Every weight whose Fisher is accumulated: targets and embeddings. An ExpertWeight exposes its 3-D
+    parameter as ``.weight``, all fisher_information reads, so its Fisher comes shaped like the parameter."""
+    modules: dict[str, Any] = {**job.targets, **job.embeddings}
+    return modules
 
 
 #: Stages a job without calibration (uniform sensitivity, RTN) skips.

@@ -19,7 +19,7 @@ from squeeze.compression.bit_budget import budget_bytes
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError, ModelError, ResourceError
 from squeeze.models.source import ModelSource
-from squeeze.models.targets import find_target_linears
+from squeeze.models.targets import Target, find_targets, linear_targets, target_shape
 from squeeze.quant.schemes import format_for_recipe
 from squeeze.system import available_memory_bytes
 
@@ -72,15 +72,16 @@ def meta_model(source: ModelSource) -> nn.Module:
 
 
 def estimate_size(
-    model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *, targets: dict[str, nn.Linear] | None = None
+    model: nn.Module, recipe: Recipe, dtype_bytes: int = 4, *, targets: dict[str, Target] | None = None
 ) -> SizeEstimate:
     """Exact artifact tensor bytes for ``recipe`` applied to ``model`` (meta or real), sparse part included.
 
-    ``targets``: the model's target linears when the caller already found them (else found here).
+    ``targets``: the model's targets (linears and expert parameters, each as its (out, in) matrix) when the
+    caller already found them (else found here).
     """
     weights = recipe.weights
     if targets is None:
-        targets = find_target_linears(model, weights.targets, weights.ignore)
+        targets = find_targets(model, weights.targets, weights.ignore)
     fmt = format_for_recipe(weights)
     if fmt is None:  # a WeightsConfig is validated against the registry when it is built
         raise ValueError(f"no registered weight format for method {weights.method!r}")
@@ -88,12 +89,12 @@ def estimate_size(
     n_weights = 0
     target_params = set()
     for module in targets.values():
-        out_f, in_f = module.weight.shape
+        out_f, in_f = target_shape(module)
         target_params.add(id(module.weight))
         n_weights += out_f * in_f
         quantized += fmt.estimate_bytes(out_f, in_f, weights, dtype_bytes)
     if weights.target_bpw is not None:  # a budget: at most target_bpw bits per weight (ConfigError out of reach)
-        quantized = budget_bytes({n: m.weight.shape for n, m in targets.items()}, weights, dtype_bytes)
+        quantized = budget_bytes({n: target_shape(m) for n, m in targets.items()}, weights, dtype_bytes)
     seen: set[int] = set()
     other = 0
     for param in list(model.parameters()) + list(model.buffers()):
@@ -135,7 +136,7 @@ BASE_PROCESS_BYTES = 600 * 2**20
 
 
 def estimate_peak_memory(
-    model: nn.Module, recipe: Recipe, calibration_seq_len: int | None, *, targets: dict[str, nn.Linear] | None = None
+    model: nn.Module, recipe: Recipe, calibration_seq_len: int | None, *, targets: dict[str, Target] | None = None
 ) -> int:
     """Rough peak resident bytes of a compress run of ``model`` (meta) with ``recipe``; None seq_len: no Fisher.
     ``targets``: the model's target linears when the caller already found them (else found here).
@@ -151,7 +152,7 @@ def estimate_peak_memory(
             seen.add(id(tensor))
             params += tensor.numel() * 4
     if targets is None:
-        targets = find_target_linears(model, recipe.weights.targets, recipe.weights.ignore)
+        targets = find_targets(model, recipe.weights.targets, recipe.weights.ignore)
     largest = max((m.weight.numel() for m in targets.values()), default=0) * 4
     working = largest * 8  # k-means / sparse selection scratch on one layer
     if calibration_seq_len is not None:
@@ -162,7 +163,7 @@ def estimate_peak_memory(
         layers = int(getattr(config, "num_hidden_layers", 0) or 0)
         fisher = sum(m.weight.numel() for m in targets.values()) * 4
         if getattr(recipe.weights, "error_compensation", False):  # the input Hessians live beside the Fisher
-            fisher += hessian_bytes_bound(targets)
+            fisher += hessian_bytes_bound(linear_targets(targets))
         activations = calibration_seq_len * 4 * (3 * vocab + layers * (12 * hidden + 4 * inter))
         working = max(working, fisher + activations)
     return BASE_PROCESS_BYTES + params + max(params, working)

@@ -7,16 +7,19 @@ last committed group; a committed group is never recomputed.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from squeeze.compression.bit_budget import planned_recipe
+from squeeze.compression.bit_budget import planned_recipe, without_error_compensation
 from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import Recipe
+from squeeze.models.experts import ExpertWeight, expert_modules, unrouted_experts, unrouted_message
+from squeeze.models.targets import matrix_fisher
 from squeeze.quant.schemes import WeightFormat, format_for_recipe
 
 
@@ -50,8 +53,11 @@ def quantize_module(
     return fmt.quantize(weight, fisher, recipe.weights, timer)
 
 
-def layer_groups(net: nn.Module, targets: Mapping[str, nn.Module]) -> list[list[str]]:
-    """Target linears grouped by decoder block (``...layers.<i>``), in model order: the checkpoint unit."""
+def layer_groups(net: nn.Module, targets: Mapping[str, object]) -> list[list[str]]:
+    """Target names grouped by decoder block (``...layers.<i>``), in model order: the checkpoint unit.
+
+    A name is a linear's (or embedding's) module name, its weight ``{name}.weight``, or an expert parameter's
+    path (its state-dict key itself)."""
     order = [key.removesuffix(".weight") for key in net.state_dict() if key.removesuffix(".weight") in targets]
     groups: dict[str, list[str]] = {}
     for name in dict.fromkeys(order):
@@ -66,6 +72,7 @@ _BLOCK_RE = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
 def quantize_stage(job: CompressJob) -> None:
     """Quantize every group without a committed checkpoint, committing each as soon as it is done."""
     job.groups = layer_groups(job.loaded_model(), {**job.targets, **job.embeddings})
+    _count_unrouted(job)
     done = 0
     for index, names in enumerate(job.groups):
         with timed(job.timings, "checkpoint"):
@@ -85,23 +92,46 @@ def quantize_stage(job: CompressJob) -> None:
     job.hessians = {}
 
 
+def _count_unrouted(job: CompressJob) -> None:
+    """Experts whose Fisher is zero (calibration never routed a token to them): counted, and one warning.
+
+    Their rows are quantized with uniform weights: the LUT k-means fits a row whose sensitivities sum to
+    zero unweighted (squeeze.quant.kmeans), as ``--sensitivity uniform`` would.
+    """
+    job.n_experts = sum(t.experts for t in expert_modules(job.targets).values())
+    if not job.fisher:  # no calibration: nothing says which experts were reached
+        return
+    job.unrouted, _counted = unrouted_experts(job.fisher, job.targets)
+    if job.unrouted:
+        warnings.warn(unrouted_message(job.unrouted, job.n_experts), UserWarning, stacklevel=2)
+
+
 def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One group's tensors ({tensor name: tensor}) and checkpoint metadata (modules, tensor names, bits)."""
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}, "specs": {}}
     for name in names:
         module = job.targets[name] if name in job.targets else job.embeddings[name]
-        weight = module.weight.detach().float()
         hessian = job.hessians.pop(name, None)
-        # an embedding by weights.embedding_bits; a linear by a budget's setting for it
+        # an embedding by weights.embedding_bits; a linear (or expert parameter) by a budget's setting for it
         planned = planned_recipe(job.recipe, job.bit_plan.get(name))
         recipe = embedding_recipe(job.recipe) if name in job.embeddings else planned
-        qweight = quantize_module(weight, job.fisher.pop(name, None), recipe, job.timings, hessian)
+        fisher = job.fisher.pop(name, None)
+        spec_extra: dict[str, Any] = {}
+        if isinstance(module, ExpertWeight):
+            # one (E*out, in) matrix, its Fisher stacked alike; no input Hessian: quantized without compensation
+            weight, recipe = module.matrix(), without_error_compensation(recipe)
+            fisher = matrix_fisher(module, fisher) if fisher is not None else None
+            spec_extra = {"experts": module.experts, "transposed": module.transposed}
+        else:
+            weight = module.weight.detach().float()
+        qweight = quantize_module(weight, fisher, recipe, job.timings, hessian)
         parts = qweight.to_tensors(name)
         tensors.update(parts)
         meta["tensors"][name] = list(parts)
         meta["storage_bits"][name] = qweight.storage_bits()
-        meta["specs"][name] = qweight.module_spec()  # the artifact's module entry: the weight actually written
+        # the artifact's module entry: the weight actually written (an expert parameter: E and its layout too)
+        meta["specs"][name] = {**qweight.module_spec(), **spec_extra}
     return tensors, meta
 
 

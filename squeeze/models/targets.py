@@ -1,18 +1,24 @@
-"""Pick the nn.Linear layers a recipe quantizes, by module-name suffix."""
+"""Pick what a recipe quantizes, by name suffix: nn.Linear layers and 3-D expert parameters (experts.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
 
 from squeeze.errors import ModelError
+from squeeze.models.experts import EXPERT_PARAM_NAMES, ExpertWeight, is_experts_module
 
 
 def _matches_suffix(name: str, suffix: str) -> bool:
     # Suffix match on a dotted boundary: "q_proj" matches "model.layers.0.self_attn.q_proj" but not
     # "model.layers.0.self_attn.xq_proj"; a dotted suffix ("self_attn.q_proj") works the same way.
     return name == suffix or name.endswith("." + suffix)
+
+
+#: A quantization target: an nn.Linear (its (out, in) weight) or a 3-D expert parameter (its (E*out, in) view).
+Target = nn.Linear | ExpertWeight
 
 
 def find_target_linears(model: nn.Module, targets: Sequence[str], ignore: Sequence[str] = ()) -> dict[str, nn.Linear]:
@@ -22,6 +28,23 @@ def find_target_linears(model: nn.Module, targets: Sequence[str], ignore: Sequen
     of ``ignore`` (plain substrings). The names are also the modules' state-dict prefixes. Raises
     ModelError when nothing matches.
     """
+    found = {name: t for name, t in _find(model, targets, ignore, experts=False).items() if isinstance(t, nn.Linear)}
+    return found
+
+
+def find_targets(model: nn.Module, targets: Sequence[str], ignore: Sequence[str] = ()) -> dict[str, Target]:
+    """What compress quantizes: the target nn.Linear modules and the 3-D expert parameters, in model order.
+
+    Linears are keyed by module name (their weight is ``{name}.weight``); expert parameters (squeeze.models.
+    experts) by parameter path (``...mlp.experts.gate_up_proj``), matched by the same rules: the name ends
+    with one of ``targets`` on a ``.`` boundary and contains none of ``ignore``. Routers and gates are never
+    picked (they are neither nn.Linear targets by default nor expert projections). ModelError when nothing
+    matches.
+    """
+    return _find(model, targets, ignore, experts=True)
+
+
+def _find(model: nn.Module, targets: Sequence[str], ignore: Sequence[str], *, experts: bool) -> dict[str, Target]:
     if isinstance(targets, str) or isinstance(ignore, str):
         # A bare string would be iterated character by character and match almost everything.
         raise ModelError(
@@ -30,23 +53,82 @@ def find_target_linears(model: nn.Module, targets: Sequence[str], ignore: Sequen
         )
     wanted = tuple(t.strip(".") for t in targets if t.strip("."))
     skipped = tuple(i for i in ignore if i)
-    found: dict[str, nn.Linear] = {}
-    linear_names: list[str] = []
+
+    def picked(name: str) -> bool:
+        return any(_matches_suffix(name, t) for t in wanted) and not any(i in name for i in skipped)
+
+    found: dict[str, Target] = {}
+    seen_names: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        linear_names.append(name)
-        if any(_matches_suffix(name, t) for t in wanted) and not any(i in name for i in skipped):
-            found[name] = module
+        if isinstance(module, nn.Linear):
+            seen_names.append(name)
+            if picked(name):
+                found[name] = module
+        elif experts and is_experts_module(module):
+            for attr, param in module.named_parameters(recurse=False):
+                if attr in EXPERT_PARAM_NAMES and param.ndim == 3:
+                    path = f"{name}.{attr}" if name else attr
+                    seen_names.append(path)
+                    if picked(path):
+                        found[path] = ExpertWeight(module, attr)
     if not found:
         arch = _architecture(model)
-        seen = ", ".join(_short_names(linear_names)) or "none"
+        seen = ", ".join(_short_names(seen_names)) or "none"
         raise ModelError(
             f"no nn.Linear in {arch} matches targets {list(targets)} (ignore {list(ignore)}); "
-            f"linear layers seen: {seen}",
+            f"{'linear layers and expert parameters' if experts else 'linear layers'} seen: {seen}",
             hint="set weights.targets to suffixes of these names (e.g. q_proj, down_proj)",
         )
     return found
+
+
+def target_at(model: nn.Module, name: str) -> Target:
+    """The target named ``name`` in ``model`` (a linear's module name or an expert parameter's path), as
+    find_targets found it on the same architecture; TypeError when ``name`` is neither (a bug: the names
+    come from find_targets)."""
+    module = model.get_submodule(name) if _has_submodule(model, name) else None
+    if isinstance(module, nn.Linear):
+        return module
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if _has_submodule(model, parent_name) else None
+    if parent is not None and is_experts_module(parent) and attr in EXPERT_PARAM_NAMES:
+        param = getattr(parent, attr, None)
+        if isinstance(param, nn.Parameter) and param.ndim == 3:
+            return ExpertWeight(parent, attr)
+    raise TypeError(f"{name} is neither an nn.Linear nor a 3-D expert parameter of {type(model).__name__}")
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def target_shape(target: Target) -> tuple[int, int]:
+    """(out, in) of the matrix a target is quantized as: a linear's weight, or an expert parameter's (E*out, in)."""
+    if isinstance(target, ExpertWeight):
+        return target.matrix_shape
+    out_features, in_features = target.weight.shape
+    return int(out_features), int(in_features)
+
+
+def target_matrix(target: Target) -> torch.Tensor:
+    """The fp32 (out, in) matrix a target is quantized as (detached; an expert parameter's is a stacked copy)."""
+    if isinstance(target, ExpertWeight):
+        return target.matrix()
+    return target.weight.detach().float()
+
+
+def matrix_fisher(target: Target, fisher: torch.Tensor) -> torch.Tensor:
+    """``fisher`` (shaped like the target's weight) as the (out, in) matrix the target is quantized as."""
+    return target.stack(fisher) if isinstance(target, ExpertWeight) else fisher
+
+
+def linear_targets(targets: Mapping[str, Target]) -> dict[str, nn.Linear]:
+    """The nn.Linear targets of ``targets`` (those with an input: hooks, input Hessians), in order."""
+    return {name: t for name, t in targets.items() if isinstance(t, nn.Linear)}
 
 
 def embedding_modules(model: nn.Module) -> tuple[dict[str, nn.Embedding | nn.Linear], str | None]:
@@ -113,4 +195,15 @@ def attention_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(found[i] for i in range(len(found)))
 
 
-__all__ = ["find_target_linears", "attention_modules", "embedding_modules"]
+__all__ = [
+    "Target",
+    "find_target_linears",
+    "find_targets",
+    "linear_targets",
+    "matrix_fisher",
+    "target_at",
+    "target_matrix",
+    "target_shape",
+    "attention_modules",
+    "embedding_modules",
+]
