@@ -44,7 +44,22 @@ KeepDtype = Literal["source", "float32", "bfloat16", "float16"]
 KEEP_DTYPE_CHOICES: tuple[str, ...] = get_args(KeepDtype)
 #: The bits ``weights.embedding_bits`` may ask for.
 EMBEDDING_BITS = (4, 8)
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
+#: squeeze.models.experts), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
+DEFAULT_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
 
 # Package data (shipped in the wheel), not the repository root: an installed squeeze has its built-ins too.
 _PACKAGE_DIR = Path(__file__).resolve().parent
