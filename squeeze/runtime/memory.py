@@ -15,7 +15,8 @@ bytes. What the quantized linears add depends on their path (``SqueezeLinear.wei
 
 Quantized expert parameters of MoE layers (squeeze.runtime.experts) stay compressed on every path: the
 eager experts forward dequantizes one routed expert's gate/up and down matrices at a time, so they add
-the largest expert's two matrices (float32) whatever the flags.
+the largest expert's two matrices (float32) whatever the flags, plus the native kernels' prepared form of
+their sparse entries (as a linear's).
 
 Add a fixed allowance for what the imports, tokenizer and a short generation allocate.
 """
@@ -135,8 +136,8 @@ def estimate_load(
         os.close(root_fd)
     width = _float_width(config)
     experts = [m for m in modules if m.experts]
-    linears = [m for m in modules if not m.experts]  # experts are never cached nor run by the native kernels
-    covered = [m for m in linears if m.covered]
+    linears = [m for m in modules if not m.experts]  # experts are never cached: no dense cache, no fallback
+    covered = [m for m in modules if m.covered]  # the native kernels' prepared form: linears and experts
     fallback = [m for m in linears if not m.covered]
     return LoadEstimate(
         artifact_bytes=artifact,

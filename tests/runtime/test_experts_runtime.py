@@ -27,7 +27,7 @@ from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.quant.schemes.rtn import RtnWeight
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.experts import SqueezeExperts, experts_layout, replace_expert_parameter, use_eager_experts
-from squeeze.runtime.memory import estimate_load
+from squeeze.runtime.memory import SPARSE_ENTRY_BYTES, estimate_load
 
 E, OUT, IN = 4, 6, 10
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 77, 300]])
@@ -69,9 +69,26 @@ def test_indexing_returns_the_experts_matrix_in_the_parameters_layout(transposed
     assert torch.equal(experts.dequantize(), param)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("lut_dtype", ["float16", "int8"])
+def test_the_native_path_equals_the_reference_bit_for_bit(bits: int, lut_dtype: str) -> None:
+    torch.manual_seed(bits)
+    q = quantize_lut(torch.randn(E * OUT, 200), None, bits, 0.0, 0.03, lut_dtype=lut_dtype)  # SIMD blocks + a tail
+    experts = SqueezeExperts(q, E, transposed=True)
+    if not experts.weight_path.startswith("native-"):
+        pytest.skip("the native CPU kernels are not available here (no C++ compiler)")
+    index = torch.tensor([3, 0, 3])
+    reference = q.dequantize().reshape(E, OUT, 200).transpose(1, 2)[index]
+    assert torch.equal(experts[index].view(torch.int32), reference.view(torch.int32))
+    experts.compute_dtype = torch.bfloat16
+    assert torch.equal(experts[1], q.dequantize(torch.bfloat16).reshape(E, OUT, 200).transpose(1, 2)[1])
+
+
 def test_only_the_indexed_experts_are_dequantized() -> None:
     q, _ = _weight()
     experts = SqueezeExperts(q, E)
+    experts._cpu = None  # the reference path, whose row slices are counted here
+    assert experts.weight_path == "reference"
     rows: list[tuple[int, int]] = []
     original = type(q).row_slice
 
@@ -293,6 +310,9 @@ def test_inspect_and_the_memory_estimate_count_the_experts(qwen3_moe: tuple[Path
     # one expert's gate_up (64 x 64) and down (64 x 32) in flight at most: twice the larger, float32
     assert estimate.experts_bytes == 2 * 64 * 64 * 4
     assert estimate.dense_cache_bytes == 0  # experts are never cached
+    loaded = api.load(qwen3_moe[0]).model
+    nnz = sum(m.qweight.sparse.nnz for m in loaded.modules() if isinstance(m, SqueezeExperts))
+    assert nnz and estimate.prepared_bytes == SPARSE_ENTRY_BYTES * nnz  # the native kernels' sparse entries
 
 
 def test_use_eager_experts_switches_a_grouped_model() -> None:
