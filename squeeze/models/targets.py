@@ -179,10 +179,23 @@ def _short_names(names: list[str], limit: int = 8) -> list[str]:
     return shown
 
 
+#: The projections only multi-head latent attention (DeepSeek-V2/V3, Kimi K2) has.
+_MLA_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj")
+
+
 def attention_modules(model: nn.Module) -> tuple[str, ...]:
-    """Names of the attention modules in cache order (their ``layer_idx``): ModelError if there are none."""
+    """Names of the attention modules in cache order (their ``layer_idx``): ModelError if there are none, or
+    if the model's attention is MLA (its cache's keys and values differ in size: see the message)."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
+        if name.endswith("attn") and any(hasattr(module, p) for p in _MLA_PROJECTIONS):
+            raise ModelError(
+                f"calibrate-kv does not support the multi-head latent attention (MLA) of {_architecture(model)}: "
+                "its cache holds per-head keys (nope + rope dimensions) and values (v_head_dim) of different sizes, "
+                "and squeeze's int8/int4 KV format needs keys and values of one head_dim",
+                hint="compress, run and eval work on this model with its KV cache unquantized: leave out "
+                "calibrate-kv and --kv-bits",
+            )
         idx = getattr(module, "layer_idx", None)
         if isinstance(idx, int) and name.endswith("attn") and hasattr(module, "k_proj") and idx not in found:
             found[idx] = name
