@@ -233,7 +233,15 @@ class SqueezeExperts(nn.Module):
         )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SqueezeExperts:
+        # .to(device) moves the buffers; .to(dtype) / .half() must not convert the stored LUT or sparse values
+        # (the format fixes their dtypes): they are cast back, and the experts are returned in the new dtype
+        stored = dict(self.named_buffers(recurse=False))
         super()._apply(fn, recurse)
+        for name, old in stored.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:  # the original, moved: a cast back could round
+                self.compute_dtype = new.dtype
+                self._buffers[name] = old.to(new.device)
         if not any(b.is_meta for b in self.buffers(recurse=False)):
             self._qweight = self._from_buffers(check=False)
         self._layout_changed()

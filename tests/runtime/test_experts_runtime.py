@@ -138,6 +138,11 @@ def test_moving_and_reloading_keep_the_weight() -> None:
     other.load_state_dict(state)  # copies into the buffers, then rebuilds the weight with every check
     assert torch.equal(other[2], param[2])
     assert torch.equal(other.to("cpu")[0], param[0])
+    stored = {k: v.clone() for k, v in other.state_dict().items()}
+    other.to(torch.bfloat16)  # the stored tensors keep their dtypes and bytes; experts come out in bfloat16
+    assert all(torch.equal(v, stored[k]) and v.dtype == stored[k].dtype for k, v in other.state_dict().items())
+    assert other.dtype == torch.bfloat16 and torch.equal(other[2], param[2].to(torch.bfloat16))
+    assert other.float()[2].dtype == torch.float32
 
 
 def test_rows_that_e_does_not_divide_are_refused() -> None:
