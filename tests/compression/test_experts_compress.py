@@ -224,3 +224,24 @@ def test_experts_only_targets_with_error_compensation_need_no_hessian(
         f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
     )
     assert result.quantized_modules == 4 and "ec" not in result.timings
+
+
+def test_preflight_estimates_count_the_expert_parameters_exactly(
+    qwen3_moe: Path, tmp_path: Path, tiny_text_file: Path
+) -> None:
+    from squeeze.compression.preflight import estimate_peak_memory, estimate_size, meta_model
+
+    skeleton = meta_model(resolve_model(str(qwen3_moe)))
+    recipe = load_recipe("w4")
+    estimate = estimate_size(skeleton, recipe)
+    dense = load_recipe("w4", **{"weights.targets": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    result = _compress(qwen3_moe, tmp_path / "out", tiny_text_file)
+    tensors, quant = _artifact(tmp_path / "out")
+    stored = sum(
+        t.numel() * t.element_size() for key, t in tensors.items() if key.rpartition(".")[0] in quant["modules"]
+    )
+    assert estimate.n_quantized_weights == result.quantized_weights
+    assert estimate.n_targets == len(quant["modules"]) == 12  # 4 attention linears + 2 expert parameters, x2
+    assert estimate.quantized_bytes == stored  # exact: codes and LUTs of every (expert, row)
+    # the peak memory counts the expert weights' Fisher accumulators too
+    assert estimate_peak_memory(skeleton, recipe, 32) > estimate_peak_memory(skeleton, dense, 32)
