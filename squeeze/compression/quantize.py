@@ -18,7 +18,13 @@ from squeeze.compression.bit_budget import planned_recipe, without_error_compens
 from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import Recipe
-from squeeze.models.experts import ExpertWeight, expert_modules, unrouted_experts, unrouted_message
+from squeeze.models.experts import (
+    ExpertWeight,
+    UnroutedExpertsWarning,
+    expert_modules,
+    unrouted_experts,
+    unrouted_message,
+)
 from squeeze.models.targets import matrix_fisher
 from squeeze.quant.schemes import WeightFormat, format_for_recipe
 
@@ -103,7 +109,7 @@ def _count_unrouted(job: CompressJob) -> None:
         return
     job.unrouted, _counted = unrouted_experts(job.fisher, job.targets)
     if job.unrouted:
-        warnings.warn(unrouted_message(job.unrouted, job.n_experts), UserWarning, stacklevel=2)
+        warnings.warn(unrouted_message(job.unrouted, job.n_experts), UnroutedExpertsWarning, stacklevel=2)
 
 
 def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -159,6 +159,10 @@ def unrouted_experts(
     return found, sum(sizes.values())
 
 
+class UnroutedExpertsWarning(UserWarning):
+    """compress quantized experts the calibration never routed a token to (zero Fisher: uniform weights)."""
+
+
 def unrouted_message(found: Mapping[str, Sequence[int]], total: int) -> str:
     """The one-line warning for :func:`unrouted_experts`' result (``found`` not empty)."""
     count = sum(len(ids) for ids in found.values())
@@ -174,6 +178,7 @@ def unrouted_message(found: Mapping[str, Sequence[int]], total: int) -> str:
 __all__ = [
     "EXPERT_PARAM_NAMES",
     "ExpertWeight",
+    "UnroutedExpertsWarning",
     "expert_modules",
     "expert_parameters",
     "is_experts_module",
