@@ -202,6 +202,8 @@ def coverage_row(
         "quantized_params": counts["quantized"],
         "expert_params_quantized": counts["experts"],
         "coverage": round(counts["quantized"] / counts["non_embedding"], 4),
+        # what the linears alone cover (squeeze before expert parameters were targets)
+        "coverage_linears_only": round((counts["quantized"] - counts["experts"]) / counts["non_embedding"], 4),
         "artifact_bits_per_weight": result.bits_per_weight,
         "bits_per_weight_all_matrices": round((stored_bits + 16 * unquantized) / counts["matrix"], 4),
         "quantized_weights_in_artifact": result.quantized_weights,
@@ -226,12 +228,13 @@ def part_coverage(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
-        f"{'family':<12} {'coverage':>8} {'quantized':>10} {'non-emb':>10} {'bpw(art)':>8} {'bpw(all)':>8} "
-        f"{'unrouted':>9} {'sec':>6}"
+        f"{'family':<12} {'coverage':>8} {'linears':>8} {'quantized':>10} {'non-emb':>10} {'bpw(art)':>8} "
+        f"{'bpw(all)':>8} {'unrouted':>9} {'sec':>6}"
     )
     for r in rows:
         print(
-            f"{r['family']:<12} {100 * r['coverage']:>7.2f}% {r['quantized_params']:>10} "
+            f"{r['family']:<12} {100 * r['coverage']:>7.2f}% {100 * r['coverage_linears_only']:>7.2f}% "
+            f"{r['quantized_params']:>10} "
             f"{r['non_embedding_params']:>10} {r['artifact_bits_per_weight']:>8.3f} "
             f"{r['bits_per_weight_all_matrices']:>8.3f} {r['unrouted_experts']:>4}/{r['experts']:<4} "
             f"{r['compress_seconds']:>6.1f}"
