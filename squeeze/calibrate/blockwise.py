@@ -86,31 +86,36 @@ def model_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, 
 
 
 class _Store:
-    """Per-window tensors of one block boundary: in memory, or spilled to ``directory`` (fp32 safetensors)."""
+    """Per-window tensors at block boundaries (hidden states, carried gradients), by key: in memory, or
+    spilled to ``directory`` as one fp32 safetensors file each, so one window's worth is resident at a time."""
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
-        self.memory: dict[int, list[torch.Tensor]] = {}
+        self.memory: dict[str, torch.Tensor] = {}
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
-    def put(self, index: int, tensors: list[torch.Tensor]) -> None:
+    def put(self, key: str, tensor: torch.Tensor) -> None:
         if self.directory is None:
-            self.memory[index] = tensors
+            self.memory[key] = tensor
         else:
-            save_file({str(w): t.contiguous() for w, t in enumerate(tensors)}, str(self._path(index)))
+            save_file({"t": tensor.contiguous()}, str(self._path(key)))
 
-    def take(self, index: int) -> list[torch.Tensor]:
-        """The tensors of ``index``, forgotten here (a spilled file is removed)."""
+    def get(self, key: str) -> torch.Tensor:
         if self.directory is None:
-            return self.memory.pop(index)
-        path = self._path(index)
-        loaded = load_file(str(path))
-        path.unlink()
-        return [loaded[str(w)] for w in range(len(loaded))]
+            return self.memory[key]
+        return load_file(str(self._path(key)))["t"]
 
-    def _path(self, index: int) -> Path:
-        return Path(self.directory or ".") / f"hidden-{index:05d}.safetensors"
+    def take(self, key: str) -> torch.Tensor:
+        """The tensor under ``key``, forgotten here (a spilled file is removed)."""
+        if self.directory is None:
+            return self.memory.pop(key)
+        tensor = self.get(key)
+        self._path(key).unlink()
+        return tensor
+
+    def _path(self, key: str) -> Path:
+        return Path(self.directory or ".") / f"{key}.safetensors"
 
 
 def blockwise_fisher(
@@ -128,13 +133,14 @@ def blockwise_fisher(
     given modules' weights resident for a block (LazyModel.materialized); by default they already are.
 
     Returns ``{name: fp32 F}`` (shaped like the weight), or ``{}`` when ``on_group`` takes each group's
-    Fisher as it is done. ``spill_dir``: keep the per-block hidden states (n x T x hidden fp32 each) in files
-    there instead of in memory (removed as they are read back). ``progress(done, total)`` counts blocks.
-    Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
+    Fisher as it is done. ``spill_dir``: keep the per-window hidden states and carried gradients (T x hidden
+    fp32 each; all blocks' inputs are kept until their backward) in files there instead of in memory, each
+    removed once read for the last time. ``progress(done, total)`` counts blocks. Raises ConfigError for a
+    model this cannot stream (see :func:`model_parts`).
     """
     materialize = materialized or _resident
     embed, blocks, norm, head = model_parts(model)
-    n_blocks = len(blocks)
+    n_blocks, n_windows = len(blocks), windows.shape[0]
     owners = _owners(model, modules, embed, blocks, head)
     store = _Store(spill_dir)
     done: dict[str, torch.Tensor] = {}
@@ -144,39 +150,33 @@ def blockwise_fisher(
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
     head_targets = [name for name, owner in owners.items() if owner == "head"]
     with torch.inference_mode(False), _eval(model), _frozen(model):
-        hidden, block_kwargs = _prologue(model, windows, embed, blocks, norm, materialize, bool(embed_targets))
-        # -- forward, block by block: inputs[i] kept for the recomputation
+        kwargs = _prologue(model, windows, embed, blocks, norm, materialize, store, bool(embed_targets))
+        # -- forward, block by block: block i's input per window (h{i}-{w}) kept for its recomputation
         for i, block in enumerate(blocks):
-            store.put(i, hidden)
             with materialize(block), torch.no_grad():
-                hidden = [_block_out(block(h, **kw)) for h, kw in zip(hidden, block_kwargs[i], strict=True)]
-        if tied and embed_targets:
-            store.put(n_blocks, hidden)  # the head's share of a tied weight is recomputed with the embedding's
-        # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher)
+                for w in range(n_windows):
+                    store.put(f"h{i + 1}-{w}", _block_out(block(store.get(f"h{i}-{w}"), **kwargs[i][w])))
+        # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher); with a quantized tied
+        # embedding the last outputs stay: the head's share of that weight is recomputed with the embedding's
         with materialize(norm, head):
-            grads = _head_grads(model, windows, hidden, norm, head, {n: modules[n] for n in head_targets}, sink)
-        del hidden
+            head_weights = {n: modules[n] for n in head_targets}
+            _head_grads(windows, store, n_blocks, norm, head, head_weights, sink, keep=tied and bool(embed_targets))
         if progress:
             progress(1, total)
         # -- blocks from the end backwards
         for i in range(n_blocks - 1, -1, -1):
             names = [name for name, owner in owners.items() if owner == i]
             need_input = i > 0 or bool(embed_targets)
-            inputs = store.take(i)
             with materialize(blocks[i]):
-                grads = _block_backward(
-                    blocks[i], inputs, block_kwargs[i], grads, {n: modules[n] for n in names}, need_input, sink
-                )
-            block_kwargs[i] = []
+                _block_backward(blocks[i], i, store, kwargs[i], {n: modules[n] for n in names}, need_input, sink)
+            kwargs[i] = []
             if progress:
                 progress(n_blocks - i + 1, total)
         # -- the input embedding (and a tied LM head's share of its weight)
         if embed_targets:
-            finals = store.take(n_blocks) if tied else None
             with materialize(embed, norm, head):
-                _embedding_backward(
-                    model, windows, embed, norm, head, grads, finals, {n: modules[n] for n in embed_targets}, sink
-                )
+                embed_weights = {n: modules[n] for n in embed_targets}
+                _embedding_backward(windows, store, n_blocks, embed, norm, head, tied, embed_weights, sink)
         if progress:
             progress(total, total)
     return done
@@ -237,13 +237,14 @@ def _prologue(
     blocks: nn.ModuleList,
     norm: nn.Module,
     materialize: Materializer,
+    store: _Store,
     check_embedding: bool,
-) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
-    """Block 0's input per window, and each block's keyword inputs per window (``kwargs[block][window]``).
-    ``check_embedding``: refuse (ConfigError) a model whose block 0 input is not its embedding's output (e.g.
-    scaled), as the embedding's gradient is then taken from the embedding alone."""
-    hidden: list[torch.Tensor] = []
+) -> list[list[dict[str, Any]]]:
+    """Block 0's input per window into ``store`` (``h0-{w}``); returns each block's keyword inputs per window
+    (``kwargs[block][window]``). ``check_embedding``: refuse (ConfigError) a model whose block 0 input is not its
+    embedding's output (e.g. scaled), as the embedding's gradient is then taken from the embedding alone."""
     kwargs: list[list[dict[str, Any]]] = [[] for _ in blocks]
+    first: list[torch.Tensor] = []
 
     def stub(index: int) -> Callable[..., torch.Tensor]:
         def forward(*args: Any, **kw: Any) -> torch.Tensor:
@@ -255,7 +256,7 @@ def _prologue(
                 )
             kwargs[index].append(kw)
             if index == 0:
-                hidden.append(h.detach())
+                first.append(h.detach())
             return h
 
         return forward
@@ -269,20 +270,22 @@ def _prologue(
         for index, block in enumerate(blocks):
             block.forward = stub(index)  # type: ignore[method-assign]
         with materialize(embed), torch.no_grad():
-            for row in windows:
+            for w, row in enumerate(windows):
                 with contextlib.suppress(_Stop):
                     model(input_ids=row[None], use_cache=False)
-                if check_embedding and not torch.equal(embed(row[None]), hidden[-1]):
+                hidden = first.pop()
+                if check_embedding and not torch.equal(embed(row[None]), hidden):
                     raise ConfigError(
                         f"--max-memory cannot take {type(model).__name__}'s embedding gradient block by block: its "
                         "first block's input is not the embedding's output",
                         hint="drop --max-memory, or keep the embeddings unquantized (no --embedding-bits)",
                     )
+                store.put(f"h0-{w}", hidden)
     finally:
         handle.remove()
         for block, forward in zip(blocks, saved, strict=True):
             block.forward = forward  # type: ignore[method-assign]
-    return hidden, kwargs
+    return kwargs
 
 
 def _block_out(output: Any) -> torch.Tensor:
@@ -297,83 +300,81 @@ def _loss(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, ids: torch.Ten
 
 
 def _head_grads(
-    model: nn.Module,
     windows: torch.Tensor,
-    finals: list[torch.Tensor],
+    store: _Store,
+    n_blocks: int,
     norm: nn.Module,
     head: nn.Module,
     targets: Mapping[str, nn.Module],
     sink: GroupSink,
-) -> list[torch.Tensor]:
-    """dL/d(last block's output) per window; an untied LM head's Fisher (when it is a target) to ``sink``."""
+    keep: bool,
+) -> None:
+    """dL/d(last block's output) per window into ``store`` (``g{n_blocks}-{w}``); an untied LM head's Fisher
+    (when it is a target) to ``sink``. ``keep``: leave the last outputs in ``store`` (else they are taken)."""
     weights = _weights(targets)
     sums = new_sums(weights)
-    grads: list[torch.Tensor] = []
     with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
-        for row, final in zip(windows, finals, strict=True):
+        for w, row in enumerate(windows):
+            final = store.get(f"h{n_blocks}-{w}") if keep else store.take(f"h{n_blocks}-{w}")
             x = final.detach().requires_grad_(True)
             _loss(norm, head, x, row[None]).backward(inputs=[x, *weights.values()])
-            grads.append(_take_grad(x))
+            store.put(f"g{n_blocks}-{w}", _take_grad(x))
     if weights:
         sink(finish_sums(sums))
-    return grads
 
 
 def _block_backward(
     block: nn.Module,
-    inputs: list[torch.Tensor],
+    index: int,
+    store: _Store,
     kwargs: list[dict[str, Any]],
-    grads: list[torch.Tensor],
     targets: Mapping[str, nn.Module],
     need_input: bool,
     sink: GroupSink,
-) -> list[torch.Tensor]:
-    """Recompute ``block`` per window with grad, backpropagate the carried gradients; the block's Fisher to
-    ``sink``; returns dL/d(input) per window (empty when ``need_input`` is False)."""
+) -> None:
+    """Recompute block ``index`` per window from its input (``h{index}-{w}``) with grad, backpropagate the carried
+    gradient (``g{index+1}-{w}``); the block's Fisher to ``sink``; dL/d(input) into ``g{index}-{w}`` when
+    ``need_input``. Both inputs are taken from ``store``."""
     weights = _weights(targets)
     sums = new_sums(weights)
-    carried: list[torch.Tensor] = []
     with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
-        for w, (h, kw) in enumerate(zip(inputs, kwargs, strict=True)):
-            x = h.detach().requires_grad_(need_input)
+        for w, kw in enumerate(kwargs):
+            x = store.take(f"h{index}-{w}").detach().requires_grad_(need_input)
+            grad = store.take(f"g{index + 1}-{w}")
             out = _block_out(block(x, **kw))
             wanted = [x, *weights.values()] if need_input else list(weights.values())
             if wanted:
-                out.backward(grads[w], inputs=wanted)
-            grads[w] = torch.empty(0)  # used: free it before the next window
+                out.backward(grad, inputs=wanted)
             if need_input:
-                carried.append(_take_grad(x))
+                store.put(f"g{index}-{w}", _take_grad(x))
     if weights:
         sink(finish_sums(sums))
-    return carried
 
 
 def _embedding_backward(
-    model: nn.Module,
     windows: torch.Tensor,
+    store: _Store,
+    n_blocks: int,
     embed: nn.Module,
     norm: nn.Module,
     head: nn.Module,
-    grads: list[torch.Tensor],
-    finals: list[torch.Tensor] | None,
+    tied: bool,
     targets: Mapping[str, nn.Module],
     sink: GroupSink,
 ) -> None:
-    """The input embedding's Fisher: dL/dE from block 0's input gradient (plus, for a tied LM head, the head's
-    gradient of the same weight, recomputed from the last block's output, ``finals``) per window."""
+    """The input embedding's Fisher: dL/dE from block 0's input gradient (``g0-{w}``) plus, for a tied LM head,
+    the head's gradient of the same weight, recomputed from the last block's output (``h{n_blocks}-{w}``)."""
     weights = _weights(targets)
     sums = new_sums(weights)
     with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
         for w, row in enumerate(windows):
             ids = row[None]
-            out = embed(ids)
-            outputs, seeds = [out], [grads[w]]
-            if finals is not None:  # the LM head uses the same weight: one backward sums both gradients
-                outputs.append(_loss(norm, head, finals[w].detach(), ids))
+            outputs, seeds = [embed(ids)], [store.take(f"g0-{w}")]
+            if tied:  # the LM head uses the same weight: one backward sums both gradients, as on the whole model
+                outputs.append(_loss(norm, head, store.take(f"h{n_blocks}-{w}"), ids))
                 seeds.append(torch.ones(()))
             torch.autograd.backward(outputs, seeds, inputs=list(weights.values()))
     sink(finish_sums(sums))
-    del model
 
 
 def _weights(targets: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:

@@ -169,6 +169,21 @@ def estimate_peak_memory(
     return BASE_PROCESS_BYTES + params + max(params, working)
 
 
+def check_budget(needed: int, max_memory: int) -> None:
+    """``--max-memory``: refuse (ResourceError) a budget below ``needed``, the estimated peak of a bounded run
+    (one block plus its activations, the embedding and head, the process itself)."""
+    if max_memory < needed:
+        raise ResourceError(
+            f"--max-memory {_size(max_memory)} is below the minimum of {_size(needed)} for this model: one block "
+            "plus its activations, the embedding and LM head, and the process itself",
+            hint=f"pass --max-memory {_size(needed)} or more (fewer or shorter calibration windows lower it a little)",
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f}GB" if n >= 10**9 else f"{max(1, round(n / 1e6))}MB"
+
+
 def check_memory(needed: int, force: bool = False) -> int | None:
     """Raise ResourceError (unless ``force``) when ``needed`` bytes exceed the available memory; returns it."""
     available = available_memory_bytes()
@@ -191,4 +206,5 @@ __all__ = [
     "estimate_peak_memory",
     "available_memory_bytes",
     "check_memory",
+    "check_budget",
 ]

@@ -32,6 +32,8 @@ _FINGERPRINT = "fingerprint.json"
 _FISHER = "fisher.safetensors"
 _HESSIAN = "hessian.safetensors"
 _GROUPS = "groups"
+_FISHER_GROUPS = "fisher-groups"  # --max-memory: the Fisher of each layer group, committed as its block is done
+_ACTIVATIONS = "activations"  # --max-memory: per-block hidden states spilled during the Fisher pass (scratch)
 _STAGING = "artifact"
 _PUBLISHING = "publishing.json"
 _META_KEY = "squeeze"
@@ -58,7 +60,7 @@ class WorkArea:
 
     def clean_temps(self) -> None:
         """Remove temp files a killed run left behind (never a committed checkpoint)."""
-        for directory in (self.root, self.root / _GROUPS):
+        for directory in (self.root, self.root / _GROUPS, self.root / _FISHER_GROUPS):
             if directory.is_dir():
                 for path in directory.iterdir():
                     # ours (.NAME.*.partial), and the .tmpXXXXXX safetensors >= 0.8 writes before its rename
@@ -106,7 +108,12 @@ class WorkArea:
 
     def has_checkpoints(self) -> bool:
         """True once anything worth resuming is committed (Fisher, a layer group, or a publish in progress)."""
-        return (self.root / _FISHER).is_file() or (self.root / _PUBLISHING).is_file() or self.committed_groups() > 0
+        return (
+            (self.root / _FISHER).is_file()
+            or (self.root / _PUBLISHING).is_file()
+            or self.committed_groups() > 0
+            or any((self.root / _FISHER_GROUPS).glob("*.safetensors"))
+        )
 
     def disk_bytes(self) -> int:
         """Bytes the work area holds now (subtracted from what a resumed run still needs)."""
@@ -151,6 +158,53 @@ class WorkArea:
             path.unlink(missing_ok=True)
             return None
         return fisher if sorted(fisher) == sorted(names) else None
+
+    # -- the Fisher by layer group (--max-memory: never all of it in memory at once)
+
+    @property
+    def activations(self) -> Path:
+        """Scratch for the hidden states a bounded run spills between blocks (removed when the pass ends)."""
+        return self.root / _ACTIVATIONS
+
+    def fisher_group_path(self, index: int) -> Path:
+        return self.root / _FISHER_GROUPS / f"{index:05d}.safetensors"
+
+    def save_fisher_group(self, index: int, fisher: dict[str, torch.Tensor]) -> None:
+        (self.root / _FISHER_GROUPS).mkdir(exist_ok=True)
+        _save_atomic(self.fisher_group_path(index), fisher, {})
+
+    def load_fisher_group(self, index: int, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Group ``index``'s Fisher covering exactly ``names``: its own checkpoint, else those entries of a whole
+        Fisher checkpoint (an unbounded run's, read by name without loading the rest); else None."""
+        path = self.fisher_group_path(index)
+        whole = self.root / _FISHER
+        try:
+            if path.is_file():
+                fisher = load_file(str(path))
+                return fisher if sorted(fisher) == sorted(names) else None
+            if whole.is_file():
+                with safe_open(str(whole), framework="pt") as handle:
+                    return (
+                        {name: handle.get_tensor(name) for name in names} if set(names) <= set(handle.keys()) else None
+                    )
+        except Exception:  # noqa: BLE001 - an unreadable cache is recomputed, whatever safetensors raised
+            path.unlink(missing_ok=True)
+        return None
+
+    def has_fisher_group(self, index: int, names: list[str]) -> bool:
+        """True if :meth:`load_fisher_group` finds ``names`` (headers only; a bad group checkpoint is removed)."""
+        path = self.fisher_group_path(index)
+        for candidate in (path, self.root / _FISHER):
+            if not candidate.is_file():
+                continue
+            try:
+                with safe_open(str(candidate), framework="pt") as handle:
+                    keys = set(handle.keys())
+            except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
+                candidate.unlink(missing_ok=True)
+                continue
+            return keys == set(names) if candidate == path else set(names) <= keys
+        return False
 
     # -- input Hessians (error compensation)
 

@@ -124,6 +124,7 @@ def _meta_model(directory: Path) -> nn.Module:
     with accelerate.init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
+    model.tie_weights()  # init_empty_weights replaces parameters after the constructor tied them; tie them again
     if (directory / "generation_config.json").is_file():  # as from_pretrained: the saved one wins
         model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
     model.eval()

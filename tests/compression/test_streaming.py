@@ -1,0 +1,146 @@
+"""compress --max-memory: block-by-block streaming gives the unbounded run's artifact, byte for byte; it resumes
+after an interruption; preflight refuses a budget below one block plus its activations, and what it cannot
+stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from squeeze import api
+from squeeze.compression import streaming
+from squeeze.compression.workarea import WORK_NAME, WorkArea
+from squeeze.errors import ConfigError, ResourceError
+from squeeze.format.manifest import MANIFEST_NAME
+
+BUDGET = "64GB"  # above any estimate here: the run streams, preflight lets it through
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _manifest(directory: Path) -> dict[str, Any]:
+    """The manifest but its creation time and the root digest over it (which differ between any two runs)."""
+    data = json.loads((directory / MANIFEST_NAME).read_text())
+    return {key: value for key, value in data.items() if key not in ("created", "root_digest")}
+
+
+def _assert_same_artifact(got: Path, want: Path) -> None:
+    """Every file byte for byte (every shard, config.json, tokenizer, recipe); the manifest but its time."""
+    files, expected = _files(got), _files(want)
+    assert sorted(files) == sorted(expected)
+    assert any(name.endswith(".safetensors") for name in files) and WORK_NAME not in str(sorted(files))
+    for name in expected:
+        if name != MANIFEST_NAME:
+            assert files[name] == expected[name], name
+    assert _manifest(got) == _manifest(want)
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    """The tiny Llama stored in bfloat16, as most checkpoints are (cast to fp32 when read, exactly)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("bf16") / "m"
+    AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.bfloat16).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(str(tiny_llama_dir)).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory: pytest.TempPathFactory, resized_tiny_llama: Callable[..., Path]) -> Path:
+    """The tiny Llama with its LM head tied to the input embedding (one tensor in the checkpoint)."""
+    return resized_tiny_llama(tmp_path_factory.mktemp("tied") / "m", tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "tied"),
+    [("w4", {}, False), ("w3-s045", {}, False), ("w4", {"weights.embedding_bits": 8}, False), ("w4", {}, True)]
+    + [("w4", {"weights.embedding_bits": 4}, True)],
+    ids=["w4", "w3-s045", "w4-e8", "w4-tied", "w4-e4-tied"],
+)
+def test_bounded_run_is_byte_identical(
+    recipe: str,
+    overrides: dict[str, Any],
+    tied: bool,
+    tmp_path: Path,
+    bf16_llama: Path,
+    tied_llama: Path,
+    compress_tiny: Callable[..., Path],
+) -> None:
+    source = tied_llama if tied else bf16_llama
+    unbounded = compress_tiny(tmp_path / "unbounded", recipe, source=source, overrides=overrides)
+    bounded = compress_tiny(tmp_path / "bounded", recipe, source=source, overrides=overrides, max_memory=BUDGET)
+    _assert_same_artifact(bounded, unbounded)
+
+
+def test_interrupted_bounded_run_resumes_to_identical_bytes(
+    tmp_path: Path, bf16_llama: Path, compress_tiny: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = compress_tiny(tmp_path / "ref", source=bf16_llama)
+    out = tmp_path / "art"
+    # first killed during the Fisher pass (after the last block's group is committed) ...
+    real_save = WorkArea.save_fisher_group
+
+    def die_after_first(self: WorkArea, index: int, fisher: dict[str, torch.Tensor]) -> None:
+        real_save(self, index, fisher)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(WorkArea, "save_fisher_group", die_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        compress_tiny(out, source=bf16_llama, max_memory=BUDGET)
+    monkeypatch.setattr(WorkArea, "save_fisher_group", real_save)
+    work = WorkArea(out)
+    assert len(list((work.root / "fisher-groups").iterdir())) == 1 and not work.activations.exists()
+    # ... then during quantization, after one group is committed
+    real_group = streaming._quantize_group
+    calls: list[int] = []
+
+    def die_on_second(job: Any, names: list[str]) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_group(job, names)
+
+    monkeypatch.setattr(streaming, "_quantize_group", die_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        compress_tiny(out, source=bf16_llama, max_memory=BUDGET)
+    monkeypatch.setattr(streaming, "_quantize_group", real_group)
+    assert work.committed_groups() == 1
+    compress_tiny(out, source=bf16_llama, max_memory=BUDGET)
+    _assert_same_artifact(out, reference)
+
+
+def test_budget_below_the_minimum_is_refused_with_the_minimum(tmp_path: Path, bf16_llama: Path) -> None:
+    with pytest.raises(ResourceError, match=r"--max-memory 1MB is below the minimum of \d+MB") as info:
+        api.compress(str(bf16_llama), tmp_path / "out", recipe="rtn-w4", max_memory="1MB")
+    assert "--max-memory" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists()  # refused in preflight: nothing left behind
+
+
+@pytest.mark.parametrize(("recipe", "message"), [("b3.5", "bits-per-weight budget"), ("w3-ec", "error compensation")])
+def test_what_cannot_stream_is_refused(
+    recipe: str, message: str, tmp_path: Path, bf16_llama: Path, tiny_text_file: Path
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        api.compress(str(bf16_llama), tmp_path / "a", recipe=recipe, calibration=str(tiny_text_file), max_memory=BUDGET)
+    assert not (tmp_path / "a").exists()
+
+
+def test_peak_estimate_grows_with_the_windows(bf16_llama: Path) -> None:
+    from squeeze.compression.preflight import meta_model
+    from squeeze.config import load_recipe
+    from squeeze.models import resolve_model
+
+    skeleton = meta_model(resolve_model(str(bf16_llama)))
+    recipe = load_recipe("w4")
+    rtn = streaming.streaming_peak_bytes(skeleton, recipe, None, None, 10**6)
+    small = streaming.streaming_peak_bytes(skeleton, recipe, 4, 32, 10**6)
+    large = streaming.streaming_peak_bytes(skeleton, recipe, 64, 512, 10**6)
+    assert streaming.STREAMING_BASE_BYTES < rtn <= small < large
