@@ -12,7 +12,7 @@ transformers' quantizer registry (see :mod:`squeeze.runtime.hf_hook` for when). 
    config then), so a config asking for a million layers fails at once instead of hanging;
 2. replaces each quantized ``nn.Linear`` named in ``quantization_config.modules`` by a :class:`SqueezeLinear`
    (each quantized 3-D expert parameter by a :class:`~squeeze.runtime.experts.SqueezeExperts`, with the
-   eager experts forward) whose buffers (``weight_packed``, ``weight_lut``, ...) have the shapes and dtypes
+   "squeeze" experts forward) whose buffers (``weight_packed``, ``weight_lut``, ...) have the shapes and dtypes
    of the artifact's tensors, read from the verified safetensors headers, so transformers' ordinary
    state-dict loading fills them by name;
 3. after loading, rebuilds every module's quantized weight from its filled buffers with the full format
@@ -50,11 +50,12 @@ from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
 from squeeze.runtime.experts import (
+    EXPERTS_IMPLEMENTATION,
     SqueezeExperts,
     experts_layout,
     format_spec,
     replace_expert_parameter,
-    use_eager_experts,
+    use_squeeze_experts,
 )
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
@@ -109,9 +110,9 @@ class SqueezeHfQuantizer(HfQuantizer):
             self._verified = verified_report(resolve_root(name))
             _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
         if any(experts_layout(spec, key) for key, spec in self.quantization_config.modules.items()):
-            # quantized experts are indexed one routed expert at a time: transformers' eager experts forward
-            # (the grouped / batched ones read whole 3-D tensors); set before the skeleton reads it
-            config._experts_implementation = "eager"
+            # quantized experts run one routed expert at a time (squeeze_experts_forward; transformers' default
+            # grouped forward reads whole 3-D tensors); set before the skeleton checks it
+            config._experts_implementation = EXPERTS_IMPLEMENTATION
         return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(
@@ -143,7 +144,7 @@ class SqueezeHfQuantizer(HfQuantizer):
                 what = "expert parameter" if isinstance(module, SqueezeExperts) else "linear"
                 raise FormatError(f"artifact lacks tensors of the quantized {what} {name!r}")
             module.rebind(name)  # the full dtype / shape / value checks of the format, on the loaded tensors
-        use_eager_experts(model)
+        use_squeeze_experts(model)
         stabilise_dense_linears(model)  # the LM head as squeeze.load runs it
         return model
 

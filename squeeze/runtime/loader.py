@@ -53,7 +53,7 @@ from squeeze.runtime.experts import (
     experts_layout,
     format_spec,
     replace_expert_parameter,
-    use_eager_experts,
+    use_squeeze_experts,
 )
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
@@ -347,7 +347,7 @@ def load_artifact(
             continue
         bias = tensors.pop(f"{name}.bias", None)
         swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
-    use_eager_experts(model)  # quantized experts are indexed one routed expert at a time
+    use_squeeze_experts(model)  # quantized experts run one routed expert at a time, on the packed codes
     tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory)  # a tied LM head reads the embedding's
     _load_other_tensors(model, tensors)
     stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)

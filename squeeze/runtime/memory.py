@@ -14,9 +14,9 @@ bytes. What the quantized linears add depends on their path (``SqueezeLinear.wei
   in_features) slice at a time instead of cached.
 
 Quantized expert parameters of MoE layers (squeeze.runtime.experts) stay compressed on every path: the
-eager experts forward dequantizes one routed expert's gate/up and down matrices at a time, so they add
-the largest expert's two matrices (float32) whatever the flags, plus the native kernels' prepared form of
-their sparse entries (as a linear's).
+native kernels run routed experts on their packed codes, and other paths dequantize one routed expert's
+gate/up and down matrices at a time, so they add at most the largest expert's two matrices (float32)
+whatever the flags, plus the native kernels' prepared form of their sparse entries (as a linear's).
 
 Add a fixed allowance for what the imports, tokenizer and a short generation allocate.
 """

@@ -26,7 +26,13 @@ from squeeze.format.verify import seal_artifact
 from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.quant.schemes.rtn import RtnWeight
 from squeeze.runtime.config_shapes import check_config_shapes
-from squeeze.runtime.experts import SqueezeExperts, experts_layout, replace_expert_parameter, use_eager_experts
+from squeeze.runtime.experts import (
+    EXPERTS_IMPLEMENTATION,
+    SqueezeExperts,
+    experts_layout,
+    replace_expert_parameter,
+    use_squeeze_experts,
+)
 from squeeze.runtime.memory import SPARSE_ENTRY_BYTES, estimate_load
 
 E, OUT, IN = 4, 6, 10
@@ -101,7 +107,7 @@ def test_only_the_indexed_experts_are_dequantized() -> None:
         experts[2]
         experts[torch.tensor([3, 3, 1])]
     assert rows == [(2 * OUT, 3 * OUT), (1 * OUT, 2 * OUT), (3 * OUT, 4 * OUT)]  # each distinct expert once
-    assert experts.dequantized == 3
+    assert experts.used == 3
 
 
 def test_rtn_and_half_precision_experts() -> None:
@@ -263,16 +269,27 @@ def test_both_loaders_equal_the_dequantized_reference(
     loaded = api.load(root).model
     experts = [n for n, m in loaded.named_modules() if isinstance(m, SqueezeExperts)]
     assert len(experts) == 2 * MOE["num_hidden_layers"]
-    assert loaded.config._experts_implementation == "eager"
+    assert loaded.config._experts_implementation == EXPERTS_IMPLEMENTATION == "squeeze"
     assert (_logits(loaded) - _logits(reference)).abs().max().item() <= 1e-5
     hf = tf.AutoModelForCausalLM.from_pretrained(root)
     assert [n for n, m in hf.named_modules() if isinstance(m, SqueezeExperts)] == experts
-    assert hf.config._experts_implementation == "eager"
+    assert hf.config._experts_implementation == "squeeze"
     assert (_logits(hf) - _logits(reference)).abs().max().item() <= 1e-5
 
 
-def test_one_forward_dequantizes_only_routed_experts(qwen3_moe: tuple[Path, nn.Module]) -> None:
+@pytest.mark.parametrize("implementation", ["squeeze", "eager"])
+def test_one_forward_uses_only_routed_experts(qwen3_moe: tuple[Path, nn.Module], implementation: str) -> None:
+    """ "squeeze" runs each routed expert on the packed codes (nothing dequantized on the native path);
+    transformers' own "eager" forward indexes the parameter, dequantizing each routed expert."""
     model = api.load(qwen3_moe[0]).model
+    model.config._experts_implementation = implementation
+    dequantized: list[int] = []
+    original = SqueezeExperts.dequantize_experts
+
+    def spy(self: SqueezeExperts, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        dequantized.extend(ids.tolist())
+        return original(self, ids, dtype)
+
     routed: dict[str, set[int]] = {}
 
     def record(name: str) -> Any:
@@ -284,13 +301,34 @@ def test_one_forward_dequantizes_only_routed_experts(qwen3_moe: tuple[Path, nn.M
     for name, module in model.named_modules():
         if name.endswith("mlp.gate"):
             module.register_forward_hook(record(name.removesuffix(".gate")))
-    with torch.no_grad():
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SqueezeExperts, "dequantize_experts", spy)
         model(IDS[:, :3])  # 3 tokens x top-2: at most 6 of the 4 experts, usually fewer
     for mlp, experts in routed.items():
         for proj in ("gate_up_proj", "down_proj"):
             module = model.get_submodule(f"{mlp}.experts.{proj}")
-            assert module.dequantized == len(experts)
+            assert module.used == len(experts)
     assert any(len(e) < MOE["num_experts"] for e in routed.values())  # some expert was skipped
+    native = model.get_submodule(f"{next(iter(routed))}.experts.gate_up_proj").weight_path.startswith("native-")
+    expected = 0 if implementation == "squeeze" and native else 2 * sum(len(e) for e in routed.values())
+    assert len(dequantized) == expected
+
+
+def test_the_squeeze_forward_equals_the_eager_one(qwen3_moe: tuple[Path, nn.Module]) -> None:
+    model = api.load(qwen3_moe[0]).model
+    ours = _logits(model)
+    model.config._experts_implementation = "eager"  # transformers' loop over the dequantized experts
+    assert (ours - _logits(model)).abs().max().item() <= 1e-5
+
+
+def test_an_expert_linear_with_gradients_goes_through_the_dequantized_expert() -> None:
+    q, param = _weight()
+    experts = SqueezeExperts(q, E)
+    x = torch.randn(3, IN)
+    assert (experts.linear(2, x) - x @ param[2].T).abs().max().item() <= 1e-5  # the kernels where they run
+    x.requires_grad_(True)  # the kernels have no backward
+    y = experts.linear(2, x)
+    assert torch.equal(y, torch.nn.functional.linear(x, param[2])) and y.requires_grad
 
 
 def test_the_config_must_hold_the_artifacts_experts(qwen3_moe: tuple[Path, nn.Module]) -> None:
@@ -320,15 +358,19 @@ def test_inspect_and_the_memory_estimate_count_the_experts(qwen3_moe: tuple[Path
     assert nnz and estimate.prepared_bytes == SPARSE_ENTRY_BYTES * nnz  # the native kernels' sparse entries
 
 
-def test_use_eager_experts_switches_a_grouped_model() -> None:
+def test_use_squeeze_experts_switches_a_grouped_model() -> None:
     config = tf.Qwen3MoeConfig(**{**MOE, "vocab_size": 320})
     model = tf.AutoModelForCausalLM.from_config(config)
     model.config._experts_implementation = "grouped_mm"
-    use_eager_experts(model)  # nothing quantized: nothing changes
+    use_squeeze_experts(model)  # nothing quantized: nothing changes
     assert model.config._experts_implementation == "grouped_mm"
     experts = model.model.layers[0].mlp.experts
     shape = experts.down_proj.shape
     q = quantize_lut(torch.randn(shape[0] * shape[1], shape[2]), None, 4)
     replace_expert_parameter(model, "model.layers.0.mlp.experts.down_proj", q, shape[0], False)
-    use_eager_experts(model)
-    assert model.config._experts_implementation == "eager"
+    use_squeeze_experts(model)
+    assert model.config._experts_implementation == "squeeze"
+    with torch.no_grad():  # gate_up_proj stays a plain parameter: the forward reads it as transformers does
+        ours = model(IDS[:, :5]).logits
+        model.config._experts_implementation = "eager"
+        assert (ours - model(IDS[:, :5]).logits).abs().max().item() <= 1e-5

@@ -218,7 +218,7 @@ def test_from_pretrained_logits_equal_the_dequantized_reference(built: Built) ->
     assert (_logits(model) - _logits(built.reference)).abs().max().item() <= ATOL
 
 
-def test_one_forward_dequantizes_only_the_routed_experts(built: Built) -> None:
+def test_one_forward_uses_only_the_routed_experts(built: Built) -> None:
     model = api.load(built.artifact).model
     routed: dict[str, set[int]] = {}
 
@@ -235,7 +235,7 @@ def test_one_forward_dequantizes_only_the_routed_experts(built: Built) -> None:
         model(IDS[:, :2])  # 2 tokens x top-2: at most 4 experts per layer, usually fewer
     assert set(routed) == layers
     for name in built.experts:
-        assert model.get_submodule(name).dequantized == len(routed[name.rpartition(".")[0]])
+        assert model.get_submodule(name).used == len(routed[name.rpartition(".")[0]])
 
 
 def test_squeeze_run_continues_like_the_reference(built: Built, tiny_tokenizer: Any) -> None:
