@@ -54,6 +54,9 @@ class CompressResult:
     #: a weights.target_bpw run: the share of the quantized linears' weights at each setting ({"w4": 0.3, ...})
     plan: dict[str, float] | None = None
     source_bytes: int = 0  # the model's tensors in the source checkpoint's dtype (float16 for GGUF), tied once
+    #: --max-memory: the budget and preflight's estimate of the bounded run's peak resident bytes (0: unbounded)
+    max_memory: int = 0
+    peak_estimate_bytes: int = 0
     #: a MoE model: the (layer, expert) pairs quantized, and those the calibration never routed to (zero
     #: Fisher; quantized with uniform weights); both 0 for a dense model, unrouted 0 without calibration
     experts: int = 0
@@ -74,6 +77,11 @@ class CompressResult:
             "source_bytes": self.source_bytes,
             "root_digest": self.root_digest,
             **({"plan": self.plan} if self.plan is not None else {}),
+            **(
+                {"max_memory": self.max_memory, "peak_estimate_bytes": self.peak_estimate_bytes}
+                if self.max_memory
+                else {}
+            ),
             **({"experts": self.experts, "unrouted_experts": self.unrouted_experts} if self.experts else {}),
         }
 
@@ -99,6 +107,8 @@ class CompressJob:
     progress: StageProgress | None = None
     #: ``--max-memory``: the peak resident bytes the run must stay under (streaming block by block); None: unbounded
     max_memory: int | None = None
+    #: preflight (--max-memory): the estimated peak resident bytes of the bounded run
+    peak_estimate: int = 0
     guard: SignalGuard = field(default_factory=SignalGuard)
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
@@ -106,7 +116,9 @@ class CompressJob:
     digest: str = ""  # fingerprint: the source model files' digest
     fingerprint: dict[str, Any] = field(default_factory=dict)  # fingerprint
     windows: torch.Tensor | None = None  # calibrate: (n, T) token ids; dropped after sensitivity
-    model: nn.Module | None = None  # load: fp32 weights
+    model: nn.Module | None = None  # load: fp32 weights (--max-memory: on the meta device, see ``lazy``)
+    #: load (--max-memory): the squeeze.models.lazy.LazyModel that reads ``model``'s weights one block at a time
+    lazy: Any = None
     tokenizer: Any = None  # load
     #: load: target_names -> the linears and expert parameters (squeeze.models.experts) of ``model``
     targets: dict[str, Target] = field(default_factory=dict)
@@ -137,7 +149,14 @@ class CompressJob:
         if self.bit_plan and self.targets:  # a budget recipe: the share of the weights at each setting
             plan = plan_summary(self.bit_plan, {name: m.weight.numel() for name, m in self.targets.items()})
         seconds = time.perf_counter() - self.started
-        return CompressResult(**self.summary, seconds=seconds, timings=self.timings, plan=plan)
+        return CompressResult(
+            **self.summary,
+            seconds=seconds,
+            timings=self.timings,
+            plan=plan,
+            max_memory=self.max_memory or 0,
+            peak_estimate_bytes=self.peak_estimate,
+        )
 
 
 @contextlib.contextmanager

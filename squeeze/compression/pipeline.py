@@ -25,6 +25,7 @@ from torch import nn
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.hessian import hessian_bytes_bound, input_hessians
 from squeeze.calibrate.windows import calibration_windows
+from squeeze.compression import streaming
 from squeeze.compression.assemble import seal_stage, write_stage
 from squeeze.compression.bit_plan import plan_stage
 from squeeze.compression.embeddings import embedding_names, embedding_targets
@@ -34,6 +35,7 @@ from squeeze.compression.lock import OutputLock
 from squeeze.compression.output import check_not_model_path, check_output_dir, output_path
 from squeeze.compression.preflight import (
     SizeEstimate,
+    check_budget,
     check_context_length,
     check_disk,
     check_memory,
@@ -168,7 +170,16 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     already = 0 if job.restart else job.work.disk_bytes()
     check_disk(job.work.output, estimate, checkpoint_bytes - already, force)
     seq_len = calibration.seq_len if calibration else None
-    check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
+    if job.max_memory is not None:  # a bounded run streams block by block (streaming.py): its own, lower peak
+        streaming.check_streamable(job.source, job.recipe, skeleton, targets)
+        n_windows = calibration.num_samples if calibration else None
+        job.peak_estimate = streaming.streaming_peak_bytes(
+            skeleton, job.recipe, n_windows, seq_len, estimate.total_bytes
+        )
+        check_budget(job.peak_estimate, job.max_memory)
+        check_memory(job.peak_estimate, force)
+    else:
+        check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
     job.target_names = tuple(targets)
@@ -187,7 +198,7 @@ def _run_locked(job: CompressJob) -> CompressResult:
             job,
             tuple(
                 (name, stage)
-                for name, stage in STAGE_FUNCTIONS
+                for name, stage in (STAGE_FUNCTIONS if job.max_memory is None else STREAMING_STAGE_FUNCTIONS)
                 if job.calibration is not None or name not in _CALIBRATION_STAGES
             ),
         )
@@ -284,6 +295,17 @@ STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
     ("plan", plan_stage),
     ("quantize", quantize_stage),
     ("write", write_stage),
+    ("seal", seal_stage),
+    ("publish", publish_stage),
+)
+#: The stages of a run within ``--max-memory`` (streaming.py): the same names, one block at a time; a budget
+#: plan (target_bpw) is refused in preflight, so there is no plan stage.
+STREAMING_STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
+    ("calibrate", calibrate_stage),
+    ("load", streaming.load_stage),
+    ("sensitivity", streaming.sensitivity_stage),
+    ("quantize", streaming.quantize_stage),
+    ("write", streaming.write_stage),
     ("seal", seal_stage),
     ("publish", publish_stage),
 )
