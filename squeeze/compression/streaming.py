@@ -36,14 +36,19 @@ from squeeze.models.source import ModelSource, keep_dtype, load_tokenizer, sourc
 STREAMING_BASE_BYTES = 512 * 2**20
 
 
+def check_source(source: ModelSource) -> None:
+    """ConfigError for a source ``--max-memory`` cannot read block by block: a GGUF file (hint: convert it)."""
+    if source.kind == "gguf":
+        LazyModel(source)  # raises the GGUF ConfigError with its conversion hint
+
+
 def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, targets: dict[str, Any]) -> None:
     """ConfigError for what ``--max-memory`` cannot stream: a GGUF source, error compensation, a
     ``target_bpw`` budget (both need every layer at once), targets that are not linears in decoder blocks,
     a model not shaped like Llama."""
     weights = recipe.weights
     option = "--max-memory"
-    if source.kind == "gguf":
-        LazyModel(source)  # raises the GGUF ConfigError with its conversion hint
+    check_source(source)
     if weights.target_bpw is not None:
         raise ConfigError(
             f"{option} cannot plan a bits-per-weight budget (target_bpw {weights.target_bpw}): the plan weighs every "
@@ -283,6 +288,7 @@ def _floating(lazy: LazyModel, name: str, buffer: torch.Tensor | None) -> bool:
 
 __all__ = [
     "STREAMING_BASE_BYTES",
+    "check_source",
     "check_streamable",
     "load_stage",
     "quantize_stage",

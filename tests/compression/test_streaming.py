@@ -144,3 +144,17 @@ def test_peak_estimate_grows_with_the_windows(bf16_llama: Path) -> None:
     small = streaming.streaming_peak_bytes(skeleton, recipe, 4, 32, 10**6)
     large = streaming.streaming_peak_bytes(skeleton, recipe, 64, 512, 10**6)
     assert streaming.STREAMING_BASE_BYTES < rtn <= small < large
+
+
+def test_a_gguf_source_is_refused_with_the_conversion_hint(tmp_path: Path) -> None:
+    from squeeze.errors import ModelError
+    from squeeze.models import resolve_model
+
+    try:
+        source = resolve_model("smollm2-135m")
+    except ModelError as exc:
+        pytest.skip(f"the built-in GGUF model is absent: {exc.message}")
+    with pytest.raises(ConfigError, match="GGUF") as info:
+        api.compress(source, tmp_path / "out", recipe="rtn-w4", max_memory=BUDGET)
+    assert "save_pretrained" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists()
