@@ -158,6 +158,8 @@ def _calibration_for(recipe: Recipe, calibration: CalibrationSpec | None) -> Cal
 
 def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     """Size, disk, memory and context checks on the meta-device model; finds the target linears (once)."""
+    if job.max_memory is not None:  # before the architecture is read (a GGUF file's takes long)
+        streaming.check_source(job.source)
     skeleton = meta_model(job.source)
     weights = job.recipe.weights
     # linears and 3-D expert parameters (MoE); ModelError when there is none
