@@ -30,6 +30,7 @@ adds 12 bytes per sparse entry.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -376,16 +377,18 @@ def squeeze_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tenso
     return final
 
 
-#: The experts implementation the loaders select: "squeeze" once registered with transformers, else "eager"
-#: (transformers without the ExpertsInterface: its experts modules index the parameter, which works too).
-EXPERTS_IMPLEMENTATION = "eager"
-try:  # transformers >= 5: experts modules dispatch on config._experts_implementation through this registry
-    from transformers.integrations.moe import ExpertsInterface
-
+@functools.cache
+def experts_implementation() -> str:
+    """The experts implementation the loaders select: "squeeze" (:func:`squeeze_experts_forward`, registered
+    with transformers' ExpertsInterface on the first call), or "eager" for a transformers without that registry
+    (its experts modules then index the parameter, which works too). transformers is imported here, not at
+    module import."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:  # pragma: no cover - older transformers (e.g. vLLM's pin) keep experts as linears
+        return "eager"
     ExpertsInterface.register("squeeze", squeeze_experts_forward)
-    EXPERTS_IMPLEMENTATION = "squeeze"
-except ImportError:  # pragma: no cover - older transformers (e.g. vLLM's pin) keep experts as linears
-    pass
+    return "squeeze"
 
 
 def use_squeeze_experts(model: nn.Module) -> None:
@@ -394,8 +397,8 @@ def use_squeeze_experts(model: nn.Module) -> None:
     for module in model.modules():
         if any(isinstance(child, SqueezeExperts) for child in module.children()):
             config = getattr(module, "config", None)
-            if config is not None and getattr(config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
-                config._experts_implementation = EXPERTS_IMPLEMENTATION
+            if config is not None and getattr(config, "_experts_implementation", None) != experts_implementation():
+                config._experts_implementation = experts_implementation()
 
 
 __all__ = [
@@ -403,7 +406,7 @@ __all__ = [
     "replace_expert_parameter",
     "use_squeeze_experts",
     "squeeze_experts_forward",
-    "EXPERTS_IMPLEMENTATION",
+    "experts_implementation",
     "experts_layout",
     "format_spec",
     "check_expert_rows",

@@ -50,8 +50,8 @@ from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
 from squeeze.runtime.experts import (
-    EXPERTS_IMPLEMENTATION,
     SqueezeExperts,
+    experts_implementation,
     experts_layout,
     format_spec,
     replace_expert_parameter,
@@ -112,7 +112,7 @@ class SqueezeHfQuantizer(HfQuantizer):
         if any(experts_layout(spec, key) for key, spec in self.quantization_config.modules.items()):
             # quantized experts run one routed expert at a time (squeeze_experts_forward; transformers' default
             # grouped forward reads whole 3-D tensors); set before the skeleton checks it
-            config._experts_implementation = EXPERTS_IMPLEMENTATION
+            config._experts_implementation = experts_implementation()
         return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(

@@ -27,8 +27,8 @@ from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.quant.schemes.rtn import RtnWeight
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.experts import (
-    EXPERTS_IMPLEMENTATION,
     SqueezeExperts,
+    experts_implementation,
     experts_layout,
     replace_expert_parameter,
     use_squeeze_experts,
@@ -269,7 +269,7 @@ def test_both_loaders_equal_the_dequantized_reference(
     loaded = api.load(root).model
     experts = [n for n, m in loaded.named_modules() if isinstance(m, SqueezeExperts)]
     assert len(experts) == 2 * MOE["num_hidden_layers"]
-    assert loaded.config._experts_implementation == EXPERTS_IMPLEMENTATION == "squeeze"
+    assert loaded.config._experts_implementation == experts_implementation() == "squeeze"
     assert (_logits(loaded) - _logits(reference)).abs().max().item() <= 1e-5
     hf = tf.AutoModelForCausalLM.from_pretrained(root)
     assert [n for n, m in hf.named_modules() if isinstance(m, SqueezeExperts)] == experts
