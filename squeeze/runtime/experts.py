@@ -146,7 +146,8 @@ class SqueezeExperts(nn.Module):
 
     @property
     def weight_path(self) -> str:
-        """How experts are dequantized (module docstring): ``native-<isa>``, ``triton`` or ``reference``."""
+        """How routed experts run (module docstring): ``native-<isa>`` (the native kernels on the packed codes),
+        ``triton`` (dequantized by the grouped kernel) or ``reference`` (dequantized by the format)."""
         if self._prepared is not None:
             return "triton"
         return f"native-{self._cpu[0].kernels.isa}" if self._cpu else "reference"
