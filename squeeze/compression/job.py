@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from squeeze.compression.bit_budget import Setting, plan_summary
+from squeeze.compression.distributed import SINGLE, World
 from squeeze.compression.signals import SignalGuard
 from squeeze.compression.workarea import WorkArea
 from squeeze.config import CalibrationSpec, Recipe
@@ -109,6 +110,8 @@ class CompressJob:
     max_memory: int | None = None
     #: preflight (--max-memory): the estimated peak resident bytes of the bounded run
     peak_estimate: int = 0
+    #: this process's rank under torchrun (distributed.py); one process: rank 0 of 1
+    world: World = SINGLE
     guard: SignalGuard = field(default_factory=SignalGuard)
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)

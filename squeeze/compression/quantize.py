@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from squeeze.compression.bit_budget import planned_recipe, without_error_compensation
+from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import Recipe
@@ -81,6 +82,8 @@ def quantize_stage(job: CompressJob) -> None:
     _count_unrouted(job)
     done = 0
     for index, names in enumerate(job.groups):
+        if not owns_group(index, job.world):  # under torchrun another rank quantizes it (distributed.py)
+            continue
         with timed(job.timings, "checkpoint"):
             committed = job.work.has_group(index, names)
         if committed:
