@@ -169,14 +169,15 @@ def estimate_peak_memory(
     return BASE_PROCESS_BYTES + params + max(params, working)
 
 
-def check_budget(needed: int, max_memory: int) -> None:
-    """``--max-memory``: refuse (ResourceError) a budget below ``needed``, the estimated peak of a bounded run
-    (one block plus its activations, the embedding and head, the process itself)."""
-    if max_memory < needed:
+def check_budget(needed: int, max_memory: int, force: bool = False) -> None:
+    """``--max-memory``: refuse (ResourceError, unless ``force``) a budget below ``needed``, the estimated peak of
+    a bounded run (one block plus its activations, the embedding and head, the process itself)."""
+    if max_memory < needed and not force:
         raise ResourceError(
             f"--max-memory {_size(max_memory)} is below the minimum of {_size(needed)} for this model: one block "
             "plus its activations, the embedding and LM head, and the process itself",
-            hint=f"pass --max-memory {_size(needed)} or more (fewer or shorter calibration windows lower it a little)",
+            hint=f"pass --max-memory {_size(needed)} or more (shorter calibration windows lower it), or --force to "
+            "try anyway",
         )
 
 

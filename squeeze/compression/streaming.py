@@ -70,15 +70,21 @@ def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, t
 
 
 def streaming_peak_bytes(
-    skeleton: nn.Module, recipe: Recipe, n_windows: int | None, seq_len: int | None, artifact_bytes: int
+    skeleton: nn.Module,
+    recipe: Recipe,
+    targets: dict[str, Any],
+    seq_len: int | None,
+    artifact_bytes: int,
 ) -> int:
-    """Estimated peak resident bytes of a bounded run of ``skeleton`` (meta): the largest of its phases.
+    """Estimated peak resident bytes of a bounded run of ``skeleton`` (meta): the largest of its phases, on top
+    of the process itself (STREAMING_BASE_BYTES).
 
-    Fisher (``seq_len`` set): the embedding and LM head (fp32), the largest block's fp32 weights, their
-    float64 accumulators and one gradient, one window's saved activations of one block, one window's logits
-    (with their log-softmax and gradient), and two block boundaries' hidden states over all windows (the
-    carried gradients and the block's inputs). Quantize: the largest group's weights and Fisher plus the
-    k-means scratch. Write: one shard of the artifact (at most ``max_shard_bytes``) plus one source tensor.
+    Fisher (``seq_len`` set): the embedding and LM head (fp32), the largest block's fp32 weights, their float64
+    accumulators and one gradient, one window's saved activations of one block, one window's log-probabilities
+    with two gradients of their size (T x vocab fp32 each), and one window's hidden state and carried gradient
+    (the rest are spilled to the work area). Quantize: the largest group's weights and Fisher plus k-means
+    scratch on its largest target. Write: one shard of the artifact (at most ``max_shard_bytes``) plus one
+    source tensor in its own dtype and in fp32.
     """
     embed, blocks, _norm, head = model_parts(skeleton)
     config = getattr(skeleton, "config", None)
@@ -87,15 +93,15 @@ def streaming_peak_bytes(
     inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     edges = _numel(embed) + (0 if _tied(embed, head) else _numel(head))
     block = max((_numel(b) for b in blocks), default=0)
-    largest = max((m.weight.numel() for m in skeleton.modules() if isinstance(m, nn.Linear)), default=0)
-    quantize = block * (4 + 4) + largest * 4 * 8
+    largest = max((t.weight.numel() for t in targets.values()), default=0)
+    quantize = max(block, largest) * (4 + 4) + largest * 4 * 8
     largest_tensor = max((p.numel() for p in skeleton.parameters()), default=0)
-    write = min(recipe.output.max_shard_bytes, artifact_bytes) + largest_tensor * 4 * 2
+    write = min(recipe.output.max_shard_bytes, artifact_bytes) + largest_tensor * (4 + 2)
     fisher = 0
-    if seq_len is not None and n_windows is not None:
+    if seq_len is not None:
         one_window = seq_len * 4 * (12 * hidden + 4 * inter)
-        logits = seq_len * vocab * 4 * 4
-        boundaries = 2 * n_windows * seq_len * hidden * 4
+        logits = seq_len * vocab * 4 * 3
+        boundaries = 2 * seq_len * hidden * 4
         fisher = edges * 4 + block * (4 + 8 + 4) + one_window + logits + boundaries
     return STREAMING_BASE_BYTES + max(quantize, write, fisher)
 

@@ -133,17 +133,19 @@ def test_what_cannot_stream_is_refused(
     assert not (tmp_path / "a").exists()
 
 
-def test_peak_estimate_grows_with_the_windows(bf16_llama: Path) -> None:
+def test_peak_estimate_grows_with_the_window_length(bf16_llama: Path) -> None:
     from squeeze.compression.preflight import meta_model
     from squeeze.config import load_recipe
     from squeeze.models import resolve_model
+    from squeeze.models.targets import find_target_linears
 
     skeleton = meta_model(resolve_model(str(bf16_llama)))
     recipe = load_recipe("w4")
-    rtn = streaming.streaming_peak_bytes(skeleton, recipe, None, None, 10**6)
-    small = streaming.streaming_peak_bytes(skeleton, recipe, 4, 32, 10**6)
-    large = streaming.streaming_peak_bytes(skeleton, recipe, 64, 512, 10**6)
-    assert streaming.STREAMING_BASE_BYTES < rtn <= small < large
+    targets = find_target_linears(skeleton, ["q_proj", "down_proj"])
+    rtn = streaming.streaming_peak_bytes(skeleton, recipe, targets, None, 10**6)
+    short = streaming.streaming_peak_bytes(skeleton, recipe, targets, 32, 10**6)
+    long = streaming.streaming_peak_bytes(skeleton, recipe, targets, 512, 10**6)
+    assert streaming.STREAMING_BASE_BYTES < rtn <= short < long
 
 
 def test_a_gguf_source_is_refused_with_the_conversion_hint(tmp_path: Path) -> None:
