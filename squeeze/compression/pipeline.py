@@ -22,12 +22,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.fisher import fisher_information
+from squeeze.calibrate.fisher import finish_sums, fisher_information, fisher_sums, new_sums
 from squeeze.calibrate.hessian import hessian_bytes_bound, input_hessians
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import streaming
 from squeeze.compression.assemble import seal_stage, write_stage
 from squeeze.compression.bit_plan import plan_stage
+from squeeze.compression.distributed import (
+    World,
+    broadcast_tensors,
+    check_same_job,
+    check_visible,
+    check_world_options,
+    every_rank,
+    job_digest,
+    join,
+    leave,
+    main_first,
+    main_rank,
+    share_json,
+    sum_in_rank_order,
+    window_range,
+    world_from_env,
+)
 from squeeze.compression.embeddings import embedding_names, embedding_targets
 from squeeze.compression.fingerprint import build_fingerprint, fingerprint_differences
 from squeeze.compression.job import CompressJob, CompressResult, Stage, StageProgress, run_stages, timed
@@ -89,7 +106,8 @@ def run_compress(
     # -- preflight: nothing expensive happens before every check below has passed; only the lock is written
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     work = WorkArea(output)
-    _check_output(work, source, overwrite=overwrite, resume=resume)
+    world = world_from_env()  # one process, or this rank of a torchrun world (distributed.py)
+    check_world_options(world, error_compensation=uses_hessians(recipe), max_memory=max_memory)
     job = CompressJob(
         source=source,
         recipe=recipe,
@@ -99,16 +117,22 @@ def run_compress(
         seed=seed,
         overwrite=overwrite,
         restart=restart,
-        progress=progress,
+        progress=progress if world.is_main else None,
         started=started,
         max_memory=max_memory,
+        world=world,
     )
     created_output = not output.exists()
-    created_work = work.create()
-    lock = OutputLock(work.root).acquire()  # a concurrent run into this output is refused here, at once
+    created_work = False
+    lock: OutputLock | None = None
     estimate: SizeEstimate | None = None
+    joined = join(world)
     try:
-        estimate = _preflight(job, force)
+        # rank 0 alone checks the output rules, then creates and locks the work area; the others wait for it
+        (created_work, lock), _ = world.step(
+            "checking the output", lambda: _claim_output(work, source, overwrite=overwrite, resume=resume, world=world)
+        )
+        estimate, _ = world.step("preflight", lambda: _preflight(job, force))
         with job.guard:
             return _run_locked(job)
     except BaseException as exc:
@@ -123,7 +147,21 @@ def run_compress(
             raise _disk_full(work, estimate) from exc
         raise
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
+        leave(joined)
+
+
+def _claim_output(
+    work: WorkArea, source: ModelSource, *, overwrite: bool, resume: bool, world: World
+) -> tuple[bool, OutputLock | None]:
+    """Rank 0 (or the one process): the output rules, then the work area made (True if new) and locked. The
+    other ranks of a torchrun world only check, later, that they see it (a filesystem every rank shares)."""
+    if not world.is_main:
+        return False, None
+    _check_output(work, source, overwrite=overwrite, resume=resume)
+    created = work.create()
+    return created, OutputLock(work.root).acquire()  # a concurrent run into this output is refused here, at once
 
 
 def _check_output(work: WorkArea, source: ModelSource, *, overwrite: bool, resume: bool) -> None:
@@ -158,6 +196,7 @@ def _calibration_for(recipe: Recipe, calibration: CalibrationSpec | None) -> Cal
 
 def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     """Size, disk, memory and context checks on the meta-device model; finds the target linears (once)."""
+    check_visible(job.world, job.work.root)  # torchrun: the work area rank 0 made is on a shared filesystem
     if job.max_memory is not None:  # before the architecture is read (a GGUF file's takes long)
         streaming.check_source(job.source)
     skeleton = meta_model(job.source)
@@ -189,29 +228,52 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
 def _run_locked(job: CompressJob) -> CompressResult:
     """Everything after the lock: the stages, or only the end of a publish a killed run began."""
     run_stages(job, (("fingerprint", fingerprint_stage),))
-    record = job.work.publishing()
-    if record is not None:  # killed while publishing: the artifact is complete in the work area
-        run_stages(job, (("publish", lambda j: finish_publish(j, record)),))
+    # every rank reads the record before rank 0 may act on it; rank 0's reading decides
+    record, flags = job.world.step("resuming", job.work.publishing, lambda r: b"\x01" if r is not None else b"")
+    if flags[0][:1] == b"\x01":  # killed while publishing: the artifact is complete in the work area
+        run_stages(job, (("publish", main_rank(lambda j: finish_publish(j, record or {}))),))
     else:
         run_stages(
             job,
             tuple(
-                (name, stage)
+                (name, _placed(job, name, stage))
                 for name, stage in (STAGE_FUNCTIONS if job.max_memory is None else STREAMING_STAGE_FUNCTIONS)
                 if job.calibration is not None or name not in _CALIBRATION_STAGES
             ),
         )
+    job.summary = share_json(job.world, job.summary)  # torchrun: rank 0 sealed; every rank returns its result
     return job.result()
+
+
+def _placed(job: CompressJob, name: str, stage: Stage) -> Stage:
+    """Which ranks of a torchrun world run ``stage`` (distributed.py); one process: it runs as it is."""
+    if not job.world.active:
+        return stage
+    if name == "sensitivity":
+        return world_sensitivity_stage  # its windows split across ranks, the partial sums combined
+    if name == "plan":
+        return main_first(stage)  # rank 0 commits the plan, the others read it back
+    if name in ("write", "seal", "publish"):
+        return main_rank(stage)
+    return every_rank(stage)  # calibrate, load, quantize (each rank its own layer groups)
 
 
 # -- the stages before quantization (quantize.py, assemble.py and publish.py hold the rest)
 
 
 def fingerprint_stage(job: CompressJob) -> None:
-    """Claim the work area for this job (writing its fingerprint), or refuse one made by a different job."""
-    if job.restart:
-        job.work.reset()
-    job.work.clean_temps()
+    """Claim the work area for this job (writing its fingerprint), or refuse one made by a different job.
+
+    Under torchrun every rank computes the fingerprint and a world whose ranks disagree is refused on every
+    rank; rank 0 alone then claims the work area."""
+    world = job.world
+    options = {"output": str(job.work.output), "overwrite": job.overwrite, "restart": job.restart}
+    _, digests = world.step("fingerprint", lambda: _fingerprint(job), lambda _: job_digest(job.fingerprint, options))
+    check_same_job(world, digests)
+    world.step("claiming the work area", lambda: _claim_work_area(job) if world.is_main else None)
+
+
+def _fingerprint(job: CompressJob) -> None:
     job.digest = source_digest(job.source)
     job.fingerprint = build_fingerprint(
         source_model=job.source.model_id,
@@ -222,6 +284,12 @@ def fingerprint_stage(job: CompressJob) -> None:
         squeeze_version=__version__,
         format_version=FORMAT_VERSION,
     )
+
+
+def _claim_work_area(job: CompressJob) -> None:
+    if job.restart:
+        job.work.reset()
+    job.work.clean_temps()
     _check_fingerprint(job.work, job.fingerprint)
 
 
@@ -282,6 +350,49 @@ def _fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:
     parameter as ``.weight``, all fisher_information reads, so its Fisher comes shaped like the parameter."""
     modules: dict[str, Any] = {**job.targets, **job.embeddings}
     return modules
+
+
+def world_sensitivity_stage(job: CompressJob) -> None:
+    """sensitivity_stage under torchrun: each rank sums the squared gradients of its contiguous share of the
+    windows (float64), rank 0 adds the shares in rank order, rounds once to fp32 and commits the Fisher; every
+    rank gets it (the bits one process computes). Error compensation is refused before (check_world_options)."""
+    world = job.world
+    calibration = job.calibration
+    if calibration is None:
+        return
+    modules = _fisher_modules(job)
+
+    def read() -> dict[str, torch.Tensor] | None:
+        with timed(job.timings, "checkpoint"):
+            return job.work.load_fisher(list(modules))
+
+    loaded, flags = world.step("reading the Fisher", read, lambda f: b"\x01" if f is not None else b"")
+    if loaded is not None and all(flag[:1] == b"\x01" for flag in flags):
+        job.fisher, job.windows = loaded, None
+        return
+
+    def partial() -> dict[str, torch.Tensor]:
+        windows = (
+            job.windows if job.windows is not None else calibration_windows(calibration, load_tokenizer(job.source))
+        )
+        start, stop = window_range(len(windows), world)
+        if start == stop:  # more ranks than windows: this rank adds nothing
+            return new_sums({name: module.weight for name, module in modules.items()})
+        progress = job.progress
+        report = (lambda done, total: progress("fisher", done, total)) if progress else None
+        return fisher_sums(job.loaded_model(), windows[start:stop], modules, progress=report)
+
+    sums, _ = world.step("the Fisher", partial)
+    sum_in_rank_order(world, sums)  # rank 0: the total; the others keep their share (then overwritten)
+    job.fisher = finish_sums(sums)
+    broadcast_tensors(world, job.fisher)
+    job.windows = None
+
+    def commit() -> None:
+        with timed(job.timings, "checkpoint"):
+            job.work.save_fisher(job.fisher)
+
+    world.step("committing the Fisher", lambda: commit() if world.is_main else None)
 
 
 #: Stages a job without calibration (uniform sensitivity, RTN) skips.
