@@ -156,6 +156,13 @@ def join(world: World) -> bool:
             "this torch build has no torch.distributed, so compress cannot run under torchrun",
             hint="run one process (without torchrun), or install a torch build with distributed support",
         )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:  # WORLD_SIZE set by hand, not by torchrun: init_process_group would fail with a traceback
+        raise ConfigError(
+            f"WORLD_SIZE={world.size} asks for a torchrun world, but {' and '.join(missing)} is not set",
+            hint="start data-parallel compress with torchrun (e.g. torchrun --nproc-per-node 2 -m squeeze compress "
+            "...), or unset WORLD_SIZE to run one process",
+        )
     cuda = torch.cuda.is_available()
     if cuda:  # NCCL needs each rank on its own device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

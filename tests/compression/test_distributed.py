@@ -30,6 +30,7 @@ from squeeze.compression.distributed import (
     check_visible,
     check_world_options,
     job_digest,
+    join,
     owns_group,
     window_range,
     world_from_env,
@@ -55,6 +56,14 @@ def test_the_world_comes_from_torchruns_environment() -> None:
         world_from_env({"WORLD_SIZE": "two", "RANK": "0"})
     with pytest.raises(ConfigError, match=r"RANK must be in \[0, WORLD_SIZE\)"):
         world_from_env({"WORLD_SIZE": "2", "RANK": "2"})
+
+
+def test_a_world_size_set_by_hand_without_torchrun_is_refused(monkeypatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):
+        join(World(rank=0, size=2))
+    assert join(SINGLE) is False  # one process: no process group
 
 
 def test_gloo_for_cpu_and_nccl_for_cuda_tensors() -> None:
