@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from squeeze.compression.writer import (
 from squeeze.config import Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
+from squeeze.models.experts import UnroutedExpertsWarning, unrouted_message
 from squeeze.models.source import keep_dtype, source_dtype
 from squeeze.models.targets import embedding_modules
 
@@ -54,8 +56,10 @@ def write_stage(job: CompressJob) -> None:
     job.source_bytes = state_bytes(net, source_dtype(job.source))
     kept = keep_dtype(job.source, job.recipe.output.keep_dtype)
     job.modules, job.n_weights, job.storage_bits = {}, 0, 0  # filled while the shards stream out
+    job.unrouted, job.n_experts = {}, 0  # likewise, from the group checkpoints (experts modules)
     with _discarded_on_error(staging):
         write_tensors(staging, _artifact_tensors(job, kept), job.recipe.output.max_shard_bytes)
+        warn_unrouted(job)
         write_metadata(
             net,
             job.tokenizer,
@@ -104,6 +108,7 @@ def _artifact_tensors(job: CompressJob, kept: torch.dtype) -> Iterator[tuple[str
         index = group_of[module_name]
         if index not in loaded:
             loaded[index] = _load_group(job, index)
+            count_experts(job, loaded[index][1])
         parts, meta = loaded[index]
         for name in meta["tensors"][module_name]:
             yield name, parts[name]
@@ -114,6 +119,20 @@ def _artifact_tensors(job: CompressJob, kept: torch.dtype) -> Iterator[tuple[str
         job.modules[module_name] = spec
         job.n_weights += int(spec["out_features"]) * int(spec["in_features"])
         job.storage_bits += int(meta["storage_bits"][module_name])
+
+
+def count_experts(job: CompressJob, meta: dict[str, Any]) -> None:
+    """Add a group checkpoint's experts modules (their expert counts) and unrouted experts to the job's."""
+    job.n_experts += sum(int(n) for n in meta.get("experts", {}).values())
+    job.unrouted.update({name: list(ids) for name, ids in meta.get("unrouted", {}).items()})
+
+
+def warn_unrouted(job: CompressJob) -> None:
+    """One warning when calibration never reached some experts (their Fisher is zero, so the LUT k-means fit
+    their rows with uniform weights); their count goes into the result. Runs where the artifact is written (one
+    process, or rank 0 under torchrun) from the committed groups, so a resumed run warns the same."""
+    if job.unrouted:
+        warnings.warn(unrouted_message(job.unrouted, job.n_experts), UnroutedExpertsWarning, stacklevel=2)
 
 
 def _load_group(job: CompressJob, index: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -199,4 +218,4 @@ def seal_stage(job: CompressJob) -> None:
     }
 
 
-__all__ = ["write_stage", "write_metadata", "seal_stage"]
+__all__ = ["write_stage", "write_metadata", "seal_stage", "count_experts", "warn_unrouted"]

@@ -131,7 +131,8 @@ class CompressJob:
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity (EC): name -> (in, in) fp32
     bit_plan: dict[str, Setting] = field(default_factory=dict)  # plan (weights.target_bpw): name -> its setting
     groups: list[list[str]] = field(default_factory=list)  # quantize: target names by decoder block
-    #: quantize: experts the calibration never reached ({experts module: [expert ids]}) and the experts counted
+    #: write (from the group checkpoints): experts the calibration never reached ({experts module: [expert ids]})
+    #: and the (layer, expert) pairs quantized
     unrouted: dict[str, list[int]] = field(default_factory=dict)
     n_experts: int = 0
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # write: quantization_config.modules

@@ -7,7 +7,6 @@ last committed group; a committed group is never recomputed.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,13 +18,7 @@ from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import Recipe
-from squeeze.models.experts import (
-    ExpertWeight,
-    UnroutedExpertsWarning,
-    expert_modules,
-    unrouted_experts,
-    unrouted_message,
-)
+from squeeze.models.experts import ExpertWeight, expert_modules, unrouted_experts
 from squeeze.models.targets import matrix_fisher
 from squeeze.quant.schemes import WeightFormat, format_for_recipe
 
@@ -79,7 +72,6 @@ _BLOCK_RE = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
 def quantize_stage(job: CompressJob) -> None:
     """Quantize every group without a committed checkpoint, committing each as soon as it is done."""
     job.groups = layer_groups(job.loaded_model(), {**job.targets, **job.embeddings})
-    _count_unrouted(job)
     done = 0
     for index, names in enumerate(job.groups):
         if not owns_group(index, job.world):  # under torchrun another rank quantizes it (distributed.py)
@@ -101,24 +93,13 @@ def quantize_stage(job: CompressJob) -> None:
     job.hessians = {}
 
 
-def _count_unrouted(job: CompressJob) -> None:
-    """Experts whose Fisher is zero (calibration never routed a token to them): counted, and one warning.
-
-    Their rows are quantized with uniform weights: the LUT k-means fits a row whose sensitivities sum to
-    zero unweighted (squeeze.quant.kmeans), as ``--sensitivity uniform`` would.
-    """
-    job.n_experts = sum(t.experts for t in expert_modules(job.targets).values())
-    if not job.fisher:  # no calibration: nothing says which experts were reached
-        return
-    job.unrouted, _counted = unrouted_experts(job.fisher, job.targets)
-    if job.unrouted:
-        warnings.warn(unrouted_message(job.unrouted, job.n_experts), UnroutedExpertsWarning, stacklevel=2)
-
-
 def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One group's tensors ({tensor name: tensor}) and checkpoint metadata (modules, tensor names, bits)."""
+    """One group's tensors ({tensor name: tensor}) and checkpoint metadata (modules, tensor names, bits; for
+    experts modules their expert count and the experts calibration never reached)."""
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}, "specs": {}}
+    experts = {name: t for name in names if isinstance(t := job.targets.get(name), ExpertWeight)}
+    expert_fisher: dict[str, torch.Tensor] = {}
     for name in names:
         module = job.targets[name] if name in job.targets else job.embeddings[name]
         hessian = job.hessians.pop(name, None)
@@ -130,7 +111,9 @@ def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch
         if isinstance(module, ExpertWeight):
             # one (E*out, in) matrix, its Fisher stacked alike; no input Hessian: quantized without compensation
             weight, recipe = module.matrix(), without_error_compensation(recipe)
-            fisher = matrix_fisher(module, fisher) if fisher is not None else None
+            if fisher is not None:
+                expert_fisher[name] = fisher
+                fisher = matrix_fisher(module, fisher)
             spec_extra = {"experts": module.experts, "transposed": module.transposed}
         else:
             weight = module.weight.detach().float()
@@ -141,6 +124,11 @@ def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch
         meta["storage_bits"][name] = qweight.storage_bits()
         # the artifact's module entry: the weight actually written (an expert parameter: E and its layout too)
         meta["specs"][name] = {**qweight.module_spec(), **spec_extra}
+    if experts:
+        meta["experts"] = {module: t.experts for module, t in expert_modules(experts).items()}
+        # zero Fisher (no calibration token routed there): the LUT k-means fits such rows with uniform weights
+        # (squeeze.quant.kmeans), as --sensitivity uniform would; the write stage counts and warns (assemble.py)
+        meta["unrouted"] = unrouted_experts(expert_fisher, experts)[0]
     return tensors, meta
 
 

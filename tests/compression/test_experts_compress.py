@@ -193,10 +193,11 @@ def test_a_budget_plans_expert_parameters_like_linears(qwen3_moe: Path, tmp_path
     assert result.experts == 2 * E and result.unrouted_experts == 0  # uniform: nothing says who is unreached
 
 
-def test_a_run_interrupted_after_quantizing_resumes_to_the_same_bytes(
-    qwen3_moe: Path, tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_run_interrupted_after_quantizing_resumes_to_the_same_bytes_and_counts(
+    gpt_oss: Path, tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _compress(qwen3_moe, tmp_path / "whole", tiny_text_file)
+    with pytest.warns(UserWarning, match="1 of 8 experts"):
+        _compress(gpt_oss, tmp_path / "whole", tiny_text_file)
 
     def broken(*_args: Any, **_kwargs: Any) -> None:
         raise RuntimeError("simulated crash in the write stage")
@@ -204,9 +205,11 @@ def test_a_run_interrupted_after_quantizing_resumes_to_the_same_bytes(
     with monkeypatch.context() as patch:
         patch.setattr(assemble, "write_tensors", broken)
         with pytest.raises(RuntimeError, match="simulated crash"):
-            _compress(qwen3_moe, tmp_path / "resumed", tiny_text_file)
-    resumed = _compress(qwen3_moe, tmp_path / "resumed", tiny_text_file)
+            _compress(gpt_oss, tmp_path / "resumed", tiny_text_file)
+    with pytest.warns(UserWarning, match="1 of 8 experts"):  # counted again, from the group checkpoints
+        resumed = _compress(gpt_oss, tmp_path / "resumed", tiny_text_file)
     assert "kmeans" not in resumed.timings  # every group, experts included, came from its checkpoint
+    assert (resumed.experts, resumed.unrouted_experts) == (2 * E, 1)
 
     def digests(out: Path) -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.safetensors")}
