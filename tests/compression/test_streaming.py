@@ -61,9 +61,9 @@ def tied_llama(tmp_path_factory: pytest.TempPathFactory, resized_tiny_llama: Cal
 
 @pytest.mark.parametrize(
     ("recipe", "overrides", "tied"),
-    [("w4", {}, False), ("w3-s045", {}, False), ("w4", {"weights.embedding_bits": 8}, False), ("w4", {}, True)]
+    [("w4", {}, False), ("w3-s045", {}, False), ("w4", {"weights.embedding_bits": 8}, False)]
     + [("w4", {"weights.embedding_bits": 4}, True)],
-    ids=["w4", "w3-s045", "w4-e8", "w4-tied", "w4-e4-tied"],
+    ids=["w4", "w3-s045", "w4-e8", "w4-e4-tied"],
 )
 def test_bounded_run_is_byte_identical(
     recipe: str,
