@@ -74,16 +74,16 @@ class World:
         """Run ``fn`` on this rank, then exchange one status row with every rank.
 
         Returns ``fn``'s value and each rank's payload (``payload(value)``, at most PAYLOAD_BYTES bytes,
-        zero-padded; rank order). When ``fn`` raises here, the status says so and the error propagates; when
-        another rank's ``fn`` raised, :class:`WorldError` is raised here. ``fn`` must not itself communicate
-        (a rank failing before such a collective would leave the others waiting in it).
+        zero-padded; rank order). When ``fn`` raises an Exception here, the status says so and the error
+        propagates; when another rank's ``fn`` raised, :class:`WorldError` is raised here. ``fn`` must not
+        itself communicate (a rank failing before such a collective would leave the others waiting in it).
         """
         if not self.active:
             value = fn()
             return value, [payload(value) if payload else b""]
         try:
             value = fn()
-        except BaseException:
+        except Exception:  # a signal or an exit (BaseException) skips this: a peer may be gone, torchrun ends all
             self._exchange(what, failed=True, data=b"")
             raise
         rows = self._exchange(what, failed=False, data=payload(value) if payload else b"")

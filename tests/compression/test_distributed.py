@@ -222,6 +222,16 @@ def test_a_world_whose_ranks_disagree_on_the_seed_is_refused_on_every_rank(
     assert not out.exists()  # nothing was committed: rank 0 leaves no trace
 
 
+def test_a_rank_that_fails_stops_the_others_with_one_line(tmp_path, stories_dir, tinystories_file) -> None:
+    out = tmp_path / "failing"
+    run = torchrun(stories_dir, tinystories_file, out, env={"SQUEEZE_TEST_FAIL_LOAD_RANK": "1"})
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert "Error: test: rank 1 cannot load the model" in output, output[-3000:]  # rank 1's own error
+    assert "Error: rank 1 of the torchrun world failed (load); its error is printed above" in output  # rank 0
+    assert not out.exists()  # nothing was committed: rank 0 leaves no trace
+
+
 def test_two_gloo_ranks_killed_mid_run_resume_to_the_bytes_one_process_writes(
     one_process, tmp_path, stories_dir, tinystories_file
 ) -> None:

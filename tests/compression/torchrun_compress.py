@@ -2,7 +2,8 @@
 
 - ``{rank}`` in an argument becomes this rank's number (a world whose ranks disagree on the job);
 - ``SQUEEZE_TEST_DIE_RANK=r`` and ``SQUEEZE_TEST_DIE_AFTER=k``: rank r dies (``os._exit(9)``, no clean-up, as a
-  killed process) when it starts quantizing its (k+1)-th layer group.
+  killed process) when it starts quantizing its (k+1)-th layer group;
+- ``SQUEEZE_TEST_FAIL_LOAD_RANK=r``: rank r's load stage raises a ModelError (an error, not a death).
 
 Run as ``python -m torch.distributed.run --standalone --nproc-per-node 2 torchrun_compress.py compress ...``.
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
+import squeeze.compression.pipeline as pipeline
 import squeeze.compression.quantize as quantize
 from squeeze.cli.app import main
+from squeeze.errors import ModelError
 
 rank = os.environ.get("RANK", "0")
 if os.environ.get("SQUEEZE_TEST_DIE_RANK") == rank:
@@ -28,6 +31,13 @@ if os.environ.get("SQUEEZE_TEST_DIE_RANK") == rank:
         return original(job, names)
 
     quantize._quantize_group = dying  # type: ignore[assignment]
+
+if os.environ.get("SQUEEZE_TEST_FAIL_LOAD_RANK") == rank:
+
+    def failing(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise ModelError(f"test: rank {rank} cannot load the model")
+
+    pipeline.load_model = failing  # type: ignore[assignment]
 
 sys.argv = [sys.argv[0], *(arg.replace("{rank}", rank) for arg in sys.argv[1:])]
 main()
