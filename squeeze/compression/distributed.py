@@ -107,10 +107,6 @@ class World:
             )
         return [got[1:].numpy().tobytes() for got in rows]
 
-    def barrier(self, what: str) -> None:
-        """Wait for every rank (a step that does nothing)."""
-        self.step(what, lambda: None)
-
 
 #: One process, no process group.
 SINGLE = World()
