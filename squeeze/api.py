@@ -254,6 +254,15 @@ def compress(
     )
 
 
+def compress_world() -> tuple[int, int]:
+    """``(rank, world size)`` of this process in a data-parallel compress started by torchrun (RANK and
+    WORLD_SIZE in the environment), ``(0, 1)`` without torchrun. ConfigError when those are malformed."""
+    from squeeze.compression.distributed import world_from_env
+
+    world = world_from_env()
+    return world.rank, world.size
+
+
 def calibrate_kv(
     target: str | os.PathLike[str],
     calibration: str | os.PathLike[str] | CalibrationSpec | None = None,
@@ -617,6 +626,7 @@ def _loaded_on(
 
 
 __all__ = [
+    "compress_world",
     "verify_model_integrity",
     "sign",
     "check_signing_options",

@@ -192,6 +192,8 @@ def compress(
             flags["--output"] = target  # the default output, spelled out
             exc.hint = _resume_hint(model, flags, overwrite=overwrite, resumable=exc.resumable)
             raise
+    if api.compress_world()[0] != 0:  # under torchrun rank 0 speaks for the world: one summary, one JSON
+        return
     if json_out:
         print_json(result.to_dict())
         return
@@ -201,6 +203,8 @@ def compress(
 def _resume_hint(model: str, flags: dict[str, Any], *, overwrite: bool, resumable: bool) -> str:
     """The hint of an interrupted run: the command that resumes it, or reruns it when nothing was committed."""
     command = resume_command(model, flags, overwrite=overwrite, resume=resumable)
+    if api.compress_world()[1] > 1:  # a torchrun world resumes as it started (one process would too, slower)
+        return "rerun the same torchrun command: it continues from the last committed layer group"
     return (
         f"resume with: {command}"
         if resumable
@@ -220,6 +224,15 @@ def _print_summary(result: api.CompressResult) -> None:
         f"size: {source / 1e6:,.1f} MB (source tensors) -> {result.artifact_bytes / 1e6:,.1f} MB "
         f"(artifact), {source / max(result.artifact_bytes, 1):.2f}x smaller"
     )
+    if result.experts:  # a mixture of experts: how many the calibration text never routed to
+        out_console.print(
+            f"experts: {result.experts} quantized, {result.unrouted_experts} never routed by the calibration text"
+        )
+    if result.max_memory:
+        out_console.print(
+            f"memory: estimated peak {result.peak_estimate_bytes / 1e9:.2f} GB "
+            f"within --max-memory {result.max_memory / 1e9:.2f} GB"
+        )
     if result.plan:  # a bits-per-weight budget: how the linears' weights were spread over the settings
         shares = ", ".join(f"{label} {share:.0%}" for label, share in result.plan.items())
         out_console.print(f"plan: {shares} of the quantized weights")

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from squeeze import api
 from squeeze.cli.app import app
+from squeeze.compression.job import CompressResult
 from squeeze.errors import Interrupted
 
 runner = CliRunner()
@@ -82,3 +83,32 @@ def test_target_bpw_reaches_api_and_the_resume_hint(monkeypatch: pytest.MonkeyPa
     assert result.exit_code == 130, result.output
     assert calls[0]["overrides"]["weights.target_bpw"] == 3.5
     assert "--target-bpw 3.5 --resume" in " ".join(result.stderr.split()), result.stderr
+
+
+def test_max_memory_reaches_api_and_the_resume_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(api, "compress", _interrupted(True, calls))
+    result = runner.invoke(app, ["compress", "m", "-o", "out", "--max-memory", "1GB"], terminal_width=1000)
+    assert result.exit_code == 130, result.output
+    assert calls[0]["max_memory"] == "1GB"
+    assert "--max-memory 1GB --resume" in " ".join(result.stderr.split()), result.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    done = CompressResult(output="out", model="m", recipe="w4", bits_per_weight=4.0, seconds=1.0)
+    monkeypatch.setattr(api, "compress", lambda *args, **kwargs: done)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    result = runner.invoke(app, ["compress", "m", "-o", "out", "--json"], terminal_width=1000)
+    assert result.exit_code == 0, result.output
+    assert ('"bits_per_weight"' in result.stdout) is (rank == 0), result.stdout
+
+
+def test_under_torchrun_the_resume_hint_reruns_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "compress", _interrupted(True, []))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = runner.invoke(app, ["compress", "m", "-o", "out"], terminal_width=1000)
+    assert result.exit_code == 130
+    assert "rerun the same torchrun command" in " ".join(result.stderr.split()), result.stderr
