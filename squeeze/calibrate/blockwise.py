@@ -7,8 +7,9 @@ weights and one block's autograd graph are alive at a time:
 1. prologue: each window runs through the model with every decoder block stubbed out (identity), which
    records block 0's input hidden states and the keyword inputs each block gets (rotary cos/sin, attention
    mask, position ids), as accelerate / llm-compressor capture them;
-2. forward, block by block (no grad): block i's output over every window is block i+1's input; each
-   block's inputs are kept (in memory, or spilled to ``spill_dir`` as safetensors, never pickle);
+2. forward, block by block (no grad): block i's output for each window is block i+1's input; every block's
+   inputs are kept until its backward (in memory, or spilled to ``spill_dir``, one fp32 safetensors file per
+   window and block boundary, never pickle), so one window's hidden state is resident at a time;
 3. the head (final norm, LM head, loss) gives dL/d(last block's output) per window;
 4. for block i = N-1 .. 0: its forward is recomputed from its saved input with grad, and backpropagated
    with the carried dL/d(output); each target weight's gradient is squared into its accumulator (the hooks
@@ -42,6 +43,7 @@ from squeeze.calibrate.fisher import (
     new_sums,
 )
 from squeeze.errors import ConfigError
+from squeeze.models.modes import eval_mode
 
 #: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
 Materializer = Callable[..., contextlib.AbstractContextManager[None]]
@@ -149,7 +151,7 @@ def blockwise_fisher(
     tied = _tied(embed, head)
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
     head_targets = [name for name, owner in owners.items() if owner == "head"]
-    with torch.inference_mode(False), _eval(model), _frozen(model):
+    with torch.inference_mode(False), eval_mode(model), _frozen(model):
         kwargs = _prologue(model, windows, embed, blocks, norm, materialize, store, bool(embed_targets))
         # -- forward, block by block: block i's input per window (h{i}-{w}) kept for its recomputation
         for i, block in enumerate(blocks):
@@ -210,16 +212,6 @@ def _owners(
 
 def _tied(embed: nn.Module, head: nn.Module) -> bool:
     return getattr(embed, "weight", None) is getattr(head, "weight", None)
-
-
-@contextlib.contextmanager
-def _eval(model: nn.Module) -> Iterator[None]:
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
 
 
 @contextlib.contextmanager
