@@ -161,7 +161,8 @@ def estimate_peak_memory(
         hidden = int(getattr(config, "hidden_size", 0) or 0)
         inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
         layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-        fisher = sum(m.weight.numel() for m in targets.values()) * 4
+        # float64 accumulators during the pass (so that a torchrun split sums to the same bits), fp32 after
+        fisher = sum(m.weight.numel() for m in targets.values()) * 8
         if getattr(recipe.weights, "error_compensation", False):  # the input Hessians live beside the Fisher
             fisher += hessian_bytes_bound(linear_targets(targets))
         activations = calibration_seq_len * 4 * (3 * vocab + layers * (12 * hidden + 4 * inter))
