@@ -160,3 +160,20 @@ def test_a_gguf_source_is_refused_with_the_conversion_hint(tmp_path: Path) -> No
         api.compress(source, tmp_path / "out", recipe="rtn-w4", max_memory=BUDGET)
     assert "save_pretrained" in (info.value.hint or "")
     assert not (tmp_path / "out").exists()
+
+
+def test_bounded_result_reports_the_same_numbers_and_its_estimate(
+    tmp_path: Path, bf16_llama: Path, tiny_text_file: Path
+) -> None:
+    kwargs: dict[str, Any] = {
+        "recipe": "w4",
+        "calibration": str(tiny_text_file),
+        "calibration_overrides": {"num_samples": 2, "seq_len": 32},
+    }
+    unbounded = api.compress(str(bf16_llama), tmp_path / "a", **kwargs).to_dict()
+    bounded = api.compress(str(bf16_llama), tmp_path / "b", max_memory=BUDGET, **kwargs).to_dict()
+    assert bounded.pop("max_memory") == 64 * 10**9 and bounded.pop("peak_estimate_bytes") > 0
+    assert "max_memory" not in unbounded
+    for key in ("output", "seconds", "timings", "root_digest"):  # the root digest covers the manifest's time
+        unbounded.pop(key), bounded.pop(key)
+    assert bounded == unbounded  # sizes (original, source, artifact), bits per weight, module and weight counts
