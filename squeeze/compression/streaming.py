@@ -80,11 +80,11 @@ def streaming_peak_bytes(
     of the process itself (STREAMING_BASE_BYTES).
 
     Fisher (``seq_len`` set): the embedding and LM head (fp32), the largest block's fp32 weights, their float64
-    accumulators and one gradient, one window's saved activations of one block, one window's log-probabilities
-    with two gradients of their size (T x vocab fp32 each), and one window's hidden state and carried gradient
-    (the rest are spilled to the work area). Quantize: the largest group's weights and Fisher plus k-means
-    scratch on its largest target. Write: one shard of the artifact (at most ``max_shard_bytes``) plus one
-    source tensor in its own dtype and in fp32.
+    accumulators and one gradient, one window's saved activations of one block, one window's logits and
+    log-probabilities with two gradients of their size (T x vocab fp32 each), and one window's hidden state and
+    carried gradient (the rest are spilled to the work area). Quantize: the largest group's weights and Fisher
+    plus k-means scratch on its largest target. Write: one shard of the artifact (at most ``max_shard_bytes``)
+    plus one source tensor in its own dtype and in fp32.
     """
     embed, blocks, _norm, head = model_parts(skeleton)
     config = getattr(skeleton, "config", None)
@@ -100,7 +100,7 @@ def streaming_peak_bytes(
     fisher = 0
     if seq_len is not None:
         one_window = seq_len * 4 * (12 * hidden + 4 * inter)
-        logits = seq_len * vocab * 4 * 3
+        logits = seq_len * vocab * 4 * 4  # logits, log-probabilities and two gradients of their size
         boundaries = 2 * seq_len * hidden * 4
         fisher = edges * 4 + block * (4 + 8 + 4) + one_window + logits + boundaries
     return STREAMING_BASE_BYTES + max(quantize, write, fisher)
