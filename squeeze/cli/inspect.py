@@ -45,6 +45,8 @@ def inspect(
         desc = ", ".join(f"{k}={v}" for k, v in quant.items() if k != "modules")
         out_console.print(f"quantization: {desc}")
         out_console.print(f"quantized modules: {info.quantized_modules}; bits per weight: {info.bits_per_weight}")
+        if info.expert_parameters:  # MoE: the 3-D expert parameters among them, and the experts they hold
+            out_console.print(f"of which expert parameters: {info.expert_parameters} ({info.experts} expert matrices)")
     else:
         out_console.print("quantization: none")
     if info.kv_bytes_per_token:

@@ -1,5 +1,7 @@
 """Which path a model's quantized linears run (``SqueezeLinear.weight_path``), counted and said in one line.
 
+Quantized MoE expert parameters (``SqueezeExperts.weight_path``) are counted apart, under ``<path>:experts``.
+
 ``squeeze run`` ends with it and ``api.generate``'s result carries it, so a run says whether its weights
 stayed compressed (``native-avx512``, ``triton``) or ran dequantized (``dense``, ``chunked``).
 """
@@ -10,27 +12,40 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from squeeze.runtime.experts import SqueezeExperts
 from squeeze.runtime.linear import SqueezeLinear
 
 NO_QUANTIZED = "no quantized linears"
+EXPERTS_SUFFIX = ":experts"
 
 
 def weight_paths(model: nn.Module) -> dict[str, int]:
-    """SqueezeLinear modules of ``model`` per ``weight_path``, in the order each path first appears."""
+    """SqueezeLinear modules of ``model`` per ``weight_path``, in the order each path first appears; quantized
+    expert parameters (SqueezeExperts) per ``f"{weight_path}:experts"``."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, SqueezeLinear):
             path = module.weight_path
-            counts[path] = counts.get(path, 0) + 1
+        elif isinstance(module, SqueezeExperts):
+            path = module.weight_path + EXPERTS_SUFFIX
+        else:
+            continue
+        counts[path] = counts.get(path, 0) + 1
     return counts
 
 
 def describe_weight_paths(counts: Mapping[str, int]) -> str:
-    """``native-avx512 (210 linears)``, ``native-avx512 (168 linears), dense (42 linears)``, or
-    ``no quantized linears`` when ``counts`` is empty."""
+    """``native-avx512 (210 linears)``, ``native-avx512 (168 linears), dense (42 linears)``,
+    ``native-avx512 (8 linears), native-avx512 (4 expert parameters)``, or ``no quantized linears`` when
+    ``counts`` is empty."""
     if not counts:
         return NO_QUANTIZED
-    return ", ".join(f"{path} ({n} linear{'s' if n != 1 else ''})" for path, n in counts.items())
+    parts = []
+    for key, n in counts.items():
+        path, experts, _ = key.partition(EXPERTS_SUFFIX)
+        unit = "expert parameter" if experts else "linear"
+        parts.append(f"{path} ({n} {unit}{'s' if n != 1 else ''})")
+    return ", ".join(parts)
 
 
 __all__ = ["weight_paths", "describe_weight_paths", "NO_QUANTIZED"]

@@ -15,8 +15,10 @@ import pytest
 import torch
 import transformers as tf
 from torch import nn
+from typer.testing import CliRunner
 
 from squeeze import api
+from squeeze.cli.app import app
 from squeeze.errors import FormatError
 from squeeze.format.inspect import inspect_artifact
 from squeeze.format.manifest import Provenance
@@ -356,6 +358,8 @@ def test_inspect_and_the_memory_estimate_count_the_experts(qwen3_moe: tuple[Path
     loaded = api.load(qwen3_moe[0]).model
     nnz = sum(m.qweight.sparse.nnz for m in loaded.modules() if isinstance(m, SqueezeExperts))
     assert nnz and estimate.prepared_bytes == SPARSE_ENTRY_BYTES * nnz  # the native kernels' sparse entries
+    shown = CliRunner().invoke(app, ["inspect", str(qwen3_moe[0])], terminal_width=1000)
+    assert "of which expert parameters: 4 (16 expert matrices)" in shown.stdout, shown.output
 
 
 def test_use_squeeze_experts_switches_a_grouped_model() -> None:

@@ -55,6 +55,10 @@ def test_descriptions() -> None:
         describe_weight_paths({"native-avx512": 168, "dense": 42}) == "native-avx512 (168 linears), dense (42 linears)"
     )
     assert describe_weight_paths({"chunked": 1}) == "chunked (1 linear)"
+    assert (
+        describe_weight_paths({"native-avx2": 8, "native-avx2:experts": 4, "reference:experts": 1})
+        == "native-avx2 (8 linears), native-avx2 (4 expert parameters), reference (1 expert parameter)"
+    )
     assert describe_weight_paths({}) == "no quantized linears"
     assert describe_weight_paths(weight_paths(nn.Sequential(nn.Linear(4, 4)))) == "no quantized linears"
 
@@ -65,3 +69,12 @@ def test_without_native_kernels_lut_weights_count_as_dense(monkeypatch) -> None:
     monkeypatch.setattr(linear, "prepare_cpu", lambda qweight: None)  # what a machine without g++ gets
     model = nn.Sequential(_lut_linear(0), _lut_linear(1), _lut_linear(2, low_memory=True))
     assert describe_weight_paths(weight_paths(model)) == "dense (2 linears), chunked (1 linear)"
+
+
+def test_expert_parameters_are_counted_apart_from_linears() -> None:
+    from squeeze.runtime.experts import SqueezeExperts
+
+    experts = SqueezeExperts(quantize_lut(_weight(4 * 8, 32, 3), None, 4), 4)  # 4 experts of 8 x 32
+    model = nn.Sequential(_lut_linear(0), experts)
+    assert weight_paths(model) == {_native(): 1, f"{experts.weight_path}:experts": 1}
+    assert describe_weight_paths(weight_paths(model)).endswith(f"{experts.weight_path} (1 expert parameter)")
