@@ -208,6 +208,8 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     checkpoint_bytes = estimate.quantized_bytes + (estimate.n_quantized_weights * 4 if calibration else 0)
     if uses_hessians(job.recipe):
         checkpoint_bytes += hessian_bytes_bound(linear_targets(targets))
+    if job.max_memory is not None and calibration is not None:  # the hidden states a bounded run spills
+        checkpoint_bytes += streaming.spill_bytes(skeleton, calibration.num_samples, calibration.seq_len)
     already = 0 if job.restart else job.work.disk_bytes()
     check_disk(job.work.output, estimate, checkpoint_bytes - already, force)
     seq_len = calibration.seq_len if calibration else None

@@ -107,6 +107,14 @@ def streaming_peak_bytes(
     return STREAMING_BASE_BYTES + max(quantize, write, fisher)
 
 
+def spill_bytes(skeleton: nn.Module, n_windows: int, seq_len: int) -> int:
+    """Disk the Fisher pass of a bounded run spills at most (its work area's ``activations/``): every block's
+    input for every window (kept until that block's backward) plus one boundary's carried gradients, fp32."""
+    _embed, blocks, _norm, _head = model_parts(skeleton)
+    hidden = int(getattr(getattr(skeleton, "config", None), "hidden_size", 0) or 0)
+    return (len(blocks) + 2) * n_windows * seq_len * hidden * 4
+
+
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -300,6 +308,7 @@ __all__ = [
     "load_stage",
     "quantize_stage",
     "sensitivity_stage",
+    "spill_bytes",
     "streaming_peak_bytes",
     "write_stage",
 ]

@@ -177,3 +177,12 @@ def test_bounded_result_reports_the_same_numbers_and_its_estimate(
     for key in ("output", "seconds", "timings", "root_digest"):  # the root digest covers the manifest's time
         unbounded.pop(key), bounded.pop(key)
     assert bounded == unbounded  # sizes (original, source, artifact), bits per weight, module and weight counts
+
+
+def test_spill_bytes_count_every_block_input(bf16_llama: Path) -> None:
+    from squeeze.compression.preflight import meta_model
+    from squeeze.models import resolve_model
+
+    skeleton = meta_model(resolve_model(str(bf16_llama)))
+    # 2 blocks: their 2 inputs, the last output, one boundary of gradients; 4 windows x 32 tokens x 64 fp32
+    assert streaming.spill_bytes(skeleton, 4, 32) == 4 * 4 * 32 * 64 * 4
