@@ -255,6 +255,6 @@ def test_two_gloo_ranks_killed_mid_run_resume_to_the_bytes_one_process_writes(
     assert files(out) == files(one_process)
     assert api.verify_model_integrity(out).ok
     results = json_results(rerun.stdout)
-    assert len(results) == 2  # every rank returns the result rank 0 sealed
+    assert len(results) == 1  # rank 0 speaks for the world: one JSON summary, not one per rank
     root = json.loads((out / MANIFEST_NAME).read_text())["root_digest"]
-    assert results[0]["root_digest"] == results[1]["root_digest"] == root
+    assert results[0]["root_digest"] == root
