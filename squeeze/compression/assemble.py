@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +93,31 @@ def _kept(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _artifact_tensors(job: CompressJob, kept: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the model in state-dict order, tied ones once; a target's weight replaced by its
-    quantized tensors from the group checkpoint, every other floating tensor cast to ``kept``. Fills
-    ``job.modules``, ``n_weights`` and ``storage_bits``."""
+    """Every tensor of the loaded model in state-dict order, tied ones once: :func:`artifact_tensors`."""
+    state = unique_tensors(job.loaded_model().state_dict())
+    return artifact_tensors(job, ((key, tensor_reader(tensor)) for key, tensor in state), kept)
+
+
+def tensor_reader(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A reader (for :func:`artifact_tensors`) of a tensor already in memory."""
+    return lambda: tensor
+
+
+def artifact_tensors(
+    job: CompressJob, state: Iterable[tuple[str, Callable[[], torch.Tensor]]], kept: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The artifact's tensors from ``state`` ((state-dict key, its tensor's reader), tied ones once, in order):
+    a target's weight replaced by its quantized tensors from the group checkpoint, every other floating tensor
+    read and cast to ``kept``. Fills ``job.modules``, ``n_weights``, ``storage_bits`` and the experts counts.
+    The loaded model's state here; the source's, read tensor by tensor, in a bounded run (streaming.py)."""
     group_of = {name: index for index, names in enumerate(job.groups) for name in names}
     remaining = {index: len(names) for index, names in enumerate(job.groups)}
     loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
-    for key, tensor in unique_tensors(job.loaded_model().state_dict()):
+    for key, read in state:
         # a linear's weight is ``{name}.weight``; an expert parameter's key is its name (``...experts.down_proj``)
         module_name = key.removesuffix(".weight") if key.endswith(".weight") else key
         if module_name not in group_of:
-            yield key, _kept(tensor, kept)
+            yield key, _kept(read(), kept)
             continue
         index = group_of[module_name]
         if index not in loaded:

@@ -13,6 +13,7 @@ peak that preflight compares with the budget.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,13 @@ from torch import nn
 
 from squeeze.calibrate.blockwise import blockwise_fisher, model_parts
 from squeeze.calibrate.windows import calibration_windows
-from squeeze.compression.assemble import _discarded_on_error, _embeddings_entry, _kept, _load_group, write_metadata
+from squeeze.compression.assemble import (
+    _discarded_on_error,
+    _embeddings_entry,
+    artifact_tensors,
+    tensor_reader,
+    write_metadata,
+)
 from squeeze.compression.embeddings import embedding_targets
 from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.quantize import _quantize_group, layer_groups, weight_format
@@ -259,30 +266,14 @@ def write_stage(job: CompressJob) -> None:
 def _tensors(
     job: CompressJob, state: list[tuple[str, torch.Tensor | None]], kept: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """assemble._artifact_tensors over the source: state-dict order, tied tensors once, a target's weight
-    replaced by its group checkpoint's tensors, every other tensor read from the source and cast to ``kept``."""
+    """assemble.artifact_tensors over the source: every tensor not quantized read from the source (a buffer
+    the meta build made real, as it is) and cast to ``kept``."""
     lazy: LazyModel = job.lazy
-    group_of = {name: index for index, names in enumerate(job.groups) for name in names}
-    remaining = {index: len(names) for index, names in enumerate(job.groups)}
-    loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
-    for key, buffer in state:
-        module_name = key.removesuffix(".weight") if key.endswith(".weight") else key
-        if module_name not in group_of:
-            yield key, _kept(lazy.read_state(key) if buffer is None else buffer, kept)
-            continue
-        index = group_of[module_name]
-        if index not in loaded:
-            loaded[index] = _load_group(job, index)
-        parts, meta = loaded[index]
-        for name in meta["tensors"][module_name]:
-            yield name, parts[name]
-        remaining[index] -= 1
-        if not remaining[index]:
-            del loaded[index]
-        spec = dict(meta["specs"][module_name])
-        job.modules[module_name] = spec
-        job.n_weights += int(spec["out_features"]) * int(spec["in_features"])
-        job.storage_bits += int(meta["storage_bits"][module_name])
+    readers = (
+        (key, functools.partial(lazy.read_state, key) if buffer is None else tensor_reader(buffer))
+        for key, buffer in state
+    )
+    return artifact_tensors(job, readers, kept)
 
 
 def _param(lazy: LazyModel, name: str) -> torch.Tensor:
