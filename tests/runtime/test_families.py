@@ -11,7 +11,6 @@ soft-capping, q/k norms, fused projections) must survive the round trip.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,9 @@ import transformers as tf
 from torch import nn
 from typer.testing import CliRunner
 
+from family_checks import check_squeeze_eval, check_squeeze_run, compress_tiny_model, logits
 from squeeze import api
 from squeeze.cli.app import app
-from squeeze.eval.perplexity import perplexity
 from squeeze.runtime.linear import SqueezeLinear
 
 runner = CliRunner()
@@ -121,13 +120,7 @@ def _build(name: str, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: 
     torch.manual_seed(0)
     original = tf.AutoModelForCausalLM.from_config(config).eval()
     root = tmp_path_factory.mktemp(name)
-    source = root / "model"
-    original.save_pretrained(source)
-    tiny_tokenizer.save_pretrained(source)
-    kwargs = dict(family.compress)
-    if "calibration_overrides" in kwargs:
-        kwargs["calibration"] = str(tiny_text_file)
-    api.compress(str(source), root / "artifact", recipe=family.recipe, **kwargs)
+    compress_tiny_model(original, tiny_tokenizer, root, family.recipe, family.compress, tiny_text_file)
     loaded = api.load(root / "artifact")
     quantized = [n for n, m in loaded.model.named_modules() if isinstance(m, SqueezeLinear)]
     for module_name in quantized:  # the reference: the original model with the artifact's dequantized weights
@@ -138,8 +131,7 @@ def _build(name: str, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: 
 
 
 def _logits(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
+    return logits(model, IDS)
 
 
 def test_the_artifact_is_quantized_and_intact(built: Built) -> None:
@@ -165,40 +157,9 @@ def test_from_pretrained_logits_equal_the_dequantized_reference(built: Built) ->
 
 
 def test_squeeze_run_continues_like_the_reference(built: Built, tiny_tokenizer: Any) -> None:
-    result = runner.invoke(app, ["run", PROMPT, "-m", str(built.artifact), "--max-new-tokens", "6", "--json"])
-    assert result.exit_code == 0, result.output
-    text = json.loads(result.stdout)["text"]
-    inputs = tiny_tokenizer(PROMPT, return_tensors="pt")
-    assert inputs["input_ids"].shape[1] > SLIDING  # the sliding-window layers drop keys while decoding
-    with torch.no_grad():
-        out = built.reference.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=3)
-    expected = tiny_tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert text == expected
+    assert tiny_tokenizer(PROMPT, return_tensors="pt")["input_ids"].shape[1] > SLIDING  # sliding layers drop keys
+    check_squeeze_run(built.artifact, built.reference, tiny_tokenizer, PROMPT)
 
 
 def test_squeeze_eval_equals_the_reference_perplexity(built: Built, tiny_tokenizer: Any, tiny_text_file: Path) -> None:
-    result = runner.invoke(
-        app,
-        [
-            "eval",
-            str(built.artifact),
-            "--text",
-            str(tiny_text_file),
-            "--seq-len",
-            str(EVAL_SEQ_LEN),
-            "--max-windows",
-            str(EVAL_WINDOWS),
-            "--json",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    assert report["windows"] == EVAL_WINDOWS
-    reference = perplexity(
-        built.reference,
-        tiny_tokenizer,
-        tiny_text_file.read_text(encoding="utf-8"),
-        seq_len=EVAL_SEQ_LEN,
-        max_windows=EVAL_WINDOWS,
-    ).perplexity
-    assert report["perplexity"] == pytest.approx(reference, rel=1e-4)
+    check_squeeze_eval(built.artifact, built.reference, tiny_tokenizer, tiny_text_file, EVAL_SEQ_LEN, EVAL_WINDOWS)

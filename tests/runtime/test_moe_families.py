@@ -24,9 +24,9 @@ import transformers as tf
 from torch import nn
 from typer.testing import CliRunner
 
+from family_checks import check_squeeze_eval, check_squeeze_run, compress_tiny_model, logits
 from squeeze import api
 from squeeze.cli.app import app
-from squeeze.eval.perplexity import perplexity
 from squeeze.runtime.experts import SqueezeExperts
 from squeeze.runtime.linear import SqueezeLinear
 
@@ -164,13 +164,7 @@ def _build(name: str, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: 
     }
     expected |= {n for n, p in original.named_parameters() if p.dim() == 3 and n.rpartition(".")[2] in EXPERT_TARGETS}
     root = tmp_path_factory.mktemp(name)
-    source = root / "model"
-    original.save_pretrained(source)
-    tiny_tokenizer.save_pretrained(source)
-    kwargs = dict(family.compress)
-    if "calibration_overrides" in kwargs:
-        kwargs["calibration"] = str(tiny_text_file)
-    api.compress(str(source), root / "artifact", recipe=family.recipe, **kwargs)
+    compress_tiny_model(original, tiny_tokenizer, root, family.recipe, family.compress, tiny_text_file)
     loaded = api.load(root / "artifact").model
     linears = [n for n, m in loaded.named_modules() if isinstance(m, SqueezeLinear)]
     experts = [n for n, m in loaded.named_modules() if isinstance(m, SqueezeExperts)]
@@ -187,8 +181,7 @@ def _build(name: str, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: 
 
 
 def _logits(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
+    return logits(model, IDS)
 
 
 def test_every_target_and_expert_is_quantized_and_routers_are_not(built: Built) -> None:
@@ -239,39 +232,8 @@ def test_one_forward_uses_only_the_routed_experts(built: Built) -> None:
 
 
 def test_squeeze_run_continues_like_the_reference(built: Built, tiny_tokenizer: Any) -> None:
-    result = runner.invoke(app, ["run", PROMPT, "-m", str(built.artifact), "--max-new-tokens", "6", "--json"])
-    assert result.exit_code == 0, result.output
-    text = json.loads(result.stdout)["text"]
-    inputs = tiny_tokenizer(PROMPT, return_tensors="pt")
-    with torch.no_grad():
-        out = built.reference.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=3)
-    expected = tiny_tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert text == expected
+    check_squeeze_run(built.artifact, built.reference, tiny_tokenizer, PROMPT)
 
 
 def test_squeeze_eval_equals_the_reference_perplexity(built: Built, tiny_tokenizer: Any, tiny_text_file: Path) -> None:
-    result = runner.invoke(
-        app,
-        [
-            "eval",
-            str(built.artifact),
-            "--text",
-            str(tiny_text_file),
-            "--seq-len",
-            str(EVAL_SEQ_LEN),
-            "--max-windows",
-            str(EVAL_WINDOWS),
-            "--json",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    assert report["windows"] == EVAL_WINDOWS
-    reference = perplexity(
-        built.reference,
-        tiny_tokenizer,
-        tiny_text_file.read_text(encoding="utf-8"),
-        seq_len=EVAL_SEQ_LEN,
-        max_windows=EVAL_WINDOWS,
-    ).perplexity
-    assert report["perplexity"] == pytest.approx(reference, rel=1e-4)
+    check_squeeze_eval(built.artifact, built.reference, tiny_tokenizer, tiny_text_file, EVAL_SEQ_LEN, EVAL_WINDOWS)
