@@ -45,6 +45,9 @@ def inspect(
         desc = ", ".join(f"{k}={v}" for k, v in quant.items() if k != "modules")
         out_console.print(f"quantization: {desc}")
         out_console.print(f"quantized modules: {info.quantized_modules}; bits per weight: {info.bits_per_weight}")
+        if len(info.widths) > 1:  # a bits-per-weight budget: how many modules got each width
+            shares = ", ".join(f"{n} at {bits} bits" for bits, n in info.widths.items())
+            out_console.print(f"widths: {shares}")
         if info.expert_parameters:  # MoE: the 3-D expert parameters among them, and the experts they hold
             out_console.print(f"of which expert parameters: {info.expert_parameters} ({info.experts} expert matrices)")
     else:

@@ -54,6 +54,9 @@ class ArtifactInfo:
     #: quantized_modules too) and the expert matrices they hold together (each entry's E summed)
     expert_parameters: int = 0
     experts: int = 0
+    #: quantized modules per code width, e.g. {3: 140, 4: 70}: a bits-per-weight budget (weights.target_bpw)
+    #: gives each linear its own width; a uniform recipe has one key
+    widths: dict[int, int] = field(default_factory=dict)
     manifest_status: str = "absent"
     root_digest: str | None = None
     provenance: dict[str, Any] | None = None
@@ -74,6 +77,7 @@ class ArtifactInfo:
             "quantized_modules": self.quantized_modules,
             "expert_parameters": self.expert_parameters,
             "experts": self.experts,
+            "widths": {str(bits): n for bits, n in self.widths.items()},
             "bits_per_weight": self.bits_per_weight,
             "manifest": {"status": self.manifest_status, "root_digest": self.root_digest},
             "provenance": self.provenance,
@@ -194,6 +198,9 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
         info.quantized_modules = len(modules)
         counts = [module_dim(m, "experts") for m in modules.values() if isinstance(m, dict) and "experts" in m]
         info.expert_parameters, info.experts = len(counts), sum(counts)
+        for bits in sorted(module_dim(m, "bits") for m in modules.values()):
+            if bits:
+                info.widths[bits] = info.widths.get(bits, 0) + 1
         n_weights = sum(module_dim(m, "in_features") * module_dim(m, "out_features") for m in modules.values())
         quant_bytes = sum(roles[r].bytes for r in stored_roles() if r in roles)  # every registered format's
         if n_weights:
@@ -201,7 +208,7 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
 
 
 def module_dim(module: object, key: str) -> int:
-    """A quantized module's dimension (``in_features`` / ``out_features`` / ``experts``) from an unverified config.json,
-    0 when absent or not a positive integer: sizing and summaries never fail on junk."""
+    """A quantized module's dimension (``in_features`` / ``out_features`` / ``experts`` / ``bits``) from an
+    unverified config.json, 0 when absent or not a positive integer: sizing and summaries never fail on junk."""
     value = module.get(key) if isinstance(module, dict) else None
     return value if is_int(value) and value > 0 else 0

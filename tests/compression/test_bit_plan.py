@@ -49,6 +49,11 @@ def test_the_artifact_meets_the_budget_with_mixed_widths_and_fused_units_share_o
         assert len(sparse) == 1, unit
     # coarse units (see the module docstring), yet the plan leaves little of the budget unused
     assert TARGET - info.bits_per_weight < 0.2, info.bits_per_weight
+    # inspect says how many modules got each width
+    expected = {bits: sum(m["bits"] == bits for m in modules.values()) for bits in sorted(widths)}
+    assert info.widths == expected and info.to_dict()["widths"] == {str(b): n for b, n in expected.items()}
+    shown = CliRunner().invoke(app, ["inspect", str(budget_artifact)], terminal_width=1000)
+    assert "widths: " + ", ".join(f"{n} at {b} bits" for b, n in expected.items()) in shown.stdout, shown.output
 
 
 def _tensor_names(artifact: Path) -> set[str]:
