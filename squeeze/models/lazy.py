@@ -5,6 +5,12 @@ memory, buffers such as rotary frequencies are real, as in a loaded model); :met
 reads one module's tensors from the source safetensors (``safe_open``, memory-mapped) in the model's fp32,
 and puts the meta parameters back when the block ends, so only the modules in use are resident. Tied
 parameters (an LM head sharing the input embedding) are materialized and released together, as one.
+
+A MoE model's routed experts are one 3-D parameter per projection in transformers 5, but many checkpoints
+(and transformers' own save_pretrained for Qwen2/3-MoE, DeepSeek-V3, GLM-4-MoE, Mixtral) store one 2-D tensor
+per expert (``experts.{e}.gate_proj.weight`` ...), which from_pretrained fuses on load; such a parameter is
+read here by the same fusion: the experts stacked on dim 0, a ``gate_up_proj`` being each expert's gate rows
+then its up rows (transformers' qwen2_moe / mixtral conversion mapping).
 """
 
 from __future__ import annotations
@@ -60,7 +66,12 @@ class LazyModel:
                 self._by_name[key] = pid
                 if pid not in self._keys or (self._keys[pid] not in self._files and key in self._files):
                     self._keys[pid] = key
-        missing = [key for key in self._keys.values() if key not in self._files]
+        # fused expert parameters saved one tensor per expert: {parameter key: per expert, the keys to concatenate}
+        self._parts: dict[str, list[list[str]]] = {}
+        for pid, key in self._keys.items():
+            if key not in self._files and (parts := _expert_parts(key, self._meta[pid], self._files)) is not None:
+                self._parts[key] = parts
+        missing = [key for key in self._keys.values() if key not in self._files and key not in self._parts]
         if missing:
             raise ConfigError(
                 f"--max-memory reads each parameter from the source safetensors by its name, and {source.path} "
@@ -86,7 +97,10 @@ class LazyModel:
         return self.read(self._keys[pid], self._meta[pid].dtype)
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The source tensor ``key`` (CPU), cast to ``dtype`` when given (bf16 -> fp32 is exact)."""
+        """The source tensor ``key`` (CPU), cast to ``dtype`` when given (bf16 -> fp32 is exact); a fused expert
+        parameter stored per expert is fused here as from_pretrained fuses it."""
+        if key in self._parts:
+            return torch.stack([torch.cat([self.read(k, dtype) for k in keys]) for keys in self._parts[key]])
         with safe_open(str(self._files[key]), framework="pt") as handle:
             tensor = handle.get_tensor(key)
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
@@ -113,6 +127,30 @@ class LazyModel:
                 meta = self._meta[meta_id]
                 for owner, attr in self._slots[meta_id]:
                     owner._parameters[attr] = meta
+
+
+#: a fused expert parameter -> the per-expert tensors it is made of, in order, under each naming in use
+#: (gate/up/down: Qwen2/3-MoE, DeepSeek-V3, GLM-4-MoE; w1/w3/w2: Mixtral)
+_EXPERT_SOURCES = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+    "gate_proj": (("gate_proj",), ("w1",)),
+    "up_proj": (("up_proj",), ("w3",)),
+}
+
+
+def _expert_parts(key: str, meta: nn.Parameter, files: dict[str, Path]) -> list[list[str]] | None:
+    """For a 3-D expert parameter ``key`` (``....experts.gate_up_proj``) absent from the checkpoint, the source
+    keys of its per-expert 2-D tensors (expert e: ``....experts.{e}.gate_proj.weight``, then the up one), or None
+    when the checkpoint has no complete such set."""
+    prefix, _, attr = key.rpartition(".")
+    if meta.ndim != 3 or attr not in _EXPERT_SOURCES:
+        return None
+    for names in _EXPERT_SOURCES[attr]:
+        parts = [[f"{prefix}.{e}.{name}.weight" for name in names] for e in range(meta.shape[0])]
+        if all(k in files for keys in parts for k in keys):
+            return parts
+    return None
 
 
 def _meta_model(directory: Path) -> nn.Module:
