@@ -43,6 +43,7 @@ from squeeze.calibrate.fisher import (
     new_sums,
 )
 from squeeze.errors import ConfigError
+from squeeze.models.experts import ExpertWeight
 from squeeze.models.modes import eval_mode
 
 #: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
@@ -123,16 +124,17 @@ class _Store:
 def blockwise_fisher(
     model: nn.Module,
     windows: torch.Tensor,
-    modules: Mapping[str, nn.Linear | nn.Embedding],
+    modules: Mapping[str, nn.Linear | nn.Embedding | ExpertWeight],
     *,
     materialized: Materializer | None = None,
     spill_dir: Path | None = None,
     on_group: GroupSink | None = None,
     progress: Progress | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The Fisher of ``modules``' weights over int64 ``windows (n, T)``, block by block (batch 1, as
-    fisher_information's default). ``model`` may live on the meta device: ``materialized(*modules)`` makes the
-    given modules' weights resident for a block (LazyModel.materialized); by default they already are.
+    """The Fisher of ``modules``' weights (an ExpertWeight's: its 3-D parameter) over int64 ``windows (n, T)``,
+    block by block (batch 1, as fisher_information's default). ``model`` may live on the meta device:
+    ``materialized(*modules)`` makes the given modules' weights resident for a block (LazyModel.materialized);
+    by default they already are.
 
     Returns ``{name: fp32 F}`` (shaped like the weight), or ``{}`` when ``on_group`` takes each group's
     Fisher as it is done. ``spill_dir``: keep the per-window hidden states and carried gradients (T x hidden
@@ -186,7 +188,7 @@ def blockwise_fisher(
 
 def _owners(
     model: nn.Module,
-    modules: Mapping[str, nn.Module],
+    modules: Mapping[str, Any],
     embed: nn.Module,
     blocks: nn.ModuleList,
     head: nn.Module,
@@ -194,7 +196,9 @@ def _owners(
     """Each target name -> the block index holding it, or "embed" / "head"; ConfigError for one elsewhere."""
     block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
     owners: dict[str, int | str] = {}
-    for name, module in modules.items():
+    for name, target in modules.items():
+        # an expert parameter (squeeze.models.experts.ExpertWeight) belongs where its experts module is
+        module = target.module if isinstance(target, ExpertWeight) else target
         if module is embed:
             owners[name] = "embed"
         elif module is head:
@@ -297,7 +301,7 @@ def _head_grads(
     n_blocks: int,
     norm: nn.Module,
     head: nn.Module,
-    targets: Mapping[str, nn.Module],
+    targets: Mapping[str, Any],
     sink: GroupSink,
     keep: bool,
 ) -> None:
@@ -320,7 +324,7 @@ def _block_backward(
     index: int,
     store: _Store,
     kwargs: list[dict[str, Any]],
-    targets: Mapping[str, nn.Module],
+    targets: Mapping[str, Any],
     need_input: bool,
     sink: GroupSink,
 ) -> None:
@@ -351,7 +355,7 @@ def _embedding_backward(
     norm: nn.Module,
     head: nn.Module,
     tied: bool,
-    targets: Mapping[str, nn.Module],
+    targets: Mapping[str, Any],
     sink: GroupSink,
 ) -> None:
     """The input embedding's Fisher: dL/dE from block 0's input gradient (``g0-{w}``) plus, for a tied LM head,
@@ -369,11 +373,12 @@ def _embedding_backward(
     sink(finish_sums(sums))
 
 
-def _weights(targets: Mapping[str, nn.Module]) -> dict[str, torch.Tensor]:
+def _weights(targets: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Each target's weight as it is now (read inside ``materialize``: the resident parameter, not the meta one)."""
     found: dict[str, torch.Tensor] = {}
     for name, module in targets.items():
         weight = module.weight
-        if not isinstance(weight, torch.Tensor):  # pragma: no cover - targets are linears and embeddings
+        if not isinstance(weight, torch.Tensor):  # pragma: no cover - linears, embeddings, expert parameters
             raise TypeError(f"{name} has no weight tensor")
         found[name] = weight
     return found

@@ -116,3 +116,41 @@ def test_gguf_source_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="GGUF") as info:
         LazyModel(ModelSource(kind="gguf", path=tmp_path / "m.gguf", model_id="m"))
     assert "save_pretrained" in (info.value.hint or "")
+
+
+def _tiny_moe(family: str) -> Any:
+    """A tiny random Qwen3-MoE or gpt-oss (4 experts, hidden 64, 2 layers): its experts are 3-D parameters."""
+    import transformers as tf
+
+    dims = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+    dims |= {"num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 96, "head_dim": 16}
+    if family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    else:
+        layers = ["sliding_attention", "full_attention"]
+        config = tf.GptOssConfig(
+            **dims, num_local_experts=4, num_experts_per_tok=2, layer_types=layers, sliding_window=4
+        )
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_parameters_match(family: str, tmp_path: Path) -> None:
+    """MoE expert parameters (3-D, the gradient routed through the router) get the whole model's Fisher bit for
+    bit, resident and read lazily from the checkpoint (Qwen3-MoE's saved one tensor per expert, fused on read)."""
+    from squeeze.models.experts import ExpertWeight
+    from squeeze.models.targets import find_targets, target_at
+
+    model = _tiny_moe(family)
+    targets: dict[str, Any] = dict(find_targets(model, ["q_proj", "down_proj", "gate_up_proj"], []))
+    assert sum(isinstance(t, ExpertWeight) for t in targets.values()) == 4
+    windows = _windows(96, n=2)
+    want = _reference(model, windows, targets)
+    _assert_identical(blockwise_fisher(model, windows, targets), want)
+    model.save_pretrained(tmp_path)
+    lazy = LazyModel(resolve_model(str(tmp_path)))
+    lazy_targets = {name: target_at(lazy.model, name) for name in targets}
+    got = blockwise_fisher(lazy.model, windows, lazy_targets, materialized=lazy.materialized)
+    _assert_identical(got, want)
+    assert all(p.is_meta for p in lazy.model.parameters())
