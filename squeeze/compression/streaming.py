@@ -28,6 +28,7 @@ from squeeze.compression.assemble import (
     _embeddings_entry,
     artifact_tensors,
     tensor_reader,
+    warn_unrouted,
     write_metadata,
 )
 from squeeze.compression.embeddings import embedding_targets
@@ -36,8 +37,10 @@ from squeeze.compression.quantize import _quantize_group, layer_groups, weight_f
 from squeeze.compression.writer import write_tensors
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError
+from squeeze.models.experts import ExpertWeight
 from squeeze.models.lazy import LazyModel
 from squeeze.models.source import ModelSource, keep_dtype, load_tokenizer, source_dtype
+from squeeze.models.targets import target_at
 
 #: Python, torch, transformers, squeeze and the tokenizer, before any tensor (about 520 MB RSS measured), plus
 #: allocator slack: a SmolLM2-135M 32 x 512 run peaked at 1.158 GB against an estimate of 1.139 GB without it.
@@ -52,8 +55,8 @@ def check_source(source: ModelSource) -> None:
 
 def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, targets: dict[str, Any]) -> None:
     """ConfigError for what ``--max-memory`` cannot stream: a GGUF source, error compensation, a
-    ``target_bpw`` budget (both need every layer at once), targets that are not linears in decoder blocks,
-    a model not shaped like Llama."""
+    ``target_bpw`` budget (both need every layer at once), a model not shaped like Llama. Linears and MoE
+    expert parameters (squeeze.models.experts) both stream with their decoder block."""
     weights = recipe.weights
     option = "--max-memory"
     check_source(source)
@@ -68,12 +71,6 @@ def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, t
             f"{option} does not stream error compensation (the input Hessians of every layer)",
             hint="use a recipe without error compensation, or drop --max-memory",
         )
-    others = [name for name, target in targets.items() if not isinstance(target, nn.Linear)]
-    if others:
-        raise ConfigError(
-            f"{option} streams nn.Linear targets only, and {others[0]} is an expert parameter",
-            hint="drop --max-memory for mixture-of-experts models",
-        )
     model_parts(skeleton)  # ConfigError for a model that is not lm_head(norm(blocks(embed(ids))))
 
 
@@ -87,7 +84,8 @@ def streaming_peak_bytes(
     """Estimated peak resident bytes of a bounded run of ``skeleton`` (meta): the largest of its phases, on top
     of the process itself (STREAMING_BASE_BYTES).
 
-    Fisher (``seq_len`` set): the embedding and LM head (fp32), the largest block's fp32 weights, their float64
+    Fisher (``seq_len`` set): the embedding and LM head (fp32), the largest block's fp32 weights (a MoE block's
+    3-D expert parameters included: every expert is materialized with its block), their float64
     accumulators and one gradient, one window's saved activations of one block, one window's logits and
     log-probabilities with two gradients of their size (T x vocab fp32 each), and one window's hidden state and
     carried gradient (the rest are spilled to the work area). Quantize: the largest group's weights and Fisher
@@ -99,6 +97,9 @@ def streaming_peak_bytes(
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    # a MoE block's routed experts: each token's intermediate activations in top-k experts at once
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    inter = max(inter, top_k * int(getattr(config, "moe_intermediate_size", 0) or inter))
     edges = _numel(embed) + (0 if _tied(embed, head) else _numel(head))
     block = max((_numel(b) for b in blocks), default=0)
     largest = max((t.weight.numel() for t in targets.values()), default=0)
@@ -138,16 +139,9 @@ def load_stage(job: CompressJob) -> None:
     lazy = LazyModel(job.source)
     job.lazy, job.model = lazy, lazy.model
     job.tokenizer = load_tokenizer(job.source)
-    job.targets = {name: _linear(lazy.model, name) for name in job.target_names}
+    job.targets = {name: target_at(lazy.model, name) for name in job.target_names}
     job.embeddings = embedding_targets(lazy.model, job.embedding_names)
     job.groups = layer_groups(lazy.model, {**job.targets, **job.embeddings})
-
-
-def _linear(net: nn.Module, name: str) -> nn.Linear:
-    module = net.get_submodule(name)
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"{name} is not an nn.Linear")
-    return module
 
 
 def sensitivity_stage(job: CompressJob) -> None:
@@ -181,7 +175,8 @@ def sensitivity_stage(job: CompressJob) -> None:
     report = (lambda done, total: progress("fisher", done, total)) if progress else None
     lazy: LazyModel = job.lazy
     try:
-        modules: dict[str, Any] = {**job.targets, **job.embeddings}  # linears only (check_streamable)
+        # linears, embeddings and expert parameters (an ExpertWeight's ``.weight`` is its 3-D parameter)
+        modules: dict[str, Any] = {**job.targets, **job.embeddings}
         blockwise_fisher(
             lazy.model,
             job.windows,
@@ -208,7 +203,7 @@ def quantize_stage(job: CompressJob) -> None:
             committed = job.work.has_group(index, names)
         if not committed:
             job.fisher = _group_fisher(job, index, names) if job.calibration is not None else {}
-            modules: list[Any] = [job.targets[name] if name in job.targets else job.embeddings[name] for name in names]
+            modules = [_module(job.targets[name] if name in job.targets else job.embeddings[name]) for name in names]
             with lazy.materialized(*modules):
                 tensors, meta = _quantize_group(job, names)
             with timed(job.timings, "checkpoint"):
@@ -218,6 +213,12 @@ def quantize_stage(job: CompressJob) -> None:
         if job.progress:
             job.progress("quantize", done, len(job.targets))
     job.fisher = {}
+
+
+def _module(target: Any) -> nn.Module:
+    """The module whose parameters hold ``target``'s weight: itself, or an expert parameter's experts module
+    (materialized whole: its gpt-oss biases come with it)."""
+    return target.module if isinstance(target, ExpertWeight) else target
 
 
 def _group_fisher(job: CompressJob, index: int, names: list[str]) -> dict[str, torch.Tensor]:
@@ -248,8 +249,10 @@ def write_stage(job: CompressJob) -> None:
         for name, buf in state
     )
     job.modules, job.n_weights, job.storage_bits = {}, 0, 0
+    job.unrouted, job.n_experts = {}, 0  # from the group checkpoints, as assemble.write_stage counts them
     with _discarded_on_error(staging):
         write_tensors(staging, _tensors(job, state, kept), job.recipe.output.max_shard_bytes)
+        warn_unrouted(job)
         write_metadata(
             lazy.model,
             job.tokenizer,

@@ -5,6 +5,7 @@ stream."""
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from squeeze.compression import streaming
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.manifest import MANIFEST_NAME
+from squeeze.models.experts import UnroutedExpertsWarning
 
 BUDGET = "64GB"  # above any estimate here: the run streams, preflight lets it through
 
@@ -186,3 +188,83 @@ def test_spill_bytes_count_every_block_input(bf16_llama: Path) -> None:
     skeleton = meta_model(resolve_model(str(bf16_llama)))
     # 2 blocks: their 2 inputs, the last output, one boundary of gradients; 4 windows x 32 tokens x 64 fp32
     assert streaming.spill_bytes(skeleton, 4, 32) == 4 * 4 * 32 * 64 * 4
+
+
+def _save_moe(root: Path, family: str, tokenizer: Any) -> Path:
+    """A tiny random MoE (4 experts, hidden 64, 2 layers) saved in bfloat16; gpt-oss with one expert of layer 1
+    that no token reaches (its router bias), Qwen3-MoE saved one tensor per expert as transformers saves it."""
+    import transformers as tf
+
+    dims = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+    dims |= {"num_key_value_heads": 2, "max_position_embeddings": 256, "vocab_size": len(tokenizer), "head_dim": 16}
+    dims |= {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "tie_word_embeddings": False}
+    if family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    else:
+        layers = ["sliding_attention", "full_attention"]
+        config = tf.GptOssConfig(
+            **dims, num_local_experts=4, num_experts_per_tok=2, layer_types=layers, sliding_window=4
+        )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    if family == "gpt_oss":
+        with torch.no_grad():
+            model.model.layers[1].mlp.router.bias[3] = -1e4
+    model.to(torch.bfloat16).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_moe_bounded_run_is_byte_identical(
+    family: str, tmp_path: Path, tiny_tokenizer: Any, tiny_text_file: Path
+) -> None:
+    """Expert parameters stream with their block: the same shards, the same experts counted and the same
+    unrouted-experts warning as the unbounded run."""
+    source = _save_moe(tmp_path / "model", family, tiny_tokenizer)
+    results: list[api.CompressResult] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for out, budget in (("unbounded", None), ("bounded", BUDGET)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                results.append(
+                    api.compress(
+                        str(source),
+                        tmp_path / out,
+                        recipe="w4",
+                        calibration=str(tiny_text_file),
+                        calibration_overrides={"num_samples": 2, "seq_len": 32},
+                        max_memory=budget,
+                    )
+                )
+            unrouted = [str(w.message) for w in caught if issubclass(w.category, UnroutedExpertsWarning)]
+            assert [m.split(" (")[0] for m in unrouted] == (
+                ["1 of 8 experts were never routed to by the calibration text"] if family == "gpt_oss" else []
+            ), out
+            assert all("model.layers.1.mlp.experts [3]" in m for m in unrouted)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_artifact(tmp_path / "bounded", tmp_path / "unbounded")
+    unbounded, bounded = results
+    assert (bounded.experts, bounded.unrouted_experts) == (unbounded.experts, unbounded.unrouted_experts)
+    assert (bounded.experts, bounded.unrouted_experts) == (8, 1 if family == "gpt_oss" else 0)
+    modules = json.loads((tmp_path / "bounded" / "config.json").read_text())["quantization_config"]["modules"]
+    assert sum("experts" in spec for spec in modules.values()) == 4
+
+
+def test_the_peak_estimate_counts_a_moe_block_with_its_experts(tmp_path: Path, tiny_tokenizer: Any) -> None:
+    """The Fisher phase holds the largest block's experts in fp32, their float64 accumulators and a gradient."""
+    from squeeze.compression.preflight import meta_model
+    from squeeze.config import load_recipe
+    from squeeze.models import resolve_model
+    from squeeze.models.targets import find_targets
+
+    skeleton = meta_model(resolve_model(str(_save_moe(tmp_path / "model", "qwen3_moe", tiny_tokenizer))))
+    targets = find_targets(skeleton, ["q_proj", "down_proj", "gate_up_proj"], [])
+    experts = sum(p.numel() for n, p in skeleton.named_parameters() if n.startswith("model.layers.0.mlp.experts."))
+    block = sum(p.numel() for p in skeleton.model.layers[0].parameters())
+    assert experts > block / 2  # the experts are most of the block
+    peak = streaming.streaming_peak_bytes(skeleton, load_recipe("w4"), targets, 32, 10**6)
+    assert peak - streaming.STREAMING_BASE_BYTES >= block * (4 + 8 + 4)
