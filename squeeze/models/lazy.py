@@ -10,7 +10,8 @@ A MoE model's routed experts are one 3-D parameter per projection in transformer
 (and transformers' own save_pretrained for Qwen2/3-MoE, DeepSeek-V3, GLM-4-MoE, Mixtral) store one 2-D tensor
 per expert (``experts.{e}.gate_proj.weight`` ...), which from_pretrained fuses on load; such a parameter is
 read here by the same fusion: the experts stacked on dim 0, a ``gate_up_proj`` being each expert's gate rows
-then its up rows (transformers' qwen2_moe / mixtral conversion mapping).
+then its up rows (transformers' qwen2_moe / mixtral conversion mapping; Mixtral's ``block_sparse_moe`` module
+name is renamed back too).
 """
 
 from __future__ import annotations
@@ -67,11 +68,21 @@ class LazyModel:
                 if pid not in self._keys or (self._keys[pid] not in self._files and key in self._files):
                     self._keys[pid] = key
         # fused expert parameters saved one tensor per expert: {parameter key: per expert, the keys to concatenate}
+        # and a parameter saved under its checkpoint name (Mixtral's ``block_sparse_moe``): {parameter key: that name}
         self._parts: dict[str, list[list[str]]] = {}
+        self._aliases: dict[str, str] = {}
         for pid, key in self._keys.items():
-            if key not in self._files and (parts := _expert_parts(key, self._meta[pid], self._files)) is not None:
-                self._parts[key] = parts
-        missing = [key for key in self._keys.values() if key not in self._files and key not in self._parts]
+            if key in self._files:
+                continue
+            for alias in _saved_names(key):
+                if alias in self._files:
+                    self._aliases[key] = alias
+                elif (parts := _expert_parts(alias, self._meta[pid], self._files)) is not None:
+                    self._parts[key] = parts
+                if key in self._aliases or key in self._parts:
+                    break
+        found = lambda key: key in self._files or key in self._aliases or key in self._parts  # noqa: E731
+        missing = [key for key in self._keys.values() if not found(key)]
         if missing:
             raise ConfigError(
                 f"--max-memory reads each parameter from the source safetensors by its name, and {source.path} "
@@ -101,6 +112,7 @@ class LazyModel:
         parameter stored per expert is fused here as from_pretrained fuses it."""
         if key in self._parts:
             return torch.stack([torch.cat([self.read(k, dtype) for k in keys]) for keys in self._parts[key]])
+        key = self._aliases.get(key, key)
         with safe_open(str(self._files[key]), framework="pt") as handle:
             tensor = handle.get_tensor(key)
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
@@ -137,6 +149,15 @@ _EXPERT_SOURCES = {
     "gate_proj": (("gate_proj",), ("w1",)),
     "up_proj": (("up_proj",), ("w3",)),
 }
+
+
+#: module names transformers renames on load (checkpoint name, model name): Mixtral's MoE block
+_SAVED_RENAMES = ((".block_sparse_moe.", ".mlp."),)
+
+
+def _saved_names(key: str) -> list[str]:
+    """``key`` and the names a checkpoint may store it under (transformers' renamings, undone)."""
+    return [key] + [key.replace(model, saved) for saved, model in _SAVED_RENAMES if model in key]
 
 
 def _expert_parts(key: str, meta: nn.Parameter, files: dict[str, Path]) -> list[list[str]] | None:

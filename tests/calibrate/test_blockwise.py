@@ -154,3 +154,28 @@ def test_expert_parameters_match(family: str, tmp_path: Path) -> None:
     got = blockwise_fisher(lazy.model, windows, lazy_targets, materialized=lazy.materialized)
     _assert_identical(got, want)
     assert all(p.is_meta for p in lazy.model.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_lazy_model_reads_experts_saved_one_tensor_per_expert(family: str, tmp_path: Path) -> None:
+    """transformers saves Qwen3-MoE's and Mixtral's experts one 2-D tensor per expert (Mixtral under
+    ``block_sparse_moe``); LazyModel fuses them as from_pretrained does: every parameter equal to the loaded one."""
+    import transformers as tf
+
+    if family == "mixtral":
+        dims = {"hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4}
+        torch.manual_seed(0)
+        config = tf.MixtralConfig(**dims, num_key_value_heads=2, vocab_size=96, num_local_experts=4)
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    else:
+        _tiny_moe(family).save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert not any(key.endswith("experts.gate_up_proj") for key in handle.keys())  # noqa: SIM118
+    loaded = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    lazy = LazyModel(resolve_model(str(tmp_path)))
+    state = [name for name, buffer in lazy.state() if buffer is None]
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    for name in state:
+        assert torch.equal(lazy.read_state(name), loaded.get_parameter(name)), name
