@@ -55,10 +55,23 @@ def write_stage(job: CompressJob) -> None:
     job.original_bytes = state_bytes(net)
     job.source_bytes = state_bytes(net, source_dtype(job.source))
     kept = keep_dtype(job.source, job.recipe.output.keep_dtype)
+    write_artifact(job, staging, net, _artifact_tensors(job, kept), kept)
+
+
+def write_artifact(
+    job: CompressJob,
+    staging: Path,
+    net: nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    kept: torch.dtype,
+) -> None:
+    """Shards from ``tensors`` (:func:`artifact_tensors`), then the warning about unrouted experts and the metadata
+    of ``net`` into ``staging``; a failure discards ``staging``. The write stage of both an unbounded and a
+    bounded (streaming.py) run."""
     job.modules, job.n_weights, job.storage_bits = {}, 0, 0  # filled while the shards stream out
     job.unrouted, job.n_experts = {}, 0  # likewise, from the group checkpoints (experts modules)
     with _discarded_on_error(staging):
-        write_tensors(staging, _artifact_tensors(job, kept), job.recipe.output.max_shard_bytes)
+        write_tensors(staging, tensors, job.recipe.output.max_shard_bytes)
         warn_unrouted(job)
         write_metadata(
             net,

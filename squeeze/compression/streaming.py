@@ -24,17 +24,13 @@ from torch import nn
 from squeeze.calibrate.blockwise import blockwise_fisher, model_parts
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.assemble import (
-    _discarded_on_error,
-    _embeddings_entry,
     artifact_tensors,
     tensor_reader,
-    warn_unrouted,
-    write_metadata,
+    write_artifact,
 )
 from squeeze.compression.embeddings import embedding_targets
 from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.quantize import _quantize_group, layer_groups, weight_format
-from squeeze.compression.writer import write_tensors
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError
 from squeeze.models.experts import ExpertWeight
@@ -248,22 +244,7 @@ def write_stage(job: CompressJob) -> None:
         _state_numel(lazy, name, buf) * (source.itemsize if _floating(lazy, name, buf) else _itemsize(lazy, name, buf))
         for name, buf in state
     )
-    job.modules, job.n_weights, job.storage_bits = {}, 0, 0
-    job.unrouted, job.n_experts = {}, 0  # from the group checkpoints, as assemble.write_stage counts them
-    with _discarded_on_error(staging):
-        write_tensors(staging, _tensors(job, state, kept), job.recipe.output.max_shard_bytes)
-        warn_unrouted(job)
-        write_metadata(
-            lazy.model,
-            job.tokenizer,
-            job.recipe,
-            job.modules,
-            job.storage_bits,
-            job.n_weights,
-            staging,
-            kept_dtype=kept,
-            embeddings=_embeddings_entry(job),
-        )
+    write_artifact(job, staging, lazy.model, _tensors(job, state, kept), kept)
 
 
 def _tensors(
