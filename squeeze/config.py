@@ -43,7 +43,7 @@ SUPPORTED_BITS = WEIGHT_BITS
 KeepDtype = Literal["source", "float32", "bfloat16", "float16"]
 KEEP_DTYPE_CHOICES: tuple[str, ...] = get_args(KeepDtype)
 #: The bits ``weights.embedding_bits`` may ask for.
-EMBEDDING_BITS = (4, 8)
+EMBEDDING_BITS = (4, 6, 8)
 #: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
 #: squeeze.models.experts), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
 DEFAULT_TARGETS = (
@@ -127,7 +127,8 @@ class WeightsConfig:
         if self.embedding_bits is not None and self.embedding_bits not in EMBEDDING_BITS:
             raise ConfigError(
                 f"weights.embedding_bits must be one of {list(EMBEDDING_BITS)} or null, found {self.embedding_bits!r}",
-                hint="8: int8 rows (about 8.06 bits/weight), 4: a 4-bit LUT per row; null keeps the embedding",
+                hint="8 / 6: int8 / int6 rows (about 8.06 / 6.06 bits/weight), 4: a 4-bit LUT per row; null keeps "
+                "the embedding",
             )
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")

@@ -22,6 +22,14 @@ from squeeze.errors import ConfigError, SqueezeError
 #: 8 codes into 3 bytes; the others whole codes per byte).
 WEIGHT_BITS = (2, 3, 4, 8)
 
+#: Code widths of token-embedding rows only (``weights.embedding_bits``), never of linears: 6-bit RTN rows
+#: (4 codes in 3 bytes, 6.06 bits per weight at d = 576) sit between 4-bit LUT rows and int8 rows. The
+#: packing and the RTN format take them; the LUT format, the kernels and the bit budgets keep to WEIGHT_BITS.
+EMBEDDING_ONLY_BITS = (6,)
+
+#: Every width the packing and the RTN format handle: WEIGHT_BITS and EMBEDDING_ONLY_BITS.
+CODE_BITS = tuple(sorted(WEIGHT_BITS + EMBEDDING_ONLY_BITS))
+
 #: How the k-means weighs each weight: by its diagonal Fisher, or uniformly (ablation).
 Sensitivity = Literal["fisher", "uniform"]
 SENSITIVITIES: tuple[str, ...] = get_args(Sensitivity)
@@ -72,9 +80,9 @@ def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_weight_bits(value: object) -> TypeGuard[int]:
-    """Whether ``value`` is a supported weight code width."""
-    return is_int(value) and value in WEIGHT_BITS
+def is_weight_bits(value: object, widths: tuple[int, ...] = WEIGHT_BITS) -> TypeGuard[int]:
+    """Whether ``value`` is a supported weight code width (one of ``widths``: a format may take CODE_BITS)."""
+    return is_int(value) and value in widths
 
 
 def is_kv_bits(value: object) -> TypeGuard[int]:
@@ -103,10 +111,11 @@ def check_weight_bits(
     error: type[SqueezeError] = ConfigError,
     *,
     hint: str | None = "use 3 or 4 for SqueezeLLM, 8 for near-lossless",
+    widths: tuple[int, ...] = WEIGHT_BITS,
 ) -> int:
-    """``value`` if it is a supported weight code width, else ``error``."""
-    if not is_weight_bits(value):
-        raise error(f"{where} must be one of {list(WEIGHT_BITS)}, found {value!r}", hint=hint)
+    """``value`` if it is one of ``widths`` (the linears' WEIGHT_BITS unless told), else ``error``."""
+    if not is_weight_bits(value, widths):
+        raise error(f"{where} must be one of {list(widths)}, found {value!r}", hint=hint)
     return value
 
 
@@ -230,6 +239,8 @@ def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeE
 
 __all__ = [
     "WEIGHT_BITS",
+    "EMBEDDING_ONLY_BITS",
+    "CODE_BITS",
     "Sensitivity",
     "SENSITIVITIES",
     "LutDtype",

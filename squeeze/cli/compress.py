@@ -100,7 +100,7 @@ EmbeddingBits = Annotated[
     Optional[int],
     typer.Option(
         "--embedding-bits",
-        help="Quantize the token embedding and an untied LM head: 8 (int8 rows) or 4 (4-bit LUT rows).",
+        help="Quantize the token embedding and an untied LM head: 8 (int8 rows), 6 (int6 rows) or 4 (4-bit LUT rows).",
     ),
 ]
 Seed = Annotated[

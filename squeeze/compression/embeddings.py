@@ -1,9 +1,9 @@
 """How compress quantizes the token embedding and an untied LM head (``weights.embedding_bits``).
 
-An embedding row is read whole (one token's vector), so the formats are per row: 8 bits as RTN int8 rows
-(one float16 scale and zero per row: 8.06 bits per weight at d = 576; a 256-entry LUT per row would cost
-more than the codes save), 4 bits as the recipe's per-row LUT (Fisher-weighted k-means when the recipe is,
-no sparse part). A tied embedding / LM head is one weight, quantized once.
+An embedding row is read whole (one token's vector), so the formats are per row: 8 and 6 bits as RTN rows
+(one float16 scale and zero per row: 8.06 / 6.06 bits per weight at d = 576; a 256- or 64-entry LUT per row
+would cost more than the codes save), 4 bits as the recipe's per-row LUT (Fisher-weighted k-means when the
+recipe is, no sparse part). A tied embedding / LM head is one weight, quantized once.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from collections.abc import Collection
 from torch import nn
 
 from squeeze.config import Recipe, WeightsConfig
+from squeeze.limits import EMBEDDING_ONLY_BITS
 from squeeze.models.targets import embedding_modules
+
+#: Embedding widths stored as RTN rows whatever the recipe's method (the rest take the recipe's LUT).
+RTN_ROW_BITS = (8, *EMBEDDING_ONLY_BITS)
 
 
 def embedding_recipe(recipe: Recipe) -> Recipe:
     """The recipe an embedding weight is quantized with: ``recipe`` with its weights section set to
-    ``weights.embedding_bits`` (8: RTN per row; 4: the recipe's LUT format, dense only; a recipe of another
+    ``weights.embedding_bits`` (8, 6: RTN per row; 4: the recipe's LUT format, dense only; a recipe of another
     method: that method per row). ValueError when the recipe quantizes no embedding."""
     w = recipe.weights
     bits = w.embedding_bits
@@ -27,10 +31,8 @@ def embedding_recipe(recipe: Recipe) -> Recipe:
         raise ValueError("the recipe keeps the embeddings unquantized (weights.embedding_bits is null)")
     # every other option back to its default (sparse fractions, error compensation, a bits budget...): they
     # are the linears' and mean nothing for a table of rows; the sensitivity (Fisher or not) is kept
-    if bits == 8 or w.method == "rtn":
-        weights = WeightsConfig(
-            method="rtn", bits=bits, sensitivity=w.sensitivity, targets=w.targets, ignore=w.ignore, embedding_bits=bits
-        )
+    if bits in RTN_ROW_BITS or w.method == "rtn":
+        weights = _rtn_rows(bits, w)
     else:  # the recipe's LUT (float16 or int8 entries), dense only: a gathered row needs nothing else
         weights = WeightsConfig(
             method="squeeze",
@@ -42,6 +44,27 @@ def embedding_recipe(recipe: Recipe) -> Recipe:
             embedding_bits=bits,
         )
     return dataclasses.replace(recipe, weights=weights)
+
+
+def _rtn_rows(bits: int, w: WeightsConfig) -> WeightsConfig:
+    """The weights section quantizing an embedding as ``bits``-bit RTN rows (one group per row).
+
+    WeightsConfig checks ``bits`` against the linears' widths (squeeze.limits.WEIGHT_BITS), which an
+    embedding-only width (6) is not: the section is built and checked at 8 bits, then given its width. It
+    only reaches the RTN quantizer, which takes every width of squeeze.limits.CODE_BITS.
+    """
+    checked_bits = 8 if bits in EMBEDDING_ONLY_BITS else bits
+    weights = WeightsConfig(
+        method="rtn",
+        bits=checked_bits,
+        sensitivity=w.sensitivity,
+        targets=w.targets,
+        ignore=w.ignore,
+        embedding_bits=bits,
+    )
+    if checked_bits != bits:
+        object.__setattr__(weights, "bits", bits)  # frozen: set once, before anyone reads it
+    return weights
 
 
 def embedding_names(model: nn.Module, recipe: Recipe, linears: Collection[str] = ()) -> tuple[str, ...]:

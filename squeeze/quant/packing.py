@@ -3,11 +3,12 @@
 Layout (the on-disk format, see docs/format.md): every ROW is packed independently as an LSB-first bit
 stream. Code j of a row occupies stream bits [j*bits, (j+1)*bits) with its own least-significant bit first,
 and stream bit b lives in bit (b % 8) of byte b // 8 of that row. Trailing pad bits are zero. So with 4
-bits code 0 is the LOW nibble of byte 0, and with 3 bits 8 codes fill 3 bytes.
+bits code 0 is the LOW nibble of byte 0, with 3 bits 8 codes fill 3 bytes, and with 6 bits (embedding rows
+only, squeeze.limits.EMBEDDING_ONLY_BITS) 4 codes fill 3 bytes.
 
 Vectorised: codes are handled in groups of ``g`` codes that fill exactly ``g * bits / 8`` bytes (1 byte
-for 2/4/8 bits, 3 bytes for 3 bits); the only Python loops are over the handful of (code, byte) pairs
-inside one group.
+for 2/4/8 bits, 3 bytes for 3 and 6 bits); the only Python loops are over the handful of (code, byte)
+pairs inside one group.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError
-from squeeze.limits import WEIGHT_BITS, is_weight_bits
+from squeeze.limits import CODE_BITS, WEIGHT_BITS, is_weight_bits
 
-#: Code widths the format supports (the table is squeeze.limits.WEIGHT_BITS).
+#: Code widths the format supports for linears (the table is squeeze.limits.WEIGHT_BITS).
 SUPPORTED_BITS = WEIGHT_BITS
+#: Code widths the packing itself handles: SUPPORTED_BITS and the embedding-only widths (squeeze.limits).
+PACKED_BITS = CODE_BITS
 
 
 def packed_row_bytes(n: int, bits: int) -> int:
     """Bytes one packed row of ``n`` codes takes: ceil(n * bits / 8)."""
-    check_bits(bits)
+    check_code_bits(bits)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"row length must be an integer >= 0, found {n!r}")
     return (n * bits + 7) // 8
@@ -34,7 +37,7 @@ def packed_row_bytes(n: int, bits: int) -> int:
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack codes uint8 (R, N), each < 2**bits, into uint8 (R, ceil(N * bits / 8))."""
-    check_bits(bits)
+    check_code_bits(bits)
     if not isinstance(codes, Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2:
         found = f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, Tensor) else type(codes).__name__
         raise ValueError(f"codes must be a 2-D uint8 tensor, found {found}")
@@ -59,7 +62,7 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
 
     Raises FormatError when ``packed`` is not a 2-D uint8 tensor of exactly that width (it comes from files).
     """
-    check_bits(bits)
+    check_code_bits(bits)
     expected = packed_row_bytes(n, bits)
     if not isinstance(packed, Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
         found = f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, Tensor) else type(packed).__name__
@@ -104,8 +107,15 @@ def check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {list(WEIGHT_BITS)}, found {bits!r}")
 
 
+def check_code_bits(bits: int) -> None:
+    """ValueError unless the packing handles ``bits``: a linear width or an embedding-only one (6)."""
+    if not is_weight_bits(bits, CODE_BITS):
+        raise ValueError(f"bits must be one of {list(CODE_BITS)}, found {bits!r}")
+
+
 def _group(bits: int) -> tuple[int, int]:
-    """(codes, bytes) of the smallest whole-byte group: (4, 1), (8, 3), (2, 1), (1, 1) for 2, 3, 4, 8 bits."""
+    """(codes, bytes) of the smallest whole-byte group: (4, 1), (8, 3), (2, 1), (4, 3), (1, 1) for 2, 3, 4, 6,
+    8 bits."""
     group_bits = math.lcm(bits, 8)
     return group_bits // bits, group_bits // 8
 
@@ -122,4 +132,13 @@ def _overlaps(bits: int) -> list[tuple[int, int, int, int]]:
     return pairs
 
 
-__all__ = ["SUPPORTED_BITS", "check_bits", "codes_at", "pack_codes", "unpack_codes", "packed_row_bytes"]
+__all__ = [
+    "SUPPORTED_BITS",
+    "PACKED_BITS",
+    "check_bits",
+    "check_code_bits",
+    "codes_at",
+    "pack_codes",
+    "unpack_codes",
+    "packed_row_bytes",
+]

@@ -24,7 +24,7 @@ from squeeze.calibrate.fisher import fisher_information
 from squeeze.cli.app import app
 from squeeze.compression.embeddings import embedding_names, embedding_recipe
 from squeeze.config import load_recipe
-from squeeze.errors import FormatError, ModelError
+from squeeze.errors import ConfigError, FormatError, ModelError
 from squeeze.format.inspect import inspect_artifact
 from squeeze.integrations.vllm.artifact import check_quant_config
 from squeeze.models.source import ModelSource, source_dtype
@@ -168,6 +168,31 @@ def test_untied_embedding_and_head_are_int8_rows_and_keep_dtype_overrides(
     torch.testing.assert_close(hf_logits, logits, rtol=1e-4, atol=1e-4)
 
 
+def test_tied_six_bit_rows_load_in_both_loaders_as_the_dense_reference(
+    tmp_path: Path, tied_bf16: Path, compress_tiny: Callable[..., Path]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    artifact = compress_tiny(tmp_path / "art", source=tied_bf16, overrides={"weights.embedding_bits": 6})
+    quant = _quant(artifact)
+    assert quant["embeddings"]["bits"] == 6 and quant["embeddings"]["tied"] == {"lm_head": "model.embed_tokens"}
+    spec = quant["modules"]["model.embed_tokens"]
+    assert (spec["method"], spec["bits"]) == ("rtn", 6)
+    dtypes = _shard_dtypes(artifact)
+    assert dtypes["model.embed_tokens.weight_scales"] == "F16" and not [k for k in dtypes if k.startswith("lm_head.")]
+    model = api.load(artifact).model
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(embed, SqueezeEmbedding) and embed.qweight.bits == 6
+    assert isinstance(head, SqueezeLinear) and head.weight_packed is embed.weight_packed
+    assert embed.weight_packed.shape[1] == (spec["in_features"] * 6 + 7) // 8
+    with torch.no_grad():
+        logits = model(IDS).logits
+        reference = _dense_reference(tied_bf16, model)(IDS).logits
+        hf_logits = AutoModelForCausalLM.from_pretrained(str(artifact))(IDS).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hf_logits, logits, rtol=1e-4, atol=1e-4)
+
+
 def test_the_vllm_plugin_refuses_a_quantized_embedding_at_start(untied_e8: Path) -> None:
     with pytest.raises(FormatError, match="cannot serve a quantized token embedding") as caught:
         check_quant_config(_quant(untied_e8))
@@ -199,6 +224,13 @@ def test_embedding_recipe_is_rows_only() -> None:
     assert weights.sensitive_fraction == weights.outlier_fraction == 0.0  # rows are gathered: no sparse part
     weights = embedding_recipe(load_recipe("w4", **{"weights.embedding_bits": 8})).weights
     assert (weights.method, weights.bits, weights.group_size) == ("rtn", 8, None)
+    # 6 bits: RTN rows whatever the recipe's method, though 6 is no width of weights.bits for linears
+    for name in ("w3-s045-e6", "w4-e6"):
+        weights = embedding_recipe(load_recipe(name)).weights
+        assert (weights.method, weights.bits, weights.group_size, weights.embedding_bits) == ("rtn", 6, None, 6)
+        assert weights.sensitive_fraction == weights.outlier_fraction == 0.0
+    with pytest.raises(ConfigError, match=r"weights.bits must be one of \[2, 3, 4, 8\], found 6"):
+        load_recipe("w4", **{"weights.bits": 6})
 
 
 def test_an_embedding_option_on_a_model_without_an_embedding_is_refused() -> None:
@@ -223,7 +255,7 @@ def test_source_dtype_of_gguf_and_of_a_config_only_directory(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--keep-dtype", "int8", "source', 'float32', 'bfloat16', 'float16"), ("--embedding-bits", "3", "[4, 8]")],
+    [("--keep-dtype", "int8", "source', 'float32', 'bfloat16', 'float16"), ("--embedding-bits", "3", "[4, 6, 8]")],
 )
 def test_cli_refuses_an_unknown_keep_dtype_or_embedding_width(
     tmp_path: Path, option: str, value: str, message: str

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from squeeze.errors import FormatError
-from squeeze.quant.packing import SUPPORTED_BITS, codes_at, pack_codes, packed_row_bytes, unpack_codes
+from squeeze.quant.packing import (
+    PACKED_BITS,
+    SUPPORTED_BITS,
+    check_bits,
+    codes_at,
+    pack_codes,
+    packed_row_bytes,
+    unpack_codes,
+)
 
 
 def u8(rows: list[list[int]]) -> torch.Tensor:
@@ -32,6 +40,16 @@ GOLDEN = [
     (2, [1, 2, 3, 0, 3], [0x39, 0x03]),
     # 8-bit: identity
     (8, [0, 255, 17], [0, 255, 17]),
+    # 6-bit (embedding rows), 4 codes in 3 bytes. Codes 1, 2, 3, 63: stream bits (b0 first)
+    #   100000 010000 110000 111111
+    #   byte0 = bits 0..7   = 1,0,0,0,0,0,0,1 -> 0b10000001 = 0x81  (code 0, then code 1's low 2 bits: 10)
+    #   byte1 = bits 8..15  = 0,0,0,0,1,1,0,0 -> 0b00110000 = 0x30  (code 1's high 4, code 2's low 4)
+    #   byte2 = bits 16..23 = 0,0,1,1,1,1,1,1 -> 0b11111100 = 0xFC  (code 2's high 2, code 3)
+    (6, [1, 2, 3, 63], [0x81, 0x30, 0xFC]),
+    # 6-bit, 5 codes = 30 bits -> 4 bytes; the 5th code 0b101010 = 42 alone in byte 3 (2 pad bits zero)
+    (6, [0, 0, 0, 0, 42], [0x00, 0x00, 0x00, 0x2A]),
+    # 6-bit, 2 codes = 12 bits: 63 | 5 << 6 = 0x17F -> 0x7F, 0x01
+    (6, [63, 5], [0x7F, 0x01]),
 ]
 
 
@@ -49,7 +67,7 @@ def test_rows_are_packed_independently() -> None:
     assert packed.tolist() == [[0x21, 0x03], [0x23, 0x01]]
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", PACKED_BITS)
 @pytest.mark.parametrize("n", [1, 7, 33, 172])
 def test_round_trip_is_exact(bits: int, n: int) -> None:
     g = torch.Generator().manual_seed(bits * 1000 + n)
@@ -59,7 +77,7 @@ def test_round_trip_is_exact(bits: int, n: int) -> None:
     assert torch.equal(unpack_codes(packed, bits, n), codes)
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", PACKED_BITS)
 def test_trailing_pad_bits_are_zero(bits: int) -> None:
     n = 7
     codes = torch.full((2, n), (1 << bits) - 1, dtype=torch.uint8)  # all ones
@@ -69,7 +87,7 @@ def test_trailing_pad_bits_are_zero(bits: int) -> None:
     assert pad > 0 or bits == 8
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", PACKED_BITS)
 def test_zero_rows_and_zero_columns(bits: int) -> None:
     empty_rows = torch.zeros(0, 9, dtype=torch.uint8)
     packed = pack_codes(empty_rows, bits)
@@ -87,6 +105,14 @@ def test_packed_row_bytes() -> None:
     assert packed_row_bytes(1, 2) == 1
     assert packed_row_bytes(33, 8) == 33
     assert packed_row_bytes(0, 3) == 0
+    assert packed_row_bytes(576, 6) == 432  # a SmolLM2 embedding row: 4 codes in 3 bytes
+    assert packed_row_bytes(5, 6) == 4
+
+
+def test_six_bits_packs_but_is_no_linear_width() -> None:
+    assert PACKED_BITS == (2, 3, 4, 6, 8) and 6 not in SUPPORTED_BITS
+    with pytest.raises(ValueError, match="bits must be one of"):
+        check_bits(6)  # the LUT format and the kernels keep to the linears' widths
 
 
 def test_wrong_packed_width_is_a_format_error() -> None:
@@ -111,10 +137,12 @@ def test_bad_codes_and_bits_are_value_errors() -> None:
     with pytest.raises(ValueError, match="2-D"):
         pack_codes(torch.zeros(4, dtype=torch.uint8), 4)
     with pytest.raises(ValueError, match="bits must be one of"):
-        unpack_codes(torch.zeros(1, 1, dtype=torch.uint8), 6, 1)
+        unpack_codes(torch.zeros(1, 1, dtype=torch.uint8), 7, 1)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        packed_row_bytes(4, 1)
 
 
-@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", PACKED_BITS)
 def test_codes_at_equals_unpacked_codes(bits: int) -> None:
     g = torch.Generator().manual_seed(bits)
     for n in (1, 13, 200):

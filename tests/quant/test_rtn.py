@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import FormatError, ModelError
+from squeeze.quant.schemes.lut import LutWeight
 from squeeze.quant.schemes.rtn import RtnWeight, rtn_quantize
 
 
@@ -19,7 +20,7 @@ def per_column(t: torch.Tensor, group_size: int | None, n: int) -> torch.Tensor:
     return t.float().repeat_interleave(gs, dim=1)[:, :n]
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])  # 6: embedding rows only (squeeze.limits.EMBEDDING_ONLY_BITS)
 @pytest.mark.parametrize("group_size", [None, 64, 32, 172, 500])
 def test_error_is_at_most_half_a_step(bits: int, group_size: int | None) -> None:
     w = layer()
@@ -69,6 +70,22 @@ def test_storage_bits_and_tensor_round_trip() -> None:
     ]
     back = RtnWeight.from_tensors(tensors, "model.layers.0.mlp.up_proj", bits=3, in_features=172, group_size=64)
     assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_six_bit_rows_round_trip_through_the_artifact_entry() -> None:
+    w = layer(5, 576)
+    q = rtn_quantize(w, 6)
+    assert q.packed.shape == (5, 432)  # 4 codes in 3 bytes
+    assert q.storage_bits() == 5 * 432 * 8 + 2 * 5 * 16  # 6.06 bits per weight at d = 576
+    codes = q.codes()
+    assert int(codes.max()) <= 63 and int(codes.max()) > 31  # the full 64-level grid is used
+    back = RtnWeight.from_spec(q.to_tensors("m"), "m", q.module_spec())
+    assert back.bits == 6 and torch.equal(back.dequantize(), q.dequantize())
+    # a 6-bit entry is an RTN width only: the LUT format refuses it where an artifact is read
+    with pytest.raises(FormatError, match=r"bits must be one of \[2, 3, 4, 8\], found 6"):
+        LutWeight.from_tensors({}, "m", bits=6, in_features=576)
+    with pytest.raises(FormatError, match=r"bits must be one of \[2, 3, 4, 6, 8\], found 5"):
+        RtnWeight.from_spec(q.to_tensors("m"), "m", {**q.module_spec(), "bits": 5})
 
 
 def test_from_tensors_rejects_bad_tensors() -> None:

@@ -21,6 +21,7 @@ WEIGHTS = {
     "lut4-int8": lambda: quantize_lut(TABLE, FISHER, 4, lut_dtype="int8"),
     "lut3": lambda: quantize_lut(TABLE, None, 3),
     "rtn8": lambda: rtn_quantize(TABLE, 8),
+    "rtn6": lambda: rtn_quantize(TABLE, 6),  # embedding-only width: 4 codes in 3 bytes, rows straddle bytes
     "rtn4-g16": lambda: rtn_quantize(TABLE, 4, 16),
 }
 
@@ -32,7 +33,7 @@ def test_gathered_rows_are_the_reference_rows_bit_for_bit(kind: str) -> None:
     assert torch.equal(gather_rows(qweight, index).dequantize(), qweight.dequantize()[index])
 
 
-@pytest.mark.parametrize("kind", ["lut4", "rtn8"])
+@pytest.mark.parametrize("kind", ["lut4", "rtn8", "rtn6"])
 def test_forward_equals_the_dense_lookup_and_keeps_the_ids_shape(kind: str) -> None:
     qweight = WEIGHTS[kind]()
     module = SqueezeEmbedding(qweight)
@@ -73,20 +74,36 @@ def test_a_weight_with_a_sparse_part_cannot_be_an_embedding() -> None:
         gather_rows(with_sparse, torch.tensor([0]))
 
 
-def test_a_tied_head_reads_the_embedding_buffers_without_a_copy() -> None:
+@pytest.mark.parametrize(("kind", "table"), [("lut4", "weight_lut"), ("rtn6", "weight_scales")])
+def test_a_tied_head_reads_the_embedding_buffers_without_a_copy(kind: str, table: str) -> None:
     model = torch.nn.Module()
-    model.embed = SqueezeEmbedding(WEIGHTS["lut4"]())
+    model.embed = SqueezeEmbedding(WEIGHTS[kind]())
     model.head = torch.nn.Linear(40, 97, bias=False)
     tie_quantized_heads(model, {"head": "embed"})
     assert isinstance(model.head, SqueezeLinear)
-    assert model.head.weight_packed is model.embed.weight_packed and model.head.weight_lut is model.embed.weight_lut
+    assert model.head.weight_packed is model.embed.weight_packed
+    assert getattr(model.head, table) is getattr(model.embed, table)
+    assert torch.equal(model.head.dequantize(), model.embed.dequantize())  # one weight, bit for bit
     x = torch.randn(2, 40)
-    torch.testing.assert_close(model.head(x), x @ WEIGHTS["lut4"]().dequantize().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.head(x), x @ WEIGHTS[kind]().dequantize().T, rtol=1e-5, atol=1e-5)
     model.head = torch.nn.Linear(40, 96, bias=False)  # a head of another size is not this embedding's
     with pytest.raises(FormatError, match="96 x 40 LM head"):
         tie_quantized_heads(model, {"head": "embed"})
     with pytest.raises(FormatError, match="not a quantized embedding"):
         tie_quantized_heads(model, {"head": "missing"})
+
+
+def test_a_six_bit_embedding_reloads_from_its_state_dict_with_every_check() -> None:
+    source = SqueezeEmbedding(WEIGHTS["rtn6"]())
+    state = source.state_dict()
+    target = SqueezeEmbedding(rtn_quantize(torch.zeros(97, 40), 6))
+    target.load_state_dict(state)  # rebinds through RtnWeight.from_tensors at 6 bits, values checked
+    ids = torch.tensor([0, 50, 96])
+    assert target.qweight.bits == 6 and torch.equal(target(ids), source(ids))
+    bad_zero = state["weight_zeros"].clone()
+    bad_zero[3] = 64  # a valid 8-bit zero point, beyond the 6-bit grid
+    with pytest.raises(FormatError, match=r"weight_zeros must hold integers in \[0, 63\]"):
+        target.load_state_dict({**state, "weight_zeros": bad_zero})
 
 
 def test_config_vocab_must_match_a_quantized_embedding() -> None:

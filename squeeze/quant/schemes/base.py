@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError
-from squeeze.limits import check_weight_bits, is_int
+from squeeze.limits import WEIGHT_BITS, check_weight_bits, is_int
 from squeeze.quant.packing import pack_codes, packed_row_bytes, unpack_codes
 from squeeze.quant.sparse import SparseCSR
 
@@ -100,6 +100,9 @@ class WeightFormat:
     #: Per-module parameters beyond bits / in_features that the artifact's module entry carries; each is also
     #: the recipe option (``weights.<name>``) it is quantized with.
     module_params: ClassVar[tuple[str, ...]] = ()
+    #: Code widths an artifact may store in this format: the linears' (squeeze.limits.WEIGHT_BITS), or more
+    #: for a format that also stores embedding rows (RTN: squeeze.limits.CODE_BITS, with 6-bit rows).
+    widths: ClassVar[tuple[int, ...]] = WEIGHT_BITS
 
     bits: int
     in_features: int
@@ -282,7 +285,7 @@ class WeightFormat:
         ``check_values=False`` for meta tensors (shapes only). FormatError names the tensor, what was
         expected and what was found.
         """
-        _check_meta(bits, in_features, prefix)
+        _check_meta(bits, in_features, prefix, cls.widths)
         unknown = set(params) - set(cls.module_params)
         if unknown:
             raise TypeError(
@@ -310,7 +313,8 @@ class WeightFormat:
         bits, in_features = spec.get("bits"), spec.get("in_features")
         if not is_int(bits) or not is_int(in_features):
             raise FormatError(f"quantization_config.modules[{prefix!r}] lacks integer 'bits' / 'in_features'")
-        check_weight_bits(bits, f"quantization_config.modules[{prefix!r}].bits", FormatError, hint=None)
+        where = f"quantization_config.modules[{prefix!r}].bits"
+        check_weight_bits(bits, where, FormatError, hint=None, widths=cls.widths)
         params = {key: spec.get(key) for key in cls.module_params}
         return cls.from_tensors(
             tensors,
@@ -356,8 +360,8 @@ class WeightFormat:
 # The generic checks (file data -> FormatError naming the tensor, what was expected and what was found)
 
 
-def _check_meta(bits: int, in_features: int, prefix: str) -> None:
-    check_weight_bits(bits, f"{prefix}: bits", FormatError, hint=None)
+def _check_meta(bits: int, in_features: int, prefix: str, widths: tuple[int, ...]) -> None:
+    check_weight_bits(bits, f"{prefix}: bits", FormatError, hint=None, widths=widths)
     if not is_int(in_features) or in_features < 0:
         raise FormatError(f"{prefix}: in_features must be an integer >= 0, found {in_features!r}")
 

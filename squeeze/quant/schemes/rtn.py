@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError, ModelError
-from squeeze.limits import check_group_size
-from squeeze.quant.packing import check_bits, pack_codes
+from squeeze.limits import CODE_BITS, check_group_size
+from squeeze.quant.packing import check_code_bits, pack_codes
 from squeeze.quant.schemes.base import HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
 
 
@@ -33,6 +33,9 @@ class RtnWeight(WeightFormat):
     method: ClassVar[str] = "rtn"
     recipe_options: ClassVar[frozenset[str]] = frozenset({"group_size"})
     module_params: ClassVar[tuple[str, ...]] = ("group_size",)
+    #: 6-bit codes too: the format of 6-bit embedding rows (weights.embedding_bits: 6); linears keep to
+    #: WEIGHT_BITS, checked where a recipe is read.
+    widths: ClassVar[tuple[int, ...]] = CODE_BITS
     roles: ClassVar[tuple[Role, ...]] = (
         Role("weight_packed", torch.uint8, ("rows", "packed")),
         Role("weight_scales", HALF, ("rows", "groups")),
@@ -165,7 +168,7 @@ def rtn_quantize(weight: Tensor, bits: int, group_size: int | None = None) -> Rt
     be partial). Groups whose range is 0 (all zeros) get scale 1 and zero 0, so they reconstruct exactly.
     """
     # contract checks (ValueError): recipes were validated against squeeze.limits at the boundary
-    check_bits(bits)
+    check_code_bits(bits)
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError(f"weight must be a 2-D floating-point tensor, found {found}")
