@@ -233,6 +233,14 @@ def test_embedding_recipe_is_rows_only() -> None:
         load_recipe("w4", **{"weights.bits": 6})
 
 
+def test_e6_recipes_differ_from_their_twins_only_in_the_embedding_width() -> None:
+    for name in ("w3-s045", "w4"):
+        plain, e6 = load_recipe(name).to_dict(), load_recipe(f"{name}-e6").to_dict()
+        assert e6["weights"].pop("embedding_bits") == 6 and plain["weights"].pop("embedding_bits") is None
+        assert e6.pop("name") == f"{name}-e6" and plain.pop("name") == name
+        assert e6 == plain
+
+
 def test_an_embedding_option_on_a_model_without_an_embedding_is_refused() -> None:
     class NoEmbedding(nn.Module):
         def __init__(self) -> None:
