@@ -30,7 +30,7 @@ SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
 from squeeze.calibrate.fisher import fisher_information  # noqa: E402
-from squeeze.calibrate.hessian import dedupe_hessians, input_hessians  # noqa: E402
+from squeeze.calibrate.hessian import dedupe_hessians, input_hessians, output_weighted_hessians  # noqa: E402
 from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
@@ -85,8 +85,15 @@ def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tu
 
 
 def _base_method(method: str) -> str:
-    """The method without a trailing -dampX (the dampening of an -ec variant, e.g. w3-ec-damp0.1)."""
-    return re.sub(r"-damp[0-9.]+$", "", method)
+    """The method without a trailing -gqG (output-weighted Hessians, G row groups) or -dampX (the dampening of
+    an -ec variant, e.g. w3-ec-gq4-damp0.1)."""
+    return re.sub(r"(-gq[0-9]+)?(-damp[0-9.]+)?$", "", method)
+
+
+def _guided_groups(method: str) -> int | None:
+    """G of an -ec variant's -gqG suffix: compensate against GuidedQuant's output-weighted Hessians."""
+    match = re.search(r"-gq([0-9]+)(-damp[0-9.]+)?$", method)
+    return int(match.group(1)) if match else None
 
 
 def _damp(method: str) -> float:
@@ -134,11 +141,23 @@ def main() -> None:
     fisher: dict[str, torch.Tensor] = {}
     hessians: dict[str, torch.Tensor] = {}
     fisher_seconds = 0.0
+    guided: dict[str, torch.Tensor] = {}
     want_ec = any("-ec" in m for m in methods)
+    groups = sorted({g for m in methods if (g := _guided_groups(m)) is not None})
+    if len(groups) > 1:
+        raise SystemExit(f"one -gqG group count per run, found {groups}")
+    want_guided = groups[0] if groups else None
     if any(_base_method(m) in SQUEEZE for m in methods):
         cache = Path(args.fisher_cache) if args.fisher_cache else None
         hcache = cache.with_name(cache.stem + "-hessian.safetensors") if cache is not None else None
-        if cache is not None and cache.is_file() and (not want_ec or (hcache is not None and hcache.is_file())):
+        gcache = cache.with_name(f"{cache.stem}-guided{want_guided}.safetensors") if cache is not None else None
+        have_guided = want_guided is None or (gcache is not None and gcache.is_file())
+        if (
+            cache is not None
+            and cache.is_file()
+            and have_guided
+            and (not want_ec or (hcache is not None and hcache.is_file()))
+        ):
             from safetensors import safe_open
             from safetensors.torch import load_file
 
@@ -148,14 +167,18 @@ def main() -> None:
                     alias = json.loads((handle.metadata() or {})["alias"])
                 stored = load_file(str(hcache))
                 hessians = {name: stored[owner] for name, owner in alias.items()}
+            if want_guided is not None and gcache is not None:
+                guided = load_file(str(gcache))
             print(f"Fisher: loaded from {cache}", flush=True)
         else:
             calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
             windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
             t0 = time.perf_counter()
-            with input_hessians(targets) as acc:
+            with input_hessians(targets) as acc, output_weighted_hessians(targets, want_guided or 1) as gacc:
                 fisher = fisher_information(model, windows, targets)
             hessians = acc.result()
+            if want_guided is not None:
+                guided = gacc.result()
             fisher_seconds = time.perf_counter() - t0
             print(
                 f"Fisher + Hessians: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True
@@ -167,6 +190,8 @@ def main() -> None:
                 save_file({k: v.contiguous() for k, v in fisher.items()}, str(cache))
                 stored, alias = dedupe_hessians(hessians)
                 save_file(stored, str(hcache), metadata={"alias": json.dumps(alias)})
+                if want_guided is not None and gcache is not None:
+                    save_file(guided, str(gcache))
 
     rows = []
     for method in methods:
@@ -185,6 +210,8 @@ def main() -> None:
                     if "-ec" in method:
                         refit, act = _base_method(method).endswith("refit"), "-act" in method
                         hessian, damp = hessians[name], _damp(method)
+                        if _guided_groups(method) is not None:
+                            hessian = guided[name]
                         q = compensate_lut(q, weight, hessian, mask=mask, refit=refit, act_order=act, damp=damp)
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:

@@ -107,6 +107,83 @@ def input_hessians(
             handle.remove()
 
 
+class OutputWeightedHessians:
+    """GuidedQuant's per-group Hessians: ``hessians[name]`` float32 (G, in, in), group ``g`` summing
+    ``gbar_tg^2 x_t x_t^T`` over tokens ``t``, ``gbar_tg^2`` the mean over the group's output channels
+    (squeeze.quant.ec.row_groups of ``out_features``) of the squared loss gradient at the module's output.
+
+    Needs a backward pass: the forward hook hangs a gradient hook on the module's output, which sees the
+    output's gradient and the (already saved) input together. No two modules share an accumulator (q/k/v see
+    the same input but different output gradients). Memory: 4 * G * in_features**2 bytes per module.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Linear], groups: int, device: torch.device | str | None = None) -> None:
+        if groups < 1:
+            raise ValueError(f"groups must be >= 1, found {groups}")
+        self.modules = dict(modules)
+        self.groups = groups
+        self.device = device
+        self.hessians: dict[str, torch.Tensor] = {}
+
+    def hook_for(self, name: str) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+                return
+            if not output.requires_grad:
+                return  # no backward will reach this module (nothing below it requires grad)
+            x = args[0].detach()  # autograd keeps it for the weight's gradient anyway: no extra copy
+
+            def on_grad(grad: torch.Tensor) -> None:
+                self._accumulate(name, x, grad)
+
+            output.register_hook(on_grad)
+
+        return hook
+
+    def _accumulate(self, name: str, x: torch.Tensor, grad: torch.Tensor) -> None:
+        from squeeze.quant.ec import row_groups  # the quantizer's own split: one definition of the groups
+
+        with torch.no_grad():
+            flat = x.reshape(-1, x.shape[-1]).to(torch.float32)  # (tokens, in)
+            g2 = grad.detach().reshape(-1, grad.shape[-1]).to(torch.float32).square()  # (tokens, out)
+            acc = self.hessians.get(name)
+            if acc is None:
+                device = flat.device if self.device is None else self.device
+                n = flat.shape[1]
+                acc = torch.zeros(self.groups, n, n, dtype=torch.float32, device=device)
+                self.hessians[name] = acc
+            for g, rows in enumerate(row_groups(g2.shape[1], self.groups)):
+                weight = g2[:, rows].mean(dim=1).sqrt()  # (tokens,): the group's RMS output gradient
+                scaled = (flat * weight[:, None]).to(acc.device)  # (tokens, in)
+                acc[g].addmm_(scaled.T, scaled)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """name -> float32 (G, in, in); a module no gradient reached gets zeros (every input dead)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, module in self.modules.items():
+            h = self.hessians.get(name)
+            if h is None:
+                n = module.in_features
+                h = torch.zeros(self.groups, n, n, dtype=torch.float32)
+            out[name] = h
+        return out
+
+
+@contextmanager
+def output_weighted_hessians(
+    modules: Mapping[str, nn.Linear], groups: int, *, device: torch.device | str | None = None
+) -> Iterator[OutputWeightedHessians]:
+    """Accumulate :class:`OutputWeightedHessians` of ``modules`` while the body runs forward AND backward passes
+    (the Fisher pass). Hooks are removed on exit, also when the body raises."""
+    hessians = OutputWeightedHessians(modules, groups, device)
+    handles = [module.register_forward_hook(hessians.hook_for(name)) for name, module in modules.items()]
+    try:
+        yield hessians
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def hessian_bytes_bound(modules: Mapping[str, nn.Module]) -> int:
     """Upper bound of the bytes the Hessians of ``modules`` take: 4 * in_features**2 each, as if no two shared
     an input (for a Llama block the true figure is about 0.77x of this: q/k/v and gate/up share)."""
@@ -126,4 +203,11 @@ def dedupe_hessians(hessians: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     return stored, alias
 
 
-__all__ = ["HessianSet", "input_hessians", "dedupe_hessians", "hessian_bytes_bound"]
+__all__ = [
+    "HessianSet",
+    "OutputWeightedHessians",
+    "input_hessians",
+    "output_weighted_hessians",
+    "dedupe_hessians",
+    "hessian_bytes_bound",
+]

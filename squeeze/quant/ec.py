@@ -19,6 +19,13 @@ their error is 0 and later columns' compensation leaves them untouched.
 
 The LUT (and so the packed format) is the one weighted k-means fitted, unchanged; only the codes differ. The
 runtime reads the result as any other LUT weight.
+
+Output-weighted Hessians (GuidedQuant, Kim et al. 2025): ``H = sum x x^T`` treats every output channel and
+token alike, while the end loss does not. With ``hessian`` (G, N, N), group ``g`` of the rows (output
+channels, split by :func:`row_groups`) is compensated against its own ``H_g = sum_t gbar_tg^2 x_t x_t^T``,
+``gbar_tg^2`` the mean squared loss gradient of the group's outputs at token ``t``
+(squeeze.calibrate.hessian.output_weighted_hessians): the second-order change of the loss a row's error
+causes, to a block-diagonal Fisher approximation.
 """
 
 from __future__ import annotations
@@ -96,6 +103,18 @@ def inverse_hessian_factor(hessian: Tensor, damp: float = DEFAULT_DAMP) -> tuple
     raise ValueError(f"the Hessian is not positive definite even with dampening {factor / 10:g} * mean(diag H)")
 
 
+def row_groups(rows: int, groups: int) -> list[slice]:
+    """The row ranges of ``groups`` output-channel groups of a (rows, N) weight: contiguous, as equal as
+    possible (the first ``rows % groups`` one row longer), the split output-weighted Hessians use."""
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, found {groups}")
+    base, extra = divmod(rows, groups)
+    bounds = [0]
+    for g in range(groups):
+        bounds.append(bounds[-1] + base + (1 if g < extra else 0))
+    return [slice(bounds[g], bounds[g + 1]) for g in range(groups)]
+
+
 def compensated_codes(
     weight: Tensor,
     grid: Tensor,
@@ -109,8 +128,9 @@ def compensated_codes(
     """Codes int64 (R, N): each row's LUT index per column, chosen column by column with error compensation.
 
     weight: float (R, N). grid: float (R, K), each row's LUT values as stored (the dequantized values).
-    hessian: float (N, N), ``sum x x^T`` of the layer's inputs. mask: bool (R, N), positions stored exactly
-    (their codes are still nearest to their value, as plain quantization gives them; the sparse part
+    hessian: float (N, N), ``sum x x^T`` of the layer's inputs, or (G, N, N) output-weighted Hessians, one
+    per group of rows (:func:`row_groups`; each group against its own). mask: bool (R, N), positions stored
+    exactly (their codes are still nearest to their value, as plain quantization gives them; the sparse part
     replaces them). act_order: quantize the columns by descending ``diag H`` (GPTQ's act-order; the codes
     come back in the weight's own column order). ValueError for inconsistent shapes (see
     :func:`inverse_hessian_factor` for H's).
@@ -118,6 +138,20 @@ def compensated_codes(
     rows, cols = weight.shape
     if grid.dim() != 2 or grid.shape[0] != rows:
         raise ValueError(f"grid must be (R={rows}, K), found {tuple(grid.shape)}")
+    if hessian.dim() == 3 and hessian.shape[1:] == (cols, cols):
+        parts = [
+            compensated_codes(
+                weight[rows_g],
+                grid[rows_g],
+                hessian[g],
+                mask=None if mask is None else mask[rows_g],
+                damp=damp,
+                block_size=block_size,
+                act_order=act_order,
+            )
+            for g, rows_g in enumerate(row_groups(rows, hessian.shape[0]))
+        ]
+        return torch.cat(parts, dim=0)
     if hessian.shape != (cols, cols):
         raise ValueError(
             f"hessian must be ({cols}, {cols}) for a weight with {cols} columns, found {tuple(hessian.shape)}"
@@ -180,9 +214,18 @@ def refit_lut(
     q = lut[codes] (sparse positions in ``mask`` hold their exact value and are not part of the fit). Solved
     per row as a K x K least-squares system ``(E H E^T) lut = E H r`` (E the one-hot code matrix, r the
     target with the sparse contribution removed), dampened like the compensation; an unused entry keeps 0
-    contribution and is filled by the caller.
+    contribution and is filled by the caller. ``hessian`` (G, N, N): each group of rows (:func:`row_groups`)
+    against its own.
     """
     rows, cols = weight.shape
+    if hessian.dim() == 3:
+        return torch.cat(
+            [
+                refit_lut(weight[r], codes[r], hessian[g], k, mask=None if mask is None else mask[r], damp=damp)
+                for g, r in enumerate(row_groups(rows, hessian.shape[0]))
+            ],
+            dim=0,
+        )
     h = hessian.detach().to(torch.float64).clone()
     diag = torch.diagonal(h)
     diag[diag <= 0] = 1.0
@@ -209,4 +252,4 @@ def refit_lut(
     return torch.linalg.solve(a, b).to(torch.float32)
 
 
-__all__ = ["DEFAULT_DAMP", "DEFAULT_BLOCK", "inverse_hessian_factor", "compensated_codes", "refit_lut"]
+__all__ = ["DEFAULT_DAMP", "DEFAULT_BLOCK", "inverse_hessian_factor", "compensated_codes", "refit_lut", "row_groups"]

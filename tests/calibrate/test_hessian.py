@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from squeeze.calibrate.fisher import fisher_information
-from squeeze.calibrate.hessian import dedupe_hessians, hessian_bytes_bound, input_hessians
+from squeeze.calibrate.hessian import dedupe_hessians, hessian_bytes_bound, input_hessians, output_weighted_hessians
 from squeeze.models.targets import find_target_linears
+from squeeze.quant.ec import row_groups
 
 
 class Block(nn.Module):
@@ -84,3 +86,44 @@ def test_accumulated_during_the_fisher_pass_on_a_llama(tiny_llama):
     flat = torch.cat(captured)
     torch.testing.assert_close(h[f"{layer}.self_attn.q_proj"], flat.T @ flat, rtol=1e-4, atol=1e-4)
     assert len(set(map(id, h.values()))) == 4 * model.config.num_hidden_layers  # qkv, o, gate/up, down per block
+
+
+def test_output_weighted_hessians_weight_each_token_by_its_groups_squared_output_gradient():
+    torch.manual_seed(0)
+    block = Block()
+    xs = [torch.randn(2, 5, 6) for _ in range(2)]
+    modules = {"a": block.a, "b": block.b, "c": block.c}
+    grads: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+
+    def catch(name: str):  # the reference output gradients, by tensor hooks on the outputs
+        def hook(_module: nn.Module, _args: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: grads[name].append(g.detach()))
+
+        return hook
+
+    hooks = [getattr(block, n).register_forward_hook(catch(n)) for n in grads]
+    try:
+        with output_weighted_hessians(modules, 2) as acc:
+            for x in xs:
+                (block(x) ** 2).sum().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    h = acc.result()
+    assert h["a"].shape == (2, 6, 6) and h["c"].shape == (2, 4, 4)
+    assert h["b"] is not h["a"]  # same input, different output gradients: no sharing
+    flat = torch.cat([x.reshape(-1, 6) for x in xs])
+    for name, out in (("a", 4), ("b", 3)):
+        g2 = torch.cat([g.reshape(-1, out) for g in grads[name]]) ** 2
+        for g, rows in enumerate(row_groups(out, 2)):
+            weights = g2[:, rows].mean(dim=1)
+            torch.testing.assert_close(h[name][g], (flat * weights[:, None]).T @ flat, rtol=1e-5, atol=1e-5)
+
+
+def test_output_weighted_hessians_without_a_backward_are_zero():
+    block = Block()
+    with output_weighted_hessians({"a": block.a}, 3) as acc, torch.no_grad():
+        block(torch.randn(1, 4, 6))
+    assert torch.equal(acc.result()["a"], torch.zeros(3, 6, 6))
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        output_weighted_hessians({"a": block.a}, 0).__enter__()

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from squeeze.quant.ec import cached_inverse_hessian_factor, compensated_codes, inverse_hessian_factor
+from squeeze.quant.ec import (
+    cached_inverse_hessian_factor,
+    compensated_codes,
+    inverse_hessian_factor,
+    refit_lut,
+    row_groups,
+)
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight, compensate_lut, quantize_lut
 from squeeze.quant.sparse import select_sparse
 
@@ -203,3 +209,46 @@ def test_the_recipe_act_order_key_reaches_the_column_order():
     by_recipe = LutWeight.quantize(w, None, options(act_order=True), hessian=h)
     assert torch.equal(by_recipe.packed, compensate_lut(plain, w, h, act_order=True).packed)
     assert not torch.equal(by_recipe.packed, compensate_lut(plain, w, h).packed)
+
+
+def test_row_groups_split_contiguously_and_as_evenly_as_possible():
+    assert row_groups(10, 3) == [slice(0, 4), slice(4, 7), slice(7, 10)]
+    assert row_groups(4, 4) == [slice(i, i + 1) for i in range(4)]
+    assert row_groups(5, 1) == [slice(0, 5)]
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        row_groups(5, 0)
+
+
+def test_grouped_hessians_compensate_each_row_group_against_its_own():
+    x = correlated_inputs(256, 24)
+    w = weight(10, 24)
+    plain = quantize_lut(w, None, 3)
+    grid = plain.lut_values()
+    scales = torch.tensor([0.5, 2.0, 7.0])[:, None]
+    # three different Hessians: the same inputs with tokens re-weighted per group
+    token_weights = torch.rand(3, 256, generator=torch.Generator().manual_seed(3))
+    hs = torch.stack([(x * tw[:, None]).T @ x for tw in token_weights]) * scales[:, :, None]
+    codes = compensated_codes(w, grid, hs)
+    expected = torch.cat(
+        [compensated_codes(w[r], grid[r], hs[g]) for g, r in enumerate(row_groups(10, 3))],
+    )
+    assert torch.equal(codes, expected)
+    # one group is the 2-D Hessian itself
+    h = x.T @ x
+    assert torch.equal(compensated_codes(w, grid, h[None]), compensated_codes(w, grid, h))
+    # and grouping matters: each group's rows differ from compensating them all against group 0's Hessian
+    assert not torch.equal(codes, compensated_codes(w, grid, hs[0]))
+
+
+def test_grouped_refit_equals_the_per_group_refits():
+    x = correlated_inputs(256, 24)
+    w = weight(9, 24)
+    plain = quantize_lut(w, None, 3)
+    hs = torch.stack([x.T @ x, (2 * x).T @ (0.5 * x + 0.1), x.T @ x * 3])
+    hs = (hs + hs.transpose(1, 2)) / 2
+    codes = compensated_codes(w, plain.lut_values(), hs)
+    fitted = refit_lut(w, codes, hs, 8)
+    expected = torch.cat([refit_lut(w[r], codes[r], hs[g], 8) for g, r in enumerate(row_groups(9, 3))])
+    torch.testing.assert_close(fitted, expected)
+    out = compensate_lut(plain, w, hs, refit=True)  # the LutWeight path takes the grouped Hessians too
+    assert out.dequantize().shape == w.shape
