@@ -3,7 +3,9 @@
 Keys and values are read from a plain DynamicCache after each window's forward, i.e. exactly the tensors a
 cache receives at run time (keys post-RoPE). For the int grids the first ``sink_tokens`` positions of each
 window are left out: the runtime keeps them in full precision, and their outsized values would only widen
-the grids. fp8 (vLLM's cache) has no sink, so its per-layer absmax runs over every token of every window.
+the grids. A token's position in its window is its position in the cache, which a rotating key centre needs
+(:func:`sample_positions`, :func:`rope_frequencies`). fp8 (vLLM's cache) has no sink, so its per-layer absmax
+runs over every token of every window.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class KVCalibration:
             key_group=next((x.key_group for x in grids), None),
             value_group=next((x.value_group for x in grids), None),
             value_codebook=any(x.v_levels is not None for x in grids),
+            rotating_key_layers=sum(1 for x in grids if x.k_rotation is not None),
         )
         return out
 
@@ -137,6 +140,26 @@ def _strided(samples: torch.Tensor) -> torch.Tensor:
     return samples[::step].contiguous()
 
 
+def sample_positions(n: int, t: int, sink_tokens: int) -> torch.Tensor:
+    """Cache positions (N,) int64 of the samples :func:`capture_kv` returns for ``n`` windows of ``t`` tokens."""
+    return _strided(torch.arange(sink_tokens, t).repeat(n))
+
+
+def rope_frequencies(model: nn.Module, head_dim: int) -> torch.Tensor | None:
+    """The RoPE frequencies (D/2,) fp32 every attention layer of ``model`` rotates its keys with (transformers'
+    rotary embedding ``inv_freq``, rotate-half layout), or None: no rotary embedding, several different ones
+    (e.g. local and global layers), or one that does not rotate the whole head (partial rotary)."""
+    found = [
+        buffer.detach().float().cpu()
+        for module in model.modules()
+        if isinstance(buffer := getattr(module, "inv_freq", None), torch.Tensor)
+    ]
+    if not found or any(f.shape != found[0].shape or not torch.equal(f, found[0]) for f in found[1:]):
+        return None
+    freq = found[0]
+    return freq if freq.shape == (head_dim // 2,) and bool(torch.isfinite(freq).all()) else None
+
+
 def calibrate_kv(
     model: nn.Module,
     windows: torch.Tensor,
@@ -145,6 +168,7 @@ def calibrate_kv(
     sink_tokens: int | None = None,
     key_group: int | None = None,
     value_group: int | None = None,
+    key_rotation: bool = True,
     progress: Progress | None = None,
 ) -> KVCalibration:
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
@@ -153,6 +177,8 @@ def calibrate_kv(
     ``key_group`` / ``value_group``: channels per key / value grid (default:
     squeeze.quant.kv_spec.default_key_group / default_value_group). At int4 values get a calibrated codebook
     (squeeze.calibrate.kv_fit.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
+    ``key_rotation``: at int4, also try a rotating key centre per layer (squeeze.calibrate.kv_fit.fit_rotation;
+    kept where it cuts the key error) when the model's RoPE is known (:func:`rope_frequencies`).
     ``bits`` "fp8": :func:`calibrate_fp8` (no sink, no grid options: CalibrationError if given).
     """
     bits, sink_tokens = check_kv_calibration(bits, sink_tokens, key_group, value_group, CalibrationError)
@@ -170,11 +196,17 @@ def calibrate_kv(
     keys, values = capture_kv(model, windows, sink_tokens, progress)
     if len(keys) != len(names):
         raise ModelError(f"the model filled {len(keys)} cache layers but has {len(names)} attention modules")
+    # rotating key centres at int4 only: at int8 the key error is already negligible (docs/benchmarks.md)
+    rope = rope_frequencies(model, head_dim) if bits == 4 and key_rotation else None
+    n, t = windows.shape
+    positions = sample_positions(n, t, sink_tokens) if rope is not None else None
     layers, k_err, v_err, k_dyn, v_dyn = [], [], [], [], []
     for k, v in zip(keys, values, strict=True):
-        kf = fit_keys(k, bits, key_group)
+        kf = fit_keys(k, bits, key_group, positions=positions, rope_freq=rope)
         vf = fit_value_codebook(v, bits, value_group) if bits == 4 else fit_values(v, bits, value_group)
-        layers.append(LayerKV(kf.scale, kf.zero, vf.clip, kf.symmetric, vf.symmetric, vf.group, key_group, vf.levels))
+        layers.append(
+            LayerKV(kf.scale, kf.zero, vf.clip, kf.symmetric, vf.symmetric, vf.group, key_group, vf.levels, kf.rotation)
+        )
         k_err.append(kf.sse)
         v_err.append(vf.sse)
         k_dyn.append(dynamic_error(k, bits))
@@ -235,4 +267,13 @@ def calibrate_fp8(model: nn.Module, windows: torch.Tensor, *, progress: Progress
     )
 
 
-__all__ = ["KVCalibration", "for_each_window", "capture_kv", "calibrate_kv", "calibrate_fp8", "MAX_FIT_TOKENS"]
+__all__ = [
+    "KVCalibration",
+    "for_each_window",
+    "capture_kv",
+    "sample_positions",
+    "rope_frequencies",
+    "calibrate_kv",
+    "calibrate_fp8",
+    "MAX_FIT_TOKENS",
+]

@@ -17,6 +17,7 @@ from squeeze.quant.kmeans import weighted_kmeans_1d
 from squeeze.quant.kv import (
     FP8_E4M3_MAX,
     PARAM_BYTES,
+    KeyRotation,
     codebook_scale,
     dequantize,
     dequantize_codebook,
@@ -25,6 +26,7 @@ from squeeze.quant.kv import (
     key_channel_params,
     quantize,
     quantize_codebook,
+    rope_trig,
     token_grid,
 )
 from squeeze.quant.kv_spec import default_value_group
@@ -46,12 +48,14 @@ def asymmetric_gain_needed(group: int) -> float:
 
 @dataclass(frozen=True)
 class KeyFit:
-    """Key normaliser of one layer: scale / centre fp32 (H, D); the squared error it had on calibration."""
+    """Key normaliser of one layer: scale / centre fp32 (H, D), a rotating centre or None; the squared error it
+    had on calibration."""
 
     scale: Tensor
     zero: Tensor
     symmetric: bool
     sse: float
+    rotation: KeyRotation | None = None
 
 
 @dataclass(frozen=True)
@@ -66,21 +70,58 @@ class ValueFit:
     levels: Tensor | None = None
 
 
-def fit_keys(samples: Tensor, bits: int, group: int | None = None) -> KeyFit:
+def fit_keys(
+    samples: Tensor,
+    bits: int,
+    group: int | None = None,
+    *,
+    positions: Tensor | None = None,
+    rope_freq: Tensor | None = None,
+) -> KeyFit:
     """Fit the per-channel key normaliser on ``samples (N, H, D)`` fp32 (N calibration tokens, sink excluded),
     for per-token grids of ``group`` channels (default: the whole head).
 
-    Centred (asymmetric) vs not is chosen per layer by the total squared error of :func:`fake_quantize_keys`.
+    With the samples' cache ``positions (N,)`` int64 and the model's RoPE frequencies ``rope_freq (D/2,)``
+    (transformers' ``inv_freq``, rotate-half layout), a rotating centre (:func:`fit_rotation`) is tried too.
+    Centred (asymmetric) vs not, and rotating centre vs none, are chosen per layer by the total squared error
+    of :func:`fake_quantize_keys`.
     """
-    lo, hi = samples.amin(dim=0), samples.amax(dim=0)  # (H, D)
+    rotations: list[KeyRotation | None] = [None]
+    if positions is not None and rope_freq is not None:
+        rotations.append(fit_rotation(samples, positions, rope_freq))
     best: KeyFit | None = None
-    for symmetric in (True, False):
-        scale, center = key_channel_params(lo, hi, symmetric)
-        sse = float((fake_quantize_keys(samples, scale, center, bits, group) - samples).square().sum())
-        if best is None or sse < best.sse:
-            best = KeyFit(scale, center, symmetric, sse)
-    assert best is not None  # the loop runs twice
+    for rotation in rotations:
+        # (N, H, D) in the sample layout: the centre at each sample's position
+        moving = None if rotation is None else rotation.at(positions).transpose(0, 1)  # type: ignore[arg-type]
+        centred = samples if moving is None else samples - moving
+        lo, hi = centred.amin(dim=0), centred.amax(dim=0)  # (H, D)
+        for symmetric in (True, False):
+            scale, center = key_channel_params(lo, hi, symmetric)
+            fake = fake_quantize_keys(samples, scale, center, bits, group, moving)
+            sse = float((fake - samples).square().sum())
+            if best is None or sse < best.sse:
+                best = KeyFit(scale, center, symmetric, sse, rotation)
+    assert best is not None  # the loops run at least twice
     return best
+
+
+def fit_rotation(samples: Tensor, positions: Tensor, rope_freq: Tensor) -> KeyRotation:
+    """The rotating key centre of one layer: RoPE at each position applied to the mean pre-RoPE key.
+
+    ``samples (N, H, D)`` fp32 post-RoPE keys at cache ``positions (N,)``; ``rope_freq (D/2,)``: channel ``j`` and
+    ``j + D/2`` rotate together at ``rope_freq[j]`` (transformers' rotate_half). Un-rotating every key and
+    averaging gives the pre-RoPE mean ``mu``, the least-squares centre of that form (the rotations are
+    orthogonal), well conditioned even where a channel turns little over the calibration windows; RoPE of ``mu``
+    at position ``p`` is ``mu * cos + rotate_half(mu) * sin``, i.e. per channel ``cos_amp = mu`` and
+    ``sin_amp = rotate_half(mu)``.
+    """
+    half = samples.shape[-1] // 2
+    freq = torch.cat([rope_freq, rope_freq]).float()  # (D,) per channel
+    cos, sin = rope_trig(positions, freq)  # (N, D)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated_half = torch.cat([-samples[..., half:], samples[..., :half]], dim=-1)
+    mu = (samples * cos - rotated_half * sin).mean(dim=0)  # (H, D): R_p^T k, averaged
+    return KeyRotation(freq, mu.contiguous(), torch.cat([-mu[..., half:], mu[..., :half]], dim=-1).contiguous())
 
 
 def fit_value_codebook(samples: Tensor, bits: int, group: int | None = None) -> ValueFit:
@@ -155,6 +196,7 @@ __all__ = [
     "KeyFit",
     "ValueFit",
     "fit_keys",
+    "fit_rotation",
     "fit_values",
     "fit_value_codebook",
     "fp8_scale",

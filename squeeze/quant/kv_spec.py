@@ -29,7 +29,7 @@ from torch import Tensor
 
 from squeeze.errors import FormatError
 from squeeze.limits import DEFAULT_SINK_TOKENS, KV_BITS, KV_FP8, KvChoice, check_kv_bits, is_kv_group
-from squeeze.quant.kv import FP8_E4M3_MAX, PARAM_BYTES
+from squeeze.quant.kv import FP8_E4M3_MAX, PARAM_BYTES, KeyRotation
 
 #: The artifact file holding the calibrated scales beside the shards: {attn}.k_scale / .k_zero, and .v_clip or
 #: .v_levels (int grids), or {attn}.k_scale / .v_scale (fp8).
@@ -40,6 +40,13 @@ KVKind = Literal["int", "fp8_e4m3"]
 KV_INT: KVKind = "int"
 KV_FP8_E4M3: KVKind = "fp8_e4m3"
 KV_KINDS: tuple[KVKind, ...] = (KV_INT, KV_FP8_E4M3)
+
+#: ``kv_cache.version`` of an int section with rotating key centres (absent: 1, none; older squeeze ignores the
+#: key, so it is written only when some layer has one).
+INT_ROTATION_VERSION = 2
+INT_SECTION_VERSIONS = (1, INT_ROTATION_VERSION)
+#: The tensors of a layer's rotating key centre in :data:`KV_FILE`: ``{attn}.<role>``.
+ROTATION_ROLES = ("k_rot_freq", "k_rot_cos", "k_rot_sin")
 
 #: ``kv_cache.version`` of the fp8 section this squeeze writes and reads.
 FP8_SECTION_VERSION = 1
@@ -86,7 +93,8 @@ class LayerKV:
     ``k_scale`` / ``k_zero``: fp32 (H, D), the per-channel key normaliser (scale and centre, in key units).
     ``v_clip``: fp32 (H,), the clipping ratio of the per-token value grids per head. ``v_levels``: fp32
     (2**bits,) ascending, the value codebook, or None for uniform grids (then ``v_clip`` applies).
-    ``k_group`` / ``v_group``: channels per key / value grid (None: the whole head).
+    ``k_group`` / ``v_group``: channels per key / value grid (None: the whole head). ``k_rotation``: a rotating
+    key centre added to ``k_zero`` at every token's cache position (squeeze.quant.kv.KeyRotation), or None.
     """
 
     k_scale: Tensor
@@ -97,6 +105,7 @@ class LayerKV:
     v_group: int | None = None
     k_group: int | None = None
     v_levels: Tensor | None = None
+    k_rotation: KeyRotation | None = None
 
     @property
     def value_group(self) -> int:
@@ -174,7 +183,8 @@ class KVSpec:
 
     def to_tensors(self) -> dict[str, Tensor]:
         """``{attn}.k_scale`` / ``.k_zero`` (H, D), and ``{attn}.v_clip`` (H,) or ``{attn}.v_levels`` (2**bits,),
-        fp32, for the artifact; fp8: ``{attn}.k_scale`` / ``.v_scale``, fp32 0-dim."""
+        fp32, for the artifact (plus ``.k_rot_freq`` (D,), ``.k_rot_cos`` / ``.k_rot_sin`` (H, D) for a rotating key
+        centre); fp8: ``{attn}.k_scale`` / ``.v_scale``, fp32 0-dim."""
         out: dict[str, Tensor] = {}
         for name, layer in zip(self.names, self.layers, strict=True):
             if isinstance(layer, LayerFP8):
@@ -183,6 +193,10 @@ class KVSpec:
             elif layer is not None:
                 out[f"{name}.k_scale"] = layer.k_scale.float().contiguous()
                 out[f"{name}.k_zero"] = layer.k_zero.float().contiguous()
+                if layer.k_rotation is not None:
+                    rot = layer.k_rotation
+                    for role, tensor in zip(ROTATION_ROLES, (rot.freq, rot.cos_amp, rot.sin_amp), strict=True):
+                        out[f"{name}.{role}"] = tensor.float().contiguous()
                 if layer.v_levels is None:
                     out[f"{name}.v_clip"] = layer.v_clip.float().contiguous()
                 else:
@@ -201,10 +215,18 @@ class KVSpec:
                 f"{FP8_E4M3_MAX:g}",
                 "layers": [{"module": name} for name in self.names],
             }
-        return {
+        rotating = any(isinstance(layer, LayerKV) and layer.k_rotation is not None for layer in self.layers)
+        section: dict[str, object] = {"version": INT_ROTATION_VERSION} if rotating else {}
+        return section | {
             "bits": self.bits,
             "sink_tokens": self.sink_tokens,
-            "keys": "per-channel normaliser (k_scale, k_zero) then per-token grids of k_group channels, post-RoPE",
+            "keys": "per-channel normaliser (k_scale, k_zero) then per-token grids of k_group channels, post-RoPE"
+            + (
+                "; with k_rotation, the centre is k_zero + k_rot_cos * cos(p * k_rot_freq) + k_rot_sin * "
+                "sin(p * k_rot_freq) at the token's cache position p (sink included, from 0)"
+                if rotating
+                else ""
+            ),
             "values": "per-token grids of v_group channels: a calibrated clipping ratio per head (v_clip), or a "
             "codebook of levels scaled by the grid's absmax (v_levels, when v_codebook)",
             "layers": [
@@ -216,6 +238,7 @@ class KVSpec:
                     "v_group": layer.value_group,
                     "v_codebook": layer.v_levels is not None,
                 }
+                | ({"k_rotation": True} if layer.k_rotation is not None else {})
                 for name, layer in zip(self.names, self.layers, strict=True)
                 if isinstance(layer, LayerKV)
             ],
@@ -235,6 +258,12 @@ class KVSpec:
             )
         if kind == KV_FP8_E4M3:
             return cls._fp8_from_config(config, tensors, where)
+        version = config.get("version", 1)
+        if version not in INT_SECTION_VERSIONS or isinstance(version, bool):
+            raise FormatError(
+                f"{where}: kv_cache.version is {version!r}; this squeeze reads {list(INT_SECTION_VERSIONS)}",
+                hint="the artifact may come from a newer squeeze; upgrade squeeze, or re-run squeeze calibrate-kv",
+            )
         bits, sink, entries = config.get("bits"), config.get("sink_tokens"), config.get("layers")
         bits = check_kv_bits(bits, f"{where}: kv_cache.bits", FormatError, hint=None)
         if not isinstance(sink, int) or isinstance(sink, bool) or sink < 0:
@@ -246,9 +275,12 @@ class KVSpec:
             if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
                 raise FormatError(f"{where}: every kv_cache.layers entry needs a 'module' name")
             name = entry["module"]
-            codebook = entry.get("v_codebook", False)
-            if not isinstance(codebook, bool):
-                raise FormatError(f"{where}: kv_cache v_codebook of {name} must be true or false, found {codebook!r}")
+            codebook, rotating = entry.get("v_codebook", False), entry.get("k_rotation", False)
+            for key, flag in (("v_codebook", codebook), ("k_rotation", rotating)):
+                if not isinstance(flag, bool):
+                    raise FormatError(f"{where}: kv_cache {key} of {name} must be true or false, found {flag!r}")
+            if rotating and version != INT_ROTATION_VERSION:
+                raise FormatError(f"{where}: kv_cache k_rotation of {name} needs kv_cache.version 2")
             value_role = "v_levels" if codebook else "v_clip"
             parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
             if any(p is None for p in parts):
@@ -275,6 +307,7 @@ class KVSpec:
                     raise FormatError(
                         f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, found {group!r}"
                     )
+            rotation = _rotation(tensors, name, tuple(k_scale.shape)) if rotating else None
             names.append(name)
             layers.append(
                 LayerKV(
@@ -286,6 +319,7 @@ class KVSpec:
                     groups[1],
                     groups[0],
                     v_part if codebook else None,
+                    rotation,
                 )
             )
         return cls(int(bits), sink, tuple(names), tuple(layers))
@@ -339,6 +373,30 @@ class KVSpec:
             )
             for layer in self.layers
         )
+
+
+def _rotation(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> KeyRotation:
+    """The rotating key centre of layer ``name`` from the KV file, for keys of ``shape`` (H, D); FormatError
+    unless ``.k_rot_freq`` is float32 (D,), finite and >= 0 and ``.k_rot_cos`` / ``.k_rot_sin`` float32 (H, D),
+    finite."""
+    hint = "re-run squeeze calibrate-kv on the artifact"
+    parts = []
+    for role, want in zip(ROTATION_ROLES, (shape[-1:], shape, shape), strict=True):
+        tensor = tensors.get(f"{name}.{role}")
+        if tensor is None:
+            raise FormatError(f"KV rotating key centre {name}.{role} is missing from {KV_FILE}", hint=hint)
+        if tensor.dtype != torch.float32 or tuple(tensor.shape) != want:
+            raise FormatError(
+                f"KV rotating key centre {name}.{role} must be float32 of shape {want}, found "
+                f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}",
+                hint=hint,
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise FormatError(f"KV rotating key centre {name}.{role} must be finite", hint=hint)
+        parts.append(tensor)
+    if bool((parts[0] < 0).any()):
+        raise FormatError(f"KV rotating key centre {name}.k_rot_freq must be >= 0", hint=hint)
+    return KeyRotation(*parts)
 
 
 def _fp8_scale(tensors: dict[str, Tensor], key: str) -> Tensor:
@@ -453,6 +511,9 @@ __all__ = [
     "KV_FP8_E4M3",
     "KV_KINDS",
     "FP8_SECTION_VERSION",
+    "INT_ROTATION_VERSION",
+    "INT_SECTION_VERSIONS",
+    "ROTATION_ROLES",
     "check_kv_bits",
     "default_key_group",
     "default_value_group",

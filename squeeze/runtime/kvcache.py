@@ -2,7 +2,8 @@
 
 Per layer, the first ``sink_tokens`` tokens (the attention sink) are kept as given; every later token is
 stored as codes on a per-token grid: keys after a per-channel normalisation calibrated by ``squeeze
-calibrate-kv`` (none in the uncalibrated baseline), values with a calibrated clipping ratio or, at int4, as
+calibrate-kv`` (none in the uncalibrated baseline; with a rotating centre where calibrated, which depends on the
+token's position in the cache: sink included, from 0), values with a calibrated clipping ratio or, at int4, as
 indices into a calibrated codebook (see squeeze.quant.kv). An fp8 spec (vLLM's ``kv_cache_dtype="fp8"``)
 has no sink and stores every element as float8_e4m3fn(x / scale) with the layer's calibrated scale
 (:class:`FP8Codec`), as vLLM's cache does. The history is never kept in floating point:
@@ -29,6 +30,7 @@ from squeeze.errors import ConfigError
 from squeeze.limits import DEFAULT_SINK_TOKENS, KV_BITS
 from squeeze.quant.kv import (
     PARAM_BYTES,
+    KeyRotation,
     codebook_scale,
     denormalize_keys_,
     dequantize,
@@ -38,12 +40,31 @@ from squeeze.quant.kv import (
     quantize,
     quantize_codebook,
     quantize_fp8,
+    rope_trig,
     token_grid,
     unpack_int4,
 )
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec.bytes_per_token
+
+#: cos / sin of ``p * freq`` for positions 0..P-1, (P, D) fp32 each, per (freq, device): shared by every layer
+#: with the same RoPE frequencies, grown on demand; each position is computed once (squeeze.quant.kv.rope_trig).
+_TRIG_TABLES: dict[tuple[bytes, str], tuple[Tensor, Tensor]] = {}
+
+
+def trig_rows(freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos / sin (T, D) fp32 of ``positions (T,)`` int64 times ``freq (D,)``, on ``positions``' device, from the
+    shared table (extended to the largest position first)."""
+    key = (freq.detach().cpu().float().numpy().tobytes(), str(positions.device))
+    cos, sin = _TRIG_TABLES.get(key, (positions.new_empty((0, freq.numel()), dtype=torch.float32),) * 2)
+    need = int(positions.max()) + 1 if positions.numel() else 0
+    if need > cos.shape[0]:
+        grown = max(need, 2 * cos.shape[0], 256)
+        more = [t.to(positions.device) for t in rope_trig(torch.arange(cos.shape[0], grown), freq)]
+        cos, sin = torch.cat([cos, more[0]]), torch.cat([sin, more[1]])
+        _TRIG_TABLES[key] = (cos, sin)
+    return cos.index_select(0, positions), sin.index_select(0, positions)
 
 
 @dataclass(frozen=True)
@@ -63,7 +84,9 @@ class TokenCodec:
     times ``clip`` (a float or a per-head (H,) tensor): int8 codes and a scale when ``symmetric``, else
     uint8 codes, a scale and an offset. With a codebook ``levels`` fp32 (2**bits,), codes are uint8 level
     indices and the scale is the grid's absmax (``clip`` unused). ``channel``: an optional per-channel
-    normaliser (scale, centre) fp32 (H, D) applied first (calibrated keys; their grid is symmetric).
+    normaliser (scale, centre) fp32 (H, D) applied first (calibrated keys; their grid is symmetric), with
+    ``rotation`` (a rotating centre, squeeze.quant.kv.KeyRotation) added to its centre at each token's cache
+    position: then :meth:`encode` and :meth:`decode_into` need the tokens' ``positions``.
     Tokens are independent: how they are batched or stored (contiguous or paged) never changes their codes.
     """
 
@@ -76,8 +99,12 @@ class TokenCodec:
         symmetric: bool,
         group: int | None = None,
         levels: Tensor | None = None,
+        rotation: KeyRotation | None = None,
     ):
+        if rotation is not None and channel is None:
+            raise ValueError("a rotating key centre needs the per-channel normaliser")
         self.bits = bits
+        self.rotation = rotation
         self.group = group  # channels per grid; None: the whole head
         self.channel = channel
         self.clip = clip
@@ -108,6 +135,16 @@ class TokenCodec:
             self._channel_cache[key] = (scale, center)
         return self._channel_cache[key]
 
+    def _center(self, positions: Tensor | None, device: torch.device) -> Tensor:
+        """The normaliser's centre fp32: (1, H, 1, D), or (1, H, T, D) with the rotating centre at ``positions``."""
+        center = self._channel(device, torch.float32)[1]
+        if self.rotation is None:
+            return center
+        if positions is None:
+            raise ValueError("a KV codec with a rotating key centre needs the tokens' positions")
+        cos, sin = trig_rows(self.rotation.freq, positions.to(device))
+        return center + self.rotation.center(cos, sin)[None]  # the reference's order: k_zero + rotation
+
     def _table(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The codebook by stored byte, in ``dtype`` on ``device`` (built once): at int4 (256, 2), the levels
         of a packed byte's low and high nibble, so one lookup unpacks and decodes; at int8 the levels (256,)."""
@@ -129,11 +166,13 @@ class TokenCodec:
             self.clip = self.clip.reshape(1, -1, 1, 1, 1).to(device)
         return self.clip
 
-    def encode(self, x: Tensor) -> EncodedTokens:
-        """Quantize ``x (B, H, n, D)`` (any float dtype)."""
+    def encode(self, x: Tensor, positions: Tensor | None = None) -> EncodedTokens:
+        """Quantize ``x (B, H, n, D)`` (any float dtype); ``positions (n,)`` int64: the tokens' cache positions
+        (used by a rotating key centre only)."""
         xf = x.float()
         if self.channel is not None:
-            xf = normalize_keys(xf, *self._channel(x.device, torch.float32))  # (B, H, n, D)
+            scale = self._channel(x.device, torch.float32)[0]
+            xf = normalize_keys(xf, scale, self._center(positions, x.device))  # (B, H, n, D)
         grouped = xf.unflatten(-1, (-1, self.group or xf.shape[-1]))  # (B, H, n, G, g)
         if self.levels is not None:
             scale, offset = codebook_scale(grouped), None  # (B, H, n, G, 1)
@@ -145,9 +184,12 @@ class TokenCodec:
             codes = pack_int4(codes)
         return EncodedTokens(codes, scale[..., 0], offset[..., 0] if offset is not None else None)
 
-    def decode_into(self, codes: Tensor, scale: Tensor, offset: Tensor | None, out: Tensor) -> None:
+    def decode_into(
+        self, codes: Tensor, scale: Tensor, offset: Tensor | None, out: Tensor, positions: Tensor | None = None
+    ) -> None:
         """Write the tokens stored as ``codes (B, H, T, D or D/2)``, ``scale`` / ``offset (B, H, T, G)`` (may be
-        strided views) into ``out (B, H, T, D)`` (any float dtype, may be a view).
+        strided views) into ``out (B, H, T, D)`` (any float dtype, may be a view); ``positions (T,)`` int64: their
+        cache positions (a rotating key centre only).
 
         The same operations as the reference (quant.kv.dequantize / dequantize_codebook, fake_quantize_keys):
         one pass that converts and scales the codes (a codebook lookup first), plus one for the key normaliser.
@@ -166,7 +208,10 @@ class TokenCodec:
                 dequantize(half.unflatten(-1, (groups, -1)), scale, offset, out=target.unflatten(-1, (groups, -1)))
         else:
             dequantize(codes.unflatten(-1, (groups, -1)), scale, offset, out=out.unflatten(-1, (groups, -1)))
-        if self.channel is not None:
+        if self.rotation is not None:
+            center = self._center(positions, out.device).to(out.dtype)
+            denormalize_keys_(out, self._channel(out.device, out.dtype)[0], center)
+        elif self.channel is not None:
             denormalize_keys_(out, *self._channel(out.device, out.dtype))
 
 
@@ -192,12 +237,15 @@ class FP8Codec(TokenCodec):
     def groups(self, head_dim: int) -> int:
         return 0
 
-    def encode(self, x: Tensor) -> EncodedTokens:
-        """Quantize ``x (B, H, n, D)`` (any float dtype)."""
+    def encode(self, x: Tensor, positions: Tensor | None = None) -> EncodedTokens:
+        """Quantize ``x (B, H, n, D)`` (any float dtype); ``positions`` unused."""
         return EncodedTokens(quantize_fp8(x, self.scale), x.new_empty((*x.shape[:-1], 0), dtype=torch.float32), None)
 
-    def decode_into(self, codes: Tensor, scale: Tensor, offset: Tensor | None, out: Tensor) -> None:
-        """Write ``codes (B, H, T, D)`` uint8, read back, into ``out (B, H, T, D)``; ``scale`` / ``offset`` unused."""
+    def decode_into(
+        self, codes: Tensor, scale: Tensor, offset: Tensor | None, out: Tensor, positions: Tensor | None = None
+    ) -> None:
+        """Write ``codes (B, H, T, D)`` uint8, read back, into ``out (B, H, T, D)``; ``scale`` / ``offset`` /
+        ``positions`` unused."""
         dequantize_fp8(codes, self.scale, out=out)
 
 
@@ -211,7 +259,14 @@ def layer_codecs(bits: int, layer: LayerKV | LayerFP8 | None) -> tuple[TokenCode
             TokenCodec(bits, channel=None, clip=1.0, symmetric=True),
             TokenCodec(bits, channel=None, clip=1.0, symmetric=True),
         )
-    keys = TokenCodec(bits, channel=(layer.k_scale, layer.k_zero), clip=1.0, symmetric=True, group=layer.k_group)
+    keys = TokenCodec(
+        bits,
+        channel=(layer.k_scale, layer.k_zero),
+        clip=1.0,
+        symmetric=True,
+        group=layer.k_group,
+        rotation=layer.k_rotation,
+    )
     values = TokenCodec(
         bits, channel=None, clip=layer.v_clip, symmetric=layer.v_symmetric, group=layer.v_group, levels=layer.v_levels
     )
@@ -219,10 +274,14 @@ def layer_codecs(bits: int, layer: LayerKV | LayerFP8 | None) -> tuple[TokenCode
 
 
 class QuantizedStream:
-    """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling."""
+    """The codes of one tensor (keys or values) of one layer, (B, H, T, D), in buffers that grow by doubling.
 
-    def __init__(self, codec: TokenCodec):
+    Token ``i`` of the stream sits at cache position ``origin + i`` (``origin``: the sink tokens before it).
+    """
+
+    def __init__(self, codec: TokenCodec, origin: int = 0):
         self.codec = codec
+        self.origin = origin
         self.length = 0
         self.codes: Tensor | None = None  # (B, H, cap, D) int8 / uint8, or (B, H, cap, D/2) uint8 packed int4
         self.scale: Tensor | None = None  # (B, H, cap, G) fp16, G grids per token
@@ -233,7 +292,7 @@ class QuantizedStream:
         n = x.shape[-2]
         if n == 0:
             return
-        encoded = self.codec.encode(x)
+        encoded = self.codec.encode(x, self._positions(self.length, n, x.device))
         self._reserve(x, self.length + n, encoded.codes.dtype, groups=encoded.scale.shape[-1])
         assert self.codes is not None and self.scale is not None
         end = self.length + n
@@ -249,7 +308,14 @@ class QuantizedStream:
             return
         assert self.codes is not None and self.scale is not None
         offset = self.offset[:, :, : self.length] if self.offset is not None else None
-        self.codec.decode_into(self.codes[:, :, : self.length], self.scale[:, :, : self.length], offset, out)
+        positions = self._positions(0, self.length, out.device)
+        self.codec.decode_into(self.codes[:, :, : self.length], self.scale[:, :, : self.length], offset, out, positions)
+
+    def _positions(self, start: int, n: int, device: torch.device) -> Tensor | None:
+        """Cache positions (n,) int64 of stream tokens ``start..start+n-1``, or None when the codec needs none."""
+        if self.codec.rotation is None:
+            return None
+        return torch.arange(self.origin + start, self.origin + start + n, device=device)
 
     def nbytes(self) -> int:
         """Bytes of the stored history (codes and per-token params of ``length`` tokens, not spare capacity)."""
@@ -301,8 +367,8 @@ class SqueezeKVLayer(DynamicLayer):
 
     def _reset_storage(self) -> None:
         keys, values = layer_codecs(self.bits, self.spec)
-        self.k_stream = QuantizedStream(keys)
-        self.v_stream = QuantizedStream(values)
+        self.k_stream = QuantizedStream(keys, origin=self.sink_tokens)
+        self.v_stream = QuantizedStream(values, origin=self.sink_tokens)
         self.sink_keys: Tensor | None = None  # (B, H, <= sink_tokens, D), as given
         self.sink_values: Tensor | None = None
 

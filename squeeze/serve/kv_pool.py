@@ -47,7 +47,9 @@ class StepSlots:
     each new token. ``new_sink_tokens`` / ``new_sink_entries`` (m,): which of the new tokens are sink tokens,
     and their index in the sink area. ``read_slots`` (K,): the slot of each history token.
     ``sink_positions`` / ``sink_entries`` (s,): where in the K history tokens a sink token sits, and its
-    index in the sink area.
+    index in the sink area. ``new_positions`` (N,) / ``read_positions`` (K,): each new / history token's position
+    in its sequence (from 0), which a rotating key centre needs (squeeze.quant.kv.KeyRotation); None when the
+    pool's cache has none.
     """
 
     new_slots: Tensor
@@ -56,6 +58,8 @@ class StepSlots:
     read_slots: Tensor
     sink_positions: Tensor
     sink_entries: Tensor
+    new_positions: Tensor | None = None
+    read_positions: Tensor | None = None
 
 
 class _QuantizedLayerTensor:
@@ -80,7 +84,7 @@ class _QuantizedLayerTensor:
 
     def write(self, new: Tensor, slots: StepSlots) -> None:
         """Store ``new (H, N, D)``: its codes into ``slots.new_slots``, sink tokens as given."""
-        encoded = self.codec.encode(new[None])  # (1, H, N, D) -> codes (1, H, N, Dc)
+        encoded = self.codec.encode(new[None], slots.new_positions)  # (1, H, N, D) -> codes (1, H, N, Dc)
         self.codes.index_copy_(1, slots.new_slots, encoded.codes[0])
         self.scale.index_copy_(1, slots.new_slots, encoded.scale[0].to(_PARAM_DTYPE))
         if self.offset is not None and encoded.offset is not None:
@@ -98,7 +102,7 @@ class _QuantizedLayerTensor:
             return store.index_select(1, slots.read_slots)[None]
 
         offset = gather(self.offset) if self.offset is not None else None
-        self.codec.decode_into(gather(self.codes), gather(self.scale), offset, out)
+        self.codec.decode_into(gather(self.codes), gather(self.scale), offset, out, slots.read_positions)
         if slots.sink_positions.numel():
             out[0].index_copy_(1, slots.sink_positions, self.sink.index_select(1, slots.sink_entries).to(dtype))
         return out

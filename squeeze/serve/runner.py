@@ -182,6 +182,7 @@ class ModelRunner:
         new_sink_tokens: list[int] = []
         new_sink_entries: list[int] = []
         read_slots: list[int] = []
+        read_positions: list[int] = []
         sink_positions: list[int] = []
         sink_entries: list[int] = []
         rows: list[RowSpan] = []
@@ -202,6 +203,7 @@ class ModelRunner:
             row_slots = self.blocks.slots(seq.seq_id, 0, end)
             new_slots += row_slots[start:]
             read_slots += row_slots
+            read_positions += range(end)
             if sink_tokens:
                 base = self.blocks.sinks[seq.seq_id] * sink_tokens
                 new_sink_tokens += range(q0, q0 + max(0, min(end, sink_tokens) - start))
@@ -223,6 +225,8 @@ class ModelRunner:
             as_tensor(read_slots),
             as_tensor(sink_positions),
             as_tensor(sink_entries),
+            as_tensor(positions),
+            as_tensor(read_positions),
         )
         paths = RowPlan(len(tokens), torch.tensor(tiled, dtype=torch.long), torch.tensor(gemv, dtype=torch.long))
         return _StepInputs(

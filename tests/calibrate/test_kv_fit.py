@@ -9,6 +9,7 @@ from squeeze.calibrate.kv_fit import (
     CLIP_GRID,
     dynamic_error,
     fit_keys,
+    fit_rotation,
     fit_value_codebook,
     fit_values,
     fp8_error,
@@ -123,3 +124,44 @@ def test_fp8_scale_is_the_absmax_over_448_golden() -> None:
 def test_fp8_error_of_calibrated_scales_beats_scale_one_on_small_values() -> None:
     x = torch.randn(2000, 2, 16, generator=torch.Generator().manual_seed(0)) * 0.002  # e4m3 subnormals at scale 1
     assert fp8_error(x, fp8_scale(x.abs().amax())) < 0.05 * fp8_error(x, 1.0)
+
+
+def _rope_keys(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(post-RoPE keys (N, 2, 8), positions (N,), inv_freq (4,), the pre-RoPE mean (2, 8)): a large constant
+    pre-RoPE component in one slowly rotating pair (channels 3 and 7), as stories260K's keys have."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    gen = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    mu = torch.zeros(2, 8)
+    mu[:, 7] = torch.tensor([-17.0, 12.0])
+    pre = mu + torch.randn(n, 2, 8, generator=gen)
+    positions = torch.randint(4, 4096, (n,), generator=gen)  # the pair turns by up to 4 rad
+    angle = (positions.float()[:, None] * torch.cat([inv_freq, inv_freq]))[:, None, :]  # (N, 1, D)
+    return pre * angle.cos() + rotate_half(pre) * angle.sin(), positions, inv_freq, mu
+
+
+def test_fit_rotation_recovers_the_pre_rope_mean() -> None:
+    keys, positions, inv_freq, mu = _rope_keys(4000)
+    rotation = fit_rotation(keys, positions, inv_freq)
+    torch.testing.assert_close(rotation.cos_amp, mu, rtol=0, atol=0.1)  # noise of std 1 over 4000 samples
+    assert torch.equal(rotation.freq, torch.cat([inv_freq, inv_freq]))
+    assert torch.equal(rotation.sin_amp, torch.cat([-rotation.cos_amp[:, 4:], rotation.cos_amp[:, :4]], dim=-1))
+
+
+def test_fit_keys_takes_the_rotating_centre_when_it_cuts_the_error() -> None:
+    keys, positions, inv_freq, _ = _rope_keys(4000)
+    static = fit_keys(keys, 4, 4)
+    rope = {"positions": positions, "rope_freq": inv_freq}
+    rotating = fit_keys(keys, 4, 4, **rope)
+    assert static.rotation is None and rotating.rotation is not None
+    assert rotating.sse < 0.5 * static.sse  # the pair no longer sets its grid
+    # what the fit reports is the reference's error with the chosen quantizer
+    moving = rotating.rotation.at(positions).transpose(0, 1)
+    fake = fake_quantize_keys(keys, rotating.scale, rotating.zero, 4, 4, moving)
+    assert float((fake - keys).square().sum()) == pytest.approx(rotating.sse, rel=1e-6)
+    # keys without a rotating component get none worth the name (at most the noise of their mean)
+    flat = fit_keys(torch.randn(4000, 2, 8, generator=torch.Generator().manual_seed(5)), 4, 4, positions=positions)
+    assert flat.rotation is None
+    noise = fit_keys(torch.randn(4000, 2, 8, generator=torch.Generator().manual_seed(5)), 4, 4, **rope)
+    assert noise.rotation is None or float(noise.rotation.cos_amp.abs().max()) < 0.1

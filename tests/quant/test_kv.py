@@ -7,17 +7,20 @@ import torch
 
 from squeeze.quant.kv import (
     FP8_E4M3_MAX,
+    KeyRotation,
     codebook_scale,
     dequantize,
     dequantize_codebook,
     dequantize_fp8,
     fake_quantize_fp8,
+    fake_quantize_keys,
     interleave,
     key_channel_params,
     pack_int4,
     quantize,
     quantize_codebook,
     quantize_fp8,
+    rope_trig,
     token_grid,
     unpack_int4,
 )
@@ -140,3 +143,37 @@ def test_fp8_relative_error_and_out_dtypes() -> None:
     out = torch.empty(4, 50, 3, 16, dtype=torch.bfloat16)
     dequantize_fp8(codes, scale, out=out)
     assert torch.equal(out, fake.transpose(1, 2).to(torch.bfloat16))  # the float32 product, rounded once
+
+
+def test_rotating_centre_is_rope_of_the_mean_key_and_batching_free() -> None:
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    gen = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))  # (4,)
+    mu = torch.randn(3, 8, generator=gen) * 4  # (H, D) pre-RoPE mean key
+    rotation = KeyRotation(torch.cat([inv_freq, inv_freq]), mu, rotate_half(mu))
+    positions = torch.tensor([0, 1, 5, 511, 4000])
+    angle = positions.float()[:, None] * torch.cat([inv_freq, inv_freq])[None]  # (T, D), as transformers builds it
+    want = mu[:, None] * angle.cos() + rotate_half(mu)[:, None] * angle.sin()  # RoPE(mu) at every position
+    got = rotation.at(positions)
+    assert got.shape == (3, 5, 8)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert torch.equal(got[:, 0], mu)  # position 0: no rotation
+    # the same bits for a position whether it comes alone or with others
+    assert torch.equal(rotation.at(positions[3:4])[:, 0], got[:, 3])
+    cos, sin = rope_trig(torch.arange(600), rotation.freq)
+    assert torch.equal(cos[511], rope_trig(torch.tensor([511]), rotation.freq)[0][0]) and sin.dtype == torch.float32
+
+
+def test_fake_quantize_keys_with_rotation_shifts_the_centre() -> None:
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(6, 2, 8, generator=gen)
+    rotation = torch.randn(6, 2, 8, generator=gen) * 10
+    scale, center = torch.rand(2, 8, generator=gen) + 0.5, torch.randn(2, 8, generator=gen)
+    # moving the keys and the centre together moves the result with them (up to fp32 rounding)
+    torch.testing.assert_close(
+        fake_quantize_keys(keys + rotation, scale, center, 4, 4, rotation),
+        fake_quantize_keys(keys, scale, center, 4, 4) + rotation,
+        rtol=0,
+        atol=1e-4,
+    )

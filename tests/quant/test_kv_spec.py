@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import ConfigError, FormatError
+from squeeze.quant.kv import KeyRotation
 from squeeze.quant.kv_spec import (
     KV_FP8_E4M3,
     KVSpec,
@@ -196,3 +197,79 @@ def test_spec_kinds_do_not_mix() -> None:
         KVSpec(8, 0, ("a",), (None,), KV_FP8_E4M3)  # fp8 has no uncalibrated baseline
     with pytest.raises(ValueError, match="no sink"):
         KVSpec(8, 4, ("a",), (fp8,), KV_FP8_E4M3)
+
+
+def _rotating_spec() -> KVSpec:
+    gen = torch.Generator().manual_seed(3)
+    mu = torch.randn(2, 8, generator=gen) * 5
+    rotation = KeyRotation(
+        torch.cat([torch.tensor([1.0, 0.1, 0.01, 0.001])] * 2), mu, torch.cat([-mu[:, 4:], mu[:, :4]], dim=-1)
+    )
+    plain = LayerKV(torch.rand(2, 8, generator=gen) + 0.1, torch.zeros(2, 8), torch.ones(2), True, True, None, 4)
+    rotating = LayerKV(plain.k_scale, plain.k_zero, plain.v_clip, True, True, None, 4, None, rotation)
+    return KVSpec(4, 4, ("a", "b"), (rotating, plain))
+
+
+def test_rotating_key_centre_round_trips_as_version_2() -> None:
+    spec = _rotating_spec()
+    config, tensors = spec.to_config(), spec.to_tensors()
+    assert config["version"] == 2
+    entries = config["layers"]
+    assert isinstance(entries, list) and entries[0]["k_rotation"] is True and "k_rotation" not in entries[1]
+    assert sorted(t for t in tensors if t.startswith("a.k_rot")) == ["a.k_rot_cos", "a.k_rot_freq", "a.k_rot_sin"]
+    assert not any(t.startswith("b.k_rot") for t in tensors)
+    back = KVSpec.from_config(config, tensors)
+    got, want = back.layers[0], spec.layers[0]
+    assert isinstance(got, LayerKV) and isinstance(want, LayerKV)
+    assert got.k_rotation is not None and want.k_rotation is not None
+    for a, b in zip(vars(got.k_rotation).values(), vars(want.k_rotation).values(), strict=True):
+        assert torch.equal(a, b)
+    assert isinstance(back.layers[1], LayerKV) and back.layers[1].k_rotation is None
+
+
+def test_spec_without_rotation_writes_no_version_and_old_sections_still_load() -> None:
+    config = _spec().to_config()
+    assert "version" not in config  # byte-identical sections to the ones written before rotating centres
+    back = KVSpec.from_config(config | {"version": 1}, _spec().to_tensors())
+    assert all(isinstance(x, LayerKV) and x.k_rotation is None for x in back.layers)
+
+
+def _bad_rotation(change: str) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    spec = _rotating_spec()
+    config, tensors = spec.to_config(), spec.to_tensors()
+    if change == "version 3":
+        config["version"] = 3
+    elif change == "no version":
+        del config["version"]
+    elif change == "flag not bool":
+        config["layers"][0]["k_rotation"] = "yes"  # type: ignore[index]
+    elif change == "missing":
+        del tensors["a.k_rot_sin"]
+    elif change == "fp16":
+        tensors["a.k_rot_cos"] = tensors["a.k_rot_cos"].half()
+    elif change == "shape":
+        tensors["a.k_rot_freq"] = tensors["a.k_rot_freq"][:4]
+    elif change == "not finite":
+        tensors["a.k_rot_sin"][0, 0] = float("nan")
+    elif change == "negative freq":
+        tensors["a.k_rot_freq"][0] = -1.0
+    return config, tensors
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("version 3", "kv_cache.version is 3"),
+        ("no version", "needs kv_cache.version 2"),
+        ("flag not bool", "k_rotation of a must be true or false"),
+        ("missing", r"a\.k_rot_sin is missing"),
+        ("fp16", r"a\.k_rot_cos must be float32 of shape \(2, 8\), found float16"),
+        ("shape", r"a\.k_rot_freq must be float32 of shape \(8,\)"),
+        ("not finite", r"a\.k_rot_sin must be finite"),
+        ("negative freq", r"a\.k_rot_freq must be >= 0"),
+    ],
+)
+def test_bad_rotating_centres_are_format_errors(change: str, match: str) -> None:
+    config, tensors = _bad_rotation(change)
+    with pytest.raises(FormatError, match=match):
+        KVSpec.from_config(config, tensors)

@@ -13,6 +13,7 @@ from squeeze.eval.perplexity import perplexity
 from squeeze.models.modes import cache_kwarg
 from squeeze.models.targets import attention_modules
 from squeeze.quant.kv import (
+    KeyRotation,
     codebook_scale,
     dequantize,
     dequantize_codebook,
@@ -29,12 +30,22 @@ H, D = 2, 8
 
 
 def _layer_spec(
-    bits: int, v_symmetric: bool, v_group: int | None = None, *, k_group: int | None = None, codebook: bool = False
+    bits: int,
+    v_symmetric: bool,
+    v_group: int | None = None,
+    *,
+    k_group: int | None = None,
+    codebook: bool = False,
+    rotating: bool = False,
 ) -> LayerKV:
     gen = torch.Generator().manual_seed(bits)
     scale = torch.rand(H, D, generator=gen) * 3 + 0.1
     zero = torch.randn(H, D, generator=gen)
     levels = (torch.rand(1 << bits, generator=gen) * 2.2 - 1.1).sort().values if codebook else None
+    rotation = None
+    if rotating:  # RoPE-like frequencies, one channel left unrotated (freq 0)
+        freq = torch.tensor([1.0, 0.3, 0.01, 0.0, 1.0, 0.3, 0.01, 0.0])
+        rotation = KeyRotation(freq, torch.randn(H, D, generator=gen) * 5, torch.randn(H, D, generator=gen) * 5)
     return LayerKV(
         scale,
         zero,
@@ -44,6 +55,7 @@ def _layer_spec(
         v_group=v_group,
         k_group=k_group,
         v_levels=levels,
+        k_rotation=rotation,
     )
 
 
@@ -53,8 +65,9 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
     if layer is None:
         scale, offset = token_grid(rest, bits, 1.0, True)
     elif keys:
+        moving = None if layer.k_rotation is None else layer.k_rotation.at(torch.arange(sink, x.shape[2]))[None]
         fake = fake_quantize_keys(
-            rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits, layer.key_group
+            rest, layer.k_scale[None, :, None, :], layer.k_zero[None, :, None, :], bits, layer.key_group, moving
         )
         return torch.cat([x[:, :, :sink], fake], dim=2)
     else:
@@ -72,7 +85,16 @@ def _reference(x: torch.Tensor, layer: LayerKV | None, bits: int, sink: int, key
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(
     "kind",
-    ["calibrated-sym", "calibrated-asym", "grouped-sym", "grouped-asym", "dynamic", "codebook", "codebook-grouped"],
+    [
+        "calibrated-sym",
+        "calibrated-asym",
+        "grouped-sym",
+        "grouped-asym",
+        "dynamic",
+        "codebook",
+        "codebook-grouped",
+        "rotating-grouped",
+    ],
 )
 def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) -> None:
     group = 4 if "grouped" in kind else None  # two key / value grids per 8-channel head
@@ -85,6 +107,7 @@ def test_layer_matches_the_quantization_reference_exactly(bits: int, kind: str) 
             v_group=group,
             k_group=group,
             codebook="codebook" in kind,
+            rotating="rotating" in kind,
         )
     )
     cache_layer = SqueezeKVLayer(bits, layer, sink_tokens=2)
@@ -178,7 +201,9 @@ def test_perplexity_through_the_cache(stories_kv, tinystories_text) -> None:
     int4 = ppl(lambda: SqueezeKVCache(specs[4]))
     fp8 = ppl(lambda: SqueezeKVCache(specs["fp8"]))
     assert int8 == pytest.approx(full, rel=0.01)
-    assert full < int4 < full * 1.5  # the error is real, and bounded
+    # bounded, and real (the codes differ); with the rotating key centre it is within noise of full precision
+    # here (measured 6.4973 vs 6.4996), so its sign is not checked
+    assert int4 == pytest.approx(full, rel=0.05) and int4 != full
     assert int8 != full
     assert fp8 == pytest.approx(full, rel=0.02) and fp8 != full
 

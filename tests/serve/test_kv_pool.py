@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from squeeze.errors import ConfigError
+from squeeze.quant.kv import KeyRotation
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 from squeeze.runtime.kvcache import SqueezeKVLayer
 from squeeze.serve.blocks import BlockManager
@@ -15,8 +16,10 @@ H, D = 2, 8
 SHAPE = AttentionShape(layers=1, kv_heads=H, head_dim=D)
 
 
-def _calibrated(bits: int, *, symmetric_values: bool, levels: bool) -> LayerKV:
+def _calibrated(bits: int, *, symmetric_values: bool, levels: bool, rotating: bool = False) -> LayerKV:
     gen = torch.Generator().manual_seed(bits)
+    freq = torch.tensor([1.0, 0.1, 0.01, 0.001] * 2)
+    rotation = KeyRotation(freq, torch.randn(H, D, generator=gen) * 4, torch.randn(H, D, generator=gen) * 4)
     return LayerKV(
         k_scale=torch.rand(H, D, generator=gen) + 0.5,
         k_zero=torch.randn(H, D, generator=gen) * 0.1,
@@ -25,6 +28,7 @@ def _calibrated(bits: int, *, symmetric_values: bool, levels: bool) -> LayerKV:
         v_symmetric=symmetric_values,
         k_group=D // 2,
         v_levels=torch.linspace(-1, 1, 2**bits) if levels else None,
+        k_rotation=rotation if rotating else None,
     )
 
 
@@ -33,6 +37,7 @@ SPECS = {
     "int4-dynamic": KVSpec.dynamic(4, ("attn",), sink_tokens=2),
     "int8-asymmetric": KVSpec(8, 2, ("attn",), (_calibrated(8, symmetric_values=False, levels=False),)),
     "int4-codebook": KVSpec(4, 2, ("attn",), (_calibrated(4, symmetric_values=True, levels=True),)),
+    "int4-rotating": KVSpec(4, 2, ("attn",), (_calibrated(4, symmetric_values=True, levels=True, rotating=True),)),
     "fp8": KVSpec.fp8(("attn",), (LayerFP8(torch.tensor(0.02), torch.tensor(0.005)),)),
     "fp32": None,
 }
@@ -41,7 +46,11 @@ SPECS = {
 def _slots(blocks: BlockManager, rows: list[tuple[str, int, int]], sink: int) -> StepSlots:
     """StepSlots for rows (seq_id, start, new tokens), packed as the engine packs them."""
     new_slots, sink_tokens, sink_new, reads, sink_positions, sink_entries = [], [], [], [], [], []
+    new_positions: list[int] = []
+    read_positions: list[int] = []
     for seq_id, start, n in rows:
+        new_positions += range(start, start + n)
+        read_positions += range(start + n)
         blocks.grow(seq_id, start + n)
         sink_tokens += [len(new_slots) + p - start for p in range(start, min(start + n, sink))]
         new_slots += blocks.slots(seq_id, start, start + n)
@@ -52,7 +61,8 @@ def _slots(blocks: BlockManager, rows: list[tuple[str, int, int]], sink: int) ->
         sink_entries += range(base, base + kept)
         reads += blocks.slots(seq_id, 0, start + n)
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return StepSlots(*(as_long(v) for v in (new_slots, sink_tokens, sink_new, reads, sink_positions, sink_entries)))
+    lists = (new_slots, sink_tokens, sink_new, reads, sink_positions, sink_entries, new_positions, read_positions)
+    return StepSlots(*(as_long(v) for v in lists))
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -138,6 +148,7 @@ def test_the_pool_names_its_cache_as_reports_do() -> None:
         "int4-dynamic": "int4",
         "int8-asymmetric": "int8",
         "int4-codebook": "int4",
+        "int4-rotating": "int4",
         "fp8": "fp8",  # 8 bits per element too, but not squeeze's int8 grid
         "fp32": "16-bit",
     }
