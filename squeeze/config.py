@@ -15,7 +15,8 @@ import math
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -44,6 +45,9 @@ KeepDtype = Literal["source", "float32", "bfloat16", "float16"]
 KEEP_DTYPE_CHOICES: tuple[str, ...] = get_args(KeepDtype)
 #: The bits ``weights.embedding_bits`` may ask for.
 EMBEDDING_BITS = (4, 6, 8)
+#: ``weights.embedding_bits: auto``: a ``target_bpw`` budget chooses the width (or none) per embedding.
+EmbeddingAuto = Literal["auto"]
+EMBEDDING_AUTO: EmbeddingAuto = "auto"
 #: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
 #: squeeze.models.experts), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
 DEFAULT_TARGETS = (
@@ -106,9 +110,11 @@ class WeightsConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS
     #: Module-name substrings never quantized, even when they match a target.
     ignore: tuple[str, ...] = ("lm_head",)
-    #: Quantize the token embedding and an untied LM head too: 8 (int8 per row, RTN) or 4 (a 4-bit per-row
-    #: LUT, Fisher-weighted when the recipe is); None keeps them unquantized. A tied pair is quantized once.
-    embedding_bits: int | None = None
+    #: Quantize the token embedding and an untied LM head too: 8 / 6 (int8 / int6 per row, RTN) or 4 (a 4-bit
+    #: per-row LUT, Fisher-weighted when the recipe is); None keeps them unquantized. A tied pair is quantized
+    #: once. ``auto`` (with ``target_bpw`` only): the budget plans each embedding like a linear, kept in the
+    #: source dtype or at 8, 6 or 4 bits, and its weights then count in the average ``target_bpw`` asks for.
+    embedding_bits: int | EmbeddingAuto | None = None
 
     def __post_init__(self) -> None:
         # squeeze.limits is the one table; a recipe read from YAML passes its Literal checks in from_dict too,
@@ -124,14 +130,24 @@ class WeightsConfig:
             check_group_size(self.group_size, "weights.group_size")
         self._check_options_of_format()
         self._check_error_compensation()
-        if self.embedding_bits is not None and self.embedding_bits not in EMBEDDING_BITS:
-            raise ConfigError(
-                f"weights.embedding_bits must be one of {list(EMBEDDING_BITS)} or null, found {self.embedding_bits!r}",
-                hint="8 / 6: int8 / int6 rows (about 8.06 / 6.06 bits/weight), 4: a 4-bit LUT per row; null keeps "
-                "the embedding",
-            )
+        self._check_embedding_bits()
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
+
+    def _check_embedding_bits(self) -> None:
+        bits = self.embedding_bits
+        if bits is not None and bits != EMBEDDING_AUTO and bits not in EMBEDDING_BITS:
+            raise ConfigError(
+                f"weights.embedding_bits must be one of {[*EMBEDDING_BITS, EMBEDDING_AUTO]} or null, found {bits!r}",
+                hint="8 / 6: int8 / int6 rows (about 8.06 / 6.06 bits/weight), 4: a 4-bit LUT per row; auto: the "
+                "target_bpw budget chooses; null keeps the embedding",
+            )
+        if bits == EMBEDDING_AUTO and self.target_bpw is None:
+            raise ConfigError(
+                "weights.embedding_bits auto needs weights.target_bpw: the width is chosen by the bits budget",
+                hint="pass a budget (--target-bpw 3.5, or a recipe such as b3.5-e), or a fixed width "
+                "(--embedding-bits 4, 6 or 8)",
+            )
 
     def _check_error_compensation(self) -> None:
         if not 0.0 < self.damp <= 1.0:
@@ -391,12 +407,19 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings, found {value!r}")
         return tuple(value)
-    args = get_args(tp)
-    if type(None) in args:  # Optional[X]
-        if value is None:
+    if origin in (Union, UnionType):  # Optional[X], or a union (``int | Literal["auto"] | None``)
+        args = get_args(tp)
+        if type(None) in args and value is None:
             return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _coerce(inner, value, where)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(inner[0], value, where)
+        for alternative in inner:  # the first alternative the value is
+            try:
+                return _coerce(alternative, value, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} must be {' or '.join(map(_type_name, inner))}, found {value!r}")
     if tp is bool and isinstance(value, bool):
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -406,6 +429,13 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is str and isinstance(value, (str, int)) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{where} must be of type {getattr(tp, '__name__', tp)}, found {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    """``int``, or the values of a Literal (``'auto'``), for an error message."""
+    if get_origin(tp) is Literal:
+        return " or ".join(map(repr, get_args(tp)))
+    return str(getattr(tp, "__name__", tp))
 
 
 def to_plain(obj: Any) -> Any:

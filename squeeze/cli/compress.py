@@ -96,11 +96,21 @@ KeepDtype = Annotated[
         help="dtype of unquantized tensors: source (the checkpoint's; float16 for GGUF), float32, bfloat16, float16.",
     ),
 ]
+
+
+def _embedding_bits(value: str) -> int | str:
+    """``--embedding-bits``: a width as an int, ``auto`` as is (the recipe's check refuses anything else)."""
+    return int(value) if value.strip().isdigit() else value
+
+
 EmbeddingBits = Annotated[
-    Optional[int],
+    Optional[str],
     typer.Option(
         "--embedding-bits",
-        help="Quantize the token embedding and an untied LM head: 8 (int8 rows), 6 (int6 rows) or 4 (4-bit LUT rows).",
+        parser=_embedding_bits,
+        metavar="BITS",
+        help="Quantize the token embedding and an untied LM head: 8 (int8 rows), 6 (int6 rows) or 4 (4-bit LUT "
+        "rows); auto (with --target-bpw): the budget keeps or quantizes each, its weights counted in the average.",
     ),
 ]
 Seed = Annotated[

@@ -29,7 +29,7 @@ from squeeze.compression.writer import (
     write_recipe,
     write_tensors,
 )
-from squeeze.config import Recipe
+from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
 from squeeze.models.experts import UnroutedExpertsWarning, unrouted_message
@@ -87,14 +87,21 @@ def write_artifact(
 
 
 def _embeddings_entry(job: CompressJob) -> dict[str, Any] | None:
-    """``quantization_config.embeddings``: the quantized embeddings and, for a tied model, which one its LM
-    head reads (``tied``: head name -> embedding name); None when the recipe keeps them."""
+    """``quantization_config.embeddings``: the quantized embeddings, their ``bits`` and, for a tied model, which
+    one its LM head reads (``tied``: head name -> embedding name); None when the recipe (or, with
+    ``embedding_bits: auto``, the budget's plan) keeps them. ``bits``: the recipe's width, or with auto the
+    planned one (a {module: bits} mapping in the one case where an untied input embedding and LM head were
+    planned to different widths)."""
     if not job.embedding_names:
         return None
     _found, head = embedding_modules(job.loaded_model())
     inputs = [name for name, module in job.embeddings.items() if isinstance(module, nn.Embedding)]
+    bits: Any = job.recipe.weights.embedding_bits
+    if bits == EMBEDDING_AUTO:  # the plan gave each its width (kept ones left job.embedding_names)
+        planned = {name: job.bit_plan[name].bits for name in job.embedding_names}
+        bits = next(iter(planned.values())) if len(set(planned.values())) == 1 else planned
     return {
-        "bits": job.recipe.weights.embedding_bits,
+        "bits": bits,
         "modules": list(job.embedding_names),
         "tied": {head: inputs[0]} if head is not None and inputs else {},
     }

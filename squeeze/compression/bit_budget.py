@@ -8,6 +8,11 @@ and its estimated error (the Fisher-weighted squared error of its quantization),
 setting per unit minimising the summed error with the summed bits within the budget: a multiple-choice
 knapsack, solved exactly by dynamic programming over the budget cut into at most ``resolution`` steps
 (exact when the bits are already that coarse), then topped up greedily with the exact leftover bits.
+
+With ``weights.embedding_bits: auto`` each embedding (the input embedding; an untied LM head apart; a tied
+pair once) is one more unit, its candidates EMBEDDING_SETTINGS: 4, 6 or 8 bits (the formats of
+squeeze.compression.embeddings) or KEPT (unquantized, in the artifact's dtype for unquantized tensors). Its
+weights then count in the average: ``target_bpw`` is over every parameter the plan may quantize.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from squeeze.config import Recipe, WeightsConfig
+from squeeze.compression.embeddings import embedding_recipe
+from squeeze.config import EMBEDDING_AUTO, EMBEDDING_BITS, Recipe, WeightsConfig
 from squeeze.errors import ConfigError
 from squeeze.limits import WEIGHT_BITS
 from squeeze.quant.schemes import format_for_recipe
@@ -43,20 +49,30 @@ class Setting:
     def sparse(self) -> bool:
         return bool(self.sensitive_fraction or self.outlier_fraction)
 
+    @property
+    def kept(self) -> bool:
+        """An embedding left unquantized (KEPT)."""
+        return self.bits == 0
+
     def label(self) -> str:
-        """``w3``, ``w3-s045``-style (the sparse percentage in hundredths of a percent when it is not 0.45%)."""
+        """``w3``, ``w3-s045``-style (the sparse percentage in hundredths of a percent when it is not 0.45%);
+        ``kept`` for KEPT."""
+        if self.kept:
+            return "kept"
         if not self.sparse:
             return f"w{self.bits}"
         return f"w{self.bits}-s{round((self.sensitive_fraction + self.outlier_fraction) * 1e4):03d}"
 
     def weights(self, base: WeightsConfig) -> WeightsConfig:
-        """``base`` with this setting's width and fractions, and no budget (a uniform config)."""
+        """``base`` with this setting's width and fractions, and no budget (a uniform config; an ``auto``
+        embedding width, which needs a budget, is the plan's business and dropped)."""
         return replace(
             base,
             bits=self.bits,
             sensitive_fraction=self.sensitive_fraction,
             outlier_fraction=self.outlier_fraction,
             target_bpw=None,
+            embedding_bits=None if base.embedding_bits == EMBEDDING_AUTO else base.embedding_bits,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,6 +81,29 @@ class Setting:
             "sensitive_fraction": self.sensitive_fraction,
             "outlier_fraction": self.outlier_fraction,
         }
+
+
+#: An embedding's setting under ``embedding_bits: auto`` that keeps it unquantized (no code width).
+KEPT = Setting(0)
+#: The settings an embedding chooses from under ``embedding_bits: auto``: every embedding width and KEPT.
+#: No cap at twice the target as for the linears: an embedding is one unit whose 6 / 8 bit candidates are
+#: cheap RTN rows to estimate, and a budget may well spend bits there (or keep it) rather than on a linear.
+EMBEDDING_SETTINGS: tuple[Setting, ...] = (*(Setting(bits) for bits in sorted(EMBEDDING_BITS)), KEPT)
+
+
+def embedding_setting_bits(
+    shape: Sequence[int], weights: WeightsConfig, setting: Setting, value_bytes: int, kept_bytes: int
+) -> int:
+    """Stored bits of an embedding of ``shape`` (rows, dim) at ``setting`` (one of EMBEDDING_SETTINGS): the
+    format's exact size accounting (``estimate_bytes``), or ``kept_bytes`` per weight for KEPT."""
+    rows, cols = int(shape[0]), int(shape[1])
+    if setting.kept:
+        return 8 * kept_bytes * rows * cols
+    quantized = embedding_recipe(Recipe(weights=weights), setting.bits).weights
+    fmt = format_for_recipe(quantized)
+    if fmt is None:  # embedding_recipe gives a registered method (squeeze or rtn)
+        raise ValueError(f"no registered weight format for method {quantized.method!r}")
+    return 8 * fmt.estimate_bytes(rows, cols, quantized, value_bytes)
 
 
 def candidate_settings(weights: WeightsConfig) -> tuple[Setting, ...]:
@@ -114,26 +153,37 @@ def bits_range(costs: Sequence[Sequence[int]]) -> tuple[int, int]:
     return sum(min(c) for c in costs), sum(max(c) for c in costs)
 
 
-def check_target(target_bpw: float, n_weights: int, costs: Sequence[Sequence[int]], where: str) -> int:
+def check_target(
+    target_bpw: float, n_weights: int, costs: Sequence[Sequence[int]], where: str, *, embeddings: bool = False
+) -> int:
     """The budget in bits for ``target_bpw`` over ``n_weights``; ConfigError (with the range this model allows)
-    when no plan reaches it or it is above what the largest setting stores."""
+    when no plan reaches it or it is above what the largest setting stores. ``embeddings``: the costs and
+    ``n_weights`` include the embeddings (``embedding_bits: auto``), which the message then says."""
     lo, hi = bits_range(costs)
     budget = math.floor(target_bpw * n_weights)
     if budget < lo or target_bpw * n_weights > hi:
         low, high = lo / n_weights, hi / n_weights
+        what = "linear and embedding" if embeddings else "linear"
+        counted = " (an average over the linears and the embeddings, embedding_bits auto)" if embeddings else ""
         raise ConfigError(
-            f"{where} {target_bpw:g} is outside what this model's settings store: between {low:.3f} (every "
-            f"linear at its smallest setting) and {high:.3f} bits per weight (every linear at its largest)",
+            f"{where} {target_bpw:g} is outside what this model's settings store{counted}: between {low:.3f} "
+            f"(every {what} at its smallest setting) and {high:.3f} bits per weight (every {what} at its largest)",
             hint=f"pass a target in [{math.ceil(low * 1000) / 1000:.3f}, {math.floor(high * 1000) / 1000:.3f}]",
         )
     return budget
 
 
 def estimated_bits(
-    shapes: Mapping[str, Sequence[int]], weights: WeightsConfig, value_bytes: int
+    shapes: Mapping[str, Sequence[int]],
+    weights: WeightsConfig,
+    value_bytes: int,
+    embeddings: Mapping[str, Sequence[int]] | None = None,
+    kept_bytes: int = 4,
 ) -> tuple[list[tuple[str, ...]], list[list[int]]]:
     """(units, bits of each unit at each candidate setting) from the linears' (out, in) shapes alone, by the
-    format's exact size accounting (``estimate_bytes``; ``value_bytes`` per sparse value): for preflight."""
+    format's exact size accounting (``estimate_bytes``; ``value_bytes`` per sparse value): for preflight.
+    ``embeddings`` (``embedding_bits: auto``): name -> (rows, dim), one unit each after the linears, at each
+    of EMBEDDING_SETTINGS (KEPT: ``kept_bytes`` per weight)."""
     fmt = format_for_recipe(weights)
     if fmt is None:  # a WeightsConfig is validated against the registry when it is built
         raise ValueError(f"no registered weight format for method {weights.method!r}")
@@ -147,16 +197,29 @@ def estimated_bits(
         ]
         for unit in units
     ]
+    for name, shape in (embeddings or {}).items():
+        units.append((name,))
+        bits.append([embedding_setting_bits(shape, weights, s, value_bytes, kept_bytes) for s in EMBEDDING_SETTINGS])
     return units, bits
 
 
-def budget_bytes(shapes: Mapping[str, Sequence[int]], weights: WeightsConfig, value_bytes: int) -> int:
-    """Most bytes the linears of ``shapes`` take under ``weights.target_bpw`` (ConfigError when out of reach)."""
+def budget_bytes(
+    shapes: Mapping[str, Sequence[int]],
+    weights: WeightsConfig,
+    value_bytes: int,
+    embeddings: Mapping[str, Sequence[int]] | None = None,
+    kept_bytes: int = 4,
+) -> int:
+    """Most bytes the linears of ``shapes`` (and ``embeddings``, with ``embedding_bits: auto``; see
+    :func:`estimated_bits`) take under ``weights.target_bpw`` (ConfigError when out of reach): a bound, the
+    plan's bits never exceed it, whichever settings it picks."""
     if weights.target_bpw is None:
         raise ValueError("budget_bytes needs weights.target_bpw")
-    _, bits = estimated_bits(shapes, weights, value_bytes)
-    n_weights = sum(int(shape[0]) * int(shape[1]) for shape in shapes.values())
-    return -(-check_target(weights.target_bpw, n_weights, bits, "weights.target_bpw") // 8)
+    _, bits = estimated_bits(shapes, weights, value_bytes, embeddings, kept_bytes)
+    every = [*shapes.values(), *(embeddings or {}).values()]
+    n_weights = sum(int(shape[0]) * int(shape[1]) for shape in every)
+    budget = check_target(weights.target_bpw, n_weights, bits, "weights.target_bpw", embeddings=bool(embeddings))
+    return -(-budget // 8)
 
 
 def allocate(
@@ -256,10 +319,12 @@ def without_error_compensation(recipe: Recipe) -> Recipe:
 
 def plan_summary(plan: Mapping[str, Setting], sizes: Mapping[str, int]) -> dict[str, float]:
     """Share of the planned weights (by count, rounded to 4 places) at each setting, by label, widest last:
-    {"w2": 0.05, "w3-s045": 0.62, "w4": 0.33}. ``sizes``: module name -> its weight count."""
-    total = sum(sizes[name] for name in plan) or 1
+    {"w2": 0.05, "w3-s045": 0.62, "w4": 0.33}. ``sizes``: module name -> its weight count; planned names
+    without one (the embeddings of ``embedding_bits: auto``, when the caller sizes the linears) are left out."""
+    counted = {name: setting for name, setting in plan.items() if name in sizes}
+    total = sum(sizes[name] for name in counted) or 1
     shares: dict[Setting, float] = {}
-    for name, setting in plan.items():
+    for name, setting in counted.items():
         shares[setting] = shares.get(setting, 0.0) + sizes[name] / total
     return {setting.label(): round(share, 4) for setting, share in sorted(shares.items())}
 
@@ -268,6 +333,9 @@ __all__ = [
     "FUSED_SUFFIXES",
     "DEFAULT_RESOLUTION",
     "Setting",
+    "KEPT",
+    "EMBEDDING_SETTINGS",
+    "embedding_setting_bits",
     "without_error_compensation",
     "candidate_settings",
     "fused_units",

@@ -3,7 +3,9 @@
 An embedding row is read whole (one token's vector), so the formats are per row: 8 and 6 bits as RTN rows
 (one float16 scale and zero per row: 8.06 / 6.06 bits per weight at d = 576; a 256- or 64-entry LUT per row
 would cost more than the codes save), 4 bits as the recipe's per-row LUT (Fisher-weighted k-means when the
-recipe is, no sparse part). A tied embedding / LM head is one weight, quantized once.
+recipe is, no sparse part). A tied embedding / LM head is one weight, quantized once. With
+``embedding_bits: auto`` a ``target_bpw`` budget gives each embedding its width, or keeps it
+(squeeze.compression.bit_plan).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Collection
 
 from torch import nn
 
-from squeeze.config import Recipe, WeightsConfig
+from squeeze.config import EMBEDDING_AUTO, Recipe, WeightsConfig
 from squeeze.limits import EMBEDDING_ONLY_BITS
 from squeeze.models.targets import embedding_modules
 
@@ -21,14 +23,16 @@ from squeeze.models.targets import embedding_modules
 RTN_ROW_BITS = (8, *EMBEDDING_ONLY_BITS)
 
 
-def embedding_recipe(recipe: Recipe) -> Recipe:
-    """The recipe an embedding weight is quantized with: ``recipe`` with its weights section set to
-    ``weights.embedding_bits`` (8, 6: RTN per row; 4: the recipe's LUT format, dense only; a recipe of another
-    method: that method per row). ValueError when the recipe quantizes no embedding."""
+def embedding_recipe(recipe: Recipe, bits: int | None = None) -> Recipe:
+    """The recipe an embedding weight is quantized with: ``recipe`` with its weights section set to ``bits``
+    (default ``weights.embedding_bits``; with ``auto``, the width the budget planned) (8, 6: RTN per row; 4: the
+    recipe's LUT format, dense only; a recipe of another method: that method per row). ValueError when there is
+    no width: the recipe quantizes no embedding, or says ``auto`` and no planned width is given."""
     w = recipe.weights
-    bits = w.embedding_bits
     if bits is None:
-        raise ValueError("the recipe keeps the embeddings unquantized (weights.embedding_bits is null)")
+        if w.embedding_bits is None or w.embedding_bits == EMBEDDING_AUTO:
+            raise ValueError(f"no embedding width: weights.embedding_bits is {w.embedding_bits!r}")
+        bits = w.embedding_bits
     # every other option back to its default (sparse fractions, error compensation, a bits budget...): they
     # are the linears' and mean nothing for a table of rows; the sensitivity (Fisher or not) is kept
     if bits in RTN_ROW_BITS or w.method == "rtn":
@@ -69,8 +73,9 @@ def _rtn_rows(bits: int, w: WeightsConfig) -> WeightsConfig:
 
 def embedding_names(model: nn.Module, recipe: Recipe, linears: Collection[str] = ()) -> tuple[str, ...]:
     """Names of the embeddings ``recipe`` quantizes in ``model`` (meta or loaded): none unless
-    ``weights.embedding_bits`` is set; else the input embedding and an untied LM head (a tied one is the
-    embedding's weight), less any the recipe already quantizes as a linear target (``linears``).
+    ``weights.embedding_bits`` is set (``auto`` too: the budget's candidates); else the input embedding and
+    an untied LM head (a tied one is the embedding's weight), less any the recipe already quantizes as a
+    linear target (``linears``).
     ModelError when the recipe asks for it and the model has no token embedding."""
     if recipe.weights.embedding_bits is None:
         return ()

@@ -16,9 +16,10 @@ from torch import nn
 
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression.bit_budget import budget_bytes
-from squeeze.config import Recipe
+from squeeze.compression.embeddings import embedding_names, embedding_targets
+from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ConfigError, ModelError, ResourceError
-from squeeze.models.source import ModelSource
+from squeeze.models.source import KEEP_DTYPES, ModelSource
 from squeeze.models.targets import Target, find_targets, linear_targets, target_shape
 from squeeze.quant.schemes import format_for_recipe
 from squeeze.system import available_memory_bytes
@@ -78,6 +79,10 @@ def estimate_size(
 
     ``targets``: the model's targets (linears and expert parameters, each as its (out, in) matrix) when the
     caller already found them (else found here).
+
+    A ``target_bpw`` budget: the quantized bytes are the budget's, a bound (the plan never exceeds it; exact
+    to the byte only where the plan spends every bit). With ``embedding_bits: auto`` the embeddings are in that
+    budget (the plan keeps or quantizes them) and leave the other bytes.
     """
     weights = recipe.weights
     if targets is None:
@@ -94,7 +99,13 @@ def estimate_size(
         n_weights += out_f * in_f
         quantized += fmt.estimate_bytes(out_f, in_f, weights, dtype_bytes)
     if weights.target_bpw is not None:  # a budget: at most target_bpw bits per weight (ConfigError out of reach)
-        quantized = budget_bytes({n: target_shape(m) for n, m in targets.items()}, weights, dtype_bytes)
+        embeddings: dict[str, tuple[int, int]] = {}
+        if weights.embedding_bits == EMBEDDING_AUTO:  # the embeddings are planned too: counted in the budget
+            for name, table in embedding_targets(model, embedding_names(model, recipe, targets)).items():
+                target_params.add(id(table.weight))
+                embeddings[name] = (int(table.weight.shape[0]), int(table.weight.shape[1]))
+        shapes = {n: target_shape(m) for n, m in targets.items()}
+        quantized = budget_bytes(shapes, weights, dtype_bytes, embeddings, _kept_bytes(model, recipe, dtype_bytes))
     seen: set[int] = set()
     other = 0
     for param in list(model.parameters()) + list(model.buffers()):
@@ -103,6 +114,19 @@ def estimate_size(
         seen.add(id(param))
         other += param.numel() * dtype_bytes
     return SizeEstimate(quantized, other, n_weights, len(targets))
+
+
+def _kept_bytes(model: nn.Module, recipe: Recipe, default: int) -> int:
+    """Bytes per weight of a tensor left unquantized: ``output.keep_dtype``'s, or the dtype the model's config
+    names for ``source``; ``default`` when it names none (a GGUF source's is decided when it is read)."""
+    choice = recipe.output.keep_dtype
+    if choice != "source":
+        return KEEP_DTYPES[choice].itemsize
+    config = getattr(model, "config", None)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) and dtype.is_floating_point else default
 
 
 def free_disk_bytes(path: Path) -> int:

@@ -103,9 +103,13 @@ def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch
     for name in names:
         module = job.targets[name] if name in job.targets else job.embeddings[name]
         hessian = job.hessians.pop(name, None)
-        # an embedding by weights.embedding_bits; a linear (or expert parameter) by a budget's setting for it
-        planned = planned_recipe(job.recipe, job.bit_plan.get(name))
-        recipe = embedding_recipe(job.recipe) if name in job.embeddings else planned
+        # an embedding by weights.embedding_bits (auto: the width the budget planned for it); a linear (or expert
+        # parameter) by a budget's setting for it
+        setting = job.bit_plan.get(name)
+        if name in job.embeddings:
+            recipe = embedding_recipe(job.recipe, setting.bits if setting is not None else None)
+        else:
+            recipe = planned_recipe(job.recipe, setting)
         fisher = job.fisher.pop(name, None)
         spec_extra: dict[str, Any] = {}
         if isinstance(module, ExpertWeight):

@@ -263,7 +263,10 @@ def test_source_dtype_of_gguf_and_of_a_config_only_directory(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     ("option", "value", "message"),
-    [("--keep-dtype", "int8", "source', 'float32', 'bfloat16', 'float16"), ("--embedding-bits", "3", "[4, 6, 8]")],
+    [
+        ("--keep-dtype", "int8", "source', 'float32', 'bfloat16', 'float16"),
+        ("--embedding-bits", "3", "[4, 6, 8, 'auto']"),
+    ],
 )
 def test_cli_refuses_an_unknown_keep_dtype_or_embedding_width(
     tmp_path: Path, option: str, value: str, message: str
