@@ -83,6 +83,12 @@ def tinystories_text(tinystories_file: Path) -> str:
     return tinystories_file.read_text(encoding="utf-8")
 
 
+@pytest.fixture(scope="session")
+def sotu_text() -> str:
+    """../shared's sotu.txt, the calibration text that is not the evaluated domain."""
+    return require_shared(CORPORA / "sotu.txt").read_text(encoding="utf-8")
+
+
 # ------------------------------------------------------------------------------------------------------
 # A tiny random Llama (no files, no downloads): for tests that need "some small model", not stories260K's
 # quality. Built once per session in well under a second (transformers' import aside).

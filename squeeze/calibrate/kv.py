@@ -11,6 +11,7 @@ runs over every token of every window.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from squeeze.calibrate.kv_fit import (
     fp8_error,
     fp8_scale,
 )
+from squeeze.calibrate.queries import query_moments
 from squeeze.errors import CalibrationError, ModelError
 from squeeze.limits import KvChoice, check_kv_calibration, check_kv_group
 from squeeze.models.modes import cache_kwarg, eval_mode, input_device
@@ -169,6 +171,7 @@ def calibrate_kv(
     key_group: int | None = None,
     value_group: int | None = None,
     key_rotation: bool = True,
+    key_search: bool = True,
     progress: Progress | None = None,
 ) -> KVCalibration:
     """Fit a KVSpec for ``model`` on calibration ``windows (n, T)`` int64 (see the module docstring).
@@ -178,14 +181,16 @@ def calibrate_kv(
     squeeze.quant.kv_spec.default_key_group / default_value_group). At int4 values get a calibrated codebook
     (squeeze.calibrate.kv_fit.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
     ``key_rotation``: at int4, also try a rotating key centre per layer (squeeze.calibrate.kv_fit.fit_rotation;
-    kept where it cuts the key error) when the model's RoPE is known (:func:`rope_frequencies`).
+    kept where it cuts the key error) when the model's RoPE is known (:func:`rope_frequencies`). ``key_search``:
+    at int4, refine the key scales channel by channel for the least key error
+    (squeeze.calibrate.kv_fit.refine_key_scale).
     ``bits`` "fp8": :func:`calibrate_fp8` (no sink, no grid options: CalibrationError if given).
     """
     bits, sink_tokens = check_kv_calibration(bits, sink_tokens, key_group, value_group, CalibrationError)
     if isinstance(bits, str):  # KV_FP8, the one choice that is not a width
         return calibrate_fp8(model, windows, progress=progress)
     names = attention_modules(model)
-    _, _, head_dim = kv_geometry(model.config)
+    _, kv_heads, head_dim = kv_geometry(model.config)
     key_group = (
         default_key_group(bits, head_dim)
         if key_group is None
@@ -193,16 +198,19 @@ def calibrate_kv(
     )
     if value_group is not None:
         check_kv_group(value_group, head_dim, "value", CalibrationError)
-    keys, values = capture_kv(model, windows, sink_tokens, progress)
+    search = bits == 4 and key_search
+    with query_moments(model, kv_heads, sink_tokens) if search else nullcontext() as queries:
+        keys, values = capture_kv(model, windows, sink_tokens, progress)
     if len(keys) != len(names):
         raise ModelError(f"the model filled {len(keys)} cache layers but has {len(names)} attention modules")
+    moments = queries.result(len(keys)) if queries is not None else [None] * len(keys)
     # rotating key centres at int4 only: at int8 the key error is already negligible (docs/benchmarks.md)
     rope = rope_frequencies(model, head_dim) if bits == 4 and key_rotation else None
     n, t = windows.shape
     positions = sample_positions(n, t, sink_tokens) if rope is not None else None
     layers, k_err, v_err, k_dyn, v_dyn = [], [], [], [], []
-    for k, v in zip(keys, values, strict=True):
-        kf = fit_keys(k, bits, key_group, positions=positions, rope_freq=rope)
+    for k, v, moment in zip(keys, values, moments, strict=True):
+        kf = fit_keys(k, bits, key_group, positions=positions, rope_freq=rope, query_moments=moment)
         vf = fit_value_codebook(v, bits, value_group) if bits == 4 else fit_values(v, bits, value_group)
         layers.append(
             LayerKV(kf.scale, kf.zero, vf.clip, kf.symmetric, vf.symmetric, vf.group, key_group, vf.levels, kf.rotation)

@@ -14,6 +14,7 @@ from squeeze.calibrate.kv_fit import (
     fit_values,
     fp8_error,
     fp8_scale,
+    refine_key_scale,
 )
 from squeeze.quant.kv import (
     codebook_scale,
@@ -165,3 +166,36 @@ def test_fit_keys_takes_the_rotating_centre_when_it_cuts_the_error() -> None:
     assert flat.rotation is None
     noise = fit_keys(torch.randn(4000, 2, 8, generator=torch.Generator().manual_seed(5)), 4, 4, **rope)
     assert noise.rotation is None or float(noise.rotation.cos_amp.abs().max()) < 0.1
+
+
+def _score_error(keys, fit, moments, group):  # noqa: ANN001, ANN202
+    error = fake_quantize_keys(keys, fit.scale, fit.zero, 4, group) - keys  # (N, H, D)
+    return float(torch.einsum("nhd,hde,nhe->", error, moments, error))
+
+
+def test_refine_key_scale_cuts_the_score_error_the_queries_see() -> None:
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(3000, 2, 8, generator=gen) * torch.tensor([8.0, 1, 1, 1, 4, 1, 0.5, 1])
+    # the queries read channels 1 and 5 only: their error is all that reaches the scores
+    q = torch.zeros(500, 2, 8)
+    q[..., 1], q[..., 5] = torch.randn(500, 2, generator=gen), torch.randn(500, 2, generator=gen)
+    moments = torch.einsum("nhd,nhe->hde", q, q) / q.shape[0]  # (H, D, D)
+    plain = fit_keys(keys, 4, 4)
+    searched = fit_keys(keys, 4, 4, query_moments=moments)
+    assert (searched.zero == plain.zero).all() and searched.symmetric == plain.symmetric
+    assert not torch.equal(searched.scale, plain.scale)
+    assert _score_error(keys, searched, moments, 4) < 0.7 * _score_error(keys, plain, moments, 4)
+    # the reported error is still the keys' plain squared error, of the refined quantizer
+    fake = fake_quantize_keys(keys, searched.scale, searched.zero, 4, 4)
+    assert float((fake - keys).square().sum()) == pytest.approx(searched.sse, rel=1e-6)
+    # and never worse than where it started, head by head, for any weighting
+    for seed in range(3):
+        m = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(seed))
+        m = m @ m.transpose(1, 2)
+        again = refine_key_scale(keys, plain.scale, plain.zero, 4, 4, m)
+        for head in range(2):
+            before = fake_quantize_keys(keys, plain.scale, plain.zero, 4, 4)[:, head] - keys[:, head]
+            after = fake_quantize_keys(keys, again, plain.zero, 4, 4)[:, head] - keys[:, head]
+            assert float(torch.einsum("nd,de,ne->", after, m[head], after)) <= float(
+                torch.einsum("nd,de,ne->", before, m[head], before)
+            )
