@@ -7,6 +7,7 @@ import torch
 
 from squeeze.calibrate.kv_fit import (
     CLIP_GRID,
+    KEY_SCALE_STEPS,
     dynamic_error,
     fit_keys,
     fit_rotation,
@@ -199,3 +200,35 @@ def test_refine_key_scale_cuts_the_score_error_the_queries_see() -> None:
             assert float(torch.einsum("nd,de,ne->", after, m[head], after)) <= float(
                 torch.einsum("nd,de,ne->", before, m[head], before)
             )
+
+
+def _brute_force_search(keys, scale, center, group, moments):  # noqa: ANN001, ANN202
+    """The search as its docstring states it: each channel's factors tried one by one on the whole head's error."""
+    scale = scale.clone()
+
+    def errors(trial):  # noqa: ANN001, ANN202
+        e = fake_quantize_keys(keys, trial, center, 4, group) - keys
+        return torch.einsum("nhd,hde,nhe->h", e, moments, e)
+
+    best = errors(scale)
+    for channel in range(scale.shape[-1]):
+        base = scale[:, channel].clone()
+        for factor in KEY_SCALE_STEPS:
+            trial = scale.clone()
+            trial[:, channel] = base * factor
+            found = errors(trial)
+            better = found < best
+            scale[better, channel] = trial[better, channel]
+            best = torch.where(better, found, best)
+    return scale
+
+
+@pytest.mark.parametrize(("dim", "group"), [(8, 4), (16, 8), (16, None)])
+def test_refine_key_scale_equals_the_brute_force_search(dim: int, group: int | None) -> None:
+    gen = torch.Generator().manual_seed(dim + (group or 0))
+    keys = torch.randn(2000, 2, dim, generator=gen) * torch.rand(dim, generator=gen) * 5
+    fit = fit_keys(keys, 4, group)
+    m = torch.randn(2, dim, dim, generator=gen)
+    moments = m @ m.transpose(1, 2)
+    searched = refine_key_scale(keys, fit.scale, fit.zero, 4, group, moments)
+    assert torch.equal(searched, _brute_force_search(keys, fit.scale, fit.zero, group, moments))
