@@ -49,6 +49,13 @@ KEEP_BF16 = {"output.keep_dtype": "bfloat16"}
 # -- the recipe
 
 
+def test_b4_e_is_b3_5_e_at_four_bits() -> None:
+    small, large = load_recipe("b3.5-e").to_dict(), load_recipe("b4-e").to_dict()
+    assert (small["weights"].pop("target_bpw"), large["weights"].pop("target_bpw")) == (3.5, 4.0)
+    assert (small.pop("name"), large.pop("name")) == ("b3.5-e", "b4-e")
+    assert small == large
+
+
 def test_auto_needs_a_budget_and_other_values_are_refused() -> None:
     assert load_recipe("b3.5-e").weights.embedding_bits == "auto"
     assert load_recipe("b3.5-e").weights.target_bpw == 3.5
