@@ -82,12 +82,16 @@ def query_moments(model: nn.Module, kv_heads: int, skip: int) -> Iterator[QueryM
     """While the block runs, ``model``'s attention layers also add their queries to the QueryMoments yielded
     (positions from ``skip`` on, grouped by their ``kv_heads`` KV heads); the model's attention implementation
     is restored afterwards. Yields None, capturing nothing, for a model whose attention implementation is not
-    one registered with transformers' AttentionInterface (e.g. eager)."""
+    one registered with transformers' AttentionInterface (e.g. eager), or a transformers without one."""
     config: Any = getattr(model, "config", None)
     previous = getattr(config, "_attn_implementation", None)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    try:  # the interfaces are transformers >= 4.53's; older versions keep the plain key fit
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        yield None
+        return
 
     if not isinstance(previous, str) or previous not in ALL_ATTENTION_FUNCTIONS or previous == ATTENTION:
         yield None
