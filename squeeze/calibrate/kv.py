@@ -182,8 +182,9 @@ def calibrate_kv(
     (squeeze.calibrate.kv_fit.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
     ``key_rotation``: at int4, also try a rotating key centre per layer (squeeze.calibrate.kv_fit.fit_rotation;
     kept where it cuts the key error) when the model's RoPE is known (:func:`rope_frequencies`). ``key_search``:
-    at int4, refine the key scales channel by channel for the least key error
-    (squeeze.calibrate.kv_fit.refine_key_scale).
+    at int4, refine the key scales channel by channel for the least error of the attention scores, weighted by
+    the queries' second moments captured in the same pass (squeeze.calibrate.queries,
+    squeeze.calibrate.kv_fit.refine_key_scale).
     ``bits`` "fp8": :func:`calibrate_fp8` (no sink, no grid options: CalibrationError if given).
     """
     bits, sink_tokens = check_kv_calibration(bits, sink_tokens, key_group, value_group, CalibrationError)

@@ -139,8 +139,9 @@ def refine_key_scale(
 
     Why: the range normaliser balances the channels by their extremes, which a few tokens set; within a
     per-token grid the balance that matters is the error the scores see. Against the keys' plain squared
-    error the same search made perplexity worse (stories260K: +1.25% -> +2.21%); weighted by the queries it
-    cuts it (+0.53%) and makes calibrating on the evaluated domain the better choice (docs/benchmarks.md).
+    error the same search made perplexity worse (stories260K, seed 0: +1.25% -> +2.21%); weighted by the
+    queries it makes calibrating on the evaluated domain pay off (stories260K over 5 seeds: in-domain +2.16% ->
+    +0.99%, other text +1.31% -> +1.43%; docs/benchmarks.md).
     """
     step = -(-samples.numel() // KEY_SEARCH_ELEMENTS)
     keys = samples[::step]  # (N, H, D)
