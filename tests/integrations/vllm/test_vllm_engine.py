@@ -128,6 +128,8 @@ def test_calibrated_fp8_kv_scales_reach_vllms_fp8_cache(vllm_tiny: Path, tmp_pat
     copy = shutil.copytree(vllm_tiny, tmp_path / "fp8")
     api.calibrate_kv(copy, tiny_text_file, bits="fp8", calibration_overrides={"num_samples": 4, "seq_len": 32})
     calibrated, log = run_vllm(copy, kv_cache_dtype="fp8")
+    if calibrated is None and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in log:
+        pytest.skip("vLLM runs an fp8 KV cache on CPU only with AVX-512 or AMX, which this CPU lacks")
     assert calibrated is not None, log[-4000:]
     assert "squeeze: the attention layers take the artifact's calibrated fp8 KV scales" in log
     # the same weights without fp8 scales (vllm_tiny's KV calibration is squeeze's int8 grids): vLLM's scale 1.0.
