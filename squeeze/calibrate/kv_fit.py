@@ -100,6 +100,7 @@ def fit_keys(
     if positions is not None and rope_freq is not None:
         rotations.append(fit_rotation(samples, positions, rope_freq))
     best: KeyFit | None = None
+    best_moving: Tensor | None = None  # the chosen fit's centre at each sample's position, for the search
     for rotation in rotations:
         # (N, H, D) in the sample layout: the centre at each sample's position
         moving = None if rotation is None else rotation.at(positions).transpose(0, 1)  # type: ignore[arg-type]
@@ -110,15 +111,12 @@ def fit_keys(
             fake = fake_quantize_keys(samples, scale, center, bits, group, moving)
             sse = float((fake - samples).square().sum())
             if best is None or sse < best.sse:
-                best = KeyFit(scale, center, symmetric, sse, rotation)
+                best, best_moving = KeyFit(scale, center, symmetric, sse, rotation), moving
     assert best is not None  # the loops run at least twice
     if query_moments is not None:
-        moving = None
-        if best.rotation is not None and positions is not None:
-            moving = best.rotation.at(positions).transpose(0, 1)  # (N, H, D)
-        scale = refine_key_scale(samples, best.scale, best.zero, bits, group, query_moments, moving)
-        sse = float((fake_quantize_keys(samples, scale, best.zero, bits, group, moving) - samples).square().sum())
-        best = KeyFit(scale, best.zero, best.symmetric, sse, best.rotation)
+        scale = refine_key_scale(samples, best.scale, best.zero, bits, group, query_moments, best_moving)
+        fake = fake_quantize_keys(samples, scale, best.zero, bits, group, best_moving)
+        best = KeyFit(scale, best.zero, best.symmetric, float((fake - samples).square().sum()), best.rotation)
     return best
 
 
