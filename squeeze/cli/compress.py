@@ -33,6 +33,7 @@ CALIBRATION_KEYS = ("num_samples", "seq_len")
 RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory")
 STAGE_LABELS = {
     "fisher": "Fisher sensitivity (windows)",
+    "generate": "Sampling text for the Hessians (steps)",
     "plan": "Planning bits per linear (units)",
     "quantize": "Quantizing (layers)",
 }

@@ -30,7 +30,7 @@ from squeeze.format.manifest import Manifest
 from squeeze.models.source import ModelSource
 from squeeze.models.targets import Target
 
-#: progress(stage, done, total); stages: "fisher", "quantize".
+#: progress(stage, done, total); stages: "fisher", "generate", "plan", "quantize".
 StageProgress = Callable[[str, int, int], None]
 
 #: The job's stages, in the order they run.

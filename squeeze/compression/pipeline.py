@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from squeeze.calibrate.fisher import finish_sums, fisher_information, fisher_sums, new_sums
+from squeeze.calibrate.generated import sample_windows_from_model, start_token
 from squeeze.calibrate.hessian import hessian_bytes_bound, input_hessians
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import streaming
@@ -339,12 +340,30 @@ def sensitivity_stage(job: CompressJob) -> None:
             job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
                 job.loaded_model(), job.windows, _fisher_modules(job), progress=report
             )
+            if ec and job.recipe.weights.generated_samples:
+                _sample_for_hessians(job, calibration.seq_len)  # the same hooks add the sampled tokens' inputs
         job.hessians = accumulated.result() if ec else {}
         with timed(job.timings, "checkpoint"):
             if ec:  # first: a committed Fisher without its Hessians is recomputed, never half trusted
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
+
+
+def _sample_for_hessians(job: CompressJob, seq_len: int) -> None:
+    """Run the model on ``weights.generated_samples`` sequences it samples itself (seeded by the job's seed),
+    inside the caller's input_hessians context: their tokens' inputs join the calibration text's."""
+    progress = job.progress
+    report = (lambda done, total: progress("generate", done, total)) if progress else None
+    with timed(job.timings, "generate"):
+        sample_windows_from_model(
+            job.loaded_model(),
+            job.recipe.weights.generated_samples,
+            seq_len,
+            start=start_token(job.tokenizer),
+            seed=job.seed,
+            progress=report,
+        )
 
 
 def _fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:

@@ -5,6 +5,7 @@ equal bits, and resuming from a committed Fisher + Hessian gives identical bytes
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -141,3 +142,45 @@ def test_ec_needs_calibration_even_with_uniform_sensitivity(tmp_path, stories_di
     assert not pipeline.needs_calibration(load_recipe("w3", **{"weights.sensitivity": "uniform"}))
     with pytest.raises(ConfigError, match="no calibration text"):
         api.compress(str(stories_dir), tmp_path / "x", recipe, None)
+
+
+def test_generated_samples_join_the_hessians(ec_artifact, tmp_path, stories_dir, tinystories_file, monkeypatch):
+    """weights.generated_samples: the model samples that many sequences (the calibration's seq_len) inside the
+    Hessians' hooks; the artifact is an ordinary one, other than without them, and the same seed repeats it."""
+    import squeeze.calibrate.generated as generated
+
+    calls: list[tuple[int, int, int]] = []
+    sample = generated.sample_windows_from_model
+
+    def spy(model, num_samples, seq_len, **kwargs):
+        calls.append((num_samples, seq_len, kwargs["seed"]))
+        return sample(model, num_samples, seq_len, **kwargs)
+
+    monkeypatch.setattr(pipeline, "sample_windows_from_model", spy)
+    steps: list[tuple[int, int]] = []
+
+    def progress(stage, done, total):
+        if stage == "generate":
+            steps.append((done, total))
+
+    overrides = {"weights.generated_samples": 3}
+    first = compress(stories_dir, tinystories_file, tmp_path / "a", overrides=overrides, progress=progress)
+    assert calls == [(3, CALIB["seq_len"], 0)]
+    assert steps[-1] == (CALIB["seq_len"], CALIB["seq_len"])  # one batch of 3, 128 steps
+    assert "generate" in first.timings
+    assert api.verify_model_integrity(tmp_path / "a").ok
+    assert files(tmp_path / "a") != files(ec_artifact)
+    compress(stories_dir, tinystories_file, tmp_path / "b", overrides=overrides)
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+    text = str(tinystories_file)
+    ppl = api.evaluate(str(tmp_path / "a"), text, seq_len=64, max_windows=8).result.perplexity
+    assert math.isfinite(ppl)
+
+
+def test_generated_samples_need_error_compensation():
+    with pytest.raises(ConfigError, match="only with weights.error_compensation"):
+        load_recipe("w3", **{"weights.generated_samples": 8})
+    with pytest.raises(ConfigError, match="generated_samples must be >= 0"):
+        load_recipe("w3-ec", **{"weights.generated_samples": -1})
+    with pytest.raises(ConfigError, match="applies to method squeeze"):
+        load_recipe("rtn-w3", **{"weights.generated_samples": 8})

@@ -45,7 +45,15 @@ class LutWeight(WeightFormat):
     method: ClassVar[str] = "squeeze"
     recipe_match: ClassVar[Mapping[str, object]] = {"lut_dtype": "float16"}
     recipe_options: ClassVar[frozenset[str]] = frozenset(
-        {"sensitive_fraction", "outlier_fraction", "lut_dtype", "error_compensation", "damp", "refit_lut"}
+        {
+            "sensitive_fraction",
+            "outlier_fraction",
+            "lut_dtype",
+            "error_compensation",
+            "damp",
+            "refit_lut",
+            "generated_samples",
+        }
     )
     uses_fisher: ClassVar[bool] = True
     uses_hessian: ClassVar[bool] = True
