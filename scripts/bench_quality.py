@@ -9,7 +9,8 @@ replaces the target weights by their exact dequantization (the artifact's refere
 on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
 Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
 the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
-in descending diag(H) order; a trailing -dampX sets the dampening, default 0.01).
+in descending diag(H) order; a trailing -dampX sets the dampening, default 0.01). --generated-samples N adds
+the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
 Writes JSON (--out) and prints a table.
 """
 
@@ -30,6 +31,7 @@ SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
 from squeeze.calibrate.fisher import fisher_information  # noqa: E402
+from squeeze.calibrate.generated import sample_windows_from_model, start_token  # noqa: E402
 from squeeze.calibrate.hessian import dedupe_hessians, input_hessians, output_weighted_hessians  # noqa: E402
 from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
@@ -101,6 +103,40 @@ def _damp(method: str) -> float:
     return float(match.group(1)) if match else 0.01
 
 
+def _with_generated(
+    model: torch.nn.Module,
+    tokenizer: object,
+    targets: dict[str, torch.nn.Linear],
+    hessians: dict[str, torch.Tensor],
+    samples: int,
+    seq_len: int,
+    cache: Path | None,
+) -> dict[str, torch.Tensor]:
+    """``hessians`` plus those of ``samples`` sequences the model samples (seed 0), as compress adds them
+    (weights.generated_samples); cached beside the Fisher (``-gen{samples}``) when ``cache`` is given."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = cache.with_name(f"{cache.stem}-gen{samples}x{seq_len}.safetensors") if cache is not None else None
+    if path is not None and path.is_file():
+        with safe_open(str(path), framework="pt") as handle:
+            alias = json.loads((handle.metadata() or {})["alias"])
+        stored = load_file(str(path))
+        generated = {name: stored[owner] for name, owner in alias.items()}
+        print(f"generated-text Hessians: loaded from {path}", flush=True)
+    else:
+        t0 = time.perf_counter()
+        with input_hessians(targets) as acc:
+            sample_windows_from_model(model, samples, seq_len, start=start_token(tokenizer), seed=0)
+        generated = acc.result()
+        print(f"generated-text Hessians: {samples} x {seq_len} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        if path is not None:
+            stored, alias = dedupe_hessians(generated)
+            save_file(stored, str(path), metadata={"alias": json.dumps(alias)})
+    total: dict[int, torch.Tensor] = {}  # one sum per shared tensor, so q/k/v (gate/up) still share theirs
+    return {name: total.setdefault(id(h), h + generated[name]) for name, h in hessians.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -116,6 +152,12 @@ def main() -> None:
         "--fisher-cache",
         default=None,
         help="safetensors file: load the Fisher from it if present, else compute and save it there",
+    )
+    parser.add_argument(
+        "--generated-samples",
+        type=int,
+        default=0,
+        help="-ec variants: add N model-sampled sequences of --seq-len tokens to the Hessians (seed 0)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -192,6 +234,9 @@ def main() -> None:
                 save_file(stored, str(hcache), metadata={"alias": json.dumps(alias)})
                 if want_guided is not None and gcache is not None:
                     save_file(guided, str(gcache))
+
+    if want_ec and args.generated_samples:
+        hessians = _with_generated(model, tokenizer, targets, hessians, args.generated_samples, args.seq_len, cache)
 
     rows = []
     for method in methods:
