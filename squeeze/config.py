@@ -48,6 +48,8 @@ EMBEDDING_BITS = (4, 6, 8)
 #: ``weights.embedding_bits: auto``: a ``target_bpw`` budget chooses the width (or none) per embedding.
 EmbeddingAuto = Literal["auto"]
 EMBEDDING_AUTO: EmbeddingAuto = "auto"
+#: The WeightsConfig options that only error compensation reads (each must keep its default without it).
+ERROR_COMPENSATION_OPTIONS = ("damp", "refit_lut", "act_order", "generated_samples")
 #: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
 #: squeeze.models.experts), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
 DEFAULT_TARGETS = (
@@ -160,13 +162,13 @@ class WeightsConfig:
                 f"weights.damp must be in (0, 1], found {self.damp!r}",
                 hint="0.01 (GPTQ's default) adds 1% of the Hessian's mean diagonal",
             )
-        if not self.error_compensation and (
-            self.damp != 0.01 or self.refit_lut or self.act_order or self.generated_samples
-        ):
+        defaults = WeightsConfig.__dataclass_fields__
+        changed = [name for name in ERROR_COMPENSATION_OPTIONS if getattr(self, name) != defaults[name].default]
+        if not self.error_compensation and changed:
             raise ConfigError(
-                "weights.damp, refit_lut, act_order and generated_samples apply only with "
-                "weights.error_compensation: true",
-                hint="add error_compensation: true, or remove damp / refit_lut / act_order / generated_samples",
+                f"weights.{', weights.'.join(changed)}: used only with weights.error_compensation: true "
+                f"(options of it: {', '.join(ERROR_COMPENSATION_OPTIONS)})",
+                hint=f"add error_compensation: true, or remove {' / '.join(changed)}",
             )
         check_at_least(self.generated_samples, 0, "weights.generated_samples")
 

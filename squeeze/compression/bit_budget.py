@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from squeeze.compression.embeddings import embedding_recipe
-from squeeze.config import EMBEDDING_AUTO, EMBEDDING_BITS, Recipe, WeightsConfig
+from squeeze.config import EMBEDDING_AUTO, EMBEDDING_BITS, ERROR_COMPENSATION_OPTIONS, Recipe, WeightsConfig
 from squeeze.errors import ConfigError
 from squeeze.limits import WEIGHT_BITS
 from squeeze.quant.schemes import format_for_recipe
@@ -311,9 +311,8 @@ def without_error_compensation(recipe: Recipe) -> Recipe:
     if not weights.error_compensation:
         return recipe
     base = WeightsConfig()  # error_compensation and its options at their defaults (off)
-    plain = replace(
-        weights, error_compensation=False, damp=base.damp, refit_lut=base.refit_lut, act_order=base.act_order
-    )
+    options = {name: getattr(base, name) for name in ERROR_COMPENSATION_OPTIONS}
+    plain = replace(weights, error_compensation=False, **options)
     return replace(recipe, weights=plain)
 
 

@@ -301,7 +301,10 @@ def calibrate_stage(job: CompressJob) -> None:
     model loads, so a text too short fails fast."""
     calibration = job.calibration
     if calibration is not None and not job.work.has_fisher():
-        job.windows = calibration_windows(calibration, load_tokenizer(job.source))
+        tokenizer = load_tokenizer(job.source)
+        job.windows = calibration_windows(calibration, tokenizer)
+        if job.recipe.weights.generated_samples and uses_hessians(job.recipe):
+            start_token(tokenizer)  # a tokenizer with nothing to start a sample from fails before the model loads
 
 
 def load_stage(job: CompressJob) -> None:
@@ -340,7 +343,7 @@ def sensitivity_stage(job: CompressJob) -> None:
             job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
                 job.loaded_model(), job.windows, _fisher_modules(job), progress=report
             )
-            if ec and job.recipe.weights.generated_samples:
+            if _samples_for_hessians(job):
                 _sample_for_hessians(job, calibration.seq_len)  # the same hooks add the sampled tokens' inputs
         job.hessians = accumulated.result() if ec else {}
         with timed(job.timings, "checkpoint"):
@@ -348,6 +351,13 @@ def sensitivity_stage(job: CompressJob) -> None:
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
+
+
+def _samples_for_hessians(job: CompressJob) -> bool:
+    """Whether the model samples text for the Hessians: weights.generated_samples with error compensation and
+    at least one linear to compensate (expert parameters have no Hessian)."""
+    weights = job.recipe.weights
+    return bool(weights.generated_samples and uses_hessians(job.recipe) and linear_targets(job.targets))
 
 
 def _sample_for_hessians(job: CompressJob, seq_len: int) -> None:

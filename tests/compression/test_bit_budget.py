@@ -14,8 +14,9 @@ from squeeze.compression.bit_budget import (
     check_target,
     fused_units,
     planned_recipe,
+    without_error_compensation,
 )
-from squeeze.config import Recipe, WeightsConfig
+from squeeze.config import ERROR_COMPENSATION_OPTIONS, Recipe, WeightsConfig, load_recipe
 from squeeze.errors import ConfigError
 
 
@@ -124,3 +125,17 @@ def test_a_target_outside_the_models_range_names_the_range() -> None:
         with pytest.raises(ConfigError, match=r"between 2\.000 .* and 4\.000 bits per weight") as caught:
             check_target(bad, 100, costs, "weights.target_bpw")
         assert caught.value.hint == "pass a target in [2.000, 4.000]"
+
+
+def test_without_error_compensation_resets_every_option_of_it():
+    """What an expert parameter and the plan's estimates are quantized with: a valid recipe with each
+    error-compensation option at its default, whatever the recipe set."""
+    options = {"damp": 0.1, "refit_lut": True, "act_order": True, "generated_samples": 8}
+    assert set(options) == set(ERROR_COMPENSATION_OPTIONS)
+    recipe = load_recipe("w3-ec", **{f"weights.{k}": v for k, v in options.items()})
+    plain = without_error_compensation(recipe).weights
+    base = WeightsConfig()
+    assert not plain.error_compensation
+    assert all(getattr(plain, name) == getattr(base, name) for name in ERROR_COMPENSATION_OPTIONS)
+    assert (plain.bits, plain.sensitivity) == (recipe.weights.bits, recipe.weights.sensitivity)
+    assert without_error_compensation(load_recipe("w3")) == load_recipe("w3")

@@ -184,3 +184,23 @@ def test_generated_samples_need_error_compensation():
         load_recipe("w3-ec", **{"weights.generated_samples": -1})
     with pytest.raises(ConfigError, match="applies to method squeeze"):
         load_recipe("rtn-w3", **{"weights.generated_samples": 8})
+
+
+def test_a_tokenizer_with_no_start_token_is_refused_before_the_model_loads(
+    tmp_path, stories_dir, tinystories_file, monkeypatch
+):
+    real = pipeline.load_tokenizer
+
+    def no_bos_or_eos(source):
+        tokenizer = real(source)
+        tokenizer.bos_token, tokenizer.eos_token = None, None
+        return tokenizer
+
+    def must_not_load(*_args, **_kwargs):
+        raise AssertionError("the model must not load before the start token is checked")
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", no_bos_or_eos)
+    monkeypatch.setattr(pipeline, "load_model", must_not_load)
+    with pytest.raises(ConfigError, match="no BOS or EOS token"):
+        compress(stories_dir, tinystories_file, tmp_path / "x", overrides={"weights.generated_samples": 2})
+    assert not (tmp_path / "x" / MANIFEST_NAME).exists()

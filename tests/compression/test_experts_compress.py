@@ -220,13 +220,14 @@ def test_a_run_interrupted_after_quantizing_resumes_to_the_same_bytes_and_counts
 def test_experts_only_targets_with_error_compensation_need_no_hessian(
     qwen3_moe: Path, tmp_path: Path, tiny_text_file: Path
 ) -> None:
-    overrides = {"weights.targets": ["experts.gate_up_proj", "experts.down_proj"]}
+    overrides = {"weights.targets": ["experts.gate_up_proj", "experts.down_proj"], "weights.generated_samples": 4}
     result = _compress(qwen3_moe, tmp_path / "out", tiny_text_file, "w4-ec", overrides=overrides)
     _, quant = _artifact(tmp_path / "out")
     assert sorted(quant["modules"]) == sorted(
         f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
     )
     assert result.quantized_modules == 4 and "ec" not in result.timings
+    assert "generate" not in result.timings  # no Hessian to add sampled text to: nothing is sampled
 
 
 def test_preflight_estimates_count_the_expert_parameters_exactly(
