@@ -17,7 +17,8 @@ ALL_OPTIONS = [
     "my model", "-o", "out dir", "--recipe", "w3", "--calibration", "cal.txt", "--num-samples", "4",
     "--seq-len", "64", "--method", "rtn", "--bits", "3", "--sensitivity", "uniform", "--sensitive-fraction",
     "0.001", "--outlier-fraction", "0.002", "--group-size", "32", "--lut-dtype", "int8", "--max-shard-size",
-    "1GB", "--keep-dtype", "bfloat16", "--embedding-bits", "8", "--seed", "7", "--overwrite", "--force",
+    "1GB", "--keep-dtype", "bfloat16", "--embedding-bits", "8", "--generated-samples", "12", "--seed", "7",
+    "--overwrite", "--force",
 ]  # fmt: skip
 
 
@@ -55,6 +56,7 @@ def test_every_option_reaches_api_and_the_resume_hint(monkeypatch: pytest.Monkey
         "output.max_shard_size": "1GB",
         "output.keep_dtype": "bfloat16",
         "weights.embedding_bits": 8,
+        "weights.generated_samples": 12,
         "weights.target_bpw": None,  # not given (it and --bits come from one source: tests/compression)
     }
     assert call["calibration_overrides"] == {"num_samples": 4, "seq_len": 64}
@@ -62,7 +64,7 @@ def test_every_option_reaches_api_and_the_resume_hint(monkeypatch: pytest.Monkey
         "squeeze compress 'my model' --output 'out dir' --recipe w3 --calibration cal.txt --num-samples 4 "
         "--seq-len 64 --seed 7 --method rtn --bits 3 --sensitivity uniform --sensitive-fraction 0.001 "
         "--outlier-fraction 0.002 --group-size 32 --lut-dtype int8 --max-shard-size 1GB --keep-dtype bfloat16 "
-        "--embedding-bits 8 --overwrite"
+        "--embedding-bits 8 --generated-samples 12 --overwrite"
     )
     hint = f"resume with: {command} --resume" if resumable else f"start again with: {command}"
     assert hint in " ".join(result.stderr.split()), result.stderr
