@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from squeeze.calibrate.fisher import fisher_information
-from squeeze.calibrate.hessian import dedupe_hessians, hessian_bytes_bound, input_hessians, output_weighted_hessians
+from squeeze.calibrate.hessian import (
+    MIN_ROWS,
+    MIN_TILED_WIDTH,
+    dedupe_hessians,
+    hessian_bytes_bound,
+    input_hessians,
+    output_weighted_hessians,
+)
 from squeeze.models.targets import find_target_linears
 from squeeze.quant.ec import row_groups
 
@@ -47,6 +54,29 @@ def test_hessians_are_sum_xxT_and_shared_inputs_share_one_tensor():
     before = h["a"].clone()
     block(xs[0])
     assert torch.equal(h["a"], before)
+
+
+def test_one_token_steps_are_buffered_and_a_wide_input_is_tiled_yet_the_sum_is_x_T_x():
+    """Decode-like calls (a row each, fewer than MIN_ROWS) and a big one, on an input wide enough to be tiled:
+    the result is the full symmetric sum, also when more calls follow a result() (it flushes, then goes on)."""
+    torch.manual_seed(0)
+    width = MIN_TILED_WIDTH + 3  # tiles of unequal widths
+    linear = nn.Linear(width, 2)
+    steps = [torch.randn(2, 1, width) for _ in range(MIN_ROWS // 2 + 5)]  # more than MIN_ROWS rows in all
+    big = torch.randn(1, MIN_ROWS + 7, width)
+    with input_hessians({"l": linear}) as acc:
+        for x in [*steps[:3], big, *steps[3:]]:
+            linear(x)
+        first = acc.result()["l"].clone()
+        linear(steps[0])
+        second = acc.result()["l"]
+    flat = torch.cat([x.reshape(-1, width) for x in [*steps, big]]).double()
+    expected = (flat.T @ flat).float()
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(first, first.T)  # mirrored, not computed twice
+    extra = steps[0].reshape(-1, width).double()
+    torch.testing.assert_close(second, (flat.T @ flat + extra.T @ extra).float(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(second, second.T)
 
 
 def test_a_module_never_called_gets_a_zero_hessian():
