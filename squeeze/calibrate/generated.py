@@ -6,7 +6,8 @@ other text does not: on SmolLM2-135M w3, compensation against sotu.txt's Hessian
 perplexity from 41.1 to 30.4 (fp32 24.2) but WikiText-2's only from 59.0 to 55.1. Text the model samples from
 its own distribution (temperature 1, no top-k / top-p: every token as likely as the model finds it) covers
 what it was trained on, without any data beyond the checkpoint (LLM-QAT's data-free calibration, Liu et al.
-2023); adding 32 x 512 such tokens to the Hessians gave 47.7 on WikiText-2 (docs/benchmarks.md).
+2023); adding 8 x 512 such tokens to the Hessians gave 50.2 on WikiText-2, 32 x 512 gave 47.9 (act-order,
+damp 0.1; 54.4 without them; docs/benchmarks.md, "Error compensation").
 
 The sampling loop is explicit (a KV cache, one token per step, a seeded ``torch.Generator``), not
 ``model.generate``: a checkpoint's generation config (top-p, repetition penalty, ...) must not change the
