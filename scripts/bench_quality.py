@@ -111,9 +111,11 @@ def _with_generated(
     samples: int,
     seq_len: int,
     cache: Path | None,
+    weight: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """``hessians`` plus those of ``samples`` sequences the model samples (seed 0), as compress adds them
-    (weights.generated_samples); cached beside the Fisher (``-gen{samples}``) when ``cache`` is given."""
+    """``hessians`` plus ``weight`` times those of ``samples`` sequences the model samples (seed 0), as compress
+    adds them (weights.generated_samples, weight 1); cached beside the Fisher (``-gen{samples}``) when ``cache``
+    is given."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -134,7 +136,7 @@ def _with_generated(
             stored, alias = dedupe_hessians(generated)
             save_file(stored, str(path), metadata={"alias": json.dumps(alias)})
     total: dict[int, torch.Tensor] = {}  # one sum per shared tensor, so q/k/v (gate/up) still share theirs
-    return {name: total.setdefault(id(h), h + generated[name]) for name, h in hessians.items()}
+    return {name: total.setdefault(id(h), h + weight * generated[name]) for name, h in hessians.items()}
 
 
 def main() -> None:
@@ -158,6 +160,12 @@ def main() -> None:
         type=int,
         default=0,
         help="-ec variants: add N model-sampled sequences of --seq-len tokens to the Hessians (seed 0)",
+    )
+    parser.add_argument(
+        "--generated-weight",
+        type=float,
+        default=1.0,
+        help="the sampled sequences' Hessians are added times this (1: as compress adds them)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -236,7 +244,9 @@ def main() -> None:
                     save_file(guided, str(gcache))
 
     if want_ec and args.generated_samples:
-        hessians = _with_generated(model, tokenizer, targets, hessians, args.generated_samples, args.seq_len, cache)
+        hessians = _with_generated(
+            model, tokenizer, targets, hessians, args.generated_samples, args.seq_len, cache, args.generated_weight
+        )
 
     rows = []
     for method in methods:

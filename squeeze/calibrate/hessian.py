@@ -11,11 +11,12 @@ modules share is fixed on the first forward call of each module: it shares when 
 object an earlier module of the same forward received.
 
 Calls with fewer than :data:`MIN_ROWS` token rows (a decode step sees one token per sequence) are buffered
-and added together: a rank-8 update reads and writes the whole (in, in) matrix for 8 rows' worth of work, so
-without the buffer sampling text for the Hessians (squeeze.calibrate.generated) spent as long updating them as
-running the model. The sum is the same up to float32 rounding order. Only the blocks on and above the diagonal of a
-:data:`SYMMETRIC_BLOCKS` x :data:`SYMMETRIC_BLOCKS` tiling are accumulated (H is symmetric), and
-:meth:`HessianSet.result` mirrors them below it: 10 of 16 blocks, a third less time on SmolLM2's shapes.
+and added together: a rank-8 update reads and writes the whole (in, in) matrix for 8 rows' worth of work,
+so without the buffer, sampling text for the Hessians (squeeze.calibrate.generated) spent 70% as long
+updating them as running the model. Only the tiles on and above the diagonal of a
+:data:`SYMMETRIC_BLOCKS` x :data:`SYMMETRIC_BLOCKS` tiling are accumulated (H is symmetric) and
+:meth:`HessianSet.result` mirrors them below it: 10 of 16 tiles, a third less time on SmolLM2's shapes.
+Either way the sum is the same up to float32 rounding order.
 
 Memory: one float32 (in, in) matrix per distinct input, on ``device`` (default: the module's). For a Llama
 block with hidden size d and MLP size f that is 3 * d**2 + f**2 floats (q/k/v, o, gate/up, down); SmolLM2-135M
