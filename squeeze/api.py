@@ -560,16 +560,19 @@ def local_artifact(
     public_key: str | os.PathLike[str] | None = None,
     progress: ProgressFn | None = None,
 ) -> str:
-    """``source`` as a local artifact path: a local path as it is; an ``https://`` / ``http://`` URL, or a Hub
-    repo id naming no local path, pulled (:func:`pull`) into the artifact cache first, or found there
-    complete (``${SQUEEZE_CACHE:-~/.cache/squeeze}/artifacts``). What :func:`load` and ``squeeze run -m``
-    do with such a source; the loader then verifies the directory as always."""
+    """``source`` as a local artifact path: a local path as it is (ConfigError "no such artifact directory"
+    when it does not exist); an ``https://`` / ``http://`` URL or ``hf://org/name[@revision]`` pulled
+    (:func:`pull`) into the artifact cache first, or found there complete
+    (``${SQUEEZE_CACHE:-~/.cache/squeeze}/artifacts``). A bare ``org/name`` is a local path: only ``hf://``
+    (or :func:`pull`) downloads from the Hub, and never while ``HF_HUB_OFFLINE`` is set. What :func:`load` and
+    ``squeeze run -m`` do with such a source; the loader then verifies the directory as always."""
+    from squeeze.distribution.pull import existing_artifact_dir, resolve_source
     from squeeze.distribution.source import is_remote
 
     text = os.fspath(source)
     if not is_remote(text):
+        existing_artifact_dir(text)
         return text
-    from squeeze.distribution.pull import resolve_source
 
     return os.fspath(resolve_source(text, public_key=public_key, progress=progress))
 

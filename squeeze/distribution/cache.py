@@ -28,8 +28,9 @@ def cache_root() -> Path:
 
 
 def source_dir(source: Source) -> Path:
-    """The cache directory of every version pulled from ``source``."""
-    tag = hashlib.sha256(source.text.strip().encode("utf-8")).hexdigest()[:12]
+    """The cache directory of every version pulled from ``source`` (as the user named it: for a Hub repo, the
+    revision asked for, not the commit a pull was pinned to, so that offline use finds it again)."""
+    tag = hashlib.sha256(source.canonical.encode("utf-8")).hexdigest()[:12]
     return cache_root() / "artifacts" / f"{source.cache_key()}-{tag}"
 
 

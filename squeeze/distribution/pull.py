@@ -20,7 +20,14 @@ from typing import Any
 from squeeze.distribution.cache import artifact_cache_dir, latest_cached
 from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
 from squeeze.distribution.http import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
-from squeeze.distribution.source import Source, parse_source
+from squeeze.distribution.source import (
+    Source,
+    check_hub_allowed,
+    hub_offline,
+    is_remote,
+    looks_like_repo_id,
+    parse_source,
+)
 from squeeze.distribution.staging import Staging
 from squeeze.errors import ConfigError, FormatError, IntegrityError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME, Manifest, parse_manifest
@@ -83,7 +90,8 @@ def pull_artifact(
     started = time.perf_counter()
     if workers is not None and workers < 1:
         raise ConfigError(f"workers must be >= 1, found {workers}", hint="omit it for the default")
-    parsed = parse_source(source)
+    parsed = requested = parse_source(source)
+    check_hub_allowed(parsed)
     target = Path(output).absolute() if output is not None else None
     if target is not None:
         _check_output(target, None)
@@ -102,8 +110,8 @@ def pull_artifact(
         signed_by = None
         if public_key is not None:
             signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
-        if target is None:
-            target = artifact_cache_dir(parsed, manifest.root_digest)
+        if target is None:  # keyed by the source as named (a Hub pull is pinned to its commit by now)
+            target = artifact_cache_dir(requested, manifest.root_digest)
         if _check_output(target, manifest):
             return PullResult(
                 source=source,
@@ -265,20 +273,26 @@ def _check_signature(
 def resolve_source(
     source: str, *, public_key: str | os.PathLike[str] | None = None, progress: ProgressFn | None = None
 ) -> Path:
-    """A local artifact directory for ``source``: an existing local path as it is; an http(s) URL or a Hub
-    repo id (``org/name[@revision]`` that is not an existing local path) pulled into the cache first
-    (reused when the cache already holds a complete pull of the version the source serves now).
+    """A local artifact directory for ``source``: a local path as it is; an http(s) URL or ``hf://org/name``
+    (``[@revision]``) pulled into the cache first (reused when the cache already holds a complete pull of the
+    version the source serves now). A bare ``org/name`` is a local path (see squeeze.distribution.source).
 
     When the source cannot be reached (TransferError: offline, server down) and the cache holds a complete
     earlier pull from it, the most recent one is returned (without a ``public_key``: a signature is only
-    checked against what the source serves).
+    checked against what the source serves). With ``HF_HUB_OFFLINE`` set, a Hub source is that cached pull
+    or a ConfigError, with no network access.
 
     The returned directory is verified when it loads (``squeeze.api.load``). Raises what ``pull_artifact``
-    raises; ConfigError for a string that is neither a path nor a URL nor a repo id.
+    raises; ConfigError for a local path that does not exist.
     """
-    if "://" not in source and Path(source).expanduser().exists():
-        return Path(source).expanduser()
-    parsed = parse_source(source)  # ConfigError before any network access for neither a URL nor a repo id
+    if not is_remote(source):
+        return existing_artifact_dir(source)
+    parsed = parse_source(source)  # ConfigError before any network access for a malformed URL or repo id
+    if parsed.is_hub and hub_offline():
+        cached = None if public_key is not None else latest_cached(parsed)
+        if cached is not None:
+            return cached
+        check_hub_allowed(parsed)  # raises: nothing cached, and no download while offline
     try:
         return pull_artifact(source, None, public_key=public_key, progress=progress).output
     except TransferError:
@@ -286,3 +300,15 @@ def resolve_source(
         if cached is None:
             raise
         return cached
+
+
+def existing_artifact_dir(text: str) -> Path:
+    """``text`` as a local path that exists; ConfigError naming it otherwise, with the explicit ``hf://`` form
+    in the hint when it has a repo id's shape (a local path is never taken for a Hub repo)."""
+    path = Path(text).expanduser()
+    if os.path.lexists(path):
+        return path
+    hint = "pass the artifact's directory (or its squeeze.manifest.json)"
+    if looks_like_repo_id(text):
+        hint = f"to download the Hub repo {text} instead, pass hf://{text} (or run `squeeze pull {text}`)"
+    raise ConfigError(f"no such artifact directory: {text}", hint=hint)

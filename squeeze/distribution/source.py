@@ -1,5 +1,10 @@
 """Where a pull reads from: an http(s) URL of an artifact directory, or a Hugging Face Hub repo id.
 
+A Hub download happens only when it was asked for without ambiguity: ``hf://org/name`` anywhere a model is
+named (``run -m``, ``serve``, ``eval``, ``squeeze.load``), or a bare ``org/name`` given to ``squeeze pull``
+itself. Elsewhere ``org/name`` is a local path, so a mistyped directory is "no such artifact directory", never a
+stranger's repo fetched and run; and nothing is downloaded from the Hub while ``HF_HUB_OFFLINE`` is set.
+
 A Source turns an artifact-relative path into a URL (each path component URL-quoted) and carries the
 headers every request sends. Hub repos go through huggingface_hub for what it knows: the endpoint
 (``HF_ENDPOINT`` mirrors, read when the pull starts), the ``resolve`` URL layout, the token and user agent
@@ -20,6 +25,8 @@ from squeeze.version import __version__
 #: ``org/name`` or ``org/name@revision`` (the Hub's own rules: letters, digits, '-', '_', '.').
 _REPO_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<revision>[\w./-]{1,200}))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+#: The explicit form of a Hub source wherever a local path is accepted too (as huggingface_hub's file system).
+HUB_SCHEME = "hf://"
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,14 @@ class Source:
     @property
     def is_hub(self) -> bool:
         return self.repo_id is not None
+
+    @property
+    def canonical(self) -> str:
+        """One spelling per source: ``hf://org/name[@revision]`` for ``org/name`` and ``hf://org/name`` alike;
+        a URL as given (stripped). What the artifact cache keys its directories by."""
+        if self.repo_id is not None:
+            return HUB_SCHEME + self.repo_id + (f"@{self.revision}" if self.revision else "")
+        return self.text.strip()
 
     def url_for(self, path: str) -> str:
         if self.repo_id is not None:
@@ -76,19 +91,41 @@ class Source:
 
 
 def is_remote(text: str) -> bool:
-    """True when ``text`` names an artifact to pull: an http(s) URL, or a Hub repo id (``org/name[@revision]``)
-    that is not an existing local path (a local directory of that name always wins, as in transformers)."""
-    if text.startswith(("https://", "http://")):
-        return True
-    return _REPO_ID.fullmatch(text) is not None and not os.path.lexists(os.path.expanduser(text))
+    """True when ``text`` asks for a download: an http(s) URL or ``hf://org/name[@revision]``.
+
+    A bare ``org/name`` is a local path here (only ``squeeze pull`` reads it as a repo id): a typo must never
+    reach the Hub and run what it finds there."""
+    return text.startswith(("https://", "http://", HUB_SCHEME))
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """True when ``text`` has the shape of a Hub repo id (``org/name[@revision]``): for the hint that shows
+    the explicit ``hf://`` form when such a local path does not exist."""
+    return _REPO_ID.fullmatch(text) is not None and ".." not in text
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set to a true value (huggingface_hub's own spellings), read now."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def check_hub_allowed(source: Source) -> None:
+    """Raise ConfigError for a Hub source while ``HF_HUB_OFFLINE`` is set (before any network access)."""
+    if source.is_hub and hub_offline():
+        raise ConfigError(
+            f"HF_HUB_OFFLINE is set, and {source.text!r} would be downloaded from the Hugging Face Hub",
+            hint="unset HF_HUB_OFFLINE to download it, or pass a local artifact directory",
+        )
 
 
 def parse_source(text: str) -> Source:
     """A Source from an ``https://`` / ``http://`` URL or a Hub repo id (``org/name[@revision]``).
 
-    Raises ConfigError for anything else (another scheme, a URL with credentials, a malformed id).
+    ``hf://org/name[@revision]`` is the same repo id, written explicitly. Raises ConfigError for anything else
+    (another scheme, a URL with credentials, a malformed id).
     """
-    if "://" in text:
+    repo_text = text[len(HUB_SCHEME) :] if text.startswith(HUB_SCHEME) else text
+    if "://" in repo_text:
         parts = urlsplit(text)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
@@ -110,11 +147,11 @@ def parse_source(text: str) -> Source:
                 hint="pass the artifact directory's plain URL; its files are fetched below it",
             )
         return Source(text=text, base_url=base)
-    match = _REPO_ID.fullmatch(text.strip())
+    match = _REPO_ID.fullmatch(repo_text.strip())
     if match is None or ".." in match["repo"]:
         raise ConfigError(
             f"cannot pull {text!r}: not an http(s) URL nor a Hugging Face Hub repo id",
-            hint="pass https://host/path/to/artifact/ or org/name (optionally org/name@revision)",
+            hint="pass https://host/path/to/artifact/ or hf://org/name (optionally hf://org/name@revision)",
         )
     return Source(text=text, repo_id=match["repo"], revision=match["revision"], headers=_hub_headers())
 

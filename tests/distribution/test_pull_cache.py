@@ -50,9 +50,14 @@ def test_a_new_version_at_the_source_gets_its_own_directory(server, served, cach
     assert verify_artifact(first).ok and verify_artifact(second).ok
 
 
-def test_neither_path_nor_url_nor_repo_id(cache):
-    with pytest.raises(ConfigError, match="not an http"):
+def test_a_missing_local_path_is_no_such_artifact_directory(cache, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="no such artifact directory: no such thing here") as plain:
         resolve_source("no such thing here")
+    assert "hf://" not in (plain.value.hint or "")
+    with pytest.raises(ConfigError, match="no such artifact directory: t/nope") as shaped:
+        resolve_source("t/nope")  # a repo id's shape, yet a local path: never the Hub
+    assert "hf://t/nope" in (shaped.value.hint or "")
     assert not cache.exists()
 
 

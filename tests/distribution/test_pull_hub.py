@@ -3,13 +3,17 @@ HF_ENDPOINT honoured, the token sent to the Hub only, files pinned to the manife
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pull_server import SHARD, ArtifactServer, HubRepo, build_artifact
 
+from squeeze import api
 from squeeze.distribution.pull import pull_artifact
 from squeeze.distribution.source import parse_source
 from squeeze.errors import ConfigError, FormatError
@@ -28,6 +32,7 @@ def source_dir(tmp_path: Path) -> Path:
 def hub(source_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ArtifactServer]:
     with ArtifactServer(timeout=5.0) as server:
         server.hub["org/model"] = HubRepo(source_dir, COMMIT)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the suite's default; this "Hub" is local
         monkeypatch.setenv("HF_ENDPOINT", server.url.rstrip("/"))
         monkeypatch.setenv("HF_TOKEN", "hf_squeeze_test_token")
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
@@ -80,3 +85,60 @@ def test_repo_id_forms():
     for bad in ("org", "org/../x", "/abs/path", "org/name/extra", "-org/name"):
         with pytest.raises(ConfigError):
             parse_source(bad)
+
+
+def test_hf_scheme_names_the_same_repo(hub, tmp_path):
+    explicit = parse_source("hf://org/name@v1.0")
+    assert (explicit.repo_id, explicit.revision) == ("org/name", "v1.0")
+    out = tmp_path / "out"
+    pull_artifact("hf://org/model", out)
+    assert verify_artifact(out).ok
+
+
+def test_a_bare_repo_id_is_a_local_path_everywhere_but_pull(hub, tmp_path, monkeypatch):
+    """``run -m org/name`` / ``load("org/name")`` never reach the Hub: a missing directory is an error that shows
+    the explicit form; ``hf://org/name`` downloads."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SQUEEZE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="no such artifact directory: org/model") as caught:
+        api.local_artifact("org/model")
+    assert "hf://org/model" in (caught.value.hint or "")
+    assert not hub.requests
+    pulled = api.local_artifact("hf://org/model")
+    assert verify_artifact(pulled).ok and hub.requests
+
+
+def test_nothing_is_downloaded_from_the_hub_while_offline(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("SQUEEZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for call in (lambda: api.local_artifact("hf://org/model"), lambda: pull_artifact("org/model", tmp_path / "o")):
+        with pytest.raises(ConfigError, match="HF_HUB_OFFLINE"):
+            call()
+    assert not hub.requests and not (tmp_path / "o").exists()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    pulled = api.local_artifact("hf://org/model")  # a complete pull in the cache ...
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert api.local_artifact("hf://org/model") == str(pulled)  # ... is what offline use finds, with no request
+    assert not hub.requests
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a network namespace")
+def test_cli_typo_never_reaches_the_network(tmp_path):
+    """``squeeze run Hello -m t/nope`` in a process with no network at all (its own network namespace): a
+    regression that tried the Hub would fail differently ("cannot download")."""
+    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --net is not permitted here")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SQUEEZE_CACHE": str(tmp_path / "cache")}
+    for argv in (["run", "Hello", "-m", "t/nope"], ["serve", "t/nope"]):
+        done = subprocess.run(
+            ["unshare", "--net", sys.executable, "-m", "squeeze", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "no such artifact directory: t/nope" in done.stderr and "hf://t/nope" in done.stderr
+        assert "download" not in done.stderr.split("Hint")[0]
