@@ -26,8 +26,9 @@ from squeeze.compression.lock import LOCK_NAME
 from squeeze.errors import FormatError, ResumeError
 from squeeze.format.atomic import PARTIAL_SUFFIX, atomic_write_text, commit_file, temp_path_for
 from squeeze.format.manifest import strict_json_loads
+from squeeze.format.paths import WORK_AREA_NAME
 
-WORK_NAME = ".squeeze-work"
+WORK_NAME = WORK_AREA_NAME  # the artifact format passes over it: see squeeze.format.paths
 _FINGERPRINT = "fingerprint.json"
 _FISHER = "fisher.safetensors"
 _HESSIAN = "hessian.safetensors"

@@ -28,6 +28,13 @@ MAX_CONFIG_BYTES = 64 * 2**20
 MAX_DEPTH = 32
 #: Characters of a path kept in a one-line message (the tail, which names the file).
 MESSAGE_PATH_CHARS = 120
+#: ``squeeze compress``'s resumable work area, a directory at the top of its output. While a run replaces an
+#: artifact (``--overwrite``) or after it was killed, the work area sits inside the old, still complete
+#: artifact: it is not part of any artifact (no manifest may list a path in it, :func:`check_relative_path`),
+#: and :func:`walk_artifact` does not enter it, so the old artifact verifies, loads and serves until the new
+#: one replaces it. Only a real directory of that name is passed over: a symlink or file is walked as usual
+#: (and so refused as a link, or as an extra file).
+WORK_AREA_NAME = ".squeeze-work"
 
 
 def short_path(path: str | os.PathLike[str], keep: int = MESSAGE_PATH_CHARS) -> str:
@@ -56,6 +63,10 @@ def check_relative_path(path: object, where: str) -> str:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise FormatError(f"{where}: path {shown} has an empty, '.' or '..' component")
+    if parts[0] == WORK_AREA_NAME:
+        raise FormatError(
+            f"{where}: path {shown} lies in {WORK_AREA_NAME}, squeeze compress's work area, never an artifact file"
+        )
     return path
 
 
@@ -156,7 +167,8 @@ def walk_artifact(root: int | str | os.PathLike[str]) -> Iterator[tuple[str, os.
 
     ``root`` is a directory fd or a resolved root path. Directories are descended through fds (no path
     grows past the OS limit) and not yielded, except one nested deeper than MAX_DEPTH levels, which is
-    yielded unread; symlinks and special files are yielded so that callers reject them.
+    yielded unread; symlinks and special files are yielded so that callers reject them. A top-level directory
+    named :data:`WORK_AREA_NAME` (squeeze compress's work area) is neither entered nor yielded.
     """
     top = os.dup(root) if isinstance(root, int) else open_root(root)
     # one (prefix, fd, pending entries) per open directory: at most MAX_DEPTH + 1 fds at a time
@@ -170,6 +182,8 @@ def walk_artifact(root: int | str | os.PathLike[str]) -> Iterator[tuple[str, os.
                 continue
             name, info = pending.pop()
             relative = f"{prefix}{name}"
+            if relative == WORK_AREA_NAME and stat.S_ISDIR(info.st_mode):
+                continue  # a compress run's work area (see WORK_AREA_NAME), not the artifact's
             if stat.S_ISDIR(info.st_mode) and len(stack) <= MAX_DEPTH:
                 try:
                     child = os.open(name, _OPEN_DIR, dir_fd=fd)

@@ -312,10 +312,50 @@ def test_a_leftover_work_area_next_to_a_sealed_artifact_is_removed(tmp_path, sto
     groups = out / WORK_NAME / "groups"
     groups.mkdir(parents=True)
     shutil.copy(next(out.glob("model-*.safetensors")), groups / "00000.safetensors")
-    assert not api.verify_model_integrity(out).ok
+    assert api.verify_model_integrity(out).ok  # the work area is not part of the artifact
     result = compress(stories_dir, out)
     assert result.exit_code == 2 and "already holds a squeeze artifact" in result.stderr
     assert not (out / WORK_NAME).exists() and api.verify_model_integrity(out).ok
+
+
+def test_overwrite_keeps_the_old_artifact_usable_while_it_runs_and_after_a_kill(
+    tmp_path, stories_dir, rtn_artifact, monkeypatch
+):
+    """Issue 41 item 2: the work area of ``compress --overwrite`` lives in the old artifact's directory, and the
+    old artifact still verifies, loads and runs, during the run and after a kill, until the new one replaces it."""
+    out = tmp_path / "art"
+    shutil.copytree(rtn_artifact, out)
+    before = snapshot(out)
+    real_save = workarea.WorkArea.save_group
+    seen: list[bool] = []
+
+    class Killed(BaseException):
+        pass
+
+    def save_then_check(self, index, tensors, meta):
+        real_save(self, index, tensors, meta)
+        seen.append(api.verify_model_integrity(out).ok)  # mid-run: a checkpoint is in the work area
+        raise Killed
+
+    monkeypatch.setattr(workarea.WorkArea, "save_group", save_then_check)
+    with pytest.raises(Killed):
+        api.compress(str(stories_dir), out, "rtn-w4", overwrite=True, seed=1)
+    monkeypatch.setattr(workarea.WorkArea, "save_group", real_save)
+    assert seen == [True] and (out / WORK_NAME / "groups").is_dir()
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith(WORK_NAME)} == before  # untouched
+    assert api.verify_model_integrity(out).ok
+    assert api.generate(str(out), ["Once"], max_new_tokens=2).new_tokens  # loads and runs
+    result = runner.invoke(app, ["verify", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    # a manifest may never list a file in the work area
+    from squeeze.errors import FormatError
+    from squeeze.format.paths import check_relative_path
+
+    with pytest.raises(FormatError, match="work area"):
+        check_relative_path(f"{WORK_NAME}/x.safetensors", "manifest entry")
+    resumed = compress(stories_dir, out, "--overwrite", "--seed", "1")  # the rerun finishes and replaces it
+    assert resumed.exit_code == 0, resumed.output
+    assert api.verify_model_integrity(out).ok and not (out / WORK_NAME).exists()
 
 
 def test_a_live_run_without_a_fingerprint_yet_is_not_taken_for_a_leftover(tmp_path, stories_dir, rtn_artifact):
