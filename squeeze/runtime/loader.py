@@ -57,6 +57,7 @@ from squeeze.runtime.experts import (
 )
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
+from squeeze.runtime.stored_dtype import KEPT_DTYPES, stored_dtype_names, upcast_embedding_output
 from squeeze.system import release_free_heap
 
 
@@ -405,9 +406,11 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
     """Every tensor that is not a quantized weight, assigned by name; FormatError for extra or missing ones.
 
     Floating tensors stored in another dtype (an artifact keeps its source's bfloat16 / float16) are upcast
-    to float32, the dtype the runtime computes in.
+    to float32, the dtype the runtime computes in, except the token embedding and the LM head, which stay
+    as stored (squeeze.runtime.stored_dtype: half their memory, the same bits).
     """
-    tensors = {name: _runtime_dtype(t) for name, t in tensors.items()}
+    kept = stored_dtype_names(model)
+    tensors = {name: t if name in kept and t.dtype in KEPT_DTYPES else _runtime_dtype(t) for name, t in tensors.items()}
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     except RuntimeError as exc:  # shape mismatches: the config and the tensors disagree
@@ -424,6 +427,7 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
         raise FormatError(f"artifact lacks tensors the architecture needs: {sorted(missing)[:3]}")
     if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.get_input_embeddings(), nn.Embedding):  # type: ignore[operator]
         model.tie_weights()  # type: ignore[operator]  # (a quantized embedding's head was tied above)
+    upcast_embedding_output(model)  # a table kept in float16 / bfloat16 still gives the layers float32 rows
 
 
 def _runtime_dtype(tensor: torch.Tensor) -> torch.Tensor:

@@ -186,6 +186,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.sq_dequant_rows.argtypes, lib.sq_dequant_rows.restype = [weight, i64, i64, f32, i32, i32], None
     lib.sq_dense_linear.argtypes = [f32, i64, i64, f32, i64, f32, f32, i32, i32]
     lib.sq_dense_linear.restype = None
+    lib.sq_dense_linear_typed.argtypes = [f32, i32, i64, i64, f32, i64, f32, f32, i32, i32]
+    lib.sq_dense_linear_typed.restype = None
     return lib
 
 

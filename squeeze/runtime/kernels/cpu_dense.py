@@ -15,9 +15,13 @@ from torch import Tensor
 
 from squeeze.runtime.kernels.cpu_build import CpuKernels
 
+#: Weight dtypes the dense kernel reads as stored (cpu_lut.cpp's SQ_DENSE_* numbering).
+DENSE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
 
 def cpu_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernels: CpuKernels) -> Tensor:
-    """(..., R) float32: ``x (..., N) float32 @ weight (R, N) float32 ^T + bias``; weight contiguous on the CPU."""
+    """(..., R) float32: ``x (..., N) float32 @ weight (R, N) ^T + bias``; weight contiguous on the CPU, float32,
+    float16 or bfloat16 (read as stored, each element converted exactly: the bits of the float32 weight)."""
     rows, n = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), n)  # (B, N)
@@ -27,8 +31,9 @@ def cpu_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernels: Cp
     y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
     if batch and rows:
         b32 = None if bias is None else bias.to(torch.float32).contiguous()
-        kernels.lib.sq_dense_linear(
+        kernels.lib.sq_dense_linear_typed(
             weight.data_ptr(),
+            DENSE_DTYPES[weight.dtype],
             rows,
             n,
             x2.data_ptr(),
@@ -41,4 +46,4 @@ def cpu_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernels: Cp
     return y.reshape(*lead, rows)
 
 
-__all__ = ["cpu_dense_linear"]
+__all__ = ["DENSE_DTYPES", "cpu_dense_linear"]

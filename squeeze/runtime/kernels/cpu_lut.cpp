@@ -48,6 +48,10 @@ enum { SQ_LUT_F32 = 0, SQ_LUT_F16 = 1, SQ_LUT_U8_AFFINE = 2 };
 
 enum { SQ_SCALAR = 0, SQ_AVX2 = 1, SQ_AVX512 = 2 };
 
+// element type of a dense weight (sq_dense_linear_typed): kept as the artifact stores it, converted exactly to
+// float32 as it is read, so the sums are those of the float32 weight
+enum { SQ_DENSE_F32 = 0, SQ_DENSE_F16 = 1, SQ_DENSE_BF16 = 2 };
+
 }  // extern "C"
 
 namespace {
@@ -87,6 +91,28 @@ inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+// bfloat16 bits -> float32, exactly (the upper half of the float32's bits)
+inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// dense weight element types: W::T is the stored element, W::get converts one element exactly
+struct WF32 {
+    typedef float T;
+    static float get(const T* p) { return *p; }
+};
+struct WF16 {
+    typedef uint16_t T;
+    static float get(const T* p) { return half_to_float(*p); }
+};
+struct WBF16 {
+    typedef uint16_t T;
+    static float get(const T* p) { return bf16_to_float(*p); }
+};
 
 // row r's LUT as float32: a pointer into the weight's own LUT when it is float32, else `buf` (256 floats)
 inline const float* row_lut(const sq_weight& w, int64_t r, float* buf) {
@@ -198,14 +224,14 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
     tail_and_sparse_dequant(w, r, lut, out, tail_start(w.n, w.bits));
 }
 
-// dense float32 rows: y[b][r] = w[r] . x[b], one sequential sum per output (the same for every batch size)
-template <int B>
-void dense_rows(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
+// dense rows: y[b][r] = w[r] . x[b], one sequential sum per output (the same for every batch size)
+template <class W, int B>
+void dense_rows(const void* wv, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-        const float* wr = w + r * n;
+        const typename W::T* wr = (const typename W::T*)wv + r * n;
         for (int b = 0; b < B; ++b) {
             float s = 0.0f;
-            for (int64_t k = 0; k < n; ++k) s += wr[k] * x[b * n + k];
+            for (int64_t k = 0; k < n; ++k) s += W::get(wr + k) * x[b * n + k];
             y[b * rows + r] = s;
         }
     }
@@ -366,22 +392,33 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
 
 // dense float32 rows: 8 lanes along k, one accumulator per activation row, then hsum and the scalar tail; the
 // same instruction sequence for every output whatever B is, so a row's result never depends on its batch
-template <int B>
-void dense_rows(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
+// 8 weights from p as float32, exactly (F16C for float16, a shift for bfloat16)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 load8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+template <class W> inline __m256 load8w(const typename W::T* p);
+template <> inline __m256 load8w<WF32>(const float* p) { return load8(p); }
+template <> inline __m256 load8w<WF16>(const uint16_t* p) { return load8_f16(p); }
+template <> inline __m256 load8w<WBF16>(const uint16_t* p) { return load8_bf16(p); }
+
+template <class W, int B>
+void dense_rows(const void* wv, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
     const int64_t whole = n - n % 8;
     for (int64_t r = r0; r < r1; ++r) {
-        const float* wr = w + r * n;
+        const typename W::T* wr = (const typename W::T*)wv + r * n;
         __m256 acc[B];
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) acc[b] = _mm256_setzero_ps();
         for (int64_t k = 0; k < whole; k += 8) {
-            const __m256 wv = _mm256_loadu_ps(wr + k);
+            const __m256 wk = load8w<W>(wr + k);
 #pragma GCC unroll 8
-            for (int b = 0; b < B; ++b) acc[b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * n + k), acc[b]);
+            for (int b = 0; b < B; ++b) acc[b] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + b * n + k), acc[b]);
         }
         for (int b = 0; b < B; ++b) {
             float s = hsum(acc[b]);
-            for (int64_t k = whole; k < n; ++k) s += wr[k] * x[b * n + k];
+            for (int64_t k = whole; k < n; ++k) s += W::get(wr + k) * x[b * n + k];
             y[b * rows + r] = s;
         }
     }
@@ -497,23 +534,33 @@ void dequant_row(const sq_weight& w, int64_t r, float* out) {
     avx2::dequant_half_and_tail(w, r, lut, out);
 }
 
-// dense float32 rows, as avx2::dense_rows with 16 lanes
-template <int B>
-void dense_rows(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
+// 16 weights from p as float32, exactly
+template <class W> inline __m512 load16w(const typename W::T* p);
+template <> inline __m512 load16w<WF32>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16w<WF16>(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+template <> inline __m512 load16w<WBF16>(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// dense rows, as avx2::dense_rows with 16 lanes
+template <class W, int B>
+void dense_rows(const void* wv, int64_t n, const float* x, float* y, int64_t rows, int64_t r0, int64_t r1) {
     const int64_t whole = n - n % 16;
     for (int64_t r = r0; r < r1; ++r) {
-        const float* wr = w + r * n;
+        const typename W::T* wr = (const typename W::T*)wv + r * n;
         __m512 acc[B];
 #pragma GCC unroll 8
         for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
         for (int64_t k = 0; k < whole; k += 16) {
-            const __m512 wv = _mm512_loadu_ps(wr + k);
+            const __m512 wk = load16w<W>(wr + k);
 #pragma GCC unroll 8
-            for (int b = 0; b < B; ++b) acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * n + k), acc[b]);
+            for (int b = 0; b < B; ++b) acc[b] = _mm512_fmadd_ps(wk, _mm512_loadu_ps(x + b * n + k), acc[b]);
         }
         for (int b = 0; b < B; ++b) {
             float s = _mm512_reduce_add_ps(acc[b]);
-            for (int64_t k = whole; k < n; ++k) s += wr[k] * x[b * n + k];
+            for (int64_t k = whole; k < n; ++k) s += W::get(wr + k) * x[b * n + k];
             y[b * rows + r] = s;
         }
     }
@@ -549,31 +596,40 @@ gemv_fn gemv_for(int isa, int64_t b) {
     return pick_batch<Scalar>(b);
 }
 
-typedef void (*dense_fn)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+typedef void (*dense_fn)(const void*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
 
-template <int B> struct ScalarDense { static void run(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { scalar::dense_rows<B>(w, n, x, y, rows, a, b); } };
-template <int B> struct Avx2Dense { static void run(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { avx2::dense_rows<B>(w, n, x, y, rows, a, b); } };
-template <int B> struct Avx512Dense { static void run(const float* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { avx512::dense_rows<B>(w, n, x, y, rows, a, b); } };
+template <class W> struct ScalarDense { template <int B> static void run(const void* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { scalar::dense_rows<W, B>(w, n, x, y, rows, a, b); } };
+template <class W> struct Avx2Dense { template <int B> static void run(const void* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { avx2::dense_rows<W, B>(w, n, x, y, rows, a, b); } };
+template <class W> struct Avx512Dense { template <int B> static void run(const void* w, int64_t n, const float* x, float* y, int64_t rows, int64_t a, int64_t b) { avx512::dense_rows<W, B>(w, n, x, y, rows, a, b); } };
 
-template <template <int> class Impl>
+template <class Impl>
 dense_fn pick_dense(int64_t b) {
     switch (b) {
-        case 1: return Impl<1>::run;
-        case 2: return Impl<2>::run;
-        case 3: return Impl<3>::run;
-        case 4: return Impl<4>::run;
-        case 5: return Impl<5>::run;
-        case 6: return Impl<6>::run;
-        case 7: return Impl<7>::run;
-        default: return Impl<8>::run;
+        case 1: return Impl::template run<1>;
+        case 2: return Impl::template run<2>;
+        case 3: return Impl::template run<3>;
+        case 4: return Impl::template run<4>;
+        case 5: return Impl::template run<5>;
+        case 6: return Impl::template run<6>;
+        case 7: return Impl::template run<7>;
+        default: return Impl::template run<8>;
     }
 }
 
-dense_fn dense_for(int isa, int64_t b) {
-    if (isa == SQ_AVX512) return pick_dense<Avx512Dense>(b);
-    if (isa == SQ_AVX2) return pick_dense<Avx2Dense>(b);
-    return pick_dense<ScalarDense>(b);
+template <class W>
+dense_fn dense_for_type(int isa, int64_t b) {
+    if (isa == SQ_AVX512) return pick_dense<Avx512Dense<W>>(b);
+    if (isa == SQ_AVX2) return pick_dense<Avx2Dense<W>>(b);
+    return pick_dense<ScalarDense<W>>(b);
 }
+
+dense_fn dense_for(int isa, int32_t dtype, int64_t b) {
+    if (dtype == SQ_DENSE_F16) return dense_for_type<WF16>(isa, b);
+    if (dtype == SQ_DENSE_BF16) return dense_for_type<WBF16>(isa, b);
+    return dense_for_type<WF32>(isa, b);
+}
+
+inline int64_t dense_elem_bytes(int32_t dtype) { return dtype == SQ_DENSE_F32 ? 4 : 2; }
 
 dequant_fn dequant_for(int isa) {
     if (isa == SQ_AVX512) return avx512::dequant_row;
@@ -661,16 +717,18 @@ void sq_dequant_rows(const sq_weight* w, int64_t r0, int64_t r1, float* out, int
     for (int64_t r = r0; r < r1; ++r) fn(wt, r, out + (r - r0) * wt.n);
 }
 
-// y float32 (batch, rows) = x (batch, n) @ w^T + bias for a dense float32 weight w (rows, n): each output one
-// fixed-order dot product (dense_rows), so a row's result is the same at every batch size (the engine of
-// squeeze serve batches what squeeze run computes one row at a time); activations in chunks of 8 rows
-void sq_dense_linear(const float* w, int64_t rows, int64_t n, const float* x, int64_t batch, float* y,
-                     const float* bias, int32_t isa, int32_t threads) {
+// y float32 (batch, rows) = x (batch, n) @ w^T + bias for a dense weight w (rows, n) of element type `dtype`
+// (SQ_DENSE_F32, _F16 or _BF16, each element converted exactly to float32 as it is read: the same bits as the
+// weight upcast to float32, kept in memory as the artifact stores it). Each output is one fixed-order dot product
+// (dense_rows), so a row's result is the same at every batch size (the engine of squeeze serve batches what
+// squeeze run computes one row at a time); activations in chunks of 8 rows
+void sq_dense_linear_typed(const void* w, int32_t dtype, int64_t rows, int64_t n, const float* x, int64_t batch,
+                           float* y, const float* bias, int32_t isa, int32_t threads) {
     const int64_t g = 64, tasks = (rows + g - 1) / g;
-    if (rows * n * (int64_t)sizeof(float) < (256 << 10)) threads = 1;
+    if (rows * n * dense_elem_bytes(dtype) < (256 << 10)) threads = 1;
     for (int64_t b0 = 0; b0 < batch; b0 += 8) {
         const int64_t bn = batch - b0 < 8 ? batch - b0 : 8;
-        const dense_fn fn = dense_for(isa, bn);
+        const dense_fn fn = dense_for(isa, dtype, bn);
         const float* xb = x + b0 * n;
         float* yb = y + b0 * rows;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tasks > 1 && threads > 1)
@@ -682,6 +740,12 @@ void sq_dense_linear(const float* w, int64_t rows, int64_t n, const float* x, in
     if (bias)
         for (int64_t b = 0; b < batch; ++b)
             for (int64_t r = 0; r < rows; ++r) y[b * rows + r] += bias[r];
+}
+
+// sq_dense_linear_typed for a float32 weight
+void sq_dense_linear(const float* w, int64_t rows, int64_t n, const float* x, int64_t batch, float* y,
+                     const float* bias, int32_t isa, int32_t threads) {
+    sq_dense_linear_typed(w, SQ_DENSE_F32, rows, n, x, batch, y, bias, isa, threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,53 @@
+"""The token embedding and the LM head kept in the dtype the artifact stores them in (float16 / bfloat16).
+
+The runtime computes in float32, and small unquantized tensors (norms, biases) are upcast once when loaded.
+The embedding and the LM head are not small: on SmolLM2-135M (tied) they are half of a w4 artifact, and their
+float32 copy doubled them in memory, so the compressed model did not shrink the process. They stay as stored:
+
+- the input embedding (a plain ``nn.Embedding``) gathers its rows in the stored dtype and upcasts only those
+  (:class:`Float32OutputEmbedding`): the same values as gathering from an upcast table;
+- the LM head (``RowStableLinear``, squeeze.runtime.dense_linear) reads the stored weight through the native
+  dense kernel, each element converted exactly to float32 as it is read, so every logit has the bits it had
+  with the float32 copy; elsewhere it upcasts one tile of rows at a time.
+
+A quantized embedding or head (SqueezeEmbedding, SqueezeLinear) is left alone: it is packed already.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+#: Stored dtypes kept as they are (others, and every other floating tensor, are upcast to float32).
+KEPT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Float32OutputEmbedding(nn.Embedding):
+    """``nn.Embedding`` over a float16 / bfloat16 table that returns float32 rows (ids (...) -> (..., d))."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn.Embedding's own parameter name
+        return super().forward(input).to(torch.float32)
+
+
+def stored_dtype_names(model: nn.Module) -> set[str]:
+    """Parameter names (as in the state dict) of ``model``'s plain input embedding and plain LM head: the
+    weights loaded in their stored dtype. Empty for a model without such modules."""
+    wanted: dict[int, str] = {}
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if type(module) in (nn.Embedding, nn.Linear):
+            wanted[id(module)] = getter
+    return {f"{name}.weight" if name else "weight" for name, m in model.named_modules() if id(m) in wanted}
+
+
+def upcast_embedding_output(model: nn.Module) -> bool:
+    """Make ``model``'s input embedding a :class:`Float32OutputEmbedding` when its table is not float32 (in
+    place: the class is swapped, parameters and ties stay); True when it did."""
+    module = getattr(model, "get_input_embeddings", lambda: None)()
+    if type(module) is nn.Embedding and module.weight.dtype in KEPT_DTYPES:
+        module.__class__ = Float32OutputEmbedding
+        return True
+    return False
+
+
+__all__ = ["KEPT_DTYPES", "Float32OutputEmbedding", "stored_dtype_names", "upcast_embedding_output"]
