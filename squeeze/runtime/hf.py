@@ -66,6 +66,7 @@ from squeeze.runtime.loader import (
     torch_dtype,
     verified_report,
 )
+from squeeze.runtime.stored_dtype import restore_stored_dtype, stored_dtype_names
 
 
 class SqueezeQuantConfig(QuantizationConfigMixin):
@@ -102,6 +103,7 @@ class SqueezeHfQuantizer(HfQuantizer):
     requires_calibration = True  # pre-quantized only: there is no on-the-fly "quantize while loading"
     quantization_config: SqueezeQuantConfig
     _verified: VerifyReport | None = None  # set before the skeleton is built, when the directory is known
+    _stored_dtypes: dict[str, torch.dtype]  # the embedding / LM head weights' dtypes in the artifact
 
     def update_attn_implementation(self, config: Any) -> Any:
         """Before transformers builds the skeleton: verify a local artifact and check its config's dimensions."""
@@ -128,6 +130,9 @@ class SqueezeHfQuantizer(HfQuantizer):
         for name, spec in self.quantization_config.modules.items():
             _swap_in_squeeze_linear(model, name, spec, infos)
         _untie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))
+        self._stored_dtypes = {  # the embedding and LM head go back to these after loading (stored_dtype)
+            name: torch_dtype(infos[name].dtype) for name in stored_dtype_names(model) if name in infos
+        }
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -146,6 +151,7 @@ class SqueezeHfQuantizer(HfQuantizer):
             module.rebind(name)  # the full dtype / shape / value checks of the format, on the loaded tensors
         use_squeeze_experts(model)
         stabilise_dense_linears(model)  # the LM head as squeeze.load runs it
+        restore_stored_dtype(model, getattr(self, "_stored_dtypes", {}))  # their memory as squeeze.load holds it
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:

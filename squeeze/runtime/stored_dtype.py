@@ -50,4 +50,26 @@ def upcast_embedding_output(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["KEPT_DTYPES", "Float32OutputEmbedding", "stored_dtype_names", "upcast_embedding_output"]
+def restore_stored_dtype(model: nn.Module, stored: dict[str, torch.dtype]) -> bool:
+    """For a model whose loader upcast everything to float32 (``from_pretrained``): put the weights named in
+    ``stored`` (:func:`stored_dtype_names` -> the artifact's dtype) back in their float16 / bfloat16 (exact:
+    they were upcast from it) and make the embedding return float32 rows. A weight loaded in another dtype
+    (the user asked for one) is left alone. True when anything changed."""
+    changed = False
+    for name, dtype in stored.items():
+        param = model.get_parameter(name)
+        if dtype in KEPT_DTYPES and param.dtype == torch.float32:
+            param.data = param.data.to(dtype)  # a tied head shares this Parameter: converted once for both
+            changed = True
+    if changed:
+        upcast_embedding_output(model)
+    return changed
+
+
+__all__ = [
+    "KEPT_DTYPES",
+    "Float32OutputEmbedding",
+    "stored_dtype_names",
+    "upcast_embedding_output",
+    "restore_stored_dtype",
+]

@@ -99,3 +99,17 @@ def test_the_loaded_embedding_and_tied_head_stay_float16_with_the_same_logits(ha
         upcast = [model(x).logits for x in (ids, long_ids)]
     assert torch.equal(kept[0], upcast[0])  # the kernel path: bit for bit
     assert torch.allclose(kept[1], upcast[1], atol=1e-5, rtol=1e-5)  # torch's GEMM on tiles vs whole
+
+
+def test_from_pretrained_holds_them_as_squeeze_load_does(half_artifact: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(half_artifact, dtype=torch.float32)
+    reference = api.load(half_artifact).model
+    assert isinstance(model.get_input_embeddings(), Float32OutputEmbedding)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+    ids = torch.tensor([[1, 5, 9, 12, 7]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
