@@ -27,6 +27,7 @@ from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FP8_E4M3
+from squeeze.serve.limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
@@ -509,13 +510,36 @@ def create_serve_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     shutdown_grace_seconds: float = 10.0,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible HTTP app over ``engine`` (:func:`squeeze.serve.http.create_app`; needs the
-    ``serve`` extra: fastapi, uvicorn, prometheus-client)."""
+    ``serve`` extra: fastapi, uvicorn, prometheus-client). ``max_request_bytes``: the body cap (default: from
+    the engine's context, squeeze.serve.limits.default_max_request_bytes)."""
     from squeeze.serve.http import create_app
 
     return create_app(
-        engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace_seconds
+        engine,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        shutdown_grace_seconds=shutdown_grace_seconds,
+        max_request_bytes=max_request_bytes,
+    )
+
+
+def serve_uvicorn_config(
+    app: Any,
+    *,
+    shutdown_grace: float,
+    max_connections: int | None = None,
+    idle_timeout: float = SERVE_IDLE_TIMEOUT,
+) -> Any:
+    """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.limits.uvicorn_config`):
+    a connection that sends no whole request head within ``idle_timeout`` seconds is closed, connections past
+    ``max_connections`` (default: the open-file limit less 64) are answered 503."""
+    from squeeze.serve.limits import uvicorn_config
+
+    return uvicorn_config(
+        app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
     )
 
 
@@ -641,6 +665,8 @@ __all__ = [
     "push",
     "local_artifact",
     "create_serve_app",
+    "serve_uvicorn_config",
+    "SERVE_IDLE_TIMEOUT",
     "check_engine_config",
     "EngineConfig",
     "parse_size",

@@ -10,7 +10,9 @@ comes back as a JSON error even for ``stream: true``; an engine failure in the m
 Starlette's disconnect watch cancels a streamed body, whose response cancels the request in ``finally``;
 a non-streamed handler waits for the result and the disconnect together. Requests whose responses the
 server cut at shutdown are cancelled before the engine shuts down. Handlers are coroutines, so the engine's
-methods are called on the event loop's thread (its contract).
+methods are called on the event loop's thread (its contract), except tokenization, which runs on one worker
+thread so that a long prompt does not hold up /health and the other requests. A body over
+``max_request_bytes`` is refused with 413 before it is read (squeeze.serve.limits).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from squeeze.serve import protocol
+from squeeze.serve.limits import BodyLimit, default_max_request_bytes
 from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.protocol import ChatRequest, CompletionRequest
 from squeeze.serve.types import EngineClient, QueueFullError, RequestError, RequestOutput, RequestStream
@@ -172,6 +176,7 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     shutdown_grace_seconds: float = 10.0,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine``.
 
@@ -179,7 +184,9 @@ def create_app(
     stays open. served_model_name: the model name /v1/models lists and requests must name (default: the
     engine's). The app's lifespan starts the engine and, at shutdown, calls ``engine.shutdown`` with
     ``shutdown_grace_seconds``; /health answers 503 from then on. Sets ``engine.observer`` to the app's
-    :class:`ServeMetrics`.
+    :class:`ServeMetrics`. max_request_bytes: bodies over it are refused with 413 before they are read (default:
+    squeeze.serve.limits.default_max_request_bytes of the engine's context). Prompts are tokenized on one
+    worker thread, not on the event loop: /health and the streams keep answering while a long one is.
     """
     model_name = served_model_name or engine.model_name
     metrics = ServeMetrics(engine.stats)
@@ -188,6 +195,11 @@ def create_app(
     shutting_down = False
     #: requests submitted whose response has not ended
     in_flight: set[RequestStream] = set()
+    # one thread: tokenizers are not safe to call from several at once, and the loop must stay free
+    tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-tokenize")
+
+    async def off_loop(fn: Callable[[Any], list[int]], argument: Any) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, argument)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,10 +215,13 @@ def create_app(
             for stream in list(in_flight):
                 _release(stream, in_flight)
             engine.shutdown(shutdown_grace_seconds)
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="squeeze serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
     _install_error_handlers(app)
+    limit = max_request_bytes if max_request_bytes is not None else default_max_request_bytes(engine.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=limit)
 
     key = api_key.encode() if api_key is not None else None
 
@@ -261,7 +276,7 @@ def create_app(
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = engine.tokenize(body.prompt)
+        prompt_ids = await off_loop(engine.tokenize, body.prompt)
         request_id, created = protocol.new_request_id("cmpl"), protocol.now()
         stream = engine.submit(prompt_ids, body.sampling_params(), request_id)
         in_flight.add(stream)
@@ -277,7 +292,7 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = engine.tokenize_chat(body.template_messages())
+        prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages())
         params = body.sampling_params(len(prompt_ids), engine.max_model_len)
         request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()
         stream = engine.submit(prompt_ids, params, request_id)

@@ -170,7 +170,9 @@ class RequestStream(Protocol):
 
 
 class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine. Its methods are called on the event loop's thread."""
+    """What the HTTP layer needs from an engine. Its methods are called on the event loop's thread, except
+    ``tokenize`` and ``tokenize_chat``, called on one worker thread (one call at a time), which must not touch
+    the engine's scheduling state."""
 
     #: The name /v1/models lists and responses carry.
     model_name: str

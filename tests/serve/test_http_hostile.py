@@ -3,6 +3,10 @@ slow tokenization, idle connections and shutdown with streams open. Over a fake 
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -10,8 +14,10 @@ import pytest
 from fake_engine import FakeEngine, serving
 
 from squeeze.serve.http import create_app
+from squeeze.serve.limits import default_max_connections, default_max_request_bytes, uvicorn_config
 
 TIMEOUT = 20.0
+PROMPT = "the cat sat"
 
 
 @pytest.fixture
@@ -55,3 +61,184 @@ def test_a_nan_temperature_is_not_a_number(client: httpx.Client, value: str) -> 
     error = response.json()["error"]
     assert error["param"] == "temperature"
     assert "must be a number" in error["message"]
+
+
+# -- big bodies and slow tokenization (issue 41 item 3) -------------------------------------------------------
+
+
+def raw_exchange(base: str, request: bytes, seconds: float = 10.0) -> bytes:
+    """Send ``request`` on a fresh socket and read what comes back until the server closes or ``seconds``."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=seconds) as sock:
+        sock.sendall(request)
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return b"".join(chunks)
+
+
+def test_a_body_over_the_cap_is_refused_from_its_content_length_unread(engine: FakeEngine) -> None:
+    with serving(create_app(engine, max_request_bytes=4096)) as base:
+        started = time.monotonic()
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n"
+        )
+        reply = raw_exchange(base, head + b'{"prompt": "')  # the other 50 MB never come
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert b"--max-request-bytes" in reply
+        assert time.monotonic() - started < 5
+
+
+def test_a_chunked_body_over_the_cap_is_refused(engine: FakeEngine) -> None:
+    with serving(create_app(engine, max_request_bytes=4096)) as base:
+
+        def chunks() -> Iterator[bytes]:
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"word " * 200
+            yield b'"}'
+
+        with httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+            response = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert response.status_code == 413, response.text
+        assert "4096 bytes" in response.json()["error"]["message"]
+        assert not engine.submitted
+
+
+def test_the_default_cap_follows_the_context(engine: FakeEngine) -> None:
+    cap = default_max_request_bytes(engine.max_model_len)
+    assert cap >= 16 * engine.max_model_len
+    with serving(create_app(engine)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+        assert http.post("/v1/completions", json={"prompt": "x " * (cap // 2)}).status_code == 413
+        assert http.post("/v1/completions", json={"prompt": PROMPT}).status_code == 200
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(engine: FakeEngine, monkeypatch) -> None:
+    """Tokenization ran on the event loop: one huge prompt held /health and everyone else."""
+    release = threading.Event()
+    original = engine.tokenize
+
+    def slow_tokenize(prompt):  # a tokenizer busy for as long as the test wants
+        release.wait(20)
+        return original(prompt)
+
+    monkeypatch.setattr(engine, "tokenize", slow_tokenize)
+    with serving(create_app(engine)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+        slow = threading.Thread(target=lambda: http.post("/v1/completions", json={"prompt": PROMPT}), daemon=True)
+        slow.start()
+        time.sleep(0.3)
+        try:
+            started = time.monotonic()
+            assert http.get("/health", timeout=3).status_code == 200
+            assert time.monotonic() - started < 2
+        finally:
+            release.set()
+            slow.join(20)
+
+
+# -- idle and half-open connections (issue 41 item 4) ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def guarded_server(engine: FakeEngine, *, max_connections: int, idle_timeout: float) -> Iterator[tuple[str, int]]:
+    """The app under the uvicorn configuration squeeze serve uses, on an ephemeral 127.0.0.1 port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    config = uvicorn_config(
+        create_app(engine),
+        shutdown_grace=1,
+        max_connections=max_connections,
+        idle_timeout=idle_timeout,
+        configure_logging=False,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield "127.0.0.1", port
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` (reading whatever it sends first)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_an_idle_or_half_sent_connection_is_closed_after_the_idle_timeout(engine: FakeEngine) -> None:
+    with guarded_server(engine, max_connections=50, idle_timeout=0.5) as address:
+        silent = socket.create_connection(address)
+        half = socket.create_connection(address)
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        with silent, half:
+            assert closed_within(silent, 5)
+            assert closed_within(half, 5)
+        with httpx.Client(timeout=TIMEOUT) as http:  # and the server still answers
+            assert http.get(f"http://{address[0]}:{address[1]}/health").status_code == 200
+
+
+def test_a_drip_fed_head_is_cut_at_the_idle_timeout(engine: FakeEngine) -> None:
+    """Any byte used to reset uvicorn's only timer: the head must be whole within the timeout."""
+    with guarded_server(engine, max_connections=50, idle_timeout=0.6) as address:
+        with socket.create_connection(address) as sock:
+            started = time.monotonic()
+            closed = False
+            for byte in b"GET /health HTTP/1.1\r\nHost: xxxxxxxxxxxxxxxxxxxxxxxx\r\n":
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.1)
+                if time.monotonic() - started > 5:
+                    break
+            assert closed or closed_within(sock, 2)
+            assert time.monotonic() - started < 5
+
+
+def test_connections_past_the_cap_get_503_and_the_server_recovers(engine: FakeEngine) -> None:
+    with guarded_server(engine, max_connections=3, idle_timeout=30) as address:
+        held = [socket.create_connection(address) for _ in range(3)]
+        time.sleep(0.2)
+        try:
+            with socket.create_connection(address) as extra:
+                extra.settimeout(5)
+                reply = extra.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 503"), reply
+            assert b"--max-connections" in reply
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.2)
+        with httpx.Client(timeout=TIMEOUT) as http:
+            assert http.get(f"http://{address[0]}:{address[1]}/health").status_code == 200
+
+
+def test_the_default_connection_cap_stays_below_the_open_file_limit() -> None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        assert default_max_connections() < soft
