@@ -550,17 +550,30 @@ def pull(
     public_key: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     progress: ProgressFn | None = None,
+    min_rate: float | None = None,
+    deadline: float | None = None,
 ) -> PullResult:
     """Download an artifact and verify every byte against its manifest before keeping it.
 
     ``source``: an ``https://`` / ``http://`` URL of an artifact directory, or a Hugging Face Hub repo id.
     ``output`` (default: the local artifact cache) appears only once every file is complete and verified;
     an interrupted pull resumes from its partial files. ``public_key``: the artifact must carry a signature
-    by that key. ``progress(done_bytes, total_bytes)`` is called from worker threads.
+    by that key. ``progress(done_bytes, total_bytes)`` is called from worker threads. ``min_rate``: bytes/s
+    the transfer must average over a minute (default ``$SQUEEZE_PULL_MIN_RATE``, else 4096; 0: off);
+    ``deadline``: seconds the whole pull may take (default ``$SQUEEZE_PULL_DEADLINE``, else none); passing
+    either raises TransferError (rerun to resume).
     """
     from squeeze.distribution.pull import pull_artifact
 
-    return pull_artifact(source, output, public_key=public_key, workers=workers, progress=progress)
+    return pull_artifact(
+        source,
+        output,
+        public_key=public_key,
+        workers=workers,
+        progress=progress,
+        min_rate=min_rate,
+        deadline=deadline,
+    )
 
 
 def push(
