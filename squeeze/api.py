@@ -502,6 +502,22 @@ def check_engine_config(config: EngineConfig) -> None:
     from squeeze.serve.engine import check_engine_config as check
 
     check(config)
+    _check_kv_memory_available(config.kv_memory_bytes)
+
+
+def _check_kv_memory_available(kv_memory_bytes: int) -> None:
+    """ResourceError when the KV pool alone is more than the memory available now (the pool is allocated at
+    start, on the CPU: a pool that cannot fit failed there with "can't allocate memory", an internal error)."""
+    from squeeze.errors import ResourceError
+    from squeeze.system import available_memory_bytes
+
+    available = available_memory_bytes()
+    if available is not None and kv_memory_bytes > available:
+        raise ResourceError(
+            f"--kv-memory {kv_memory_bytes / 2**30:,.2f} GiB is more than the {available / 2**30:,.2f} GiB of "
+            "memory available (and the model needs room too)",
+            hint="pass a smaller --kv-memory, e.g. 1GiB; it must hold one full-context sequence",
+        )
 
 
 def create_serve_app(

@@ -25,6 +25,7 @@ from squeeze.format.paths import read_user_file, short_path
 from squeeze.limits import (
     DEFAULT_SINK_TOKENS,
     LUT_DTYPES,
+    MAX_GENERATED_SAMPLES,
     MIN_SEQ_LEN,
     SENSITIVITIES,
     WEIGHT_BITS,
@@ -172,6 +173,13 @@ class WeightsConfig:
                 hint=f"add error_compensation: true, or remove {' / '.join(changed)}",
             )
         check_at_least(self.generated_samples, 0, "weights.generated_samples")
+        if self.generated_samples > MAX_GENERATED_SAMPLES:
+            raise ConfigError(
+                f"weights.generated_samples (--generated-samples) must be at most {MAX_GENERATED_SAMPLES}, found "
+                f"{self.generated_samples}",
+                hint="8 to 64 sampled sequences is the useful range (docs/guide.md); each costs a model run of "
+                "seq_len tokens",
+            )
 
     def _check_options_of_format(self) -> None:
         """Every option the chosen format does not use keeps its default (the format registry says which)."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.errors import ConfigError, FormatError, IntegrityError
+from squeeze.errors import ConfigError, FormatError, IntegrityError, ModelError
 from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
@@ -42,6 +42,7 @@ from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetenso
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.signature import SignatureInfo, check_public_key, check_signature
 from squeeze.format.verify import VerifyReport, verify_artifact
+from squeeze.models.remote_code import is_remote_code_refusal
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
@@ -443,7 +444,17 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
         for name, data in files.items():
             if "/" not in name:
                 (Path(tmp) / name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        try:
+            return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        except ValueError as exc:
+            if not is_remote_code_refusal(exc):
+                raise
+            # tokenizer_config.json's auto_map names a tokenizer class shipped as Python files: never run
+            raise ModelError(
+                "the artifact's tokenizer needs its own Python code to load (tokenizer_config.json has an "
+                "auto_map); that would take trust_remote_code=True, and squeeze never runs a model's own code",
+                hint="compress a model whose tokenizer transformers supports natively",
+            ) from None
 
 
 def _is_quantized_param(model: nn.Module, key: str) -> bool:
