@@ -276,6 +276,7 @@ def calibrate_kv(
     overwrite: bool = False,
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    drop_signature: bool = False,
 ) -> CalibrateKVResult:
     """Calibrate int8 / int4 KV-cache scales, or vLLM's fp8 KV scales, and write them into an artifact.
 
@@ -297,7 +298,8 @@ def calibrate_kv(
     (ConfigError if given).
 
     The artifact is replaced only once the new one is complete and sealed: a failure leaves it exactly as it
-    was.
+    was. One run per output at a time (LockError for a second). A signed artifact (``model.sig``) is refused
+    before any work unless ``drop_signature``: the new artifact is then written unsigned (sign it again).
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
 
@@ -315,6 +317,7 @@ def calibrate_kv(
         key_group=key_group,
         value_group=value_group,
         overwrite=overwrite,
+        drop_signature=drop_signature,
         progress=progress,
     )
 
