@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import resource
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # squeeze's CLI imports this module without the serve extra
@@ -109,9 +110,12 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-def guarded_protocol(*, max_connections: int, idle_timeout: float) -> type[Any]:
+def guarded_protocol(
+    *, max_connections: int, idle_timeout: float, on_shutdown: Callable[[], None] | None = None
+) -> type[Any]:
     """uvicorn's H11Protocol with a header timeout of ``idle_timeout`` seconds and a cap of ``max_connections``
-    open connections (the next is answered 503 and closed), as a class for ``uvicorn.Config(http=...)``."""
+    open connections (the next is answered 503 and closed), as a class for ``uvicorn.Config(http=...)``.
+    ``on_shutdown`` is called when uvicorn starts its graceful shutdown (it asks each connection to end)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -145,6 +149,11 @@ def guarded_protocol(*, max_connections: int, idle_timeout: float) -> type[Any]:
         def on_response_complete(self) -> None:
             self._arm_head_timer()  # before the next cycle starts: a pipelined request cancels it at once
             super().on_response_complete()
+
+        def shutdown(self) -> None:
+            if on_shutdown is not None:
+                on_shutdown()  # idempotent: once per connection
+            super().shutdown()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
@@ -184,13 +193,16 @@ def uvicorn_config(
     import uvicorn
 
     limit = max_connections if max_connections is not None else default_max_connections()
+    # squeeze's app ends its open responses when the grace is over (create_app's begin_shutdown); uvicorn's
+    # own deadline, one second later, only cancels what is left (with a traceback each)
+    on_shutdown = getattr(getattr(app, "state", None), "begin_shutdown", None)
     kwargs: dict[str, Any] = {} if configure_logging else {"log_config": None}
     return uvicorn.Config(
         app,
         log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(shutdown_grace),
+        timeout_graceful_shutdown=math.ceil(shutdown_grace) + 1,
         lifespan="on",
-        http=guarded_protocol(max_connections=limit, idle_timeout=idle_timeout),
+        http=guarded_protocol(max_connections=limit, idle_timeout=idle_timeout, on_shutdown=on_shutdown),
         timeout_keep_alive=max(1, math.ceil(idle_timeout)),
         limit_concurrency=limit + 1,  # uvicorn counts the connection asking; the protocol refuses the excess
         **kwargs,

@@ -242,3 +242,67 @@ def test_the_default_connection_cap_stays_below_the_open_file_limit() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY:
         assert default_max_connections() < soft
+
+
+# -- shutdown with streams open past the grace (issue 41 item 11) ---------------------------------------------
+
+
+def test_streams_open_past_the_grace_end_with_an_error_event_and_done(engine: FakeEngine, caplog) -> None:
+    import json
+    import logging
+
+    import uvicorn
+
+    engine.step_seconds = 0.01
+    app = create_app(engine, shutdown_grace_seconds=0.5)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn_config(app, shutdown_grace=0.5, configure_logging=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    outcomes: list[list] = [[], []]
+
+    def read(slot: int, path: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", base + path, json=body, timeout=TIMEOUT) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        payload = line[len("data: ") :]
+                        outcomes[slot].append(payload if payload == "[DONE]" else json.loads(payload))
+        except httpx.HTTPError as exc:
+            outcomes[slot].append(exc)
+
+    readers = [
+        threading.Thread(target=read, args=(0, "/v1/completions", {"prompt": "a", "max_tokens": 3000, "stream": True})),
+        threading.Thread(
+            target=read,
+            args=(1, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream": True}),
+        ),
+    ]
+    with caplog.at_level(logging.WARNING):
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 10
+        while engine.stats().generation_tokens_total < 4:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.01)
+        started = time.monotonic()
+        server.should_exit = True  # what SIGTERM does
+        for reader in readers:
+            reader.join(TIMEOUT)
+        thread.join(15)
+        sock.close()
+    assert time.monotonic() - started < 5
+    for events in outcomes:
+        assert events[-1] == "[DONE]", events[-3:]
+        assert "shutting down" in events[-2]["error"]["message"]
+    cancelled = [r for r in caplog.records if "cancelled: still open" in r.getMessage()]
+    assert len(cancelled) == 2
+    assert not [r for r in caplog.records if r.exc_info], "no tracebacks"
+    assert sorted(engine.cancelled) == sorted(s[2] for s in engine.submitted)
