@@ -42,6 +42,18 @@ def short_repr(value: object, keep: int = 80) -> str:
     return text if len(text) <= keep else text[: keep - 3] + "..."
 
 
+def short_number(value: int, keep: int = 24) -> str:
+    """An integer for a one-line message: as is up to ``keep`` digits, else only its length (a hostile
+    manifest's size may have thousands of digits, and str() refuses past 4300)."""
+    if abs(value) < 10**keep:
+        return str(value)
+    try:
+        digits = len(str(abs(value)))
+    except ValueError:  # past Python's int-to-str limit
+        digits = int(abs(value).bit_length() * 0.30103) + 1
+    return f"{'-' if value < 0 else ''}a number of about {digits} digits"
+
+
 def file_kind(mode: int) -> str:
     """What a non-regular file is, for a message: "a directory", "a FIFO (named pipe)", "a device" ..."""
     if stat.S_ISDIR(mode):
