@@ -115,10 +115,19 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - unknown model types and bad configs raise many kinds
-        raise FormatError(
-            f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}"
-        ) from None
+        raise FormatError(f"config.json describes no model this transformers can build: {_reason(exc)}") from None
     return model.eval()
+
+
+def _reason(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as one line for a message. A multi-line message (a validator wrapping the real error, as
+    ``Class validation error for validator ...:`` then ``ValueError: The hidden size ...``) gives its last
+    line, the innermost reason, which a one-line error would otherwise cut off."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[-1] if len(lines) > 1 else f"{type(exc).__name__}: {lines[0]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def torch_dtype(name: str) -> torch.dtype:
