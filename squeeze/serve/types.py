@@ -141,8 +141,8 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     #: Of the token slots in allocated blocks, the share holding live tokens, averaged over the steps run
-    #: (1.0 before any step).
-    kv_block_utilisation: float = 1.0
+    #: (0 before any step: an untouched pool is not a fully used one).
+    kv_block_utilisation: float = 0.0
 
 
 class LatencyObserver(Protocol):
