@@ -21,6 +21,7 @@ import hashlib
 import io
 import os
 import stat
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -328,10 +329,14 @@ def verify_signature_bytes(
     public = _load_public_key(public_key)
     bundle, certificate = _parse_bundle(signature, ms, public, public_key)
     try:
-        verifier = ms.ec_key.Verifier(Path(public_key))
-        # a bundle without a key hint makes the verifier print a warning on stdout: squeeze's output is its own
-        with contextlib.redirect_stdout(io.StringIO()):
-            signed = verifier.verify(ms.sigstore_pb.Signature(bundle))
+        # the key as already read (model_signing would open the path again: a FIFO swapped in since would hang)
+        with tempfile.TemporaryDirectory(prefix="squeeze-key-") as private:
+            key_copy = Path(private) / "key.pub.pem"
+            key_copy.write_bytes(_public_pem(public))
+            verifier = ms.ec_key.Verifier(key_copy)
+            # a bundle without a key hint makes the verifier print a warning on stdout: squeeze's output is its own
+            with contextlib.redirect_stdout(io.StringIO()):
+                signed = verifier.verify(ms.sigstore_pb.Signature(bundle))
     except ms.InvalidSignature:
         raise IntegrityError(
             f"{SIGNATURE_NAME} was not made with the key {short_path(public_key)} (signature check failed)",
@@ -490,6 +495,12 @@ def _read_small(path: str | os.PathLike[str], what: str) -> bytes:
         if "larger than" in exc.message:
             raise ConfigError(f"{exc.message}; a PEM key is a few hundred") from None
         raise
+
+
+def _public_pem(key: EllipticCurvePublicKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _load_public_key(path: str | os.PathLike[str]) -> EllipticCurvePublicKey:
