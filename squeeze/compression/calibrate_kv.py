@@ -128,12 +128,18 @@ def run_calibrate_kv(
     source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
     out = output_path(output if output is not None else source)
     # one run per output at a time: a second one would swap its artifact over the first's, losing it
-    if not out.parent.is_dir():
-        out.parent.mkdir(parents=True, exist_ok=True)
     lock = OutputLock(
         out.parent, name=f".{out.name}{KV_LOCK_SUFFIX}", holder="squeeze calibrate-kv", target=out, remove=True
     )
-    with lock:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the lock file {lock.path}: {exc.strerror or exc}",
+            hint="the directory that holds the output must be writable",
+        ) from None
+    try:
         return _run_locked(
             target,
             calibration,
@@ -148,6 +154,8 @@ def run_calibrate_kv(
             drop_signature=drop_signature,
             progress=progress,
         )
+    finally:
+        lock.release()
 
 
 def _run_locked(
