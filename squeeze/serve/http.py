@@ -396,6 +396,7 @@ async def _guarded(events: AsyncIterator[bytes], request_id: str, cut: asyncio.E
     ended (``cut``): once the response has started, an event is all the client can still be told."""
     iterator = events.__aiter__()
     stop = asyncio.ensure_future(cut.wait())
+    step: asyncio.Future[bytes] | None = None
     try:
         while True:
             step = asyncio.ensure_future(iterator.__anext__())
@@ -416,6 +417,8 @@ async def _guarded(events: AsyncIterator[bytes], request_id: str, cut: asyncio.E
         yield protocol.DONE_EVENT
     finally:
         stop.cancel()
+        if step is not None and not step.done():  # the client went away (Starlette cancelled this body)
+            step.cancel()
 
 
 async def _completion_events(
