@@ -27,6 +27,7 @@ from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FP8_E4M3
+from squeeze.serve.limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
@@ -275,6 +276,7 @@ def calibrate_kv(
     overwrite: bool = False,
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    drop_signature: bool = False,
 ) -> CalibrateKVResult:
     """Calibrate int8 / int4 KV-cache scales, or vLLM's fp8 KV scales, and write them into an artifact.
 
@@ -296,7 +298,8 @@ def calibrate_kv(
     (ConfigError if given).
 
     The artifact is replaced only once the new one is complete and sealed: a failure leaves it exactly as it
-    was.
+    was. One run per output at a time (LockError for a second). A signed artifact (``model.sig``) is refused
+    before any work unless ``drop_signature``: the new artifact is then written unsigned (sign it again).
     """
     from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
 
@@ -314,6 +317,7 @@ def calibrate_kv(
         key_group=key_group,
         value_group=value_group,
         overwrite=overwrite,
+        drop_signature=drop_signature,
         progress=progress,
     )
 
@@ -501,6 +505,22 @@ def check_engine_config(config: EngineConfig) -> None:
     from squeeze.serve.engine import check_engine_config as check
 
     check(config)
+    _check_kv_memory_available(config.kv_memory_bytes)
+
+
+def _check_kv_memory_available(kv_memory_bytes: int) -> None:
+    """ResourceError when the KV pool alone is more than the memory available now (the pool is allocated at
+    start, on the CPU: a pool that cannot fit failed there with "can't allocate memory", an internal error)."""
+    from squeeze.errors import ResourceError
+    from squeeze.system import available_memory_bytes
+
+    available = available_memory_bytes()
+    if available is not None and kv_memory_bytes > available:
+        raise ResourceError(
+            f"--kv-memory {kv_memory_bytes / 2**30:,.2f} GiB is more than the {available / 2**30:,.2f} GiB of "
+            "memory available (and the model needs room too)",
+            hint="pass a smaller --kv-memory, e.g. 1GiB; it must hold one full-context sequence",
+        )
 
 
 def create_serve_app(
@@ -509,13 +529,36 @@ def create_serve_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     shutdown_grace_seconds: float = 10.0,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible HTTP app over ``engine`` (:func:`squeeze.serve.http.create_app`; needs the
-    ``serve`` extra: fastapi, uvicorn, prometheus-client)."""
+    ``serve`` extra: fastapi, uvicorn, prometheus-client). ``max_request_bytes``: the body cap (default: from
+    the engine's context, squeeze.serve.limits.default_max_request_bytes)."""
     from squeeze.serve.http import create_app
 
     return create_app(
-        engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace_seconds
+        engine,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        shutdown_grace_seconds=shutdown_grace_seconds,
+        max_request_bytes=max_request_bytes,
+    )
+
+
+def serve_uvicorn_config(
+    app: Any,
+    *,
+    shutdown_grace: float,
+    max_connections: int | None = None,
+    idle_timeout: float = SERVE_IDLE_TIMEOUT,
+) -> Any:
+    """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.limits.uvicorn_config`):
+    a connection that sends no whole request head within ``idle_timeout`` seconds is closed, connections past
+    ``max_connections`` (default: the open-file limit less 64) are answered 503."""
+    from squeeze.serve.limits import uvicorn_config
+
+    return uvicorn_config(
+        app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
     )
 
 
@@ -526,17 +569,30 @@ def pull(
     public_key: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     progress: ProgressFn | None = None,
+    min_rate: float | None = None,
+    deadline: float | None = None,
 ) -> PullResult:
     """Download an artifact and verify every byte against its manifest before keeping it.
 
     ``source``: an ``https://`` / ``http://`` URL of an artifact directory, or a Hugging Face Hub repo id.
     ``output`` (default: the local artifact cache) appears only once every file is complete and verified;
     an interrupted pull resumes from its partial files. ``public_key``: the artifact must carry a signature
-    by that key. ``progress(done_bytes, total_bytes)`` is called from worker threads.
+    by that key. ``progress(done_bytes, total_bytes)`` is called from worker threads. ``min_rate``: bytes/s
+    the transfer must average over a minute (default ``$SQUEEZE_PULL_MIN_RATE``, else 4096; 0: off);
+    ``deadline``: seconds the whole pull may take (default ``$SQUEEZE_PULL_DEADLINE``, else none); passing
+    either raises TransferError (rerun to resume).
     """
     from squeeze.distribution.pull import pull_artifact
 
-    return pull_artifact(source, output, public_key=public_key, workers=workers, progress=progress)
+    return pull_artifact(
+        source,
+        output,
+        public_key=public_key,
+        workers=workers,
+        progress=progress,
+        min_rate=min_rate,
+        deadline=deadline,
+    )
 
 
 def push(
@@ -644,6 +700,8 @@ __all__ = [
     "push",
     "local_artifact",
     "create_serve_app",
+    "serve_uvicorn_config",
+    "SERVE_IDLE_TIMEOUT",
     "check_engine_config",
     "EngineConfig",
     "parse_size",

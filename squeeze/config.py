@@ -21,9 +21,11 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 import yaml
 
 from squeeze.errors import ConfigError
+from squeeze.format.paths import read_user_file, short_path
 from squeeze.limits import (
     DEFAULT_SINK_TOKENS,
     LUT_DTYPES,
+    MAX_GENERATED_SAMPLES,
     MIN_SEQ_LEN,
     SENSITIVITIES,
     WEIGHT_BITS,
@@ -171,6 +173,13 @@ class WeightsConfig:
                 hint=f"add error_compensation: true, or remove {' / '.join(changed)}",
             )
         check_at_least(self.generated_samples, 0, "weights.generated_samples")
+        if self.generated_samples > MAX_GENERATED_SAMPLES:
+            raise ConfigError(
+                f"weights.generated_samples (--generated-samples) must be at most {MAX_GENERATED_SAMPLES}, found "
+                f"{self.generated_samples}",
+                hint="8 to 64 sampled sequences is the useful range (docs/guide.md); each costs a model run of "
+                "seq_len tokens",
+            )
 
     def _check_options_of_format(self) -> None:
         """Every option the chosen format does not use keeps its default (the format registry says which)."""
@@ -352,20 +361,67 @@ def _named_yaml_path(name_or_path: str | Path, directory: Path) -> Path:
     return directory / f"{name_or_path}.yaml"
 
 
+#: A recipe or calibration spec is a few hundred bytes; this only bounds a wrong file's read.
+MAX_YAML_BYTES = 4 * 2**20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a mapping that repeats a key (``bits: 3`` then ``bits: 4``): plain yaml
+    keeps the last one silently, so a recipe would not do what one of its lines says."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.setdefault(key, line)
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            continue
+        if first != line:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} on line {line} (first given on line {first})", key_node.start_mark
+            )
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def load_yaml_unique(text: str) -> Any:
+    """``yaml.safe_load`` that raises yaml.YAMLError for a duplicate key in any mapping, naming its line."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_named_yaml(name_or_path: str | Path, directory: Path, what: str) -> dict[str, Any]:
     path = _named_yaml_path(name_or_path, directory)
-    if not path.is_file():
+    try:
+        raw = read_user_file(path, MAX_YAML_BYTES, what)
+    except FileNotFoundError:
         raise ConfigError(
             f"unknown {what} {str(name_or_path)!r}: no such file and no built-in of that name",
             hint=f"built-ins: {', '.join(builtin_names(directory)) or '(none)'}; or pass a YAML file path",
-        )
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {short_path(path)}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        data = load_yaml_unique(raw.decode("utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {_yaml_problem(exc)}") from exc
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a YAML mapping, found {type(data).__name__}")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The first line of a yaml error, or its problem (which names the line) for a duplicate key."""
+    problem = getattr(exc, "problem", None)
+    if isinstance(problem, str) and problem.startswith("duplicate key"):
+        return problem
+    return str(exc).splitlines()[0]
 
 
 def _set_dotted(data: dict[str, Any], keys: list[str], value: Any) -> None:

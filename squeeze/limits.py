@@ -44,6 +44,9 @@ LUT_DTYPES: tuple[str, ...] = get_args(LutDtype)
 #: SqueezeLLM uses 0.45% (0.05% sensitive + 0.4% outliers). The tensor code (quant/sparse.py) accepts any
 #: fraction in [0, 1]: that is the mathematical domain, this is what squeeze offers.
 MAX_SPARSE_FRACTION = 0.10
+#: weights.generated_samples at most: 8 sequences of 512 tokens take ~50 s on a 135M model, so 1024 is hours
+#: of sampling on a small model; a larger count is a typo, refused before any work.
+MAX_GENERATED_SAMPLES = 1024
 
 #: RTN group size (columns per scale / zero point): any positive integer, the last group of a row may be
 #: partial; None = one group per output channel. No kernel constrains it (the LUT kernels' tile width is
@@ -238,6 +241,7 @@ def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeE
 
 
 __all__ = [
+    "MAX_GENERATED_SAMPLES",
     "WEIGHT_BITS",
     "EMBEDDING_ONLY_BITS",
     "CODE_BITS",

@@ -49,6 +49,45 @@ def test_unknown_keys_are_rejected(tmp_path):
         load_recipe(path)
 
 
+def test_a_duplicate_key_is_refused_naming_its_line(tmp_path):
+    """Issue 41 item 10: yaml kept the last of two ``bits`` silently."""
+    path = tmp_path / "r.yaml"
+    path.write_text("version: 1\nweights:\n  bits: 3\n  bits: 4\n")
+    with pytest.raises(ConfigError, match="duplicate key 'bits' on line 4 \\(first given on line 3\\)"):
+        load_recipe(path)
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: a\nname: b\nsource: text\n")
+    with pytest.raises(ConfigError, match="duplicate key 'name' on line 2"):
+        load_calibration_spec(spec)
+
+
+def test_same_keys_in_different_mappings_are_fine(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("version: 1\nweights:\n  bits: 4\n")
+    assert load_recipe(path).weights.bits == 4
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "device"])
+def test_a_recipe_path_that_is_not_a_file_is_named_as_what_it_is(tmp_path, kind):
+    """Issue 41 item 15: a FIFO, folder or device was reported as "no such file" (and a FIFO must not block)."""
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "r.yaml"
+        os.mkfifo(path)
+        expected = "FIFO"
+    elif kind == "folder":
+        path = tmp_path / "r.yaml"
+        path.mkdir()
+        expected = "a directory"
+    else:
+        path = "/dev/null"
+        expected = "a device"
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_recipe(path)
+    assert "no such file" not in str(info.value)
+
+
 @pytest.mark.parametrize("bits", [1, 5, 16])
 def test_unsupported_bits(bits):
     with pytest.raises(ConfigError, match="weights.bits must be one of"):

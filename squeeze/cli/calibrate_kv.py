@@ -65,6 +65,14 @@ SeqLen = Annotated[
 ]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --output directory.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary to stdout.")]
+DropSignature = Annotated[
+    bool,
+    typer.Option(
+        "--drop-signature",
+        help="Calibrate a signed artifact: the new one is written without model.sig (sign it again with squeeze "
+        "sign); without this flag a signed artifact is refused.",
+    ),
+]
 
 
 def calibrate_kv(
@@ -79,6 +87,7 @@ def calibrate_kv(
     seq_len: SeqLen = None,
     overwrite: Overwrite = False,
     json_out: JsonOut = False,
+    drop_signature: DropSignature = False,
 ) -> None:
     """Capture keys and values on calibration text, fit their scales, and add them to the artifact.
 
@@ -101,6 +110,7 @@ def calibrate_kv(
                 key_group=key_group,
                 value_group=value_group,
                 overwrite=overwrite,
+                drop_signature=drop_signature,
                 calibration_overrides={"num_samples": num_samples, "seq_len": seq_len},
                 progress=progress,
             )

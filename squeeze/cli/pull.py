@@ -21,11 +21,28 @@ def pull(
     ),
     workers: int = typer.Option(0, "--workers", min=0, help="Parallel downloads (0 = automatic)."),
     json_out: bool = typer.Option(False, "--json", help="Print only a JSON report to stdout."),
+    min_rate: Optional[float] = typer.Option(
+        None,
+        "--min-rate",
+        help="Bytes/s the transfer must average over a minute, else it stops (default $SQUEEZE_PULL_MIN_RATE "
+        "or 4096; 0: off).",
+    ),
+    deadline: Optional[float] = typer.Option(
+        None, "--deadline", help="Seconds the whole pull may take (default $SQUEEZE_PULL_DEADLINE or none; 0: none)."
+    ),
 ) -> None:
     """Download an artifact; every file is hashed while it streams and checked before it is kept."""
     with cli_errors():
         with progress_bar("Pulling", not json_out, bytes_=True) as progress:
-            result = api.pull(source, output, public_key=public_key, workers=workers or None, progress=progress)
+            result = api.pull(
+                source,
+                output,
+                public_key=public_key,
+                workers=workers or None,
+                progress=progress,
+                min_rate=min_rate,
+                deadline=deadline,
+            )
     if json_out:
         print_json(result.to_dict())
     elif result.extra.get("already_present"):

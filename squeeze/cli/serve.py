@@ -84,8 +84,20 @@ def engine_config(
     return config
 
 
-def check_server_options(*, port: int, shutdown_grace: float, api_key: str | None) -> None:
-    """ConfigError for a port outside 0-65535, a negative or infinite grace, or an empty API key."""
+def check_server_options(
+    *,
+    port: int,
+    shutdown_grace: float,
+    api_key: str | None,
+    max_connections: int | None = None,
+    idle_timeout: float = api.SERVE_IDLE_TIMEOUT,
+) -> None:
+    """ConfigError for a port outside 0-65535, a negative or infinite grace, an empty API key, a connection cap
+    below 1 or an idle timeout that is not a positive finite number of seconds."""
+    if max_connections is not None and max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, found {max_connections}")
+    if not (math.isfinite(idle_timeout) and idle_timeout > 0):
+        raise ConfigError(f"--idle-timeout must be a finite number of seconds > 0, found {idle_timeout}")
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in 0-65535, found {port}", hint="0 picks a free port")
     if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
@@ -95,6 +107,19 @@ def check_server_options(*, port: int, shutdown_grace: float, api_key: str | Non
             "the API key (--api-key or SQUEEZE_API_KEY) is empty",
             hint="pass a non-empty key, or unset SQUEEZE_API_KEY to serve without one",
         )
+
+
+def request_bytes(text: str | None) -> int | None:
+    """``--max-request-bytes`` as bytes (None: the default from the context); ConfigError naming the flag."""
+    if text is None:
+        return None
+    try:
+        value = api.parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--max-request-bytes: {exc.message}", hint=exc.hint or "e.g. 4MB") from None
+    if value < 1024:
+        raise ConfigError(f"--max-request-bytes must be at least 1KB, found {value} bytes", hint="e.g. 4MB")
+    return value
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -162,7 +187,15 @@ def startup_line(info: dict[str, Any], *, api_key: bool) -> str:
     )
 
 
-def run_server(app: Any, sock: socket.socket, shutdown_grace: float, *, engine: Any = None) -> bool:
+def run_server(
+    app: Any,
+    sock: socket.socket,
+    shutdown_grace: float,
+    *,
+    engine: Any = None,
+    max_connections: int | None = None,
+    idle_timeout: float = api.SERVE_IDLE_TIMEOUT,
+) -> bool:
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM; False when the app failed to start (uvicorn logged why).
 
     With an ``engine`` that can run its loop in the calling thread (squeeze.serve.engine.Engine.run), the
@@ -174,8 +207,8 @@ def run_server(app: Any, sock: socket.socket, shutdown_grace: float, *, engine: 
     """
     import uvicorn
 
-    config = uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=math.ceil(shutdown_grace), lifespan="on"
+    config = api.serve_uvicorn_config(
+        app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
     )
     server = uvicorn.Server(config)
     previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -230,6 +263,25 @@ ShutdownGrace = Annotated[
     float,
     typer.Option("--shutdown-grace", help="Seconds open requests may run on after SIGINT/SIGTERM before they are cut."),
 ]
+MaxRequestBytes = Annotated[
+    Optional[str],
+    typer.Option(
+        "--max-request-bytes",
+        help="Largest request body (e.g. 4MB); bigger ones get HTTP 413 unread (default: 32 bytes per token of "
+        "context + 1 MiB).",
+    ),
+]
+MaxConnections = Annotated[
+    Optional[int],
+    typer.Option(
+        "--max-connections",
+        help="Open connections at most; more get HTTP 503 (default: the open-file limit less 64).",
+    ),
+]
+IdleTimeout = Annotated[
+    float,
+    typer.Option("--idle-timeout", help="Seconds a connection may stay open without sending a whole request head."),
+]
 JsonOut = Annotated[
     bool, typer.Option("--json", help="Print the startup information as one JSON line on stdout (not stderr).")
 ]
@@ -255,6 +307,9 @@ def serve(
     low_memory: LowMemory = False,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
+    max_request_bytes: MaxRequestBytes = None,
+    max_connections: MaxConnections = None,
+    idle_timeout: IdleTimeout = api.SERVE_IDLE_TIMEOUT,
 ) -> None:
     """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not),
     /v1/models, /health and Prometheus /metrics.
@@ -274,7 +329,14 @@ def serve(
             max_model_len=max_model_len,
             max_queue=max_queue,
         )
-        check_server_options(port=port, shutdown_grace=shutdown_grace, api_key=api_key)
+        check_server_options(
+            port=port,
+            shutdown_grace=shutdown_grace,
+            api_key=api_key,
+            max_connections=max_connections,
+            idle_timeout=idle_timeout,
+        )
+        body_cap = request_bytes(max_request_bytes)
         check_serve_dependencies()
         if public_key is not None:
             api.check_signing_options(public_key, verify=not no_verify)
@@ -292,8 +354,14 @@ def serve(
                 low_memory=low_memory,
                 **signature_options,
             )
+            # only when given: api.create_serve_app stand-ins predate the option
+            app_options: dict[str, Any] = {"max_request_bytes": body_cap} if body_cap is not None else {}
             app = api.create_serve_app(
-                engine, api_key=api_key, served_model_name=served_model_name, shutdown_grace_seconds=shutdown_grace
+                engine,
+                api_key=api_key,
+                served_model_name=served_model_name,
+                shutdown_grace_seconds=shutdown_grace,
+                **app_options,
             )
             model = served_model_name or engine.model_name
             info = startup_info(engine, url=url_of(sock), model=model, kv_dynamic=kv_dynamic, verified=not no_verify)
@@ -306,7 +374,9 @@ def serve(
         else:
             err_console.print(startup_line(info, api_key=api_key is not None), soft_wrap=True, markup=False)
         try:
-            started = run_server(app, sock, shutdown_grace, engine=engine)
+            started = run_server(
+                app, sock, shutdown_grace, engine=engine, max_connections=max_connections, idle_timeout=idle_timeout
+            )
         finally:
             sock.close()
         if not started:

@@ -27,6 +27,7 @@ import torch
 from squeeze.calibrate.kv import KVCalibration, calibrate_kv
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.job import StageProgress, timed  # progress stage "kv": calibration windows
+from squeeze.compression.lock import OutputLock
 from squeeze.compression.output import check_not_model_path, check_output_dir, check_writable, output_path
 from squeeze.compression.preflight import check_context_length
 from squeeze.compression.publish import clean_kv_leftovers, kv_staging, replace_dir
@@ -42,12 +43,15 @@ from squeeze.compression.writer import (
 )
 from squeeze.config import CalibrationSpec, OutputConfig
 from squeeze.errors import ConfigError, IntegrityError, SqueezeError
-from squeeze.format.manifest import MANIFEST_NAME, Manifest, Provenance
+from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, Provenance
 from squeeze.format.signature import warn_signature_dropped
 from squeeze.format.swap import restore_aside
 from squeeze.format.verify import read_manifest
 from squeeze.limits import KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FILE, kv_bytes_table
+
+#: The lock file beside the output (``.NAME.squeeze-kv.lock``) that a run holds from start to end.
+KV_LOCK_SUFFIX = ".squeeze-kv.lock"
 
 
 @dataclass
@@ -87,6 +91,11 @@ def default_calibration(target: str | os.PathLike[str]) -> str:
     from squeeze.runtime.loader import is_artifact
 
     name = None
+    if not os.path.lexists(target):
+        raise ConfigError(
+            f"no such artifact or model directory: {target}",
+            hint="pass the path of a squeeze artifact (or of a model, with --output and --calibration)",
+        )
     if is_artifact(Path(target)):
         try:
             name = read_manifest(Path(target)).provenance.extra.get("calibration")
@@ -111,18 +120,65 @@ def run_calibrate_kv(
     key_group: int | None = None,
     value_group: int | None = None,
     overwrite: bool = False,
+    drop_signature: bool = False,
     progress: StageProgress | None = None,
 ) -> CalibrateKVResult:
     """Calibrate KV scales for ``target`` (artifact or model) and write them; see squeeze.api.calibrate_kv."""
-    started = time.perf_counter()
-    timings: dict[str, float] = {}
     bits, sink_tokens = _check_options(bits, sink_tokens, key_group, value_group, calibration)
     source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
     out = output_path(output if output is not None else source)
+    # one run per output at a time: a second one would swap its artifact over the first's, losing it
+    lock = OutputLock(
+        out.parent, name=f".{out.name}{KV_LOCK_SUFFIX}", holder="squeeze calibrate-kv", target=out, remove=True
+    )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the lock file {lock.path}: {exc.strerror or exc}",
+            hint="the directory that holds the output must be writable",
+        ) from None
+    try:
+        return _run_locked(
+            target,
+            calibration,
+            bits,
+            source,
+            out,
+            in_place=output is None,
+            sink_tokens=sink_tokens,
+            key_group=key_group,
+            value_group=value_group,
+            overwrite=overwrite,
+            drop_signature=drop_signature,
+            progress=progress,
+        )
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    target: str | os.PathLike[str],
+    calibration: CalibrationSpec,
+    bits: KvChoice,
+    source: Path,
+    out: Path,
+    *,
+    in_place: bool,
+    sink_tokens: int,
+    key_group: int | None,
+    value_group: int | None,
+    overwrite: bool,
+    drop_signature: bool,
+    progress: StageProgress | None,
+) -> CalibrateKVResult:
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
     restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
     inputs = _Inputs(target, source)
-    _check_output(inputs, out, overwrite=overwrite, in_place=output is None)
-    warn_signature_dropped(out, "calibrate-kv replaces it")  # in place, or --output over a signed artifact
+    _check_output(inputs, out, overwrite=overwrite, in_place=in_place)
+    drop = _check_signature(out, drop_signature)  # in place, or --output over a signed artifact
 
     with timed(timings, "load"):
         _load(inputs)  # an artifact is verified first: IntegrityError before any work
@@ -137,7 +193,9 @@ def run_calibrate_kv(
         )
 
     with timed(timings, "write"):
-        config, manifest = _write_artifact(inputs, result, calibration, out, overwrite=overwrite or out == source)
+        config, manifest = _write_artifact(
+            inputs, result, calibration, out, overwrite=overwrite or out == source, drop=drop
+        )
     return CalibrateKVResult(
         output=str(out),
         bits=bits,
@@ -206,7 +264,13 @@ def _load(inputs: _Inputs) -> None:
 
 
 def _write_artifact(
-    inputs: _Inputs, result: KVCalibration, calibration: CalibrationSpec, out: Path, *, overwrite: bool
+    inputs: _Inputs,
+    result: KVCalibration,
+    calibration: CalibrationSpec,
+    out: Path,
+    *,
+    overwrite: bool,
+    drop: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], Manifest]:
     """Build and seal the new artifact next to ``out``, then swap it in; returns its config and manifest."""
     with kv_staging(out) as staging:
@@ -218,8 +282,25 @@ def _write_artifact(
         old = inputs.manifest.provenance if inputs.manifest else None
         manifest = seal(staging, _provenance(old, inputs.target, result, calibration))
         _check_linked(manifest, linked)
-        replace_dir(staging, out, overwrite=overwrite)
+        replace_dir(staging, out, overwrite=overwrite, drop=drop)
     return config, manifest
+
+
+def _check_signature(out: Path, drop_signature: bool) -> frozenset[str]:
+    """The files of the artifact at ``out`` the user agreed to lose: its model.sig with ``drop_signature``
+    (a warning says so); ConfigError, before any work, for a signed one without it: the new artifact's bytes
+    differ, so the old signature cannot stay, and a signature is not dropped unasked."""
+    if not os.path.lexists(out / SIGNATURE_NAME):
+        return frozenset()
+    if not drop_signature:
+        raise ConfigError(
+            f"{out} is signed ({SIGNATURE_NAME}), and the artifact calibrate-kv writes there would not match "
+            "that signature",
+            hint=f"pass --drop-signature to write it unsigned, then sign it again: squeeze sign {out} "
+            "--private-key KEY.pem",
+        )
+    warn_signature_dropped(out, "calibrate-kv replaces it")
+    return frozenset({SIGNATURE_NAME})
 
 
 def _check_output(inputs: _Inputs, out: Path, *, overwrite: bool, in_place: bool) -> None:

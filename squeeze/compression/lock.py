@@ -20,8 +20,22 @@ LOCK_NAME = "lock"
 class OutputLock:
     """Hold ``directory/lock`` exclusively until ``release()`` (or the end of a ``with`` block)."""
 
-    def __init__(self, directory: Path) -> None:
-        self.path = Path(directory) / LOCK_NAME
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        name: str = LOCK_NAME,
+        holder: str = "squeeze compress",
+        target: Path | None = None,
+        remove: bool = False,
+    ) -> None:
+        """``holder`` and ``target`` (default: the work area's parent, the output) name the other run in the
+        refusal; ``remove``: unlink the lock file on release (a lock file kept beside an artifact, not in a
+        work area that goes anyway)."""
+        self.path = Path(directory) / name
+        self._holder = holder
+        self._target = target if target is not None else self.path.parent.parent
+        self._remove = remove
         self._fd: int | None = None
 
     def acquire(self) -> OutputLock:
@@ -35,7 +49,7 @@ class OutputLock:
                 os.close(fd)
                 who = f" (pid {holder})" if holder else ""
                 raise LockError(
-                    f"another squeeze compress{who} is writing into {self.path.parent.parent}",
+                    f"another {self._holder}{who} is writing into {self._target}",
                     hint="wait for it to finish, or choose another --output",
                 ) from None
             # The holder may have finished and removed the work area between our open and our flock: then
@@ -56,6 +70,10 @@ class OutputLock:
     def release(self) -> None:
         """Drop the lock (closing the descriptor releases the flock)."""
         if self._fd is not None:
+            if self._remove:  # before the unlock: a run waiting on this inode sees it replaced, and retries
+                with contextlib.suppress(OSError):
+                    if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                        os.unlink(self.path)
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None

@@ -207,7 +207,14 @@ def check_budget(needed: int, max_memory: int, force: bool = False) -> None:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f}GB" if n >= 10**9 else f"{max(1, round(n / 1e6))}MB"
+    """A byte count as GB / MB / KB / B, never rounded up into a larger unit (``1B`` is not "1MB")."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f}GB"
+    if n >= 10**6:
+        return f"{round(n / 1e6)}MB"
+    if n >= 10**3:
+        return f"{round(n / 1e3)}KB"
+    return f"{n}B"
 
 
 def check_memory(needed: int, force: bool = False) -> int | None:

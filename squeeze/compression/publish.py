@@ -112,16 +112,17 @@ def kv_staging(out: Path) -> Iterator[Path]:
         os.close(fd)
 
 
-def replace_dir(staging: Path, out: Path, *, overwrite: bool) -> None:
-    """Swap the sealed ``staging`` in at ``out`` atomically, then discard what was there before."""
+def replace_dir(staging: Path, out: Path, *, overwrite: bool, drop: frozenset[str] = frozenset()) -> None:
+    """Swap the sealed ``staging`` in at ``out`` atomically, then discard what was there before. ``drop``: top
+    level files of the old artifact that the user agreed to lose beside its listed ones (its model.sig)."""
     if os.path.lexists(out):  # checked again: files may have appeared in the output during calibration
-        check_output_dir(out, overwrite)
+        check_output_dir(out, overwrite, ignore=tuple(drop))
     previous = swap_in(staging, out)
     if previous is not None:
-        _discard(previous, out, unfinished_staging=False)
+        _discard(previous, out, unfinished_staging=False, drop=drop)
 
 
-def _discard(old: Path, out: Path, *, unfinished_staging: bool) -> None:
+def _discard(old: Path, out: Path, *, unfinished_staging: bool, drop: frozenset[str] = frozenset()) -> None:
     """Delete a directory moved aside from ``out`` (its old artifact), or a staging directory left behind.
 
     Only what squeeze wrote goes: an old artifact's manifest-listed files (checked to be all it holds just
@@ -130,7 +131,7 @@ def _discard(old: Path, out: Path, *, unfinished_staging: bool) -> None:
     directory is kept, visibly renamed, with the rest.
     """
     try:
-        owned: frozenset[str] | None = owned_paths(old)
+        owned: frozenset[str] | None = owned_paths(old) | drop
     except (FormatError, OSError):
         owned = None if unfinished_staging else frozenset()
     if owned is not None and foreign_entries(old, owned):

@@ -193,6 +193,11 @@ class Downloader:
             self.totals.downloaded += downloaded
             self.totals.reused += reused
 
+    def _rehashed(self, count: int) -> None:
+        """Kept bytes re-hashed: progress for the transfer watch too (a long re-hash is not a slow server)."""
+        if self.client.watch is not None and count:
+            self.client.watch.add(count)
+
     def _buffer(self) -> memoryview:
         view: memoryview | None = getattr(self._local, "buffer", None)
         if view is None:
@@ -206,6 +211,7 @@ class Downloader:
             if piece.on_disk and _hash_range(fd, piece.start, piece.end, self._buffer()) == piece.digest:
                 self._add(reused=piece.length)
                 self.counter(piece.length)
+                self._rehashed(piece.length)
                 return
             digest = hashlib.sha256()
             self._stream(entry, fd, piece.start, piece.end, digest.update)
@@ -226,6 +232,7 @@ class Downloader:
             if kept:
                 _hash_prefix(fd, kept, self._buffer(), digest.update)
                 self.counter(kept)
+                self._rehashed(kept)
             self._stream(entry, fd, kept, entry.size, digest.update)
             if digest.hexdigest() != entry.sha256 and kept:
                 # the kept prefix was not this file's (another version, a torn write): once more, from byte 0
@@ -290,7 +297,7 @@ class Downloader:
                 if not exc.retryable or failures > self.retries:
                     raise TransferError(
                         f"{exc.message} (downloading {entry.path}, {failures} attempt(s))",
-                        hint="rerun the same squeeze pull: it resumes from the verified partial files",
+                        hint=exc.hint or "rerun the same squeeze pull: it resumes from the verified partial files",
                         retryable=exc.retryable,
                     ) from None
                 time.sleep(min(2.0, 0.1 * 2**failures))

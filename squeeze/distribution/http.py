@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
+from squeeze.distribution.watch import TransferWatch
 from squeeze.errors import IntegrityError, SqueezeError, TransferError
 from squeeze.format.paths import short_path
 
@@ -66,7 +67,11 @@ class Body:
         if len(view) > self.remaining:
             view = view[: self.remaining]
         try:
-            count = self.response.readinto(view)
+            # read1: what one socket read brings. readinto would loop until ``view`` is full, so a server sending
+            # a byte a second would hold it for days, out of reach of the transfer watch
+            data = self.response.read1(len(view))
+            count = len(data)
+            view[:count] = data
         except (OSError, http.client.HTTPException) as exc:
             self.close(reuse=False)
             raise TransferError(f"{show_url(self.url)}: connection lost ({_describe(exc)})") from None
@@ -80,6 +85,8 @@ class Body:
                 f"{show_url(self.url)}: connection closed after {self.length - self.remaining} of {self.length} bytes"
             )
         self.remaining -= count
+        if self.client.watch is not None:
+            self.client.watch.add(count)  # TransferError when the pull is too slow or past its deadline
         return count
 
     def read_all(self) -> bytes:
@@ -98,6 +105,7 @@ class Body:
     def close(self, *, reuse: bool = True) -> None:
         """Give the connection back for the next request when the body was read to its exact end, else close it."""
         if reuse and self.exact and self.remaining == 0 and not self.response.will_close:
+            self.response.close()  # read to its end (read1 leaves it open): the connection takes the next request
             self.client._release(self.key, self.connection)  # noqa: SLF001 - the client owns the pool
         else:
             self.response.close()
@@ -108,12 +116,20 @@ class HttpClient:
     """GET requests over kept-alive connections, one per (scheme, host, port) and thread.
 
     ``headers`` go with every request (``Authorization`` only to the original hosts); ``timeout`` bounds
-    each connect and each read, so a stalled server raises TransferError instead of hanging.
+    each connect and each read, so a stalled server raises TransferError instead of hanging; ``watch`` sees
+    every read and raises TransferError for a pull too slow over its window or past its deadline.
     """
 
-    def __init__(self, headers: Mapping[str, str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        headers: Mapping[str, str] | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        watch: TransferWatch | None = None,
+    ) -> None:
         self.headers = dict(headers or {})
         self.timeout = timeout
+        self.watch = watch
         self._local = threading.local()
         self._ssl: ssl.SSLContext | None = None  # made on the first https URL (loading CA certificates: ~50 ms)
         self._ssl_lock = threading.Lock()  # guards the context and the list of pools
@@ -244,8 +260,18 @@ class HttpClient:
             if match[3] != "*" and total is not None and int(match[3]) != total:
                 raise refuse(_size_error(shown, int(match[3]), total))
             span = int(match[2]) - start + 1
-            if length is not None and span != length or body_length is not None and body_length != span:
+            if length is not None and span != length:
                 raise refuse(TransferError(f"{shown}: the server answered another range than bytes {start}-"))
+            if body_length is not None and body_length != span:
+                # a broken server, not a passing fault: asking again gets the same answer
+                raise refuse(
+                    TransferError(
+                        f"{shown}: the server's Content-Length ({body_length}) disagrees with its Content-Range "
+                        f"(bytes {start}-{match[2]}: {span} bytes)",
+                        hint="the server sends malformed responses; report it to whoever runs it",
+                        retryable=False,
+                    )
+                )
             available = span
         else:  # 200: the whole file, whatever range was asked for
             if total is not None and body_length is not None and body_length != total:

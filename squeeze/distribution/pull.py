@@ -29,6 +29,7 @@ from squeeze.distribution.source import (
     parse_source,
 )
 from squeeze.distribution.staging import Staging
+from squeeze.distribution.watch import TransferWatch
 from squeeze.errors import ConfigError, FormatError, IntegrityError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME, Manifest, parse_manifest
 from squeeze.format.paths import short_path
@@ -75,27 +76,33 @@ def pull_artifact(
     progress: ProgressFn | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     retries: int = DEFAULT_RETRIES,
+    min_rate: float | None = None,
+    deadline: float | None = None,
 ) -> PullResult:
     """Download the artifact at ``source`` (an http(s) URL of its directory, or a Hub repo id
     ``org/name[@revision]``) into ``output`` (default: the local artifact cache, see ``cache``), verified
     against its manifest (and signature, with ``public_key``).
 
     ``output`` must not exist, or be an empty directory, or hold a complete earlier pull of the same
-    artifact (then nothing is downloaded). ``timeout`` bounds each connect and read (seconds); a dropped
-    connection is retried ``retries`` times in a row from where it stopped. ``progress(done, total)`` is
-    called from worker threads. Raises ConfigError (bad source or output), FormatError (no manifest at the
-    source, malformed manifest), IntegrityError (a byte, size or signature that does not match; the bad
-    partial file is deleted) and TransferError (network; rerun to resume).
+    artifact (hashed: nothing is downloaded when it is intact; a damaged one is repaired); a symbolic link is
+    resolved first. ``timeout`` bounds each connect and read (seconds); a dropped connection is retried
+    ``retries`` times in a row from where it stopped. ``progress(done, total)`` is called from worker
+    threads. ``min_rate`` (bytes/s averaged over a minute) and ``deadline`` (seconds for the whole pull,
+    0: none) stop a drip-fed or endless transfer (defaults: ``$SQUEEZE_PULL_MIN_RATE``, else 4096;
+    ``$SQUEEZE_PULL_DEADLINE``, else none; see ``watch``). Raises ConfigError (bad source or output),
+    FormatError (no manifest at the source, malformed manifest), IntegrityError (a byte, size or signature
+    that does not match; the bad partial file is deleted) and TransferError (network; rerun to resume).
     """
     started = time.perf_counter()
     if workers is not None and workers < 1:
         raise ConfigError(f"workers must be >= 1, found {workers}", hint="omit it for the default")
     parsed = requested = parse_source(source)
     check_hub_allowed(parsed)
-    target = Path(output).absolute() if output is not None else None
+    target = _resolve_output(Path(output)) if output is not None else None
     if target is not None:
         _check_output(target, None)
-    client = HttpClient(parsed.headers, timeout=timeout)
+    watch = TransferWatch(min_rate=min_rate, deadline=deadline)
+    client = HttpClient(parsed.headers, timeout=timeout, watch=watch)
     try:
         manifest_bytes, parsed = _fetch_manifest(client, parsed, retries)
         shown = f"{MANIFEST_NAME} from {show_url(parsed.url_for(MANIFEST_NAME))}"
@@ -112,7 +119,7 @@ def pull_artifact(
             signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
         if target is None:  # keyed by the source as named (a Hub pull is pinned to its commit by now)
             target = artifact_cache_dir(requested, manifest.root_digest)
-        if _check_output(target, manifest):
+        if _check_output(target, manifest) and _intact(target, progress):
             return PullResult(
                 source=source,
                 output=target,
@@ -124,6 +131,8 @@ def pull_artifact(
                 signed_by=signed_by,
                 extra={"already_present": True, "workers": 0},
             )
+        if _holds_manifest(target):  # a damaged copy of this artifact: its files resume the pull, re-hashed
+            _set_aside_for_repair(target)
         with Staging(target) as staging:
             downloader = Downloader(client, parsed, manifest, staging, retries=retries, progress=progress)
             pieces = downloader.plan()
@@ -149,6 +158,55 @@ def pull_artifact(
         signed_by=signed_by,
         extra={"already_present": False, "workers": count},
     )
+
+
+def _resolve_output(output: Path) -> Path:
+    """``output`` made absolute, a symbolic link resolved to the directory it names (the staging directory and
+    the final rename happen beside that directory, not beside the link); ConfigError for a link to nothing
+    or to something other than a directory. Checked before any download."""
+    target = output.absolute()
+    if not target.is_symlink():
+        return target
+    resolved = Path(os.path.realpath(target))
+    if not resolved.is_dir():
+        what = "a directory that does not exist" if not resolved.exists() else "something that is not a directory"
+        raise ConfigError(
+            f"the output {short_path(target)} is a symbolic link to {what} ({short_path(resolved)})",
+            hint="pass a directory, or point the link at an empty directory",
+        )
+    return resolved
+
+
+def _intact(target: Path, progress: ProgressFn | None) -> bool:
+    """Whether every file of the complete-looking earlier pull in ``target`` still hashes as its manifest says
+    (a same-size corrupted file must not pass as "already present")."""
+    from squeeze.format.verify import verify_artifact
+
+    try:
+        return verify_artifact(target, progress=progress).ok
+    except FormatError:
+        return False
+
+
+def _holds_manifest(target: Path) -> bool:
+    return (target / MANIFEST_NAME).is_file()
+
+
+def _set_aside_for_repair(target: Path) -> None:
+    """Move a damaged earlier pull of the same artifact into its staging directory, where the downloader
+    keeps what re-hashes correctly and downloads the rest; the commit renames it back. ConfigError when an
+    older staging directory is in the way."""
+    from squeeze.distribution.staging import staging_path
+
+    staging = staging_path(target)
+    try:
+        os.rename(target, staging)
+    except OSError as exc:
+        raise ConfigError(
+            f"{short_path(target)} holds a damaged copy of this artifact, and it cannot be repaired: "
+            f"{short_path(staging)} is in the way ({exc.strerror})",
+            hint=f"delete {short_path(staging)} (an interrupted pull's files) and pull again",
+        ) from None
 
 
 def _check_output(target: Path, manifest: Manifest | None) -> bool:
@@ -308,6 +366,11 @@ def existing_artifact_dir(text: str) -> Path:
     path = Path(text).expanduser()
     if os.path.lexists(path):
         return path
+    from squeeze.format.swap import missing_artifact_error
+
+    aside = missing_artifact_error(path.absolute())  # a calibrate-kv swap cut short: name the copy and the fix
+    if aside is not None:
+        raise aside
     hint = "pass the artifact's directory (or its squeeze.manifest.json)"
     if looks_like_repo_id(text):
         hint = f"to download the Hub repo {text} instead, pass hf://{text} (or run `squeeze pull {text}`)"

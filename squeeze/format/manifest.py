@@ -21,7 +21,7 @@ from typing import Any
 
 from squeeze.errors import ConfigError, FormatError
 from squeeze.format.atomic import atomic_write_text
-from squeeze.format.paths import check_relative_path, short_repr
+from squeeze.format.paths import check_relative_path, short_number, short_repr
 from squeeze.version import __version__
 
 MANIFEST_NAME = "squeeze.manifest.json"
@@ -40,6 +40,8 @@ MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 2**30
 #: A manifest larger than this is refused unread (a real one is a few KB per thousand files).
 MAX_MANIFEST_BYTES = 64 * 2**20
+#: Largest file a manifest may list (1 PiB): beyond any model, and it keeps every size a message echoes short.
+MAX_FILE_BYTES = 2**50
 
 #: Nesting depth of JSON squeeze reads (manifest, config.json, index, safetensors headers: 5 or less).
 MAX_JSON_DEPTH = 64
@@ -420,8 +422,8 @@ def _file_entry(raw: object, where: str, seen: set[str], chunk_bytes: int | None
         raise FormatError(f"{where}: path {path!r} is listed twice")
     seen.add(path)
     size = _field(raw, "size", int, where)
-    if size < 0:
-        raise FormatError(f"{where}: size must be >= 0, found {size}")
+    if not 0 <= size <= MAX_FILE_BYTES:
+        raise FormatError(f"{where}: size must be in [0, {MAX_FILE_BYTES}] (2**50), found {short_number(size)}")
     sha = _field(raw, "sha256", str, where)
     if not _SHA256_RE.fullmatch(sha):
         raise FormatError(f"{where}: sha256 must be 64 lowercase hex digits, found {sha[:80]!r}")

@@ -49,6 +49,54 @@ def short_repr(value: object, keep: int = 80) -> str:
     return text if len(text) <= keep else text[: keep - 3] + "..."
 
 
+def short_number(value: int, keep: int = 24) -> str:
+    """An integer for a one-line message: as is up to ``keep`` digits, else only its length (a hostile
+    manifest's size may have thousands of digits, and str() refuses past 4300)."""
+    if abs(value) < 10**keep:
+        return str(value)
+    try:
+        digits = len(str(abs(value)))
+    except ValueError:  # past Python's int-to-str limit
+        digits = int(abs(value).bit_length() * 0.30103) + 1
+    return f"{'-' if value < 0 else ''}a number of about {digits} digits"
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for a message: "a directory", "a FIFO (named pipe)", "a device" ..."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "a special file"
+
+
+def read_user_file(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
+    """The whole of a small file the user named (a key, a recipe): opened non-blocking, so a FIFO cannot hang
+    the read, then refused unless it is a regular file; at most ``limit`` bytes. The user's own links are
+    followed. Raises OSError (missing, unreadable) and ConfigError (not a regular file, too large)."""
+    from squeeze.errors import ConfigError
+
+    shown = short_path(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(
+                f"the {what} {shown} is {file_kind(mode)}, not a regular file",
+                hint=f"pass the path of the {what} file itself",
+            )
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(f"the {what} {shown} is larger than {limit} bytes")
+    return data
+
+
 def check_relative_path(path: object, where: str) -> str:
     """Return ``path`` if it is a clean relative POSIX path, else raise FormatError naming ``where``."""
     if not isinstance(path, str) or not path:

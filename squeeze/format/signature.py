@@ -21,6 +21,7 @@ import hashlib
 import io
 import os
 import stat
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from squeeze.errors import ConfigError, FormatError, IntegrityError
 from squeeze.format.atomic import atomic_write_text
 from squeeze.format.hashing import ProgressFn
 from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, strict_json_loads
-from squeeze.format.paths import read_inside, short_path
+from squeeze.format.paths import read_inside, read_user_file, short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
 
 if TYPE_CHECKING:
@@ -328,10 +329,14 @@ def verify_signature_bytes(
     public = _load_public_key(public_key)
     bundle, certificate = _parse_bundle(signature, ms, public, public_key)
     try:
-        verifier = ms.ec_key.Verifier(Path(public_key))
-        # a bundle without a key hint makes the verifier print a warning on stdout: squeeze's output is its own
-        with contextlib.redirect_stdout(io.StringIO()):
-            signed = verifier.verify(ms.sigstore_pb.Signature(bundle))
+        # the key as already read (model_signing would open the path again: a FIFO swapped in since would hang)
+        with tempfile.TemporaryDirectory(prefix="squeeze-key-") as private:
+            key_copy = Path(private) / "key.pub.pem"
+            key_copy.write_bytes(_public_pem(public))
+            verifier = ms.ec_key.Verifier(key_copy)
+            # a bundle without a key hint makes the verifier print a warning on stdout: squeeze's output is its own
+            with contextlib.redirect_stdout(io.StringIO()):
+                signed = verifier.verify(ms.sigstore_pb.Signature(bundle))
     except ms.InvalidSignature:
         raise IntegrityError(
             f"{SIGNATURE_NAME} was not made with the key {short_path(public_key)} (signature check failed)",
@@ -479,18 +484,23 @@ def _leaf_key_hint(chain: Any, public: EllipticCurvePublicKey, key_path: str | o
 
 
 def _read_small(path: str | os.PathLike[str], what: str) -> bytes:
-    """A key or certificate file the user named (outside the artifact): size capped, ConfigError if unreadable."""
+    """A key or certificate file the user named (outside the artifact): read like the artifact's small files
+    (non-blocking open, so a FIFO cannot hang it; regular files only; size capped), ConfigError if unreadable."""
     shown = short_path(path)
     try:
-        with open(path, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise ConfigError(f"{what} {shown} is not a regular file")
-            data = handle.read(MAX_KEY_BYTES + 1)
+        return read_user_file(path, MAX_KEY_BYTES, what)
     except OSError as exc:
         raise ConfigError(f"cannot read the {what} {shown}: {exc.strerror or exc}") from None
-    if len(data) > MAX_KEY_BYTES:
-        raise ConfigError(f"{what} {shown} is larger than {MAX_KEY_BYTES} bytes; a PEM key is a few hundred")
-    return data
+    except ConfigError as exc:
+        if "larger than" in exc.message:
+            raise ConfigError(f"{exc.message}; a PEM key is a few hundred") from None
+        raise
+
+
+def _public_pem(key: EllipticCurvePublicKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _load_public_key(path: str | os.PathLike[str]) -> EllipticCurvePublicKey:

@@ -4,7 +4,8 @@ Linux's ``renameat2(RENAME_EXCHANGE)`` swaps two directories in one step: at eve
 either the old directory or the new one, and a SIGKILL at any moment leaves a complete one there. Where
 the kernel or filesystem lacks it, the fallback renames the old directory aside under a recognisable
 name (``.NAME.old-<random>.partial``) and the new one in; a run killed between those two renames leaves
-the path empty for a moment, and :func:`restore_aside` (called by the next run) puts the old one back.
+the path empty for a moment, and :func:`restore_aside` (called by the next run) puts the old one back;
+meanwhile verify and run name the copy aside and how to restore it (:func:`missing_artifact_error`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import ctypes
 import errno
 import functools
 import os
+import shlex
 import tempfile
 from pathlib import Path
 
+from squeeze.errors import FormatError
 from squeeze.format.atomic import fsync_directory
+from squeeze.format.paths import short_path
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -77,11 +81,37 @@ def swap_in(new: Path, target: Path) -> Path | None:
     return aside
 
 
+def aside_copies(target: Path) -> list[Path]:
+    """The directories a fallback swap cut short left ``target`` aside as (sorted; usually none or one)."""
+    try:
+        return sorted(p for p in target.parent.glob(aside_pattern(target)) if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []
+
+
+def missing_artifact_error(target: Path) -> FormatError | None:
+    """For a ``target`` that does not exist: a FormatError naming the copy a cut-short fallback swap left aside
+    and how to put it back, or None when there is none (then it is simply missing)."""
+    if os.path.lexists(target):
+        return None
+    copies = aside_copies(target)
+    if not copies:
+        return None
+    aside = copies[0]
+    more = f" (and {len(copies) - 1} more like it: pick the one you want)" if len(copies) > 1 else ""
+    return FormatError(
+        f"{short_path(target)} is missing: a calibrate-kv swap was cut short (killed between its two renames) and "
+        f"left the artifact aside as {short_path(aside)}{more}",
+        hint=f"restore it with: mv {shlex.quote(str(aside))} {shlex.quote(str(target))} (or run squeeze "
+        "calibrate-kv on it again, which puts it back first)",
+    )
+
+
 def restore_aside(target: Path) -> Path | None:
     """After a fallback swap cut short (``target`` missing, its old self aside): put it back; returns it."""
     if os.path.lexists(target):
         return None
-    candidates = sorted(p for p in target.parent.glob(aside_pattern(target)) if p.is_dir() and not p.is_symlink())
+    candidates = aside_copies(target)
     if len(candidates) != 1:
         return None  # none, or ambiguous: never guess which one the user had
     os.rename(candidates[0], target)
@@ -89,4 +119,4 @@ def restore_aside(target: Path) -> Path | None:
     return target
 
 
-__all__ = ["exchange", "swap_in", "restore_aside", "aside_pattern"]
+__all__ = ["exchange", "swap_in", "restore_aside", "aside_pattern", "aside_copies", "missing_artifact_error"]

@@ -50,6 +50,7 @@ from squeeze.format.paths import (
 )
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header
 from squeeze.format.shards import INDEX_NAME
+from squeeze.format.swap import missing_artifact_error
 
 
 @dataclass
@@ -133,6 +134,9 @@ def resolve_manifest_path(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     try:
         info = os.lstat(manifest)
     except FileNotFoundError:
+        interrupted = missing_artifact_error(Path(os.path.abspath(given)))
+        if interrupted is not None:
+            raise interrupted from None
         raise FormatError(
             f"no manifest at {short_path(given)}", hint="pass the artifact directory or its squeeze.manifest.json"
         ) from None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.errors import ConfigError, FormatError, IntegrityError
+from squeeze.errors import ConfigError, FormatError, IntegrityError, ModelError
 from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
@@ -42,6 +42,7 @@ from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetenso
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.signature import SignatureInfo, check_public_key, check_signature
 from squeeze.format.verify import VerifyReport, verify_artifact
+from squeeze.models.remote_code import is_remote_code_refusal
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
@@ -115,10 +116,19 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - unknown model types and bad configs raise many kinds
-        raise FormatError(
-            f"config.json describes no model this transformers can build: {type(exc).__name__}: {exc}"
-        ) from None
+        raise FormatError(f"config.json describes no model this transformers can build: {_reason(exc)}") from None
     return model.eval()
+
+
+def _reason(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as one line for a message. A multi-line message (a validator wrapping the real error, as
+    ``Class validation error for validator ...:`` then ``ValueError: The hidden size ...``) gives its last
+    line, the innermost reason, which a one-line error would otherwise cut off."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = lines[-1] if len(lines) > 1 else f"{type(exc).__name__}: {lines[0]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -447,7 +457,17 @@ def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
         for name, data in files.items():
             if "/" not in name:
                 (Path(tmp) / name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        try:
+            return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        except ValueError as exc:
+            if not is_remote_code_refusal(exc):
+                raise
+            # tokenizer_config.json's auto_map names a tokenizer class shipped as Python files: never run
+            raise ModelError(
+                "the artifact's tokenizer needs its own Python code to load (tokenizer_config.json has an "
+                "auto_map); that would take trust_remote_code=True, and squeeze never runs a model's own code",
+                hint="compress a model whose tokenizer transformers supports natively",
+            ) from None
 
 
 def _is_quantized_param(model: nn.Module, key: str) -> bool:

@@ -206,7 +206,7 @@ class Engine:
             requests_finished_total=self._finished,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generated,
-            kv_block_utilisation=total / steps if steps else 1.0,
+            kv_block_utilisation=total / steps if steps else 0.0,  # nothing used yet
         )
 
     def start(self) -> None:

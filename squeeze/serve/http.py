@@ -10,7 +10,9 @@ comes back as a JSON error even for ``stream: true``; an engine failure in the m
 Starlette's disconnect watch cancels a streamed body, whose response cancels the request in ``finally``;
 a non-streamed handler waits for the result and the disconnect together. Requests whose responses the
 server cut at shutdown are cancelled before the engine shuts down. Handlers are coroutines, so the engine's
-methods are called on the event loop's thread (its contract).
+methods are called on the event loop's thread (its contract), except tokenization, which runs on one worker
+thread so that a long prompt does not hold up /health and the other requests. A body over
+``max_request_bytes`` is refused with 413 before it is read (squeeze.serve.limits).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,9 +32,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from squeeze.serve import protocol
+from squeeze.serve.limits import BodyLimit, default_max_request_bytes
 from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.protocol import ChatRequest, CompletionRequest
-from squeeze.serve.types import EngineClient, QueueFullError, RequestError, RequestOutput, RequestStream
+from squeeze.serve.types import (
+    EngineClient,
+    EngineStoppedError,
+    QueueFullError,
+    RequestError,
+    RequestOutput,
+    RequestStream,
+)
 
 logger = logging.getLogger("squeeze.serve")
 
@@ -151,19 +162,32 @@ async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
 
 
 async def _collect_unless_gone(
-    request: Request, stream: RequestStream, in_flight: set[RequestStream]
+    request: Request, stream: RequestStream, in_flight: set[RequestStream], cut: asyncio.Event
 ) -> tuple[str, RequestOutput] | None:
     """:func:`_collect`, or None as soon as the client disconnects; the request is cancelled either way
-    unless it finished (and on cancellation of this task)."""
+    unless it finished (and on cancellation of this task). EngineStoppedError (503) when the shutdown's grace
+    ends first (``cut``)."""
     result = asyncio.ensure_future(_collect(stream))
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    stop = asyncio.ensure_future(cut.wait())
     try:
-        await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
-        return result.result() if result.done() else None
+        await asyncio.wait((result, gone, stop), return_when=asyncio.FIRST_COMPLETED)
+        if result.done():
+            return result.result()
+        if stop.done():
+            raise _shutdown_error()
+        return None
     finally:
         gone.cancel()
         result.cancel()
+        stop.cancel()
         _release(stream, in_flight)
+
+
+def _shutdown_error() -> EngineStoppedError:
+    return EngineStoppedError(
+        "the request was cancelled: the server is shutting down and its --shutdown-grace period has ended"
+    )
 
 
 def create_app(
@@ -172,6 +196,7 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     shutdown_grace_seconds: float = 10.0,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``engine``.
 
@@ -179,7 +204,9 @@ def create_app(
     stays open. served_model_name: the model name /v1/models lists and requests must name (default: the
     engine's). The app's lifespan starts the engine and, at shutdown, calls ``engine.shutdown`` with
     ``shutdown_grace_seconds``; /health answers 503 from then on. Sets ``engine.observer`` to the app's
-    :class:`ServeMetrics`.
+    :class:`ServeMetrics`. max_request_bytes: bodies over it are refused with 413 before they are read (default:
+    squeeze.serve.limits.default_max_request_bytes of the engine's context). Prompts are tokenized on one
+    worker thread, not on the event loop: /health and the streams keep answering while a long one is.
     """
     model_name = served_model_name or engine.model_name
     metrics = ServeMetrics(engine.stats)
@@ -188,25 +215,62 @@ def create_app(
     shutting_down = False
     #: requests submitted whose response has not ended
     in_flight: set[RequestStream] = set()
+    # set when the shutdown's grace has ended: every open response then ends (an error event and [DONE] for a
+    # stream, 503 otherwise) before uvicorn would cancel its task, which ended streams mid-air with a traceback
+    cut = asyncio.Event()
+    shutdown_timer: list[asyncio.TimerHandle] = []
+    running_loop: list[asyncio.AbstractEventLoop] = []
+
+    def cut_open_requests() -> None:
+        for stream in list(in_flight):
+            logger.warning(
+                "request %s cancelled: still open %g s after the shutdown began (--shutdown-grace)",
+                stream.request_id,
+                shutdown_grace_seconds,
+            )
+        cut.set()
+
+    def arm_cut() -> None:
+        if not shutdown_timer:
+            shutdown_timer.append(running_loop[0].call_later(shutdown_grace_seconds, cut_open_requests))
+
+    def begin_shutdown() -> None:
+        """The server stopped accepting: open requests get ``shutdown_grace_seconds`` more (any thread)."""
+        if running_loop:
+            running_loop[0].call_soon_threadsafe(arm_cut)
+
+    # one thread: tokenizers are not safe to call from several at once, and the loop must stay free
+    tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-tokenize")
+
+    async def off_loop(fn: Callable[[Any], list[int]], argument: Any) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, argument)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal shutting_down
+        running_loop.append(asyncio.get_running_loop())
         engine.start()
         try:
             yield
         finally:
             shutting_down = True
+            for timer in shutdown_timer:
+                timer.cancel()
             # uvicorn has stopped taking connections and waited up to its graceful timeout for the open ones;
             # those it cancelled have not run their cleanup yet (engine.shutdown blocks the loop, as the
             # engine's methods run on its thread): their requests are cancelled here, not left to the grace
             for stream in list(in_flight):
                 _release(stream, in_flight)
             engine.shutdown(shutdown_grace_seconds)
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="squeeze serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
+    app.state.shutdown_cut = cut
+    app.state.begin_shutdown = begin_shutdown
     _install_error_handlers(app)
+    limit = max_request_bytes if max_request_bytes is not None else default_max_request_bytes(engine.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=limit)
 
     key = api_key.encode() if api_key is not None else None
 
@@ -261,7 +325,7 @@ def create_app(
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = engine.tokenize(body.prompt)
+        prompt_ids = await off_loop(engine.tokenize, body.prompt)
         request_id, created = protocol.new_request_id("cmpl"), protocol.now()
         stream = engine.submit(prompt_ids, body.sampling_params(), request_id)
         in_flight.add(stream)
@@ -277,7 +341,7 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = engine.tokenize_chat(body.template_messages())
+        prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages())
         params = body.sampling_params(len(prompt_ids), engine.max_model_len)
         request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()
         stream = engine.submit(prompt_ids, params, request_id)
@@ -303,9 +367,10 @@ async def _respond(
     build: Callable[[str, RequestOutput], dict[str, Any]],
 ) -> Response:
     """The response to a submitted request: an event stream, or the whole result as one JSON object."""
+    cut: asyncio.Event = request.app.state.shutdown_cut
     if streaming:
-        return _EventStream(_guarded(events(), stream.request_id), stream, in_flight)
-    collected = await _collect_unless_gone(request, stream, in_flight)
+        return _EventStream(_guarded(events(), stream.request_id, cut), stream, in_flight)
+    collected = await _collect_unless_gone(request, stream, in_flight, cut)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED)
     text, last = collected
@@ -326,16 +391,34 @@ def _no_final_update() -> bytes:
     return protocol.sse(protocol.request_error_body(protocol.GenerationError(NO_FINAL_UPDATE)))
 
 
-async def _guarded(events: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
-    """``events``, ending in an error event and [DONE] should they fail: once the response has started, an
-    event is all the client can still be told."""
+async def _guarded(events: AsyncIterator[bytes], request_id: str, cut: asyncio.Event) -> AsyncIterator[bytes]:
+    """``events``, ending in an error event and [DONE] should they fail, or once the shutdown's grace has
+    ended (``cut``): once the response has started, an event is all the client can still be told."""
+    iterator = events.__aiter__()
+    stop = asyncio.ensure_future(cut.wait())
+    step: asyncio.Future[bytes] | None = None
     try:
-        async for event in events:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():  # the grace has ended (cut_open_requests logged it)
+                step.cancel()
+                yield protocol.sse(protocol.request_error_body(_shutdown_error()))
+                yield protocol.DONE_EVENT
+                return
+            try:
+                event = step.result()
+            except StopAsyncIteration:
+                return
             yield event
     except Exception as exc:  # noqa: BLE001 - reported to the client and logged with its traceback
         logger.exception("request %s failed while streaming", request_id)
         yield protocol.sse(protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
         yield protocol.DONE_EVENT
+    finally:
+        stop.cancel()
+        if step is not None and not step.done():  # the client went away (Starlette cancelled this body)
+            step.cancel()
 
 
 async def _completion_events(

@@ -13,11 +13,12 @@ context for chat.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from squeeze.serve.types import EngineStoppedError, RequestError, RequestOutput, SamplingParams
 
@@ -100,6 +101,36 @@ def _text_content(value: object) -> object:
     return "\n".join(texts)
 
 
+def _first_unencodable(value: object, where: str) -> str | None:
+    """The dotted path of the first string in ``value`` that UTF-8 cannot encode (a lone surrogate such as
+    ``"\\ud800"``, valid JSON), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _first_unencodable(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _finite(value: object) -> object:
+    """Refuse NaN and infinities (Python's JSON reads ``NaN``), which would otherwise fail a bound check with a
+    misleading message ("should be <= 2")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be a number, found {value}")
+    return value
+
+
 Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
 TextContent = Annotated[str, BeforeValidator(_text_content)]
 
@@ -118,8 +149,8 @@ class _GenerationRequest(BaseModel):
 
     #: None: the served model.
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: Annotated[float | None, BeforeValidator(_finite)] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Annotated[float | None, BeforeValidator(_finite)] = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -127,6 +158,21 @@ class _GenerationRequest(BaseModel):
     n: int | None = None
     #: vLLM's extension: generate past end-of-sequence tokens (benchmarks use it to fix output lengths).
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        """A 400 naming the field for a string that is not valid Unicode (a lone surrogate): it would fail in the
+        tokenizer or when the response echoes it, as a 500. Raised as a RequestError, which pydantic lets
+        through, so that the message does not repeat the string."""
+        where = _first_unencodable(data, "")
+        if where is not None:
+            raise RequestError(
+                f"{where}: the text holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode",
+                hint="send text that encodes as UTF-8",
+                param=where,
+            )
+        return data
 
     @field_validator("stop")
     @classmethod

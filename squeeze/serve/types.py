@@ -141,8 +141,8 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     #: Of the token slots in allocated blocks, the share holding live tokens, averaged over the steps run
-    #: (1.0 before any step).
-    kv_block_utilisation: float = 1.0
+    #: (0 before any step: an untouched pool is not a fully used one).
+    kv_block_utilisation: float = 0.0
 
 
 class LatencyObserver(Protocol):
@@ -170,7 +170,9 @@ class RequestStream(Protocol):
 
 
 class EngineClient(Protocol):
-    """What the HTTP layer needs from an engine. Its methods are called on the event loop's thread."""
+    """What the HTTP layer needs from an engine. Its methods are called on the event loop's thread, except
+    ``tokenize`` and ``tokenize_chat``, called on one worker thread (one call at a time), which must not touch
+    the engine's scheduling state."""
 
     #: The name /v1/models lists and responses carry.
     model_name: str

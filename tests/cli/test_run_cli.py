@@ -94,7 +94,7 @@ def _bad(result, code: int, message: str) -> None:
 
 
 def test_missing_artifact_exits_2(tmp_path: Path) -> None:
-    _bad(run(PROMPT, "-m", str(tmp_path / "none")), 2, "no manifest")
+    _bad(run(PROMPT, "-m", str(tmp_path / "none")), 2, "no such artifact directory")
 
 
 def test_tampered_artifact_exits_1(rtn_artifact: Path, tmp_path: Path) -> None:

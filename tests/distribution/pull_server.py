@@ -73,6 +73,8 @@ class Faults:
     delay_s: float = 0.0  # sleep before each body (a slow server)
     link_bytes_per_s: float = 0.0  # > 0: every body shares one link of this speed (benchmarks)
     no_length: set[str] = field(default_factory=set)  # paths sent without Content-Length (to the end, then close)
+    drip_s: dict[str, float] = field(default_factory=dict)  # path -> send its body one byte every this many s
+    length_off: dict[str, int] = field(default_factory=dict)  # path -> added to a 206's Content-Length (a lie)
 
 
 @dataclass
@@ -206,7 +208,8 @@ class ArtifactServer:
             handler.send_header(key, value)
         if status == 206:
             handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{size + len(extra)}")
-        handler.send_header("Content-Length", str(end - start + len(extra)))
+        lie = faults.length_off.get(relative, 0) if status == 206 else 0
+        handler.send_header("Content-Length", str(end - start + len(extra) + lie))
         handler.send_header("Accept-Ranges", "bytes")
         handler.end_headers()
         if faults.delay_s:
@@ -216,6 +219,19 @@ class ArtifactServer:
             if relative in faults.drop_after and start >= faults.drop_from.get(relative, 0):
                 drop = faults.drop_after.pop(relative)
         flip = faults.flip.get(relative)
+        drip = faults.drip_s.get(relative)
+        if drip:
+            with open(path, "rb") as handle:
+                handle.seek(start)
+                data = handle.read(end - start)
+            try:
+                for index in range(len(data)):
+                    handler.wfile.write(data[index : index + 1])
+                    handler.wfile.flush()
+                    time.sleep(drip)
+            except OSError:  # the client gave up
+                handler.close_connection = True
+            return
         with open(path, "rb") as handle:
             if flip is None and drop is None and not extra:
                 handler.wfile.flush()

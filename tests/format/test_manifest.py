@@ -96,7 +96,7 @@ def test_missing_fields_are_rejected(field):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d["files"][0].update(size=-1), "size must be >= 0"),
+        (lambda d: d["files"][0].update(size=-1), r"size must be in \[0, 1125899906842624\] \(2\*\*50\), found -1"),
         (lambda d: d["files"][0].update(size="3"), "must be int"),
         (lambda d: d["files"][0].update(size=True), "must be int"),
         (lambda d: d["files"][0].update(sha256="XYZ"), "64 lowercase hex"),
@@ -113,6 +113,15 @@ def test_mistyped_fields_are_rejected(mutate, message):
     mutate(data)
     with pytest.raises(FormatError, match=message):
         parse_manifest(json.dumps(data))
+
+
+def test_a_size_of_thousands_of_digits_is_not_echoed_whole():
+    """Issue 41 item 15: the error line for such a size was 8 KB long."""
+    data = valid_manifest()
+    data["files"][0]["size"] = int("9" * 3000)
+    with pytest.raises(FormatError, match="found a number of about 3000 digits") as info:
+        parse_manifest(json.dumps(data))
+    assert len(str(info.value)) < 300
 
 
 def test_oversized_manifest_is_refused_unread():

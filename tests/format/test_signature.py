@@ -293,6 +293,33 @@ def test_unusable_public_keys_are_config_errors(artifact: Path, keys, name: str,
         check_signature(verify_artifact(artifact), path)
 
 
+def test_a_fifo_public_key_is_refused_without_blocking(artifact: Path, keys, tmp_path: Path) -> None:
+    """Issue 41 item 12: a FIFO as --public-key used to block forever waiting for a writer."""
+    import os
+    import threading
+
+    sign_artifact(artifact, keys["p256"])
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            api.check_signing_options(fifo)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        with open(fifo, "wb"):  # unblock the reader so the thread ends
+            pass
+        pytest.fail("reading a FIFO public key blocked")
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError)
+    assert "FIFO" in str(outcome[0])
+
+
 @pytest.mark.parametrize(("name", "message"), [("rsa", "key of type RSA"), ("k256", "EC key on secp256k1")])
 def test_unsupported_private_keys_sign_nothing(artifact: Path, keys, name: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -278,12 +278,15 @@ class WeightFormat:
         bits: int,
         in_features: int,
         check_values: bool = True,
+        out_features: int | None = None,
         **params: Any,
     ) -> W:
         """Rebuild from loaded tensors, checking every name, dtype, shape (and values unless told not to).
 
         ``check_values=False`` for meta tensors (shapes only). FormatError names the tensor, what was
-        expected and what was found.
+        expected and what was found. ``out_features`` (the module entry's, when known) fixes the rows every
+        tensor must have; otherwise the first tensor's rows are taken, and a transposed tensor would then be
+        reported against a shape made of its own wrong rows.
         """
         _check_meta(bits, in_features, prefix, cls.widths)
         unknown = set(params) - set(cls.module_params)
@@ -297,6 +300,8 @@ class WeightFormat:
             "packed": packed_row_bytes(in_features, bits),
             **cls.extra_dims(in_features, params),
         }
+        if out_features is not None:
+            dims["rows"], dims["rows+1"] = out_features, out_features + 1
         for role in cls.roles:
             if role.name in found:
                 _check_role(role, found[role.name], f"{prefix}.{role.name}", dims, in_features)
@@ -316,12 +321,14 @@ class WeightFormat:
         where = f"quantization_config.modules[{prefix!r}].bits"
         check_weight_bits(bits, where, FormatError, hint=None, widths=cls.widths)
         params = {key: spec.get(key) for key in cls.module_params}
+        out_features = spec.get("out_features")
         return cls.from_tensors(
             tensors,
             prefix,
             bits=bits,
             in_features=in_features,
             check_values=check_values,
+            out_features=out_features if is_int(out_features) and out_features >= 1 else None,
             **cls.normalise_params(params, in_features),
         )
 
