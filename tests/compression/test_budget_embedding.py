@@ -39,6 +39,7 @@ from squeeze.errors import ConfigError
 from squeeze.models.source import resolve_model
 from squeeze.runtime.embedding import SqueezeEmbedding
 from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.stored_dtype import Float32OutputEmbedding
 
 IDS = torch.tensor([[1, 5, 9, 30, 40, 50, 7, 7]])
 EMBEDDINGS = ("model.embed_tokens", "lm_head")  # the tiny Llama's: untied
@@ -270,7 +271,8 @@ def test_a_high_target_keeps_the_embeddings_in_the_unquantized_dtype(high: Path,
     # weight than at 4, with its 256-entry LUT on rows of 64)
     assert 0 <= HIGH - _planned_bits_per_weight(high) < 2.0
     model = _check_loads_as_reference(high, tiny_llama_dir)
-    assert type(model.get_input_embeddings()) is nn.Embedding
+    embedding = model.get_input_embeddings()  # unquantized, held as stored (squeeze.runtime.stored_dtype)
+    assert type(embedding) is Float32OutputEmbedding and embedding.weight.dtype == torch.bfloat16
 
 
 def test_a_tied_pair_is_one_unit_quantized_once(
