@@ -20,6 +20,7 @@
 #ifndef SQ_ATTN_BODY
 #define SQ_ATTN_BODY 1
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -190,7 +191,7 @@ void sq_attention(const float* q, int32_t hq, int32_t hkv, int32_t d, float scal
     int nthreads = threads > 0 ? threads : omp_get_max_threads();
     if (nthreads > count) nthreads = count > 0 ? (int)count : 1;
     // per thread: queries, accumulators and maxima/sums of one task, plus one K and one V tile
-    size_t per_thread = 3 * (size_t)TILE * d + d + (size_t)QUERY_BLOCK * (hq / hkv) * (2 * d + 2) + 64;
+    size_t per_thread = 3 * (size_t)TILE * d + d + (size_t)QUERY_BLOCK * (hq / hkv) * (2 * d + TILE + 1) + 64;
 #pragma omp parallel num_threads(nthreads)
     {
         std::vector<float> work(per_thread + 16);
@@ -241,25 +242,63 @@ __attribute__((always_inline)) inline vf expv(vf x) {
 
 __attribute__((always_inline)) inline float exp1(float x) { return expv((vf){} + x)[0]; }
 
-typedef uint8_t vb __attribute__((vector_size(W)));
+#if SQ_W == 16
+const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#elif SQ_W == 8
+const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+const vi lanes = {0, 1, 2, 3};
+#endif
+
+// the largest lane (exact: the order of a max does not matter)
+__attribute__((always_inline)) inline float hmax(vf v) {
+#define SQ_MAX(...)                                            \
+    {                                                          \
+        const vf other = __builtin_shufflevector(v, v, __VA_ARGS__); \
+        v = v > other ? v : other;                             \
+    }
+#if SQ_W == 16
+    SQ_MAX(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+    SQ_MAX(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+    SQ_MAX(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+    SQ_MAX(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+#elif SQ_W == 8
+    SQ_MAX(4, 5, 6, 7, 0, 1, 2, 3)
+    SQ_MAX(2, 3, 0, 1, 6, 7, 4, 5)
+    SQ_MAX(1, 0, 3, 2, 5, 4, 7, 6)
+#else
+    SQ_MAX(2, 3, 0, 1)
+    SQ_MAX(1, 0, 3, 2)
+#endif
+#undef SQ_MAX
+    return v[0];
+}
 
 // The W nibbles of W/2 packed bytes as int32 lanes in channel order (low nibble first), sign-extended when
-// `sign`. The bytes are copied, not loaded as a vector: the last token's codes may end the buffer.
+// `sign` (exact integer work: every instruction set gives the same lanes).
 __attribute__((always_inline)) inline vi nibbles(const uint8_t* c, bool sign) {
-    vb bytes = (vb){};
-    std::memcpy(&bytes, c, W / 2);
 #if SQ_W == 16
-    vb pairs = __builtin_shufflevector(bytes, bytes, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)c);                     // 8 bytes
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));     // each byte twice
+    const __m512i up = _mm512_set_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
+    const __m512i top = _mm512_sllv_epi32(v, up);  // the lane's nibble in bits 28..31
+    return (vi)(sign ? _mm512_srai_epi32(top, 28) : _mm512_srli_epi32(top, 28));
 #elif SQ_W == 8
-    vb pairs = __builtin_shufflevector(bytes, bytes, 0, 0, 1, 1, 2, 2, 3, 3);
+    int32_t word;
+    std::memcpy(&word, c, 4);
+    const __m128i bytes = _mm_cvtsi32_si128(word);
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));
+    const __m256i up = _mm256_set_epi32(24, 28, 24, 28, 24, 28, 24, 28);
+    const __m256i top = _mm256_sllv_epi32(v, up);
+    return (vi)(sign ? _mm256_srai_epi32(top, 28) : _mm256_srli_epi32(top, 28));
 #else
-    vb pairs = __builtin_shufflevector(bytes, bytes, 0, 0, 1, 1);
+    vi v;
+    for (int l = 0; l < W; ++l) {
+        const int32_t top = (int32_t)((uint32_t)c[l / 2] << ((l & 1) ? 24 : 28));
+        v[l] = sign ? top >> 28 : (int32_t)((uint32_t)top >> 28);
+    }
+    return v;
 #endif
-    vi v = __builtin_convertvector(pairs, vi);
-    vi shift = (vi){};
-    for (int l = 1; l < W; l += 2) shift[l] = 4;
-    v = v >> shift;
-    return sign ? (v << 28) >> 28 : v & 15;
 }
 
 // r[0..W) <- their transpose (W x W floats): rounds that swap the off-diagonal blocks of W/2, ..., 1 lanes
@@ -394,8 +433,8 @@ void run_task(const Args& a, const Task& task, float* work) {
     float* tok = kr + (size_t)D * TILE;  // [D] one token
     float* qs = tok + D;                 // [nq][D] scaled queries
     float* acc = qs + (size_t)nq * D;    // [nq][D]
-    float* mx = acc + (size_t)nq * D;    // [nq]
-    float* sum = mx + nq;                // [nq]
+    float* sum = acc + (size_t)nq * D;   // [nq][TILE]
+    float* mx = sum + (size_t)nq * TILE; // [nq]
     for (int64_t i = task.i0; i < task.i1; ++i)
         for (int g = 0; g < G; ++g) {
             int qi = (int)(i - task.i0) * G + g;
@@ -403,7 +442,7 @@ void run_task(const Args& a, const Task& task, float* work) {
             for (int c = 0; c < D; ++c) qs[qi * D + c] = src[c] * a.scaling;
             for (int c = 0; c < D; ++c) acc[qi * D + c] = 0.0f;
             mx[qi] = -INFINITY;
-            sum[qi] = 0.0f;
+            for (int j = 0; j < TILE; ++j) sum[qi * TILE + j] = 0.0f;
         }
     const int64_t last = L - n + task.i1 - 1;  // the last key any query of the task sees
     for (int64_t t0 = (ks / TILE) * TILE; t0 <= last; t0 += TILE) {
@@ -451,21 +490,32 @@ void run_task(const Args& a, const Task& task, float* work) {
                     }
                 for (; c < D; ++c)
                     for (int u = 0; u < NV; ++u) s0[u] = s0[u] + qv[c] * load(kt + c * TILE + u * W);
-                float sv[TILE], ev[TILE];  // lanes through memory: one store, not one extraction per lane
-                for (int u = 0; u < NV; ++u) store(sv + u * W, (s0[u] + s1[u]) + (s2[u] + s3[u]));
-                float m = -INFINITY;
-                for (int j = lo; j < hi; ++j) m = sv[j] > m ? sv[j] : m;
+                // the keys this query sees: lanes lo..hi-1 of the tile
+                vf sc[NV];
+                vi seen[NV];
+                vf best = (vf){} - INFINITY;
+                for (int u = 0; u < NV; ++u) {
+                    const vi index = lanes + u * W;
+                    seen[u] = (index >= lo) & (index < hi);
+                    sc[u] = (s0[u] + s1[u]) + (s2[u] + s3[u]);
+                    const vf masked = seen[u] ? sc[u] : (vf){} - INFINITY;
+                    best = best > masked ? best : masked;
+                }
+                const float m = hmax(best);  // exact in any order
                 float* o = acc + qi * D;
+                float* ls = sum + qi * TILE;  // the softmax sum, one partial per lane
                 if (m > mx[qi]) {
                     const float corr = exp1(mx[qi] - m);  // 0 on the first visible tile
-                    sum[qi] = sum[qi] * corr;
+                    for (int u = 0; u < NV; ++u) store(ls + u * W, load(ls + u * W) * corr);
                     for (int c2 = 0; c2 < D; ++c2) o[c2] = o[c2] * corr;
                     mx[qi] = m;
                 }
-                for (int u = 0; u < NV; ++u) store(ev + u * W, expv(load(sv + u * W) - mx[qi]));
-                float l = sum[qi];
-                for (int j = lo; j < hi; ++j) l = l + ev[j];
-                sum[qi] = l;
+                float ev[TILE];  // lanes through memory: one store, not one extraction per lane
+                for (int u = 0; u < NV; ++u) {
+                    const vf e = seen[u] ? expv(sc[u] - mx[qi]) : (vf){};
+                    store(ev + u * W, e);
+                    store(ls + u * W, load(ls + u * W) + e);
+                }
                 if (DF > 0 && DF % W == 0) {  // the output row in registers across the tile
                     constexpr int NO = DF > 0 && DF % W == 0 ? DF / W : 1;
                     vf ov[NO];
@@ -490,7 +540,8 @@ void run_task(const Args& a, const Task& task, float* work) {
         for (int g = 0; g < G; ++g) {
             const int qi = (int)(i - task.i0) * G + g;
             float* dst = a.out + ((a.q_offsets[b] + i) * a.hq + task.head * G + g) * (int64_t)D;
-            const float l = sum[qi];
+            float l = 0.0f;
+            for (int j = 0; j < TILE; ++j) l = l + sum[qi * TILE + j];  // the lanes' partial sums, in order
             // a query that sees no key (a left-padding position) gets zeros, not 0/0
             for (int c = 0; c < D; ++c) dst[c] = l > 0.0f ? acc[qi * D + c] / l : 0.0f;
         }
