@@ -15,7 +15,7 @@ import torch
 
 from squeeze.quant.kv import KeyRotation
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
-from squeeze.runtime.attention import native_kernels
+from squeeze.runtime.attention import RunAttention, native_kernels
 from squeeze.runtime.kernels.cpu_attention import (
     AttentionKernels,
     RaggedRows,
@@ -24,6 +24,7 @@ from squeeze.runtime.kernels.cpu_attention import (
     reference_attention,
 )
 from squeeze.runtime.kernels.cpu_build import KernelWarning
+from squeeze.runtime.kvcache import SqueezeKVCache
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots
 
@@ -218,3 +219,38 @@ def test_the_switch_and_the_model_decide_the_native_path(
     assert native_kernels(model.to(torch.float16)) is None  # the kernel reads float32 queries and sinks
     monkeypatch.setenv("SQUEEZE_NATIVE_ATTENTION", "0")
     assert native_kernels(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("name", ["int4-rotating", "int8-asymmetric", "fp8"])
+def test_squeeze_runs_contiguous_cache_is_read_in_place(kernels: AttentionKernels, name: str) -> None:
+    """squeeze run's cache (batch rows, left padding, sinks apart from the streams) through RunAttention."""
+    spec = _spec(name, 64)
+    assert spec is not None
+    cache = SqueezeKVCache(spec)
+    cache.set_native(True)
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(3)
+    key_start = torch.tensor([0, 6])  # row 1 is left-padded by 6 tokens
+    run = RunAttention(kernels, cache, key_start)
+    module = torch.nn.Module()
+    module.layer_idx = 0  # type: ignore[assignment]
+    for new in (21, 1, 1):  # a prompt batch, then two decode steps
+        keys = torch.randn(2, HKV, new, 64, generator=gen) * 3
+        values = torch.randn(2, HKV, new, 64, generator=gen)
+        cache.update(keys, values, 0)
+        query = torch.randn(2, HQ, new, 64, generator=gen)
+        out = run.attend(module, query, SCALING)  # (B, T, Hq, D)
+        # (B, Hkv, L, D) each, as the cache dequantizes them for SDPA
+        history_k = layer._history(layer.sink_keys, layer.k_stream)
+        history_v = layer._history(layer.sink_values, layer.v_stream)
+        length = history_k.shape[2]
+        offsets = torch.tensor([0, new, 2 * new]), torch.tensor([0, length, 2 * length])
+        rows = RaggedRows(*offsets, torch.empty(0), None, key_start)  # slots: the reference reads none
+        flat_k = history_k.transpose(0, 1).reshape(HKV, 2 * length, 64)
+        flat_v = history_v.transpose(0, 1).reshape(HKV, 2 * length, 64)
+        flat_q = query.transpose(1, 2).reshape(2 * new, HQ, 64)
+        reference = reference_attention(flat_q, flat_k, flat_v, rows, SCALING).view(2, new, HQ, 64)
+        visible = torch.ones(2, new, dtype=torch.bool)
+        visible[1, : max(0, 6 - (length - new))] = False  # padding queries see nothing: zeros in both
+        error = float((out - reference)[visible].abs().max() / flat_v.abs().max())
+        assert error <= BOUND, (name, new, error)
