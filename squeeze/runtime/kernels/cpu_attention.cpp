@@ -37,14 +37,11 @@ struct sq_kv {
     const uint16_t* offset;   // fp16 like scale (asymmetric grids), or null
     const float* table;       // code -> level: 256 entries (T8) or 16 (T4); null otherwise
     const float* ch_scale;    // [H][D] key normaliser scale, or null
-    const float* ch_center;   // [H][D] key normaliser centre (with ch_scale)
-    const float* rot_cos;     // [H][D] rotating centre amplitudes, or null
-    const float* rot_sin;     // [H][D]
-    const float* trig_cos;    // [P][D] cos(p * freq) by cache position p (with rot_cos)
-    const float* trig_sin;    // [P][D]
+    const float* ch_center;   // key normaliser centre (with ch_scale): [H][D], or [H][center_rows][D] by position
     const float* sink;        // float [..][D] full-precision sink area, or null
     int64_t head_stride;      // token slots between two heads of codes / scale / offset
     int64_t sink_head_stride; // sink entries between two heads
+    int64_t center_rows;      // 0: one centre per head; else a rotating centre's rows, row p for cache position p
     float const_scale;
     int32_t kind;             // SQ_KV_* below
     int32_t groups;           // grids (scales) per token and head
@@ -406,16 +403,8 @@ inline void load_token(const Args& a, const sq_kv& kv, int h, int64_t index, int
     }
     if (kv.ch_scale) {
         const float* cs = kv.ch_scale + h * (int64_t)D;
-        const float* cz = kv.ch_center + h * (int64_t)D;
-        if (kv.rot_cos) {
-            const float* ca = kv.rot_cos + h * (int64_t)D;
-            const float* sa = kv.rot_sin + h * (int64_t)D;
-            const float* tc = kv.trig_cos + p * D;
-            const float* ts = kv.trig_sin + p * D;
-            for (int c = 0; c < D; ++c) dst[c] = (cz[c] + (ca[c] * tc[c] + sa[c] * ts[c])) + dst[c] * cs[c];
-        } else {
-            for (int c = 0; c < D; ++c) dst[c] = cz[c] + dst[c] * cs[c];
-        }
+        const float* cz = kv.ch_center + (kv.center_rows ? h * kv.center_rows + p : h) * (int64_t)D;
+        for (int c = 0; c < D; ++c) dst[c] = cz[c] + dst[c] * cs[c];
     }
 }
 

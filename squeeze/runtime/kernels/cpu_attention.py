@@ -21,8 +21,10 @@ import ctypes
 import functools
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,13 +46,10 @@ class SqKV(ctypes.Structure):
         ("table", ctypes.c_void_p),
         ("ch_scale", ctypes.c_void_p),
         ("ch_center", ctypes.c_void_p),
-        ("rot_cos", ctypes.c_void_p),
-        ("rot_sin", ctypes.c_void_p),
-        ("trig_cos", ctypes.c_void_p),
-        ("trig_sin", ctypes.c_void_p),
         ("sink", ctypes.c_void_p),
         ("head_stride", ctypes.c_int64),
         ("sink_head_stride", ctypes.c_int64),
+        ("center_rows", ctypes.c_int64),
         ("const_scale", ctypes.c_float),
         ("kind", ctypes.c_int32),
         ("groups", ctypes.c_int32),
@@ -149,9 +148,9 @@ def quantized_store(
     ``codes`` uint8 / int8 (token ``(h, slot)`` at row ``h * head_stride + slot`` of its (-1, D or D/2) view),
     ``scale`` / ``offset`` fp16 indexed like it (-1, G); ``sink`` float32 (entry ``(h, e)`` at row
     ``h * sink_head_stride + e`` of its (-1, D) view), or None. ``positions``: one more than the largest cache
-    position the kernel will read (the rotating key centre's table is grown to it).
+    position the kernel will read (a rotating key centre's table is grown to it: (H, P, D) float32 per layer).
     """
-    from squeeze.runtime.kvcache import FP8Codec, TokenCodec, trig_table
+    from squeeze.runtime.kvcache import FP8Codec, TokenCodec
 
     if not isinstance(codec, TokenCodec):
         return None
@@ -180,16 +179,32 @@ def quantized_store(
         fields["kind"] = KV_I8 if codec.symmetric else KV_U8
     if codec.channel is not None:
         ch_scale, ch_center = (t.detach().to("cpu", torch.float32).contiguous() for t in codec.channel)
+        if codec.rotation is not None:
+            ch_center = _centre_table(codec, positions)
+            fields["center_rows"] = ch_center.shape[1]
         keep += [ch_scale, ch_center]
         fields |= {"ch_scale": ch_scale.data_ptr(), "ch_center": ch_center.data_ptr()}
-        if codec.rotation is not None:
-            rot = codec.rotation
-            amps = [t.detach().to("cpu", torch.float32).contiguous() for t in (rot.cos_amp, rot.sin_amp)]
-            trig = trig_table(rot.freq, max(positions, 1), torch.device("cpu"))
-            keep += [*amps, *trig]
-            fields |= {"rot_cos": amps[0].data_ptr(), "rot_sin": amps[1].data_ptr()}
-            fields |= {"trig_cos": trig[0].data_ptr(), "trig_sin": trig[1].data_ptr()}
     return KVStore(SqKV(**fields), tuple(keep))
+
+
+#: Each rotating-centre codec's centre table (see :func:`_centre_table`), kept while the codec lives.
+_CENTRES: weakref.WeakKeyDictionary[object, Tensor] = weakref.WeakKeyDictionary()
+
+
+def _centre_table(codec: Any, positions: int) -> Tensor:
+    """The key normaliser's centre of ``codec`` (a TokenCodec with a rotating centre) at cache positions 0..P-1,
+    (H, P, D) float32 with P >= ``positions`` (grown by doubling, from 256): the normaliser's centre plus the
+    rotating one, as TokenCodec computes it (same ops, same bits), once per position instead of per token read."""
+    from squeeze.runtime.kvcache import trig_table
+
+    table = _CENTRES.get(codec)
+    if table is None or table.shape[1] < positions:
+        rows = max(positions, 2 * (table.shape[1] if table is not None else 0), 256)
+        cos, sin = trig_table(codec.rotation.freq, rows, torch.device("cpu"))
+        centre = codec.channel[1].detach().to("cpu", torch.float32)[:, None, :]
+        table = (centre + codec.rotation.center(cos[:rows], sin[:rows])).contiguous()
+        _CENTRES[codec] = table
+    return table
 
 
 @dataclass(frozen=True)
