@@ -82,10 +82,17 @@ class DecodeState:
     forward_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> DecodeState:
+def prefill(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Any,
+    extra_kwargs: dict[str, Any] | None = None,
+) -> DecodeState:
     """Run the prompt batch (``input_ids`` / ``attention_mask``: (B, T) int64, left-padded) through ``model``.
 
-    Fills ``cache`` and returns the state whose ``logits`` give each row's first new token.
+    Fills ``cache`` and returns the state whose ``logits`` give each row's first new token. ``extra_kwargs``:
+    passed to every forward of the run (squeeze.runtime.attention.native_run's).
     """
     # the padding sits left of the prompt: positions count real tokens only (padding gets 0, as in generate)
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
@@ -97,7 +104,7 @@ def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         cache=cache,
         logits=torch.empty(0),
         unfinished=unfinished,
-        forward_kwargs=_forward_kwargs(model, cache),
+        forward_kwargs=_forward_kwargs(model, cache) | (extra_kwargs or {}),
     )
     state.logits = _forward(model, state, input_ids)
     state.positions = positions[:, -1:]

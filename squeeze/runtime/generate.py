@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
+from squeeze.runtime.attention import native_run
 from squeeze.runtime.checks import check_context, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.kvcache import SqueezeKVCache
@@ -306,8 +307,8 @@ def _decode_timed(run: _Run, streamer: _RunStreamer) -> tuple[torch.Tensor, _Clo
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    with torch.inference_mode():
-        state = prefill(run.model, run.batch.input_ids, run.batch.attention_mask, run.cache)
+    with torch.inference_mode(), native_run(run.model, run.cache, run.batch.attention_mask) as extra:
+        state = prefill(run.model, run.batch.input_ids, run.batch.attention_mask, run.cache, extra)
         new = decode(run.model, state, run.options, on_tokens=streamer.put)
     streamer.end()
     if on_cuda:

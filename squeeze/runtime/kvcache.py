@@ -45,6 +45,7 @@ from squeeze.quant.kv import (
     unpack_int4,
 )
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
+from squeeze.runtime.kernels.cpu_attention import KVStore, quantized_store
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec.bytes_per_token
 
@@ -53,17 +54,25 @@ _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as counted in KVSpec
 _TRIG_TABLES: dict[tuple[bytes, str], tuple[Tensor, Tensor]] = {}
 
 
+def trig_table(freq: Tensor, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The shared cos / sin table of ``freq (D,)`` on ``device``: (P, D) fp32 each, P >= ``rows`` (grown first;
+    row p is position p)."""
+    key = (freq.detach().cpu().float().numpy().tobytes(), str(device))
+    empty = torch.empty((0, freq.numel()), dtype=torch.float32, device=device)
+    cos, sin = _TRIG_TABLES.get(key, (empty, empty))
+    if rows > cos.shape[0]:
+        grown = max(rows, 2 * cos.shape[0], 256)
+        more = [t.to(device) for t in rope_trig(torch.arange(cos.shape[0], grown), freq)]
+        cos, sin = torch.cat([cos, more[0]]), torch.cat([sin, more[1]])
+        _TRIG_TABLES[key] = (cos, sin)
+    return cos, sin
+
+
 def trig_rows(freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """cos / sin (T, D) fp32 of ``positions (T,)`` int64 times ``freq (D,)``, on ``positions``' device, from the
     shared table (extended to the largest position first)."""
-    key = (freq.detach().cpu().float().numpy().tobytes(), str(positions.device))
-    cos, sin = _TRIG_TABLES.get(key, (positions.new_empty((0, freq.numel()), dtype=torch.float32),) * 2)
     need = int(positions.max()) + 1 if positions.numel() else 0
-    if need > cos.shape[0]:
-        grown = max(need, 2 * cos.shape[0], 256)
-        more = [t.to(positions.device) for t in rope_trig(torch.arange(cos.shape[0], grown), freq)]
-        cos, sin = torch.cat([cos, more[0]]), torch.cat([sin, more[1]])
-        _TRIG_TABLES[key] = (cos, sin)
+    cos, sin = trig_table(freq, need, positions.device)
     return cos.index_select(0, positions), sin.index_select(0, positions)
 
 
@@ -363,6 +372,7 @@ class SqueezeKVLayer(DynamicLayer):
         self.spec = layer
         self.sink_tokens = sink_tokens
         self.cumulative_length = 0
+        self.native = False  # update returns no history: squeeze.runtime.attention reads the codes in place
         self._reset_storage()
 
     def _reset_storage(self) -> None:
@@ -391,6 +401,7 @@ class SqueezeKVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.sink_keys is not None and self.sink_values is not None
+        given = key_states, value_states
         room = self.sink_tokens - self.sink_keys.shape[-2]
         if room > 0:
             self.sink_keys = torch.cat([self.sink_keys, key_states[..., :room, :]], dim=-2)
@@ -399,7 +410,51 @@ class SqueezeKVLayer(DynamicLayer):
         self.k_stream.append(key_states)
         self.v_stream.append(value_states)
         self.cumulative_length = self.sink_keys.shape[-2] + self.k_stream.length
+        if self.native:  # the native attention reads the codes in place (squeeze.runtime.attention)
+            return given
         return self._history(self.sink_keys, self.k_stream), self._history(self.sink_values, self.v_stream)
+
+    @property
+    def sink_length(self) -> int:
+        """Tokens held in the full-precision sink (the first ones; the streams hold the rest)."""
+        return self.sink_keys.shape[-2] if self.sink_keys is not None else 0
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per (batch row, head) of the streams' buffers (0 before any token beyond the sink)."""
+        return self.k_stream.codes.shape[2] if self.k_stream.codes is not None else 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.sink_keys.shape[1] if self.sink_keys is not None else 0
+
+    def kernel_stores(self) -> tuple[KVStore, KVStore]:
+        """Keys and values as the native attention kernel reads them in place: stream token ``t`` of batch row
+        ``b`` and head ``h`` at slot ``(b * H + h) * capacity + t`` (head stride ``capacity``), sink token ``p`` at
+        entry ``(b * H + h) * sink_length + p``. ValueError for a cache the kernel does not read."""
+        stores = []
+        for sink, stream in ((self.sink_keys, self.k_stream), (self.sink_values, self.v_stream)):
+            assert sink is not None
+            codes, scale, offset = stream.codes, stream.scale, stream.offset
+            if codes is None or scale is None:  # every token so far is a sink token: nothing else is read
+                width, groups = stream.codec.code_width(sink.shape[-1]), stream.codec.groups(sink.shape[-1])
+                codes = torch.zeros((1, width), dtype=stream.codec.code_dtype)
+                scale = torch.zeros((1, groups), dtype=_PARAM_DTYPE)
+                offset = None if stream.codec.symmetric else scale
+            store = quantized_store(
+                stream.codec,
+                codes,
+                scale,
+                offset,
+                sink.contiguous() if sink.shape[-2] else None,
+                head_stride=self.capacity,
+                sink_head_stride=sink.shape[-2],
+                positions=self.cumulative_length,
+            )
+            if store is None:
+                raise ValueError(f"the native attention does not read a {type(stream.codec).__name__} cache")
+            stores.append(store)
+        return stores[0], stores[1]
 
     def _history(self, sink: Tensor, stream: QuantizedStream) -> Tensor:
         b, h, s, d = sink.shape
@@ -455,6 +510,13 @@ class SqueezeKVCache(Cache):
     def __init__(self, spec: KVSpec):
         super().__init__(layers=[SqueezeKVLayer(spec.bits, layer, spec.sink_tokens) for layer in spec.layers])
         self.spec = spec
+
+    def set_native(self, native: bool) -> None:
+        """While ``native``, ``update`` stores the new tokens and returns them as given, not the dequantized
+        history (the native attention reads the codes in place: squeeze.runtime.attention)."""
+        for layer in self.layers:
+            if isinstance(layer, SqueezeKVLayer):
+                layer.native = native
 
     def nbytes(self) -> int:
         """Bytes of the whole cache as held now (all layers)."""

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token
+from squeeze.runtime.kernels.cpu_attention import KVStore, full_store, quantized_store
 from squeeze.runtime.kvcache import TokenCodec, layer_codecs
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as in squeeze run's cache
@@ -81,6 +82,8 @@ class _QuantizedLayerTensor:
         self.scale = torch.zeros((h, slots, codec.groups(d)), dtype=_PARAM_DTYPE, device=device)
         self.offset = None if codec.symmetric else torch.zeros_like(self.scale)
         self.sink = torch.zeros((h, sink_entries, d), dtype=dtype, device=device)
+        self._store: KVStore | None = None
+        self._store_positions = 0
 
     def write(self, new: Tensor, slots: StepSlots) -> None:
         """Store ``new (H, N, D)``: its codes into ``slots.new_slots``, sink tokens as given."""
@@ -107,6 +110,30 @@ class _QuantizedLayerTensor:
             out[0].index_copy_(1, slots.sink_positions, self.sink.index_select(1, slots.sink_entries).to(dtype))
         return out
 
+    def kernel_store(self, positions: int) -> KVStore | None:
+        """The stores as the native attention kernel reads them in place (None: a layout it does not read);
+        ``positions``: one more than the largest cache position read. Built once (again when a rotating key
+        centre needs its table grown)."""
+        if self.codes.device.type != "cpu":
+            return None
+        if self._store is None or positions > self._store_positions:
+            slots = self.codes.shape[1]
+            self._store_positions = max(positions, 2 * self._store_positions)
+            sink = self.sink if self.sink.dtype == torch.float32 else None
+            if sink is None and self.sink.shape[1]:
+                return None
+            self._store = quantized_store(
+                self.codec,
+                self.codes,
+                self.scale,
+                self.offset,
+                sink,
+                head_stride=slots,
+                sink_head_stride=self.sink.shape[1],
+                positions=self._store_positions,
+            )
+        return self._store
+
 
 class _FullLayerTensor:
     """Keys or values of one layer in a full-precision pool: the tokens as given, one slot each."""
@@ -119,6 +146,12 @@ class _FullLayerTensor:
 
     def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
         return self.store.index_select(1, slots.read_slots)[None].to(dtype)  # (1, H, K, D)
+
+    def kernel_store(self, positions: int) -> KVStore | None:
+        """The store as the native attention kernel reads it in place (float32 only, else None)."""
+        if self.store.dtype != torch.float32 or self.store.device.type != "cpu":
+            return None
+        return full_store(self.store, self.store.shape[1])
 
 
 def block_bytes(spec: KVSpec | None, shape: AttentionShape, block_size: int, dtype: torch.dtype) -> int:
@@ -233,9 +266,22 @@ class PagedKVPool:
         """Store this step's new ``keys`` / ``values (1, H, N, D)`` of ``layer`` (the rows' new tokens, packed)
         and return the rows' histories, (1, H, K, D) each in their dtype, the new tokens included (read back as
         stored, as squeeze run does)."""
+        self.write(layer, keys, values, slots)
+        return self._keys[layer].read(slots, keys.dtype), self._values[layer].read(slots, values.dtype)
+
+    def write(self, layer: int, keys: Tensor, values: Tensor, slots: StepSlots) -> None:
+        """Store this step's new ``keys`` / ``values (1, H, N, D)`` of ``layer`` (nothing read back: the native
+        attention kernel reads the stores in place, see :meth:`kernel_stores`)."""
         for states, store in ((keys, self._keys[layer]), (values, self._values[layer])):
             store.write(states[0], slots)
-        return self._keys[layer].read(slots, keys.dtype), self._values[layer].read(slots, values.dtype)
+
+    def kernel_stores(self, layer: int, positions: int) -> tuple[KVStore, KVStore] | None:
+        """``layer``'s keys and values as squeeze.runtime.kernels.cpu_attention reads them in place (None when
+        the kernel does not read this pool's layout: CPU float32 sink / full-precision tokens only).
+        ``positions``: one more than the largest cache position a row reads."""
+        keys = self._keys[layer].kernel_store(positions)
+        values = self._values[layer].kernel_store(positions)
+        return (keys, values) if keys is not None and values is not None else None
 
 
 def _mib(size: int) -> int:

@@ -36,6 +36,8 @@ from transformers.cache_utils import Cache
 
 from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg, input_device
+from squeeze.runtime.attention import native_kernels, scaling_of
+from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend
 from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS, RowPlan, row_paths
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import PagedKVPool, StepSlots
@@ -57,6 +59,26 @@ class RowSpan:
     mask: Tensor | None
 
 
+@dataclass(frozen=True)
+class NativeStep:
+    """One step attended by the native kernel (squeeze.runtime.attention): the pool's stores are read in place
+    for the step's ``rows``; ``positions``: the longest row history."""
+
+    kernels: AttentionKernels
+    pool: PagedKVPool
+    rows: RaggedRows
+    positions: int
+
+    def attend(self, module: nn.Module, query: Tensor, scaling: float | None) -> Tensor:
+        """``query (1, Hq, N, D)`` of layer ``module.layer_idx``; (1, N, Hq, D)."""
+        stores = self.pool.kernel_stores(module.layer_idx, self.positions)  # type: ignore[arg-type]
+        if stores is None:  # ModelRunner checked the pool's layout before choosing the kernel
+            raise RuntimeError("the native attention cannot read this KV pool")
+        flat = query[0].transpose(0, 1)  # (N, Hq, D)
+        scale = scaling_of(module, query.shape[-1], scaling)
+        return attend(self.kernels, flat, self.pool.shape.kv_heads, self.rows, *stores, scale)[None]
+
+
 def paged_attention(
     module: nn.Module,
     query: Tensor,
@@ -65,12 +87,16 @@ def paged_attention(
     attention_mask: Tensor | None,
     *,
     squeeze_step: Seq[RowSpan] | None = None,
+    squeeze_native: NativeStep | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' SDPA attention, once per row of a packed step (``query (1, Hq, N, D)``, ``key`` /
-    ``value (1, Hkv, K, D)``); returns (1, N, Hq, D). Without ``squeeze_step``: plain SDPA."""
+    ``value (1, Hkv, K, D)``); returns (1, N, Hq, D). With ``squeeze_native``: the whole step in one native
+    call over the pool (``key`` / ``value`` unused). Without ``squeeze_step``: plain SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if squeeze_native is not None:
+        return squeeze_native.attend(module, query, kwargs.get("scaling")), None
     if squeeze_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
     kwargs.pop("is_causal", None)
@@ -95,12 +121,16 @@ def register_attention() -> None:
 class PagedStepCache(Cache):
     """The cache transformers' attention layers call during one step: ``update`` goes to the paged pool."""
 
-    def __init__(self, pool: PagedKVPool, slots: StepSlots):
+    def __init__(self, pool: PagedKVPool, slots: StepSlots, native: bool = False):
         super().__init__(layers=[])
         self.pool = pool
         self.slots = slots
+        self.native = native  # the native attention reads the pool in place: nothing to read back
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        if self.native:
+            self.pool.write(layer_idx, key_states, value_states, self.slots)
+            return key_states, value_states
         return self.pool.update(layer_idx, key_states, value_states, self.slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -150,6 +180,10 @@ class ModelRunner:
         self._keep_kwarg = "logits_to_keep" if "logits_to_keep" in accepted else None
         # a 4-D mask makes transformers skip building one: attention here never reads it
         self._no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        # a quantized pool is attended by the native kernel whenever squeeze run would attend its cache so
+        # (squeeze.runtime.attention.native_kernels): the same kernel gives a request the same text
+        kernels = native_kernels(model) if pool.spec is not None else None
+        self._kernels = kernels if kernels is not None and pool.kernel_stores(0, 1) is not None else None
 
     def close(self) -> None:
         """Give the model back its previous attention implementation."""
@@ -158,7 +192,11 @@ class ModelRunner:
     def run(self, plan: Seq[ScheduledChunk]) -> Tensor:
         """Feed every chunk of ``plan``; each row's next-token logits, (B, V) float32 on the CPU."""
         inputs = self._inputs(plan)
-        kwargs: dict[str, Any] = {self._cache_kwarg: PagedStepCache(self.pool, inputs.slots), "use_cache": True}
+        native = self._native(inputs)
+        cache = PagedStepCache(self.pool, inputs.slots, native=native is not None)
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+        if native is not None:
+            kwargs["squeeze_native"] = native
         with row_paths(inputs.paths):
             output = self.model(
                 input_ids=inputs.input_ids,
@@ -233,6 +271,21 @@ class ModelRunner:
             as_tensor(tokens)[None], as_tensor(positions)[None], as_tensor(last), slots, tuple(rows), paths
         )
 
+    def _native(self, inputs: _StepInputs) -> NativeStep | None:
+        """The step's rows as the native kernel reads them (None: this runner attends with SDPA)."""
+        if self._kernels is None:
+            return None
+        slots = inputs.slots
+        q_offsets = torch.tensor([0, *(row.q1 for row in inputs.rows)], dtype=torch.long)
+        k_offsets = torch.tensor([0, *(row.k1 for row in inputs.rows)], dtype=torch.long)
+        sink_of = None
+        if self.pool.sink_tokens:
+            sink_of = torch.full((slots.read_slots.numel(),), -1, dtype=torch.long)
+            sink_of[slots.sink_positions.cpu()] = slots.sink_entries.cpu()
+        rows = RaggedRows(q_offsets, k_offsets, slots.read_slots.cpu().contiguous(), sink_of)
+        longest = max((row.k1 - row.k0 for row in inputs.rows), default=0)
+        return NativeStep(self._kernels, self.pool, rows, longest)
+
     def _row_mask(self, new: int, length: int) -> Tensor | None:
         """The mask of a row's ``new`` queries over its ``length`` keys: none when decoding (one query sees every
         key) or when the queries are the whole history (SDPA's own causal mask); else causal, aligned at the end."""
@@ -243,4 +296,12 @@ class ModelRunner:
         return (keys[None, :] <= queries[:, None])[None, None]  # (1, 1, n, L)
 
 
-__all__ = ["ATTENTION", "RowSpan", "paged_attention", "register_attention", "PagedStepCache", "ModelRunner"]
+__all__ = [
+    "ATTENTION",
+    "RowSpan",
+    "NativeStep",
+    "paged_attention",
+    "register_attention",
+    "PagedStepCache",
+    "ModelRunner",
+]

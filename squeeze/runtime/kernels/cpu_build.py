@@ -127,14 +127,15 @@ class KernelBuildError(Exception):
     """Internal: why the kernels could not be built or loaded (turned into one KernelWarning)."""
 
 
-def _build() -> Path:
+def _build(source_path: Path = SOURCE, stem: str = "squeeze_cpu_lut") -> Path:
+    """Compile ``source_path`` into the kernel cache as ``{stem}-{hash}.so`` (or find it built already)."""
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX') or 'g++, c++'})")
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     version = _compiler_version(compiler)
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(CXX_FLAGS).encode()])).hexdigest()[:16]
-    target = cache_dir() / f"squeeze_cpu_lut-{key}.so"
+    target = cache_dir() / f"{stem}-{key}.so"
     if target.is_file():
         return target
     try:
@@ -145,7 +146,7 @@ def _build() -> Path:
         raise KernelBuildError(f"cannot write the kernel cache {target.parent}: {exc.strerror}") from exc
     try:
         result = subprocess.run(
-            [compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *CXX_FLAGS, str(source_path), "-o", tmp],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
