@@ -15,7 +15,7 @@
 //   their exact weights and meet the unquantized activations).
 //
 // Layout: a row's codes are cut into chunks of 128 columns (64 bytes at 4 bits, 48 at 3 bits; the last chunk
-// zero-padded). A chunk decodes to 128 int8 weights in two planes of 64: at 4 bits plane 0 holds the even
+// zero-padded, or a half chunk of 64 columns with planes of 32 when at most 64 columns are left). A chunk decodes to 128 int8 weights in two planes of 64: at 4 bits plane 0 holds the even
 // columns (the low nibbles, byte j -> column 2j) and plane 1 the odd ones; at 3 bits (16 groups of 8 codes
 // in 3 bytes) plane 0 holds codes 0-3 of each group (byte 4g + t -> column 8g + t), plane 1 codes 4-7. The
 // quantized activations are laid out the same way (padding columns get 0), so every load is contiguous.
@@ -58,14 +58,19 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };  // cpu_lut.cpp's SQ_* nu
 
 constexpr int64_t CHUNK = 128;  // columns per chunk
 inline int64_t chunk_bytes(int bits) { return bits == 4 ? 64 : 48; }
-inline int64_t padded(int64_t n) { return (n + CHUNK - 1) / CHUNK * CHUNK; }
+// chunks of 128 columns, and a HALF chunk of 64 when at most 64 columns follow the last whole one (576 = 4.5
+// chunks: padding it to 640 would cost 11% more products)
+inline bool has_half(int64_t n) { return n % CHUNK != 0 && n % CHUNK <= 64; }
+inline int64_t full_chunks(int64_t n) { return n / CHUNK + (n % CHUNK > 64 ? 1 : 0); }
+inline int64_t padded(int64_t n) { return full_chunks(n) * CHUNK + (has_half(n) ? 64 : 0); }
 
-// position of column c in the chunk layout (header comment)
-inline int64_t position(int64_t c, int bits) {
-    const int64_t base = c / CHUNK * CHUNK, t = c % CHUNK;
-    if (bits == 4) return base + (t & 1) * 64 + t / 2;
+// position of column c of an n-column row in the chunk layout (header comment); the half chunk has planes
+// of 32 (the same order within them)
+inline int64_t position(int64_t c, int bits, int64_t n) {
+    const int64_t base = c / CHUNK * CHUNK, t = c % CHUNK, plane = base < full_chunks(n) * CHUNK ? 64 : 32;
+    if (bits == 4) return base + (t & 1) * plane + t / 2;
     const int64_t g = t / 8, s = t % 8;
-    return base + (s / 4) * 64 + 4 * g + s % 4;
+    return base + (s / 4) * plane + 4 * g + s % 4;
 }
 
 inline int code_at(const uint8_t* row, int64_t c, int bits) {
@@ -122,7 +127,7 @@ __attribute__((always_inline)) inline void quantize_row(const float* xr, int64_t
             }
         }
     }
-    for (int64_t c = whole * CHUNK; c < n; ++c) out[position(c, bits)] = nat[c];
+    for (int64_t c = whole * CHUNK; c < n; ++c) out[position(c, bits, n)] = nat[c];
 }
 
 // the float32 result of one output from its exact integer sum (fixed formula; header comment)
@@ -202,9 +207,22 @@ inline __m256i spread4(__m256i w) {
     return _mm256_or_si256(_mm256_or_si256(a, b), _mm256_or_si256(c, d));
 }
 
+// the half chunk at p (32 bytes at 4 bits, 24 at 3) looked up in tbl: v[0] plane 0, v[1] plane 1
+inline void half_chunk(const uint8_t* p, int bits, __m256i tbl, __m256i* v) {
+    if (bits == 4) {
+        const __m256i b = _mm256_loadu_si256((const __m256i*)p), lo4 = _mm256_set1_epi8(15);
+        v[0] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(b, lo4));
+        v[1] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4));
+    } else {
+        const __m256i words = words3(p);
+        v[0] = _mm256_shuffle_epi8(tbl, spread4(words));
+        v[1] = _mm256_shuffle_epi8(tbl, spread4(_mm256_srli_epi32(words, 12)));
+    }
+}
+
 // row r decoded into `out` (int8 levels, np bytes) and `mag` (their absolute values)
 void decode_row(const sq_w8& w, int64_t r, int8_t* out, uint8_t* mag) {
-    const int64_t nch = padded(w.n) / CHUNK;
+    const int64_t nch = full_chunks(w.n);
     const uint8_t* row = w.packed + r * w.row_bytes;
     const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(w.levels + 16 * r)));
     const __m256i lo4 = _mm256_set1_epi8(15);
@@ -230,6 +248,14 @@ void decode_row(const sq_w8& w, int64_t r, int8_t* out, uint8_t* mag) {
             _mm256_storeu_si256((__m256i*)(mag + CHUNK * k + 32 * i), _mm256_abs_epi8(v[i]));
         }
     }
+    if (has_half(w.n)) {  // 64 columns: planes of 32, each one register
+        __m256i v[2];
+        half_chunk(chunk_ptr(row, w.row_bytes, nch, w.bits, buf), w.bits, tbl, v);
+        for (int i = 0; i < 2; ++i) {
+            _mm256_storeu_si256((__m256i*)(out + CHUNK * nch + 32 * i), v[i]);
+            _mm256_storeu_si256((__m256i*)(mag + CHUNK * nch + 32 * i), _mm256_abs_epi8(v[i]));
+        }
+    }
 }
 
 inline int32_t hsum(__m256i v) {
@@ -243,7 +269,9 @@ inline int32_t hsum(__m256i v) {
 template <int MB>
 void tile(const int8_t* w, const uint8_t* mag, int64_t np, const int8_t* q, int32_t* acc) {
     __m256i a[4][MB];
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
         for (int b = 0; b < MB; ++b) a[i][b] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t k = 0; k < np; k += 32) {
@@ -296,7 +324,7 @@ inline __m512i spread4(__m512i w) {
 
 // row r decoded into `out` as uint8 levels + 128 (np bytes)
 void decode_row(const sq_w8& w, int64_t r, uint8_t* out) {
-    const int64_t nch = padded(w.n) / CHUNK;
+    const int64_t nch = full_chunks(w.n);
     const uint8_t* row = w.packed + r * w.row_bytes;
     const __m512i tbl = _mm512_xor_si512(
         _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(w.levels + 16 * r))), _mm512_set1_epi8((char)0x80));
@@ -317,6 +345,12 @@ void decode_row(const sq_w8& w, int64_t r, uint8_t* out) {
         _mm512_storeu_si512(out + CHUNK * k, v0);
         _mm512_storeu_si512(out + CHUNK * k + 64, v1);
     }
+    if (has_half(w.n)) {  // 64 columns in one register: the AVX2 form with the same table
+        __m256i v[2];
+        avx2::half_chunk(chunk_ptr(row, w.row_bytes, nch, w.bits, buf), w.bits, _mm512_castsi512_si256(tbl), v);
+        _mm256_storeu_si256((__m256i*)(out + CHUNK * nch), v[0]);
+        _mm256_storeu_si256((__m256i*)(out + CHUNK * nch + 32), v[1]);
+    }
 }
 
 // the sums of the 16 lanes of a0..a3, as 4 dwords
@@ -328,18 +362,30 @@ inline __m128i reduce4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+// acc += u8 a . s8 b (per dword: 4 products), in place: with the intrinsic GCC 12 copies every accumulator
+// around each vpdpbusd in the tile loop (two extra moves per product), which the asm form avoids
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
 // acc[4 * b + i] = sum over the row of (w_i + 128) . q_b for 4 panel rows and MB activation rows
 template <int MB>
 void tile(const uint8_t* w, int64_t np, const int8_t* q, int32_t* acc) {
     __m512i a[4][MB];
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
         for (int b = 0; b < MB; ++b) a[i][b] = _mm512_setzero_si512();
     for (int64_t k = 0; k < np; k += 64) {
         __m512i wv[4];
+#pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_si512(w + i * np + k);
+#pragma GCC unroll 4
         for (int b = 0; b < MB; ++b) {
             const __m512i xv = _mm512_loadu_si512(q + b * np + k);
-            for (int i = 0; i < 4; ++i) a[i][b] = _mm512_dpbusd_epi32(a[i][b], wv[i], xv);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) a[i][b] = dpbusd(a[i][b], wv[i], xv);
         }
     }
     for (int b = 0; b < MB; ++b) _mm_storeu_si128((__m128i*)(acc + 4 * b), reduce4(a[0][b], a[1][b], a[2][b], a[3][b]));
