@@ -57,6 +57,7 @@ namespace {
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };  // cpu_lut.cpp's SQ_* numbering
 
 constexpr int64_t CHUNK = 128;  // columns per chunk
+constexpr int64_t OUTER_MIN_ROWS = 8;  // activation rows from which AVX-512 takes the outer-product form
 inline int64_t chunk_bytes(int bits) { return bits == 4 ? 64 : 48; }
 // chunks of 128 columns, and a HALF chunk of 64 when at most 64 columns follow the last whole one (576 = 4.5
 // chunks: padding it to 640 would cost 11% more products)
@@ -409,6 +410,113 @@ struct Call {
     int isa;
 };
 
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 for 4 or more activation rows: the OUTER-product form. 16 weight rows are decoded, then transposed so
+// that each 64-byte vector holds the same 4 columns of all 16 rows; one vpdpbusd with the activation row's 4
+// bytes broadcast then adds 4 products to each of the 16 rows' sums. No horizontal sums, and the float32
+// epilogue runs 16 rows at a time: at 576 columns the dot-product tiles above spend about as long reducing
+// and finishing as multiplying. The sums are the same integers, so the result is bit for bit the same.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,avx2,fma,f16c")
+namespace outer {
+
+// r[0..15]: 16 rows of 16 dwords -> out[k] = dword k of rows 0..15
+inline void transpose16(const __m512i* r, __m512i* out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // u[4i + e], lane L: dword 4L + e of rows 4i .. 4i+3
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+        const __m512i a = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+        const __m512i c = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512i d = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+        out[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+        out[8 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        out[4 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+        out[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
+// acc += u8 w . s8 (4 bytes at x, broadcast to every dword)
+inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)x));
+    return acc;
+}
+
+// sums[b] (16 rows) for MB activation rows from the transposed panel tp (np / 4 vectors)
+template <int MB>
+inline void block(const uint8_t* tp, int64_t np, const int8_t* q, __m512i* sums) {
+    __m512i a[MB];
+#pragma GCC unroll 8
+    for (int b = 0; b < MB; ++b) a[b] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < np; k += 4) {
+        const __m512i wv = _mm512_load_si512(tp + 16 * k);
+#pragma GCC unroll 8
+        for (int b = 0; b < MB; ++b) a[b] = dpbusd_bcst(a[b], wv, q + b * np + k);
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < MB; ++b) sums[b] = a[b];
+}
+
+void rows(const Call& c, int64_t r0, int64_t r1) {
+    const sq_w8& w = *c.w;
+    const int64_t np = padded(w.n);
+    static thread_local std::vector<uint8_t> buf;
+    if ((int64_t)buf.size() < 32 * np + 64) buf.resize((size_t)(32 * np + 64));
+    uint8_t* dec = buf.data();  // (16, np): the rows as decoded
+    uint8_t* tp = (uint8_t*)(((uintptr_t)(dec + 16 * np) + 63) & ~(uintptr_t)63);  // (np / 4, 16) dwords
+    for (int64_t g = r0; g < r1; g += 16) {
+        const int live = r1 - g < 16 ? (int)(r1 - g) : 16;
+        for (int i = 0; i < 16; ++i) avx512::decode_row(w, g + (i < live ? i : live - 1), dec + i * np);
+        for (int64_t k = 0; k < np; k += 64) {
+            __m512i r[16], t[16];
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(dec + i * np + k);
+            transpose16(r, t);
+            for (int j = 0; j < 16; ++j) _mm512_store_si512(tp + 16 * (k + 4 * j), t[j]);
+        }
+        const __mmask16 mask = (__mmask16)((1u << live) - 1);
+        const __m512 sw = _mm512_maskz_loadu_ps(mask, w.scale + g);
+        const __m512 bias = c.bias ? _mm512_maskz_loadu_ps(mask, c.bias + g) : _mm512_setzero_ps();
+        const bool sparse = w.rowptr && w.rowptr[g + live] > w.rowptr[g];
+        for (int64_t b0 = 0; b0 < c.m; b0 += 8) {
+            const int mb = c.m - b0 < 8 ? (int)(c.m - b0) : 8;
+            const int8_t* qb = c.q + b0 * np;
+            __m512i sums[8];
+            switch (mb) {
+                case 1: block<1>(tp, np, qb, sums); break;
+                case 2: block<2>(tp, np, qb, sums); break;
+                case 3: block<3>(tp, np, qb, sums); break;
+                case 4: block<4>(tp, np, qb, sums); break;
+                case 5: block<5>(tp, np, qb, sums); break;
+                case 6: block<6>(tp, np, qb, sums); break;
+                case 7: block<7>(tp, np, qb, sums); break;
+                default: block<8>(tp, np, qb, sums); break;
+            }
+            for (int b = 0; b < mb; ++b) {  // finish() for 16 rows: the same IEEE operations in the same order
+                const int64_t row = b0 + b;
+                const __m512i acc = _mm512_sub_epi32(sums[b], _mm512_set1_epi32(128 * c.sumq[row]));
+                __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(_mm512_set1_ps(c.sx[row]), sw));
+                alignas(64) float s[16] = {0.f};
+                if (sparse)
+                    for (int i = 0; i < live; ++i) s[i] = sparse_sum(w, g + i, c.x + row * w.n);
+                y = _mm512_add_ps(y, _mm512_load_ps(s));
+                if (c.bias) y = _mm512_add_ps(y, bias);
+                _mm512_mask_storeu_ps(c.y + row * w.rows + g, mask, y);
+            }
+        }
+    }
+}
+
+}  // namespace outer
+#pragma GCC pop_options
+
 void simd_rows(const Call& c, int64_t r0, int64_t r1) {
     const sq_w8& w = *c.w;
     const int64_t np = padded(w.n);
@@ -509,7 +617,9 @@ void sq_w8_linear(const sq_w8* wp, const float* x, int64_t m, float* y, const fl
 #pragma omp parallel for schedule(static) num_threads(threads) if (tasks > 1 && threads > 1)
     for (int64_t t = 0; t < tasks; ++t) {
         const int64_t r0 = t * g, r1 = r0 + g < w.rows ? r0 + g : w.rows;
-        if (simd)
+        if (simd && isa == ISA_AVX512 && m >= OUTER_MIN_ROWS)
+            outer::rows(c, r0, r1);
+        else if (simd)
             simd_rows(c, r0, r1);
         else
             scalar::rows(w, c.q, c.sx, x, y, bias, m, r0, r1);
