@@ -383,9 +383,10 @@ def load(
     bytes (:func:`sign`); checked right after verification, before anything is built, from the digests
     verification computed (IntegrityError: unsigned, another key, another artifact). ConfigError with
     ``verify=False`` or for a key that cannot check signatures.
-    ``activations``: "int8" (default) runs 3/4-bit LUT weights through the W4A8 kernel (activations quantized
-    per row to int8; every row's result independent of its batch, at any row count), "float32" multiplies
-    the exact LUT values in float32 (slower under load, a perplexity shift of ~0.1% less); ConfigError else.
+    ``activations``: "float32" (default) multiplies the exact LUT values in float32; "int8" runs 3/4-bit LUT
+    weights through the W4A8 kernel (activations quantized per row to int8, exact int32 sums: 2-4x faster at
+    16-32 rows, every row's result independent of its batch at any row count; perplexity +3.3 % on SmolLM2-135M
+    w4, WikiText-2); ConfigError else.
     """
     from squeeze.runtime.loader import load_artifact
 
@@ -441,7 +442,7 @@ def generate(
     ``verify`` then do not apply). Greedy when ``temperature == 0``; else sampling with ``top_p``, seeded
     by ``seed``. ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first
     prompt's text as it is produced. ``dense_cache`` / ``low_memory`` / ``activations``: the weights' path,
-    as in :func:`load` (default: compressed, native int8 kernels). ``device``: ``cpu`` or ``cuda[:N]``. Options and
+    as in :func:`load` (default: compressed, native float32 kernels). ``device``: ``cpu`` or ``cuda[:N]``. Options and
     the device are checked (ConfigError), then whether the load fits in memory (ResourceError, see
     :func:`load`), before anything loads.
     ``kv_bits``: the KV cache, as in :func:`evaluate` (default: what the artifact was calibrated for).

@@ -91,8 +91,8 @@ ActivationsOpt = Annotated[
     str,
     typer.Option(
         "--activations",
-        help="Activation precision of the native LUT kernels: int8 (W4A8: fast at every batch size) or float32 "
-        "(the exact LUT values, slower under load).",
+        help="Activation precision of the native LUT kernels: float32 (the exact LUT values; default) or int8 "
+        "(W4A8 for 3/4-bit weights: 2-4x faster at 16-32 rows, perplexity ~3% higher on SmolLM2-135M w4).",
     ),
 ]
 NoVerify = Annotated[

@@ -25,7 +25,7 @@ the native kernels' row-range dequantization (``sq_dequant_rows``, then one gath
 column order); on CUDA with triton one grouped Triton kernel for all selected experts
 (:mod:`.kernels.triton_experts`); otherwise (RTN, no C++ compiler) the format's own ``dequantize`` of the
 expert's row slice. The native kernels' prepared form (one per expert, over the module's own codes and LUT)
-adds 12 bytes per sparse entry, and its int8 form (``activations="int8"``, the default) 20 bytes per row and
+adds 12 bytes per sparse entry, and its int8 form (``activations="int8"``) 20 bytes per row and
 8 per sparse entry.
 """
 

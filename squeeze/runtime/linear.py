@@ -5,8 +5,8 @@ artifact (``weight_packed``, ``weight_lut``...). Its reference path is the forma
 exact, and the oracle every kernel is tested against. Which path ``forward`` takes (``weight_path``):
 
 * ``native-<isa>`` (CPU, the default): the native LUT kernels (:mod:`.kernels.cpu_lut`) read the module's
-  own packed codes; resident weight memory stays the quantized bytes. ``activations``: "int8" (default) runs
-  3/4-bit weights through the W4A8 kernel (:mod:`.kernels.cpu_w8`), "float32" the exact float32 kernels.
+  own packed codes; resident weight memory stays the quantized bytes. ``activations``: "float32" (default) runs
+  the exact float32 kernels, "int8" 3/4-bit weights through the W4A8 kernel (:mod:`.kernels.cpu_w8`).
 * ``triton`` (CUDA): the Triton LUT kernels, for formats whose ``kernel`` is "lut".
 * ``dense``: the dequantized weight cached densely on first use. Asked for with ``dense_cache=True``, and
   the fallback where no kernel covers the weight (a format without one, no C++ compiler).

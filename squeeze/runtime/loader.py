@@ -320,8 +320,8 @@ def load_artifact(
     verified bytes (IntegrityError otherwise, before anything is built); it reuses the digests verification
     computed, so no file is hashed twice. ConfigError with ``verify=False`` or for an unusable key.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
-    ``activations``: the native LUT kernels' activation precision, "int8" (W4A8, the default) or "float32"
-    (the exact LUT values); ConfigError for anything else (squeeze.runtime.kernels.cpu_w8).
+    ``activations``: the native LUT kernels' activation precision, "float32" (the exact LUT values, the
+    default) or "int8" (W4A8); ConfigError for anything else (squeeze.runtime.activations).
     """
     activations = check_activations(activations)
     directory = resolve_root(path)

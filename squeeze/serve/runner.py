@@ -19,8 +19,11 @@ needs the rows apart, and it gets them through two hooks transformers offers:
 
 Every token's bits are those ``squeeze run`` computes for it alone: per-row attention as above; the LM head
 (squeeze.runtime.dense_linear) gives each row the same bits at any batch size; and the quantized linears
-send each token down the path ``squeeze run`` would (:func:`squeeze.runtime.kernels.cpu_lut.row_paths`:
-the tile path for the prompt tokens of a prompt longer than GEMV_MAX_ROWS, the GEMV for the rest).
+are batch-invariant: with int8 activations by construction (the W4A8 kernel's sums are exact
+integers at every row count), with float32 activations (the default) by sending each token down the path ``squeeze run``
+would (:func:`squeeze.runtime.kernels.cpu_lut.row_paths`: the tile path for the prompt tokens of a prompt
+longer than GEMV_MAX_ROWS, the GEMV for the rest). Tokens a preempted sequence generated are recomputed with
+attention one query at a time, as they were decoded (:class:`RowSpan`).
 """
 
 from __future__ import annotations

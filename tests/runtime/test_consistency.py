@@ -94,7 +94,8 @@ def test_runtime_perplexity_equals_squeeze_eval(
     assert 1.0 < reference < 1e4
     for name, value in paths.items():
         assert abs(value - reference) <= RTOL * reference, (name, value, reference)
-    # the int8 default: squeeze eval and squeeze.load agree exactly, and stay within 1% of the exact path
-    fast = evaluate(artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS).result.perplexity
-    assert ppl(api.load(artifact).model, tokenizer) == fast
+    # int8 activations: squeeze eval and squeeze.load agree exactly, and stay within 1% of the exact path
+    fast = evaluate(artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS, activations="int8")
+    assert ppl(api.load(artifact, activations="int8").model, tokenizer) == fast.result.perplexity
+    fast = fast.result.perplexity
     assert abs(fast - reference) <= INT8_RTOL * reference, (fast, reference)

@@ -48,7 +48,7 @@ def lut_weight(bits: int, n: int, sparse: bool, lut_dtype: str) -> LutWeight:
 def prepared_for(kernels: CpuKernels, isa: str, q: LutWeight) -> CpuPreparedLut:
     if not kernels.supports(isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
-    prepared = prepare_cpu(q, kernels=kernels.with_isa(isa))
+    prepared = prepare_cpu(q, kernels=kernels.with_isa(isa), activations="int8")
     assert prepared is not None and prepared.activations == "int8"
     return prepared
 
@@ -103,7 +103,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(kernels: CpuKernels, isa: str, bi
 def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
     q = lut_weight(4, 576, True, "int8")
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(3))
-    prepared = [prepare_cpu(q, kernels=kernels.with_isa(isa)) for isa in ISAS if kernels.supports(isa)]
+    prepared = [prepare_cpu(q, kernels.with_isa(isa), "int8") for isa in ISAS if kernels.supports(isa)]
     results = [cpu_lut_linear(x, p) for p in prepared if p is not None]
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
@@ -113,7 +113,7 @@ def test_int8_activations_stay_close_to_the_exact_product(kernels: CpuKernels, b
     """Per-row int8 activations (rounding error <= amax / 254 per element) and int8 LUT levels: on Gaussian
     activations the output's relative L2 error against the float32-LUT product stays under 2%."""
     q = lut_weight(bits, 576, True, "float16")
-    prepared = prepare_cpu(q, kernels=kernels)
+    prepared = prepare_cpu(q, kernels=kernels, activations="int8")
     assert prepared is not None
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(5))
     got, exact = cpu_lut_linear(x, prepared), lut_matmul_reference(x, q)
@@ -122,7 +122,7 @@ def test_int8_activations_stay_close_to_the_exact_product(kernels: CpuKernels, b
 
 def test_zero_rows_and_empty_inputs(kernels: CpuKernels) -> None:
     q = lut_weight(4, 172, True, "float16")
-    prepared = prepare_cpu(q, kernels=kernels)
+    prepared = prepare_cpu(q, kernels=kernels, activations="int8")
     assert prepared is not None
     bias = torch.randn(ROWS)
     x = torch.zeros(3, 172)
@@ -135,7 +135,7 @@ def test_zero_rows_and_empty_inputs(kernels: CpuKernels) -> None:
 
 def test_other_widths_and_float32_keep_the_float32_kernels(kernels: CpuKernels) -> None:
     w = torch.randn(16, 64)
-    assert prepare_cpu(quantize_lut(w, None, 2), kernels=kernels).activations == "float32"  # type: ignore[union-attr]
+    assert prepare_cpu(quantize_lut(w, None, 2), kernels=kernels, activations="int8").activations == "float32"  # type: ignore[union-attr]
     assert prepare_cpu(lut_weight(4, 172, False, "float16"), kernels=kernels, activations="float32").w8 is None  # type: ignore[union-attr]
 
 
@@ -143,8 +143,8 @@ def test_squeeze_linear_takes_the_activations_option(kernels: CpuKernels) -> Non
     q = lut_weight(4, 576, False, "float16")
     x = torch.randn(5, 576)
     with torch.inference_mode():
-        fast = SqueezeLinear(q)(x)
-        exact = SqueezeLinear(q, activations="float32")(x)
+        fast = SqueezeLinear(q, activations="int8")(x)
+        exact = SqueezeLinear(q)(x)  # the default: float32
     assert torch.equal(fast, w4a8_matmul_reference(x, q))
     assert torch.allclose(exact.double(), lut_matmul_reference(x.double(), q).double(), atol=1e-4)
 

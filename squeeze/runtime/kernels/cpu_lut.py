@@ -1,7 +1,7 @@
 """The native CPU LUT kernels from Python: a weight's prepared form, and ``y = x @ W^T + b`` through it.
 
-With ``activations="int8"`` (the default), 3- and 4-bit weights run the W4A8 kernel (:mod:`.cpu_w8`) at every
-number of rows: one batch-invariant path. With ``activations="float32"`` (and at other widths):
+With ``activations="int8"``, 3- and 4-bit weights run the W4A8 kernel (:mod:`.cpu_w8`) at every
+number of rows: one batch-invariant path. With ``activations="float32"`` (the default; and at other widths):
 Decode and small batches (at most GEMV_MAX_ROWS rows of x): a fused GEMV reads the codes once per 8 rows of x.
 Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 4 MiB and
 multiplied by torch's GEMM (compute-bound there; oneDNN/MKL do it well), so the dense weight never exists.

@@ -8,8 +8,8 @@ prefill, batch-invariant by construction. :func:`~squeeze.runtime.kernels.refere
 the same math in torch, and the tests hold the kernel to it bit for bit.
 
 Which activation precision the LUT kernels use is the load option ``activations``
-(:mod:`squeeze.runtime.activations`): ``"int8"`` (this kernel, the default) or ``"float32"`` (the exact fp32-LUT kernels
-of cpu_lut.py). Only 3- and 4-bit weights have an int8 form; other widths keep the float32 kernels.
+(:mod:`squeeze.runtime.activations`): ``"float32"`` (the exact fp32-LUT kernels of cpu_lut.py, the default)
+or ``"int8"`` (this kernel). Only 3- and 4-bit weights have an int8 form; other widths keep the float32 kernels.
 
 Memory: 16 bytes of levels and 4 of scale per weight row, plus 8 per sparse entry (column, residual).
 """
