@@ -47,8 +47,10 @@ def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def check_squeeze_run(artifact: Path, reference: nn.Module, tokenizer: Any, prompt: str) -> None:
-    """`squeeze run --json` continues ``prompt`` (6 greedy tokens) exactly as ``reference.generate`` does."""
-    result = runner.invoke(app, ["run", prompt, "-m", str(artifact), "--max-new-tokens", "6", "--json"])
+    """`squeeze run --json --activations float32` continues ``prompt`` (6 greedy tokens) exactly as
+    ``reference.generate`` does."""
+    args = ["run", prompt, "-m", str(artifact), "--max-new-tokens", "6", "--activations", "float32"]
+    result = runner.invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     text = json.loads(result.stdout)["text"]
     inputs = tokenizer(prompt, return_tensors="pt")
@@ -60,8 +62,9 @@ def check_squeeze_run(artifact: Path, reference: nn.Module, tokenizer: Any, prom
 def check_squeeze_eval(
     artifact: Path, reference: nn.Module, tokenizer: Any, text_file: Path, seq_len: int, windows: int
 ) -> None:
-    """`squeeze eval --json` scores ``windows`` windows of ``seq_len`` tokens as ``reference`` does (1e-4)."""
-    args = ["eval", str(artifact), "--text", str(text_file), "--seq-len", str(seq_len)]
+    """`squeeze eval --json --activations float32` scores ``windows`` windows of ``seq_len`` tokens as
+    ``reference`` does (1e-4)."""
+    args = ["eval", str(artifact), "--text", str(text_file), "--seq-len", str(seq_len), "--activations", "float32"]
     result = runner.invoke(app, [*args, "--max-windows", str(windows), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from squeeze import api
 from squeeze.cli.common import PublicKey, cli_errors, out_console, print_json, stage_progress
+from squeeze.cli.run import ActivationsOpt
 
 # The options as Annotated aliases, so that the command's signature is one short line per option.
 Model = Annotated[
@@ -45,9 +46,11 @@ def eval_(
     kv_dynamic: KvDynamic = False,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
+    activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
 ) -> None:
     """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity."""
     with cli_errors():
+        activations = api.check_activations(activations)
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
         with stage_progress(not json_out, labels) as progress:
             result = api.evaluate(
@@ -60,6 +63,7 @@ def eval_(
                 kv_bits=kv_bits,
                 kv_dynamic=kv_dynamic,
                 public_key=public_key,
+                activations=activations,
             )
     if json_out:
         print_json(result.to_dict())

@@ -25,6 +25,7 @@ from squeeze import api
 from squeeze.cli.common import PublicKey, cli_errors, err_console
 from squeeze.cli.run import (  # the options squeeze run has too, declared once
     UNVERIFIED_WARNING,
+    ActivationsOpt,
     Dense,
     KvBits,
     KvDynamic,
@@ -305,6 +306,7 @@ def serve(
     shutdown_grace: ShutdownGrace = 10.0,
     dense: Dense = False,
     low_memory: LowMemory = False,
+    activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
     max_request_bytes: MaxRequestBytes = None,
@@ -319,6 +321,7 @@ def serve(
     """
     with cli_errors():
         check_weight_options(dense=dense, low_memory=low_memory)
+        activations = api.check_activations(activations)
         config = engine_config(
             kv_bits=kv_bits,
             kv_dynamic=kv_dynamic,
@@ -346,6 +349,8 @@ def serve(
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
             # only when given: api.serve_engine stand-ins (tests/cli/test_serve_cli.py) predate the option
             signature_options: dict[str, Any] = {"public_key": public_key} if public_key is not None else {}
+            if activations != api.DEFAULT_ACTIVATIONS:
+                signature_options["activations"] = activations
             engine = api.serve_engine(
                 artifact,
                 config=config,

@@ -15,6 +15,7 @@ from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
 from squeeze.models.source import ModelSource
 from squeeze.quant.kv_spec import KVSpec
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations, check_activations
 
 
 @dataclass(frozen=True)
@@ -103,14 +104,16 @@ def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def _open(target: EvalTarget, public_key: str | os.PathLike[str] | None = None) -> tuple[nn.Module, Any, KVSpec | None]:
+def _open(
+    target: EvalTarget, public_key: str | os.PathLike[str] | None = None, activations: Activations = DEFAULT_ACTIVATIONS
+) -> tuple[nn.Module, Any, KVSpec | None]:
     """(model, tokenizer, the artifact's calibrated KV spec or None); an artifact's signature is checked by
-    ``public_key`` when given."""
+    ``public_key`` when given; ``activations``: an artifact's LUT kernels' activation precision."""
     from squeeze.models.source import load_model
     from squeeze.runtime.loader import load_artifact
 
     if target.artifact is not None:
-        loaded = load_artifact(target.artifact, verify=True, public_key=public_key)
+        loaded = load_artifact(target.artifact, verify=True, public_key=public_key, activations=activations)
         return loaded.model, loaded.tokenizer, loaded.kv_spec
     assert target.source is not None
     model, tokenizer = load_model(target.source)
@@ -140,6 +143,7 @@ def evaluate(
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
     public_key: str | os.PathLike[str] | None = None,
+    activations: Activations = DEFAULT_ACTIVATIONS,
 ) -> EvalResult:
     """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate.
 
@@ -147,11 +151,12 @@ def evaluate(
     Everything cheap is checked before the first model loads: the options, the text file, then that both
     ``model`` and ``baseline`` exist and can be opened (see :func:`resolve_target`).
     ``public_key``: ``model`` must be an artifact signed by this key (checked while it loads); the baseline
-    is not checked.
+    is not checked. ``activations``: the LUT kernels' activation precision for artifacts (model and baseline).
     """
     from squeeze.runtime.kvcache import check_kv_options
     from squeeze.runtime.loader import check_signing_options
 
+    activations = check_activations(activations)
     check_kv_options(kv_bits, kv_dynamic)
     if public_key is not None:
         check_signing_options(public_key, verify=True)
@@ -167,7 +172,7 @@ def evaluate(
     kv_used: list[tuple[int, str]] = []
 
     def measure(label: str, with_kv: bool) -> PerplexityResult:
-        net, tokenizer, calibrated = _open(targets[label], public_key if label == "model" else None)
+        net, tokenizer, calibrated = _open(targets[label], public_key if label == "model" else None, activations)
         factory = None
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)

@@ -17,6 +17,7 @@ from torch import nn
 
 from squeeze.errors import FormatError
 from squeeze.quant.schemes import WeightFormat
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.linear import SqueezeLinear, replace_module
 
 
@@ -123,9 +124,16 @@ def tied_heads(quant: Mapping[str, Any]) -> dict[str, str]:
     return dict(tied)
 
 
-def tie_quantized_heads(model: nn.Module, tied: Mapping[str, str], *, low_memory: bool = False) -> None:
+def tie_quantized_heads(
+    model: nn.Module,
+    tied: Mapping[str, str],
+    *,
+    low_memory: bool = False,
+    activations: Activations = DEFAULT_ACTIVATIONS,
+) -> None:
     """Make each tied LM head of ``model`` a SqueezeLinear over its quantized embedding's weight (the same
     buffers: one stored copy serves both); FormatError when a name does not fit the architecture.
+    ``low_memory`` / ``activations``: as in SqueezeLinear.
 
     The head found there may be the ``nn.Linear`` of the skeleton or a SqueezeLinear placed earlier (the
     ``from_pretrained`` path places one before loading and rebuilds it over the loaded embedding after).
@@ -149,7 +157,7 @@ def tie_quantized_heads(model: nn.Module, tied: Mapping[str, str], *, low_memory
                 f"embedding is {weight.out_features} x {weight.in_features}",
                 hint="config.json does not belong to these tensors; re-create the artifact",
             )
-        setattr(parent, child, SqueezeLinear(weight, low_memory=low_memory))
+        setattr(parent, child, SqueezeLinear(weight, low_memory=low_memory, activations=activations))
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:

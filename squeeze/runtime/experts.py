@@ -25,7 +25,8 @@ the native kernels' row-range dequantization (``sq_dequant_rows``, then one gath
 column order); on CUDA with triton one grouped Triton kernel for all selected experts
 (:mod:`.kernels.triton_experts`); otherwise (RTN, no C++ compiler) the format's own ``dequantize`` of the
 expert's row slice. The native kernels' prepared form (one per expert, over the module's own codes and LUT)
-adds 12 bytes per sparse entry.
+adds 12 bytes per sparse entry, and its int8 form (``activations="int8"``) 20 bytes per row and
+8 per sparse entry.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from squeeze.errors import FormatError
 from squeeze.limits import is_int
 from squeeze.quant.schemes import WeightFormat
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, permuted_positions, prepare_cpu
 
 #: The module-entry keys of an expert parameter (popped before the format's ``from_spec``).
@@ -93,9 +95,17 @@ class SqueezeExperts(nn.Module):
     _is_hf_initialized = True
 
     def __init__(
-        self, qweight: WeightFormat, experts: int, *, transposed: bool = False, dtype: torch.dtype = torch.float32
+        self,
+        qweight: WeightFormat,
+        experts: int,
+        *,
+        transposed: bool = False,
+        dtype: torch.dtype = torch.float32,
+        activations: Activations = DEFAULT_ACTIVATIONS,
     ):
         super().__init__()
+        #: the native LUT kernels' activation precision (cpu_w8.ACTIVATIONS)
+        self.activations = activations
         self.num_experts = int(experts)
         self.expert_rows = check_expert_rows(qweight, self.num_experts, "experts")
         self.in_features = qweight.in_features
@@ -280,7 +290,7 @@ class SqueezeExperts(nn.Module):
         elif self.device.type == "cpu":
             rows = self.expert_rows
             parts = [self._qweight.row_slice(e * rows, (e + 1) * rows) for e in range(self.num_experts)]
-            prepared = [prepare_cpu(part) for part in parts]  # type: ignore[arg-type]  # None unless a LUT format
+            prepared = [prepare_cpu(part, activations=self.activations) for part in parts]  # type: ignore[arg-type]
             if all(p is not None for p in prepared):  # each over views of the module's own codes and LUT
                 self._cpu = [p for p in prepared if p is not None]
                 n, bits = self.in_features, self._qweight.bits
@@ -301,10 +311,12 @@ def replace_expert_parameter(
     transposed: bool,
     *,
     dtype: torch.dtype | None = None,
+    activations: Activations = DEFAULT_ACTIVATIONS,
 ) -> SqueezeExperts:
     """Replace the 3-D parameter ``name`` of ``model`` (e.g. ``model.layers.1.mlp.experts.gate_up_proj``) by a
     SqueezeExperts over ``qweight`` (E*out, in). FormatError when the model has no such parameter, or one of
-    another shape or layout. ``dtype``: the dtype experts are returned in (default: the parameter's)."""
+    another shape or layout. ``dtype``: the dtype experts are returned in (default: the parameter's).
+    ``activations``: the native kernels' activation precision (cpu_w8.ACTIVATIONS)."""
     parent_name, _, child = name.rpartition(".")
     try:
         parent: Any = model.get_submodule(parent_name) if parent_name else model
@@ -332,7 +344,7 @@ def replace_expert_parameter(
             f"{want} ({experts} experts of {rows} x {qweight.in_features})",
             hint="config.json does not belong to these tensors; re-create the artifact",
         )
-    module = SqueezeExperts(qweight, experts, transposed=transposed, dtype=dtype or old.dtype)
+    module = SqueezeExperts(qweight, experts, transposed=transposed, dtype=dtype or old.dtype, activations=activations)
     del parent._parameters[child]
     setattr(parent, child, module)
     return module

@@ -5,7 +5,8 @@ artifact (``weight_packed``, ``weight_lut``...). Its reference path is the forma
 exact, and the oracle every kernel is tested against. Which path ``forward`` takes (``weight_path``):
 
 * ``native-<isa>`` (CPU, the default): the native LUT kernels (:mod:`.kernels.cpu_lut`) read the module's
-  own packed codes; resident weight memory stays the quantized bytes.
+  own packed codes; resident weight memory stays the quantized bytes. ``activations``: "float32" (default) runs
+  the exact float32 kernels, "int8" 3/4-bit weights through the W4A8 kernel (:mod:`.kernels.cpu_w8`).
 * ``triton`` (CUDA): the Triton LUT kernels, for formats whose ``kernel`` is "lut".
 * ``dense``: the dequantized weight cached densely on first use. Asked for with ``dense_cache=True``, and
   the fallback where no kernel covers the weight (a format without one, no C++ compiler).
@@ -28,6 +29,7 @@ from torch import nn
 
 from squeeze.errors import FormatError
 from squeeze.quant.schemes import WeightFormat
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, prepare_cpu
 from squeeze.runtime.kernels.dispatch import drop_prepared, lut_forward, prepare_module, prepared_for
 
@@ -45,9 +47,11 @@ class SqueezeLinear(nn.Module):
         *,
         dense_cache: bool = False,
         low_memory: bool = False,
+        activations: Activations = DEFAULT_ACTIVATIONS,
     ):
         super().__init__()
         self.in_features = qweight.in_features
+        self.activations = activations
         self.out_features = qweight.out_features
         self.dense_cache = dense_cache
         self.low_memory = low_memory
@@ -114,7 +118,7 @@ class SqueezeLinear(nn.Module):
         if device.type == "cuda":
             prepare_module(self, device)
         elif device.type == "cpu" and not self.dense_cache:
-            self._cpu = prepare_cpu(self._qweight)  # type: ignore[arg-type]  # None unless a LUT format
+            self._cpu = prepare_cpu(self._qweight, activations=self.activations)  # type: ignore[arg-type]
 
     @property
     def weight_path(self) -> str:

@@ -45,6 +45,7 @@ from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.models.remote_code import is_remote_code_refusal
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations, check_activations
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
@@ -253,10 +254,11 @@ def swap_in_quantized(
     *,
     dense_cache: bool = False,
     low_memory: bool = False,
+    activations: Activations = DEFAULT_ACTIVATIONS,
 ) -> None:
     """Replace the linear ``name`` of ``model`` by a SqueezeLinear holding ``qweight`` (FormatError when the
-    model has no such linear, or one of another size): the module swap of both loaders. ``dense_cache`` and
-    ``low_memory``: as in SqueezeLinear."""
+    model has no such linear, or one of another size): the module swap of both loaders. ``dense_cache``,
+    ``low_memory`` and ``activations``: as in SqueezeLinear."""
 
     def build(old: nn.Linear) -> SqueezeLinear:
         if (old.out_features, old.in_features) != (qweight.out_features, qweight.in_features):
@@ -265,7 +267,7 @@ def swap_in_quantized(
                 f"artifact's weight is {qweight.out_features} x {qweight.in_features}",
                 hint="config.json does not belong to these tensors; re-create the artifact",
             )
-        return SqueezeLinear(qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
+        return SqueezeLinear(qweight, bias, dense_cache=dense_cache, low_memory=low_memory, activations=activations)
 
     def build_embedding(old: nn.Embedding) -> SqueezeEmbedding:
         if (old.num_embeddings, old.embedding_dim) != (qweight.out_features, qweight.in_features):
@@ -312,6 +314,7 @@ def load_artifact(
     low_memory: bool = False,
     check_memory: bool = True,
     public_key: str | os.PathLike[str] | None = None,
+    activations: Activations = DEFAULT_ACTIVATIONS,
 ) -> LoadedModel:
     """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
 
@@ -328,7 +331,10 @@ def load_artifact(
     verified bytes (IntegrityError otherwise, before anything is built); it reuses the digests verification
     computed, so no file is hashed twice. ConfigError with ``verify=False`` or for an unusable key.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
+    ``activations``: the native LUT kernels' activation precision, "float32" (the exact LUT values, the
+    default) or "int8" (W4A8); ConfigError for anything else (squeeze.runtime.activations).
     """
+    activations = check_activations(activations)
     directory = resolve_root(path)
     if public_key is not None:
         check_signing_options(public_key, verify=verify)
@@ -354,12 +360,15 @@ def load_artifact(
         for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
             del tensors[key]
         if layout is not None:  # the runtime computes in float32 (unquantized tensors are upcast below)
-            replace_expert_parameter(model, name, qweight, *layout, dtype=torch.float32)
+            replace_expert_parameter(model, name, qweight, *layout, dtype=torch.float32, activations=activations)
             continue
         bias = tensors.pop(f"{name}.bias", None)
-        swap_in_quantized(model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory)
+        swap_in_quantized(
+            model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory, activations=activations
+        )
     use_squeeze_experts(model)  # quantized experts run one routed expert at a time, on the packed codes
-    tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory)  # a tied LM head reads the embedding's
+    # a tied LM head reads the embedding's buffers
+    tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory, activations=activations)
     _load_other_tensors(model, tensors)
     stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))

@@ -6,8 +6,9 @@ builds tensors from, and the unquantized tensors are views of them), so the load
 bytes. What the quantized linears add depends on their path (``SqueezeLinear.weight_path``):
 
 * default: the weights stay compressed. The native CPU kernels run on the packed codes in place and add
-  only their prepared form: at most 12 bytes per sparse entry (the LUTs are read in place). A weight no kernel
-  covers (a format without one, or no C++ compiler on this machine) falls back to a dense cache of it.
+  only their prepared form: at most 20 bytes per sparse entry and 20 per row of a 3/4-bit weight (the LUTs
+  are read in place). A weight no kernel covers (a format without one, or no C++ compiler on this machine)
+  falls back to a dense cache of it.
 * ``dense_cache=True`` (``--dense``): every quantized linear is dequantized once, on first use, to a
   (out_features, in_features) weight in the model's float dtype, and kept.
 * ``low_memory=True`` (``--low-memory``): weights no kernel covers are dequantized one (chunk_rows,
@@ -52,8 +53,12 @@ from squeeze.system import available_memory_bytes
 OVERHEAD_BYTES = 512 * 2**20
 _FLOAT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 #: Bytes the native kernels' prepared form holds per sparse entry, at most: permuted column (int32), residual
-#: and exact value (float32; no copy when the artifact's values are float32) (cpu_lut.prepare_cpu).
-SPARSE_ENTRY_BYTES = 12
+#: and exact value (float32; no copy when the artifact's values are float32) (cpu_lut.prepare_cpu), plus the
+#: int8 form's column (int32) and residual (float32) (cpu_w8.prepare_w8).
+SPARSE_ENTRY_BYTES = 20
+#: Bytes the int8 (W4A8) form holds per weight row of a 3- or 4-bit LUT weight: 16 int8 levels, a float32 scale.
+W8_ROW_BYTES = 20
+W8_BITS = (3, 4)
 _SPARSE_COLS = ".weight_sparse_cols"
 
 
@@ -143,7 +148,10 @@ def estimate_load(
         artifact_bytes=artifact,
         dense_cache_bytes=sum(m.rows * m.cols * width for m in linears),
         low_memory_bytes=max((min(m.rows, chunk_rows) * m.cols * width for m in fallback), default=0),
-        prepared_bytes=sum(SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) for m in covered),
+        prepared_bytes=sum(
+            SPARSE_ENTRY_BYTES * nnz.get(m.name, 0) + (W8_ROW_BYTES * m.rows if m.bits in W8_BITS else 0)
+            for m in covered
+        ),
         fallback_bytes=sum(m.rows * m.cols * width for m in fallback),
         upcast_bytes=upcast,
         experts_bytes=2 * max((m.rows // m.experts * m.cols * 4 for m in experts), default=0),

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from squeeze.runtime.activations import Activations, check_activations
 from squeeze.runtime.experts import SqueezeExperts
 from squeeze.runtime.linear import SqueezeLinear
 
@@ -34,6 +35,23 @@ def weight_paths(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def set_activations(model: nn.Module, activations: Activations) -> int:
+    """Switch every quantized linear and expert parameter of ``model`` to ``activations`` (``"int8"`` or
+    ``"float32"``, squeeze.runtime.activations; ConfigError else) and prepare their kernels again; how many.
+
+    For models built elsewhere (``AutoModelForCausalLM.from_pretrained``): :func:`squeeze.load` takes the
+    option directly.
+    """
+    activations = check_activations(activations)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (SqueezeLinear, SqueezeExperts)):
+            module.activations = activations
+            module._layout_changed()
+            count += 1
+    return count
+
+
 def describe_weight_paths(counts: Mapping[str, int]) -> str:
     """``native-avx512 (210 linears)``, ``native-avx512 (168 linears), dense (42 linears)``,
     ``native-avx512 (8 linears), native-avx512 (4 expert parameters)``, or ``no quantized linears`` when
@@ -48,4 +66,4 @@ def describe_weight_paths(counts: Mapping[str, int]) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["weight_paths", "describe_weight_paths", "NO_QUANTIZED"]
+__all__ = ["weight_paths", "describe_weight_paths", "set_activations", "NO_QUANTIZED"]

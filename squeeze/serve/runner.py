@@ -19,8 +19,11 @@ needs the rows apart, and it gets them through two hooks transformers offers:
 
 Every token's bits are those ``squeeze run`` computes for it alone: per-row attention as above; the LM head
 (squeeze.runtime.dense_linear) gives each row the same bits at any batch size; and the quantized linears
-send each token down the path ``squeeze run`` would (:func:`squeeze.runtime.kernels.cpu_lut.row_paths`:
-the tile path for the prompt tokens of a prompt longer than GEMV_MAX_ROWS, the GEMV for the rest).
+are batch-invariant: with int8 activations by construction (the W4A8 kernel's sums are exact
+integers at every row count), with float32 activations (the default) by sending each token down the path ``squeeze run``
+would (:func:`squeeze.runtime.kernels.cpu_lut.row_paths`: the tile path for the prompt tokens of a prompt
+longer than GEMV_MAX_ROWS, the GEMV for the rest). Tokens a preempted sequence generated are recomputed with
+attention one query at a time, as they were decoded (:class:`RowSpan`).
 """
 
 from __future__ import annotations
@@ -50,13 +53,19 @@ ATTENTION = "squeeze_paged"
 @dataclass(frozen=True)
 class RowSpan:
     """One row of a packed step: its queries ``q0:q1`` among the N new tokens, its history ``k0:k1`` among
-    the K history tokens, and the (1, 1, n, L) bool mask its queries need (None: no mask)."""
+    the K history tokens, and the (1, 1, n, L) bool mask its first ``chunk`` queries need (None: no mask).
+
+    ``chunk`` (None: all of them): how many leading queries are prompt tokens, attended as one chunk; the rest
+    are tokens the sequence generated (recomputed after a preemption), each attended alone over its own prefix
+    as when it was decoded, so that its bits are the decode step's (SDPA over a chunk gives a query other bits
+    than SDPA over that query alone)."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     mask: Tensor | None
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,10 +111,20 @@ def paged_attention(
     kwargs.pop("is_causal", None)
     outputs = []
     for row in squeeze_step:
-        q = query[:, :, row.q0 : row.q1]
-        k, v = key[:, :, row.k0 : row.k1], value[:, :, row.k0 : row.k1]
-        out, _ = sdpa_attention_forward(module, q, k, v, row.mask, **kwargs)  # (1, n, Hq, D)
-        outputs.append(out)
+        n = row.q1 - row.q0
+        chunk = n if row.chunk is None else row.chunk
+        if chunk:  # the chunk sees the keys up to its last query
+            stop = row.k1 - (n - chunk)
+            q = query[:, :, row.q0 : row.q0 + chunk]
+            k, v = key[:, :, row.k0 : stop], value[:, :, row.k0 : stop]
+            out, _ = sdpa_attention_forward(module, q, k, v, row.mask, **kwargs)  # (1, chunk, Hq, D)
+            outputs.append(out)
+        for j in range(chunk, n):  # generated tokens, recomputed: one query over its own prefix, no mask
+            stop = row.k1 - (n - 1 - j)
+            q = query[:, :, row.q0 + j : row.q0 + j + 1]
+            k, v = key[:, :, row.k0 : stop], value[:, :, row.k0 : stop]
+            out, _ = sdpa_attention_forward(module, q, k, v, None, **kwargs)  # (1, 1, Hq, D)
+            outputs.append(out)
     return torch.cat(outputs, dim=1), None
 
 
@@ -249,7 +268,14 @@ class ModelRunner:
                 kept = min(end, sink_tokens)
                 sink_positions += range(k0, k0 + kept)
                 sink_entries += range(base, base + kept)
-            rows.append(RowSpan(q0, len(tokens), k0, len(read_slots), self._row_mask(chunk.tokens, end)))
+            # a chunk that runs past the prompt recomputes generated tokens (after a preemption): those attend alone
+            in_prompt = max(0, min(end, prompt) - start)
+            if in_prompt == chunk.tokens:
+                row = RowSpan(q0, len(tokens), k0, len(read_slots), self._row_mask(chunk.tokens, end))
+            else:
+                mask = self._row_mask(in_prompt, start + in_prompt) if in_prompt else None
+                row = RowSpan(q0, len(tokens), k0, len(read_slots), mask, in_prompt)
+            rows.append(row)
             last.append(len(tokens) - 1)
         device = self.device
 

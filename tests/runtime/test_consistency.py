@@ -20,9 +20,17 @@ from squeeze.eval.compare import evaluate
 from squeeze.eval.perplexity import perplexity
 from squeeze.runtime.kernels.cpu_build import cpu_kernels
 from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.paths import set_activations
 
 SEQ_LEN, WINDOWS = 128, 4
 RTOL = 1e-3
+#: int8 activations and int8 LUT levels (W4A8) against the float32 path, on the tiny model's perplexity
+INT8_RTOL = 1e-2
+
+
+def pinned(model: nn.Module, activations: str) -> nn.Module:
+    set_activations(model, activations)  # type: ignore[arg-type]
+    return model
 
 
 @pytest.fixture(scope="module", params=["w3-s045", "rtn-w4"])
@@ -52,13 +60,17 @@ def weight_paths(model: nn.Module) -> set[str]:
 def test_runtime_perplexity_equals_squeeze_eval(
     artifact: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = evaluate(artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS).result.perplexity
+    # every path on float32 activations, the exact LUT values (the int8 default: below, and test_cpu_w8.py)
+    exact = "float32"
+    reference = evaluate(
+        artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS, activations=exact
+    ).result.perplexity
     text = tiny_text_file.read_text(encoding="utf-8")
 
     def ppl(model: nn.Module, tokenizer) -> float:
         return perplexity(model, tokenizer, text, seq_len=SEQ_LEN, max_windows=WINDOWS).perplexity
 
-    default = api.load(artifact)
+    default = api.load(artifact, activations=exact)
     tokenizer = default.tokenizer
     kernels = cpu_kernels()
     lut = not artifact.name.startswith("rtn")  # RTN has no native kernel: its default is the dense path
@@ -66,7 +78,7 @@ def test_runtime_perplexity_equals_squeeze_eval(
     dense = api.load(artifact, dense_cache=True)
     assert weight_paths(dense.model) == {"dense"}
     with monkeypatch.context() as m:  # no native kernels: low_memory=True is the chunked path for LUT formats too
-        m.setattr("squeeze.runtime.linear.prepare_cpu", lambda qweight, kernels=None: None)
+        m.setattr("squeeze.runtime.linear.prepare_cpu", lambda qweight, kernels=None, **_: None)
         low = api.load(artifact, low_memory=True)
     assert weight_paths(low.model) == {"chunked"}
     for module in low.model.modules():
@@ -76,9 +88,14 @@ def test_runtime_perplexity_equals_squeeze_eval(
         "squeeze.load default": ppl(default.model, tokenizer),
         "squeeze.load dense cache": ppl(dense.model, tokenizer),
         "squeeze.load low-memory": ppl(low.model, tokenizer),
-        "from_pretrained": ppl(AutoModelForCausalLM.from_pretrained(artifact), tokenizer),
+        "from_pretrained": ppl(pinned(AutoModelForCausalLM.from_pretrained(artifact), exact), tokenizer),
         "dequantized nn.Linear": ppl(dequantized_reference(api.load(artifact).model), tokenizer),
     }
     assert 1.0 < reference < 1e4
     for name, value in paths.items():
         assert abs(value - reference) <= RTOL * reference, (name, value, reference)
+    # int8 activations: squeeze eval and squeeze.load agree exactly, and stay within 1% of the exact path
+    fast = evaluate(artifact, tiny_text_file, seq_len=SEQ_LEN, max_windows=WINDOWS, activations="int8")
+    assert ppl(api.load(artifact, activations="int8").model, tokenizer) == fast.result.perplexity
+    fast = fast.result.perplexity
+    assert abs(fast - reference) <= INT8_RTOL * reference, (fast, reference)

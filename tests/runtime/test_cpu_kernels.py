@@ -116,7 +116,7 @@ def test_linear_matches_the_reference(
     kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, n: int, sparse: bool, lut_dtype: str
 ) -> None:
     q = lut_weight(bits, n, sparse, lut_dtype)
-    prepared = prepare_cpu(q, kernels=kernels_for(kernels, isa))
+    prepared = prepare_cpu(q, kernels=kernels_for(kernels, isa), activations="float32")
     assert prepared is not None
     g = torch.Generator().manual_seed(n)
     bias = torch.randn(ROWS, generator=g)
@@ -142,7 +142,7 @@ def test_dequantized_rows_are_the_reference_bit_for_bit(kernels: CpuKernels, isa
     k = kernels_for(kernels, isa)
     for lut_dtype in LUT_DTYPES:
         q = lut_weight(bits, n, True, lut_dtype)
-        prepared = prepare_cpu(q, kernels=k)
+        prepared = prepare_cpu(q, kernels=k, activations="float32")
         assert prepared is not None
         start, stop = 5, 23
         out = torch.full((stop - start, n), float("nan"))
@@ -163,7 +163,7 @@ def test_float16_luts_are_read_in_place_exactly(kernels: CpuKernels, isa: str, b
     n = 200
     codes = torch.arange(4 * n, dtype=torch.int64).view(4, n).remainder(levels).to(torch.uint8)
     q = LutWeight(bits=bits, in_features=n, packed=pack_codes(codes, bits), lut=values)
-    prepared = prepare_cpu(q, kernels=k)
+    prepared = prepare_cpu(q, kernels=k, activations="float32")
     assert prepared is not None and prepared.extra_bytes == 0  # no float32 copy of the LUT
     out = torch.empty(4, n)
     k.lib.sq_dequant_rows(ctypes.byref(prepared.weight), 0, 4, out.data_ptr(), k.isa_code, 1)
@@ -192,7 +192,7 @@ def test_prefill_dequantizes_row_tiles_never_the_whole_weight(
 
     q = lut_weight(3, 200, True, "float16")
     spy = CpuKernels(lib=CountingLib(kernels.lib), isa=kernels.isa, path=kernels.path)  # type: ignore[arg-type]
-    prepared = prepare_cpu(q, kernels=spy)
+    prepared = prepare_cpu(q, kernels=spy, activations="float32")
     assert prepared is not None
     x = torch.randn(12, 200)
     monkeypatch.setattr(cpu_lut, "GEMV_MAX_ROWS", 8)  # 12 rows of x: the tile path
@@ -205,7 +205,7 @@ def test_prefill_dequantizes_row_tiles_never_the_whole_weight(
 def test_threads_split_output_rows_without_changing_the_result(kernels: CpuKernels) -> None:
     """GEMV rows are independent: the same bits on 1 or 2 threads (the weight is large enough to split)."""
     q = lut_weight(4, 1536, True, "float16", rows=300)  # 300 x 768 bytes of codes: above the 64 KiB threshold
-    prepared = prepare_cpu(q, kernels=kernels)
+    prepared = prepare_cpu(q, kernels=kernels, activations="float32")
     assert prepared is not None
     x = torch.randn(3, 1536)
     one = cpu_lut_linear(x, prepared)
@@ -221,7 +221,7 @@ def test_threads_split_output_rows_without_changing_the_result(kernels: CpuKerne
 @pytest.mark.parametrize("lead", [(2, 3), (2, 7)])  # 6 rows of x: the GEMV; 14: the tiled path
 def test_leading_dims_and_dtypes(kernels: CpuKernels, dtype: torch.dtype, lead: tuple[int, int]) -> None:
     q = lut_weight(3, 200, True, "float16")
-    prepared = prepare_cpu(q, kernels=kernels)
+    prepared = prepare_cpu(q, kernels=kernels, activations="float32")
     assert prepared is not None
     bias = torch.randn(ROWS).to(dtype)
     x = torch.randn(*lead, 200).to(dtype)
@@ -238,7 +238,7 @@ def test_bfloat16_weights_keep_their_exact_sparse_values(kernels: CpuKernels) ->
     w = torch.randn(24, 172).to(torch.bfloat16)
     q = quantize_lut(w, None, 4, 0.0, 0.05)
     assert q.sparse is not None and q.sparse.vals.dtype == torch.bfloat16
-    prepared = prepare_cpu(q, kernels=kernels)
+    prepared = prepare_cpu(q, kernels=kernels, activations="float32")
     assert prepared is not None
     for batch in (2, 11):
         x = torch.randn(batch, 172)
@@ -247,7 +247,7 @@ def test_bfloat16_weights_keep_their_exact_sparse_values(kernels: CpuKernels) ->
 
 def test_empty_inputs_and_weights(kernels: CpuKernels) -> None:
     q = lut_weight(4, 33, True, "float16")
-    prepared = prepare_cpu(q, kernels=kernels)
+    prepared = prepare_cpu(q, kernels=kernels, activations="float32")
     assert prepared is not None
     bias = torch.randn(ROWS)
     assert cpu_lut_linear(torch.randn(0, 33), prepared, bias).shape == (0, ROWS)
@@ -259,7 +259,7 @@ def test_empty_inputs_and_weights(kernels: CpuKernels) -> None:
             packed=pack_codes(torch.zeros(rows, n, dtype=torch.uint8), 3),
             lut=torch.ones(rows, 8),
         )
-        p = prepare_cpu(empty, kernels=kernels)
+        p = prepare_cpu(empty, kernels=kernels, activations="float32")
         assert p is not None
         b = torch.randn(rows)
         for batch in (1, 12):
@@ -412,7 +412,9 @@ def test_with_isa_refuses_an_unknown_instruction_set(kernels: CpuKernels) -> Non
 def test_lut_weights_run_natively_by_default(kernels: CpuKernels, lut_dtype: str) -> None:
     q = lut_weight(3, 200, True, lut_dtype)
     bias = torch.randn(ROWS)
-    for module in (SqueezeLinear(q, bias), SqueezeLinear(q, bias, low_memory=True)):  # the kernel needs no chunks
+    # the float32 path (the int8 one: tests/runtime/test_cpu_w8.py); the kernel needs no chunks
+    exact = {"activations": "float32"}
+    for module in (SqueezeLinear(q, bias, **exact), SqueezeLinear(q, bias, low_memory=True, **exact)):
         assert module.weight_path == f"native-{kernels.isa}"
         prepared = module._cpu
         assert prepared is not None
@@ -455,7 +457,7 @@ def test_inputs_that_need_gradients_take_the_reference_path(
 ) -> None:
     q = lut_weight(4, 172, True, "float16")
     bias = torch.randn(ROWS)
-    module = SqueezeLinear(q, bias)
+    module = SqueezeLinear(q, bias, activations="float32")
     calls = [0]
 
     def counted(*args: Any) -> torch.Tensor:
@@ -476,7 +478,7 @@ def test_inputs_that_need_gradients_take_the_reference_path(
 
 def test_half_and_moves_reprepare_the_kernels(kernels: CpuKernels) -> None:
     q = lut_weight(4, 172, True, "float16")
-    module = SqueezeLinear(q, torch.randn(ROWS))
+    module = SqueezeLinear(q, torch.randn(ROWS), activations="float32")
     keys = set(module.state_dict())
     assert keys == set(q.tensors_by_role()) | {"bias"}  # the kernels' form is no buffer
     module.half()  # sparse values and bias become float16: the kernels are prepared from the new buffers
@@ -499,7 +501,8 @@ def test_half_and_moves_reprepare_the_kernels(kernels: CpuKernels) -> None:
 def test_rebind_after_an_in_place_change(kernels: CpuKernels) -> None:
     q = lut_weight(4, 172, True, "float16")
     module = SqueezeLinear(
-        LutWeight(bits=4, in_features=172, packed=q.packed.clone(), lut=q.lut.clone(), sparse=q.sparse)
+        LutWeight(bits=4, in_features=172, packed=q.packed.clone(), lut=q.lut.clone(), sparse=q.sparse),
+        activations="float32",
     )
     module.get_buffer("weight_lut").mul_(2)
     module.rebind()  # the float32 LUT the kernels read is prepared again from the buffers
@@ -508,7 +511,7 @@ def test_rebind_after_an_in_place_change(kernels: CpuKernels) -> None:
 
 
 def test_load_state_dict_reaches_the_kernels(kernels: CpuKernels) -> None:
-    target = SqueezeLinear(lut_weight(4, 172, False, "float16"))
+    target = SqueezeLinear(lut_weight(4, 172, False, "float16"), activations="float32")
     source = SqueezeLinear(quantize_lut(torch.randn(ROWS, 172), None, 4))  # another weight of the same shape
     target.load_state_dict(source.state_dict())
     x = torch.randn(2, 172)

@@ -35,7 +35,8 @@ from squeeze.runtime.experts import (
     replace_expert_parameter,
     use_squeeze_experts,
 )
-from squeeze.runtime.memory import SPARSE_ENTRY_BYTES, estimate_load
+from squeeze.runtime.memory import SPARSE_ENTRY_BYTES, W8_BITS, W8_ROW_BYTES, estimate_load
+from squeeze.runtime.paths import set_activations
 
 E, OUT, IN = 4, 6, 10
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 77, 300]])
@@ -268,13 +269,14 @@ def test_both_loaders_equal_the_dequantized_reference(
     root, reference = (
         qwen3_moe if family == "qwen3_moe" else _write_moe_artifact(tmp_path / "a", tiny_tokenizer, family)
     )
-    loaded = api.load(root).model
+    loaded = api.load(root, activations="float32").model  # the exact path (int8: tests/runtime/test_cpu_w8.py)
     experts = [n for n, m in loaded.named_modules() if isinstance(m, SqueezeExperts)]
     assert len(experts) == 2 * MOE["num_hidden_layers"]
     assert loaded.config._experts_implementation == experts_implementation() == "squeeze"
     assert (_logits(loaded) - _logits(reference)).abs().max().item() <= 1e-5
     hf = tf.AutoModelForCausalLM.from_pretrained(root)
     assert [n for n, m in hf.named_modules() if isinstance(m, SqueezeExperts)] == experts
+    assert set_activations(hf, "float32") == len(experts)
     assert hf.config._experts_implementation == "squeeze"
     assert (_logits(hf) - _logits(reference)).abs().max().item() <= 1e-5
 
@@ -317,7 +319,7 @@ def test_one_forward_uses_only_routed_experts(qwen3_moe: tuple[Path, nn.Module],
 
 
 def test_the_squeeze_forward_equals_the_eager_one(qwen3_moe: tuple[Path, nn.Module]) -> None:
-    model = api.load(qwen3_moe[0]).model
+    model = api.load(qwen3_moe[0], activations="float32").model
     ours = _logits(model)
     model.config._experts_implementation = "eager"  # transformers' loop over the dequantized experts
     assert (ours - _logits(model)).abs().max().item() <= 1e-5
@@ -325,7 +327,7 @@ def test_the_squeeze_forward_equals_the_eager_one(qwen3_moe: tuple[Path, nn.Modu
 
 def test_an_expert_linear_with_gradients_goes_through_the_dequantized_expert() -> None:
     q, param = _weight()
-    experts = SqueezeExperts(q, E)
+    experts = SqueezeExperts(q, E, activations="float32")
     x = torch.randn(3, IN)
     assert (experts.linear(2, x) - x @ param[2].T).abs().max().item() <= 1e-5  # the kernels where they run
     x.requires_grad_(True)  # the kernels have no backward
@@ -356,8 +358,10 @@ def test_inspect_and_the_memory_estimate_count_the_experts(qwen3_moe: tuple[Path
     assert estimate.experts_bytes == 2 * 64 * 64 * 4
     assert estimate.dense_cache_bytes == 0  # experts are never cached
     loaded = api.load(qwen3_moe[0]).model
-    nnz = sum(m.qweight.sparse.nnz for m in loaded.modules() if isinstance(m, SqueezeExperts))
-    assert nnz and estimate.prepared_bytes == SPARSE_ENTRY_BYTES * nnz  # the native kernels' sparse entries
+    experts = [m for m in loaded.modules() if isinstance(m, SqueezeExperts)]
+    nnz = sum(m.qweight.sparse.nnz for m in experts)
+    rows = sum(m.qweight.out_features for m in experts if m.qweight.bits in W8_BITS)  # the int8 form's rows
+    assert nnz and estimate.prepared_bytes == SPARSE_ENTRY_BYTES * nnz + W8_ROW_BYTES * rows
     shown = CliRunner().invoke(app, ["inspect", str(qwen3_moe[0])], terminal_width=1000)
     assert "of which expert parameters: 4 (16 expert matrices)" in shown.stdout, shown.output
 
@@ -371,7 +375,7 @@ def test_use_squeeze_experts_switches_a_grouped_model() -> None:
     experts = model.model.layers[0].mlp.experts
     shape = experts.down_proj.shape
     q = quantize_lut(torch.randn(shape[0] * shape[1], shape[2]), None, 4)
-    replace_expert_parameter(model, "model.layers.0.mlp.experts.down_proj", q, shape[0], False)
+    replace_expert_parameter(model, "model.layers.0.mlp.experts.down_proj", q, shape[0], False, activations="float32")
     use_squeeze_experts(model)
     assert model.config._experts_implementation == "squeeze"
     with torch.no_grad():  # gate_up_proj stays a plain parameter: the forward reads it as transformers does

@@ -25,6 +25,7 @@ from family_checks import check_squeeze_eval, check_squeeze_run, compress_tiny_m
 from squeeze import api
 from squeeze.cli.app import app
 from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.paths import set_activations
 
 runner = CliRunner()
 ATOL = 1e-4
@@ -143,7 +144,7 @@ def test_the_artifact_is_quantized_and_intact(built: Built) -> None:
 
 
 def test_runtime_logits_equal_the_dequantized_reference(built: Built) -> None:
-    ours, reference = _logits(api.load(built.artifact).model), _logits(built.reference)
+    ours, reference = _logits(api.load(built.artifact, activations="float32").model), _logits(built.reference)
     assert ours.shape == reference.shape
     assert (ours - reference).abs().max().item() <= ATOL
 
@@ -152,6 +153,7 @@ def test_from_pretrained_logits_equal_the_dequantized_reference(built: Built) ->
     import squeeze  # noqa: F401 - registers the quantizer with transformers
 
     model = tf.AutoModelForCausalLM.from_pretrained(built.artifact)
+    set_activations(model, "float32")  # the exact path, compared with the dequantized reference
     assert {n for n, m in model.named_modules() if isinstance(m, SqueezeLinear)} == set(built.quantized)
     assert (_logits(model) - _logits(built.reference)).abs().max().item() <= ATOL
 

@@ -41,7 +41,7 @@ QWEIGHTS = {
 def no_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """SqueezeLinear as on a machine without the native kernels: low_memory=True then means the chunked path
     for every format (a LUT weight otherwise runs the kernels, which never build the dense weight either)."""
-    monkeypatch.setattr("squeeze.runtime.linear.prepare_cpu", lambda qweight, kernels=None: None)
+    monkeypatch.setattr("squeeze.runtime.linear.prepare_cpu", lambda qweight, kernels=None, **_: None)
 
 
 @pytest.mark.parametrize("kind", sorted(QWEIGHTS))

@@ -50,9 +50,11 @@ def test_estimate_matches_what_the_load_holds(artifact: Path) -> None:
     if _native_here():
         sparse = [m for m in linears if m.qweight.sparse is not None]
         assert sparse, "the fixture's recipe keeps a sparse part: its kernel form must be sized"
-        # sized at 12 bytes per entry: what the kernels hold at most (8 when the values are float32 already)
+        # sized at 20 bytes per entry: what the kernels hold at most (16 when the values are float32 already),
+        # and the int8 form's 20 bytes per row of a 3- or 4-bit weight
         nnz = sum(m.qweight.sparse.nnz for m in sparse)
-        assert estimate.prepared_bytes == memory.SPARSE_ENTRY_BYTES * nnz
+        rows = sum(m.out_features for m in linears if m.qweight.bits in memory.W8_BITS)
+        assert estimate.prepared_bytes == memory.SPARSE_ENTRY_BYTES * nnz + memory.W8_ROW_BYTES * rows
         assert sum(m._cpu.extra_bytes for m in linears) <= estimate.prepared_bytes
         assert estimate.fallback_bytes == 0 and estimate.low_memory_bytes == 0  # the kernels cover every weight
         assert estimate.total() == estimate.artifact_bytes + estimate.prepared_bytes + estimate.overhead_bytes
@@ -212,4 +214,6 @@ def test_a_shard_with_a_junk_header_sizes_no_sparse_part(copy: Path) -> None:
     lut_only = memory.estimate_load(copy)  # unverified: the load's verification reports the edit
     assert lut_only is not None and lut_only.artifact_bytes == reference.artifact_bytes
     assert lut_only.dense_cache_bytes == reference.dense_cache_bytes
-    assert lut_only.prepared_bytes == 0 < reference.prepared_bytes  # no sparse entries (the LUTs: read in place)
+    # no sparse entries (the LUTs: read in place); the int8 form's rows are sized from config.json alone
+    assert 0 < lut_only.prepared_bytes < reference.prepared_bytes
+    assert lut_only.prepared_bytes % memory.W8_ROW_BYTES == 0

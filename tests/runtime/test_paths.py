@@ -66,7 +66,7 @@ def test_descriptions() -> None:
 def test_without_native_kernels_lut_weights_count_as_dense(monkeypatch) -> None:
     import squeeze.runtime.linear as linear
 
-    monkeypatch.setattr(linear, "prepare_cpu", lambda qweight: None)  # what a machine without g++ gets
+    monkeypatch.setattr(linear, "prepare_cpu", lambda qweight, **_: None)  # what a machine without g++ gets
     model = nn.Sequential(_lut_linear(0), _lut_linear(1), _lut_linear(2, low_memory=True))
     assert describe_weight_paths(weight_paths(model)) == "dense (2 linears), chunked (1 linear)"
 

@@ -58,7 +58,7 @@ def test_row_stable_linear_is_an_nn_linear_that_keeps_its_parameters(kernels: Cp
 def test_the_row_plan_gives_each_row_the_bits_of_its_own_path(kernels: CpuKernels) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 576, generator=g)
-    prepared = prepare_cpu(quantize_lut(w, w.abs() + 0.1, 4, 0.01, 0.02), kernels=kernels)
+    prepared = prepare_cpu(quantize_lut(w, w.abs() + 0.1, 4, 0.01, 0.02), kernels=kernels, activations="float32")
     assert prepared is not None
     bias = torch.randn(96, generator=g)
     prompt = torch.randn(40, 576, generator=g)  # a prompt longer than GEMV_MAX_ROWS: squeeze run's tile path

@@ -37,9 +37,9 @@ PROMPTS = [
 ]
 
 
-def _engine(artifact: Path, **options) -> Engine:  # noqa: ANN003
+def _engine(artifact: Path, activations: str = "float32", **options) -> Engine:  # noqa: ANN003
     options.setdefault("kv_memory_bytes", 4 << 20)
-    return api.serve_engine(artifact, config=EngineConfig(**options))
+    return api.serve_engine(artifact, config=EngineConfig(**options), activations=activations)  # type: ignore[arg-type]
 
 
 async def _collect(engine: Engine, prompt: str, params: SamplingParams, request_id: str) -> list[RequestOutput]:
@@ -62,11 +62,14 @@ def _text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)
 
 
-@pytest.mark.parametrize("kv_bits", [4, 16])
-def test_sixteen_concurrent_prompts_give_what_squeeze_run_gives_each_alone(serve_artifact: Path, kv_bits: int) -> None:
-    engine = _engine(serve_artifact, kv_bits=kv_bits, max_batch_tokens=24, max_num_seqs=16, block_size=8)
+@pytest.mark.parametrize(("kv_bits", "activations"), [(4, "float32"), (16, "float32"), (4, "int8")])
+def test_sixteen_concurrent_prompts_give_what_squeeze_run_gives_each_alone(
+    serve_artifact: Path, kv_bits: int, activations: str
+) -> None:
+    options = {"kv_bits": kv_bits, "max_batch_tokens": 24, "max_num_seqs": 16, "block_size": 8}
+    engine = _engine(serve_artifact, activations, **options)
     results = _generate_all(engine, PROMPTS, SamplingParams(max_tokens=24))
-    loaded = api.load(serve_artifact)
+    loaded = api.load(serve_artifact, activations=activations)  # type: ignore[arg-type]
     for prompt, outputs in zip(PROMPTS, results, strict=True):
         alone = api.generate(loaded, prompt, max_new_tokens=24, kv_bits=kv_bits)
         assert _text(outputs) == alone.text, prompt
@@ -78,13 +81,16 @@ def test_sixteen_concurrent_prompts_give_what_squeeze_run_gives_each_alone(serve
     assert stats.kv_cache == {4: "int4", 16: "16-bit"}[kv_bits]
 
 
-def test_preempted_sequences_are_recomputed_and_give_the_same_text(serve_artifact: Path) -> None:
-    roomy_engine = _engine(serve_artifact, kv_bits=4, max_model_len=256)
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_preempted_sequences_are_recomputed_and_give_the_same_text(serve_artifact: Path, activations: str) -> None:
+    roomy_engine = _engine(serve_artifact, activations, kv_bits=4, max_model_len=256)
     roomy = _generate_all(roomy_engine, PROMPTS[:8], SamplingParams(max_tokens=128))
     pool = roomy_engine.pool
     sinks = pool.nbytes - pool.num_blocks * pool.block_bytes
     # blocks for one full 256-token sequence and two more: 8 sequences of ~135 tokens must take turns
-    engine = _engine(serve_artifact, kv_bits=4, max_model_len=256, kv_memory_bytes=sinks + 18 * pool.block_bytes)
+    engine = _engine(
+        serve_artifact, activations, kv_bits=4, max_model_len=256, kv_memory_bytes=sinks + 18 * pool.block_bytes
+    )
     assert engine.stats().kv_blocks_total == 18
     tight = _generate_all(engine, PROMPTS[:8], SamplingParams(max_tokens=128))
     assert [_text(o) for o in tight] == [_text(o) for o in roomy]

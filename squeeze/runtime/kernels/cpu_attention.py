@@ -83,7 +83,7 @@ def attention_kernels() -> AttentionKernels | None:
     """The attention kernel, built on first use; None (after one KernelWarning) when it cannot be built/loaded."""
     with _lock:
         try:
-            path = _build(SOURCE, "squeeze_cpu_attention")
+            path = _build((SOURCE,), "squeeze_cpu_attention")
             lib = _load(path)
         except KernelBuildError as exc:
             warnings.warn(

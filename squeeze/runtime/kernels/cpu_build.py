@@ -28,6 +28,8 @@ from pathlib import Path
 #: Instruction sets of the kernels, best first, with the library's numbering (cpu_lut.cpp's SQ_* enum).
 ISAS: dict[str, int] = {"avx512": 2, "avx2": 1, "scalar": 0}
 SOURCE = Path(__file__).with_name("cpu_lut.cpp")
+#: Every source of the library: the float32 LUT kernels and the W4A8 (int8) kernel, compiled together.
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_w8.cpp"))
 #: -fopenmp: threads over output rows; the library then needs libgomp.so.1, the runtime torch itself loads.
 #: -ffp-contract=off: the 8-bit LUT's level * scale + zero rounds twice, as in torch (no fused multiply-add).
 CXX_FLAGS = (
@@ -64,6 +66,23 @@ class SqWeight(ctypes.Structure):
         ("row_bytes", ctypes.c_int64),
         ("bits", ctypes.c_int32),
         ("lut_kind", ctypes.c_int32),
+    ]
+
+
+class SqW8(ctypes.Structure):
+    """cpu_w8.cpp's ``sq_w8``: a LUT weight in the W4A8 kernel's form (int8 LUT levels, per-row scales)."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("levels", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("rowptr", ctypes.c_void_p),
+        ("cols", ctypes.c_void_p),
+        ("resid", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
     ]
 
 
@@ -127,14 +146,14 @@ class KernelBuildError(Exception):
     """Internal: why the kernels could not be built or loaded (turned into one KernelWarning)."""
 
 
-def _build(source_path: Path = SOURCE, stem: str = "squeeze_cpu_lut") -> Path:
-    """Compile ``source_path`` into the kernel cache as ``{stem}-{hash}.so`` (or find it built already)."""
+def _build(sources: tuple[Path, ...] = SOURCES, stem: str = "squeeze_cpu_lut") -> Path:
+    """Compile ``sources`` into one library in the kernel cache, ``{stem}-{hash}.so`` (or find it built already)."""
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX') or 'g++, c++'})")
-    source = source_path.read_bytes()
+    texts = [path.read_bytes() for path in sources]
     version = _compiler_version(compiler)
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(CXX_FLAGS).encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*texts, version.encode(), " ".join(CXX_FLAGS).encode()])).hexdigest()[:16]
     target = cache_dir() / f"{stem}-{key}.so"
     if target.is_file():
         return target
@@ -146,7 +165,7 @@ def _build(source_path: Path = SOURCE, stem: str = "squeeze_cpu_lut") -> Path:
         raise KernelBuildError(f"cannot write the kernel cache {target.parent}: {exc.strerror}") from exc
     try:
         result = subprocess.run(
-            [compiler, *CXX_FLAGS, str(source_path), "-o", tmp],
+            [compiler, *CXX_FLAGS, *(str(path) for path in sources), "-o", tmp],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
@@ -189,6 +208,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.sq_dense_linear.restype = None
     lib.sq_dense_linear_typed.argtypes = [f32, i32, i64, i64, f32, i64, f32, f32, i32, i32]
     lib.sq_dense_linear_typed.restype = None
+    lib.sq_w8_linear.argtypes = [ctypes.POINTER(SqW8), f32, i64, f32, f32, i32, i32]
+    lib.sq_w8_linear.restype = None
     return lib
 
 
@@ -204,4 +225,4 @@ def _best_isa(lib: ctypes.CDLL) -> str:
     return next(name for name in names if lib.sq_isa_supported(ISAS[name]))
 
 
-__all__ = ["CpuKernels", "KernelWarning", "SqWeight", "cpu_kernels", "cache_dir", "find_compiler", "ISAS"]
+__all__ = ["CpuKernels", "KernelWarning", "SqWeight", "SqW8", "cpu_kernels", "cache_dir", "find_compiler", "ISAS"]

@@ -656,6 +656,7 @@ int sq_isa_supported(int isa) {
     if (isa == SQ_AVX512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+               __builtin_cpu_supports("avx512vnni") &&  // the int8 kernels' dot product (cpu_w8.cpp)
                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     return 0;
 }

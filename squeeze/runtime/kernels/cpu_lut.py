@@ -1,11 +1,14 @@
 """The native CPU LUT kernels from Python: a weight's prepared form, and ``y = x @ W^T + b`` through it.
 
+With ``activations="int8"``, 3- and 4-bit weights run the W4A8 kernel (:mod:`.cpu_w8`) at every
+number of rows: one batch-invariant path. With ``activations="float32"`` (the default; and at other widths):
 Decode and small batches (at most GEMV_MAX_ROWS rows of x): a fused GEMV reads the codes once per 8 rows of x.
 Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 4 MiB and
 multiplied by torch's GEMM (compute-bound there; oneDNN/MKL do it well), so the dense weight never exists.
 
 Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
-prepared form adds 12 bytes per sparse entry (position, exact value as float32, residual).
+prepared form adds 12 bytes per sparse entry (position, exact value as float32, residual); the int8 form
+(:mod:`.cpu_w8`) 20 bytes per row and 8 per sparse entry.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor
 
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
 from squeeze.runtime.kernels.cpu_build import CpuKernels, SqWeight, cpu_kernels
+from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, prepare_w8, w8_linear
 from squeeze.runtime.kernels.reference import sparse_residual
 
 #: Rows of x up to which the fused GEMV runs (in chunks of 8 rows, each chunk reading W once); above, the
@@ -54,8 +58,15 @@ class CpuPreparedLut:
     in_features: int
     bits: int
     #: bytes held beyond the module's own buffers: the sparse part's kernel form (positions, values,
-    #: residuals), and a float32 LUT only for LUT dtypes the kernels do not read in place
+    #: residuals), a float32 LUT only for LUT dtypes the kernels do not read in place, the int8 form
     extra_bytes: int = 0
+    #: the int8 (W4A8) form, which every call then runs; None: the float32 kernels
+    w8: W8Prepared | None = None
+
+    @property
+    def activations(self) -> Activations:
+        """The activation precision the calls run: int8 when the weight has an int8 form, else float32."""
+        return "int8" if self.w8 is not None else "float32"
 
     @property
     def weight_ref(self) -> Any:
@@ -72,11 +83,14 @@ def covers(qweight: object) -> bool:
     return isinstance(qweight, LutWeight) and qweight.packed.device.type == "cpu"
 
 
-def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPreparedLut | None:
+def prepare_cpu(
+    qweight: LutWeight, kernels: CpuKernels | None = None, activations: Activations = DEFAULT_ACTIVATIONS
+) -> CpuPreparedLut | None:
     """The kernels' form of ``qweight`` (None when the kernels are unavailable or do not cover it).
 
     ``kernels``: a specific build or instruction set (tests pin one with :meth:`CpuKernels.with_isa`);
-    default: this machine's, built on first use.
+    default: this machine's, built on first use. ``activations``: "int8" adds the W4A8 form (3 and 4 bits),
+    which every call then runs; "float32" keeps the exact float32 kernels (:mod:`.cpu_w8`).
     """
     if not covers(qweight):
         return None
@@ -110,8 +124,16 @@ def prepare_cpu(qweight: LutWeight, kernels: CpuKernels | None = None) -> CpuPre
     )
     own = {t.untyped_storage().data_ptr() for t in qweight.tensors_by_role().values()}
     extra = sum(t.numel() * t.element_size() for t in keep if t.untyped_storage().data_ptr() not in own)
+    w8 = prepare_w8(qweight, packed) if activations == "int8" else None
     return CpuPreparedLut(
-        kernels=kernels, weight=weight, keep=tuple(keep), rows=rows, in_features=n, bits=bits, extra_bytes=extra
+        kernels=kernels,
+        weight=weight,
+        keep=tuple(keep),
+        rows=rows,
+        in_features=n,
+        bits=bits,
+        extra_bytes=extra + (w8.extra_bytes if w8 is not None else 0),
+        w8=w8,
     )
 
 
@@ -162,9 +184,11 @@ def serving_step() -> bool:
 
 
 def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
-    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias``, accumulated in float32 by the native kernels.
+    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias`` by the native kernels.
 
-    Up to GEMV_MAX_ROWS rows of x run the GEMV, more the tile path, unless :func:`row_paths` says otherwise.
+    The int8 form (``prepared.w8``) runs every row count, batch-invariant by construction (a :func:`row_paths`
+    plan is then moot). Float32: up to GEMV_MAX_ROWS rows of x run the GEMV, more the tile path, unless
+    :func:`row_paths` says otherwise.
     """
     lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
     x2 = x.reshape(lead.numel(), n)  # (B, N); not -1: N may be 0
@@ -172,7 +196,9 @@ def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = No
         x2 = x2.to(torch.float32).contiguous()
     batch = int(x2.shape[0])
     plan = _ROW_PLAN.get()
-    if plan is not None and plan.rows == batch and plan.tiled.numel():
+    if prepared.w8 is not None:
+        y = w8_linear(x2, prepared.w8, prepared.kernels, bias)
+    elif plan is not None and plan.rows == batch and plan.tiled.numel():
         y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
         y[plan.tiled] = _tiled_rows(x2[plan.tiled], prepared, bias)
         if plan.gemv.numel():

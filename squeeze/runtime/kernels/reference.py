@@ -6,6 +6,9 @@
   original weights at the sparse positions (``W[r, c] = vals[k]`` replaces the LUT value), a kernel wants
   ``W = LUT-dense + S`` so it can add ``x @ S^T`` to its dense result. ``S[r, c] = vals[k] - lut[r, code]``.
 * :func:`csr_spmv_reference` - ``x @ S^T`` for a CSR matrix S, in float32.
+* :func:`w4a8_matmul_reference` - the W4A8 product the native int8 kernel (cpu_w8.cpp) computes, bit for bit:
+  int8 LUT levels with a per-row scale (:func:`w8_lut`), activations quantized per row to int8, an exact
+  integer matmul, one fixed float32 formula, and the sparse residual against the unquantized activations.
 """
 
 from __future__ import annotations
@@ -79,6 +82,75 @@ def csr_spmv_reference(x: Tensor, rowptr: Tensor, cols: Tensor, vals: Tensor) ->
     return y.reshape(*lead, n_rows)
 
 
+def w8_lut(qweight: LutWeight) -> tuple[Tensor, Tensor]:
+    """(levels int8 (R, 16), scale float32 (R,)): each row's LUT as int8 levels times one scale.
+
+    ``scale = amax / 127`` with amax the row's largest |LUT value|, ``levels = round(lut * (127 / amax))``
+    (half to even, clamped to +-127; 0 and scale 0 for an all-zero row). 3-bit LUTs use 8 of the 16 levels
+    (the rest 0). Made once per weight: the kernel's prepared form and this reference share it.
+    """
+    lut = qweight.lut_values(torch.float32)  # (R, 2**bits)
+    amax = lut.abs().amax(dim=1) if lut.shape[1] else torch.zeros(lut.shape[0])  # (R,)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    levels = torch.zeros(lut.shape[0], 16, dtype=torch.int8)
+    levels[:, : lut.shape[1]] = torch.round(lut * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = torch.where(amax > 0, amax / 127.0, torch.zeros_like(amax))
+    return levels.contiguous(), scale.contiguous()
+
+
+def w8_sparse_residual(qweight: LutWeight, levels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The sparse part against the int8 LUT: (rowptr int32 (R+1,), cols int32 (nnz,), resid float32 (nnz,)) with
+    ``resid = exact value - level * scale`` (float32), so a sparse position's weight is its exact value."""
+    sparse = qweight.sparse
+    if sparse is None or not sparse.nnz:
+        empty = torch.zeros(0, dtype=torch.int32)
+        return torch.zeros(qweight.out_features + 1, dtype=torch.int32), empty, torch.zeros(0)
+    rowptr = sparse.rowptr.to(torch.int32).contiguous()  # the weight's own when int32 already: no copy
+    cols = sparse.cols.to(torch.int32).contiguous()  # (nnz,)
+    row_idx = sparse.row_indices().to(torch.int64)  # (nnz,)
+    at = codes_at(qweight.packed, row_idx, cols.to(torch.int64), qweight.bits).to(torch.int64)  # (nnz,)
+    approx = levels[row_idx, at].to(torch.float32) * scale[row_idx]
+    return rowptr, cols, (sparse.vals.to(torch.float32) - approx).contiguous()
+
+
+def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(q float64 (M, N) of integers in [-127, 127], scale float32 (M,)): each row of float32 ``x (M, N)``
+    as ``round(x * (127 / amax))`` (half to even) with ``scale = amax / 127`` (0 and 0 for a zero row)."""
+    amax = x.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0])  # (M,)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[:, None]).clamp(-127, 127)
+    return q.to(torch.float64), torch.where(amax > 0, amax / 127.0, torch.zeros_like(amax))
+
+
+def w4a8_matmul_reference(x: Tensor, qweight: LutWeight, bias: Tensor | None = None) -> Tensor:
+    """float32 (..., R): what the W4A8 kernel computes for ``x (..., N) @ W^T + bias``, bit for bit.
+
+    ``y[b, r] = float32(acc) * (sx[b] * sw[r]) + s[b, r] + bias[r]``, with ``acc`` the exact integer dot
+    product of the int8 activations and the row's int8 levels (float64 holds it exactly), ``s`` the float32
+    sum, in CSR order from 0, of ``resid * x[b, col]`` over the row's sparse entries (:func:`w8_sparse_residual`).
+    """
+    _check_x(x, qweight.in_features)
+    lead, n, rows = x.shape[:-1], qweight.in_features, qweight.out_features
+    x2 = x.reshape(-1, n).to(torch.float32)  # (M, N)
+    levels, sw = w8_lut(qweight)
+    weights = levels.to(torch.float64).gather(1, qweight.codes().to(torch.int64))  # (R, N) integers
+    q, sx = quantize_rows_int8(x2)
+    acc = q @ weights.T  # (M, R), exact: |sum| < 2^53
+    y = acc.to(torch.float32) * (sx[:, None] * sw[None, :])
+    rowptr, cols, resid = w8_sparse_residual(qweight, levels, sw)
+    counts = (rowptr[1:] - rowptr[:-1]).to(torch.int64)  # (R,)
+    s = torch.zeros_like(y)
+    for k in range(int(counts.max()) if rows and resid.numel() else 0):  # the k-th entry of every row, in order
+        has = counts > k
+        at = (rowptr[:-1].to(torch.int64) + k).clamp(max=max(resid.numel() - 1, 0))  # (R,)
+        term = resid[at] * x2[:, cols[at].to(torch.int64)]  # (M, R)
+        s = torch.where(has[None, :], s + term, s)
+    y = y + s
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.reshape(*lead, rows)
+
+
 def _check_x(x: Tensor, in_features: int) -> None:
     if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != in_features:
         found = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -87,4 +159,13 @@ def _check_x(x: Tensor, in_features: int) -> None:
         raise ValueError(f"x must be floating point, found {x.dtype}")
 
 
-__all__ = ["lut_matmul_reference", "dense_lut_values", "sparse_residual", "csr_spmv_reference"]
+__all__ = [
+    "lut_matmul_reference",
+    "dense_lut_values",
+    "sparse_residual",
+    "csr_spmv_reference",
+    "w8_lut",
+    "w8_sparse_residual",
+    "quantize_rows_int8",
+    "w4a8_matmul_reference",
+]
