@@ -63,6 +63,7 @@ def engine_config(
     max_batch_tokens: int,
     max_model_len: int | None,
     max_queue: int,
+    prefix_cache: bool = True,
 ) -> Any:
     """The engine's options as an ``EngineConfig``, checked (api.check_engine_config); ConfigError naming the
     flag for a bad one."""
@@ -79,6 +80,7 @@ def engine_config(
         max_batch_tokens=max_batch_tokens,
         max_model_len=max_model_len,
         max_queue=max_queue,
+        prefix_cache=prefix_cache,
     )
     api.check_engine_config(config)
     return config
@@ -214,6 +216,12 @@ MaxModelLen = Annotated[
     typer.Option("--max-model-len", help="Context a request may use: prompt + max_tokens (default: the model's)."),
 ]
 MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests waiting at most; more get HTTP 429.")]
+NoPrefixCache = Annotated[
+    bool,
+    typer.Option(
+        "--no-prefix-cache", help="Compute every prompt in full (default: reuse the KV blocks of shared prefixes)."
+    ),
+]
 ApiKey = Annotated[
     Optional[str],
     typer.Option(
@@ -247,6 +255,7 @@ def serve(
     max_batch_tokens: MaxBatchTokens = 512,
     max_model_len: MaxModelLen = None,
     max_queue: MaxQueue = 256,
+    no_prefix_cache: NoPrefixCache = False,
     api_key: ApiKey = None,
     served_model_name: ServedModelName = None,
     no_verify: NoVerify = False,
@@ -273,6 +282,7 @@ def serve(
             max_batch_tokens=max_batch_tokens,
             max_model_len=max_model_len,
             max_queue=max_queue,
+            prefix_cache=not no_prefix_cache,
         )
         check_server_options(port=port, shutdown_grace=shutdown_grace, api_key=api_key)
         check_serve_dependencies()

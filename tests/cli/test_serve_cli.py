@@ -122,7 +122,7 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
     result = serve(
         "--port", "0", "--kv-bits", "4", "--kv-dynamic", "--kv-memory", "64MiB", "--block-size", "8",
         "--max-num-seqs", "3", "--max-batch-tokens", "128", "--max-model-len", "256", "--max-queue", "5",
-        "--shutdown-grace", "2.5", "--dense", "--served-model-name", "tiny",
+        "--shutdown-grace", "2.5", "--dense", "--served-model-name", "tiny", "--no-prefix-cache",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     [call] = built
@@ -137,6 +137,7 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
             max_batch_tokens=128,
             max_model_len=256,
             max_queue=5,
+            prefix_cache=False,
         ),
         "verify": True,
         "dense_cache": True,
