@@ -12,6 +12,7 @@ import errno
 import importlib
 import json
 import math
+import os
 import signal
 import socket
 import sys
@@ -86,8 +87,11 @@ def engine_config(
     return config
 
 
-def check_server_options(*, port: int, shutdown_grace: float, api_key: str | None) -> None:
-    """ConfigError for a port outside 0-65535, a negative or infinite grace, or an empty API key."""
+def check_server_options(*, port: int, shutdown_grace: float, api_key: str | None, threads: int | None = None) -> None:
+    """ConfigError for a port outside 0-65535, a negative or infinite grace, an empty API key, or fewer than one
+    thread."""
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, found {threads}", hint="leave it out to use every core")
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in 0-65535, found {port}", hint="0 picks a free port")
     if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
@@ -97,6 +101,23 @@ def check_server_options(*, port: int, shutdown_grace: float, api_key: str | Non
             "the API key (--api-key or SQUEEZE_API_KEY) is empty",
             hint="pass a non-empty key, or unset SQUEEZE_API_KEY to serve without one",
         )
+
+
+def contention_hint(threads: int | None) -> str | None:
+    """A line for a machine already busy when the server starts (its 1-minute load average): torch's OpenMP
+    threads spin while they wait for each other, and one that another process deschedules stalls every
+    parallel region (measured: docs/benchmarks.md, "Serving"). None when it is quiet, or OMP_WAIT_POLICY is set."""
+    if "OMP_WAIT_POLICY" in os.environ or not hasattr(os, "getloadavg"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = round(os.getloadavg()[0])
+    if busy < 1 or (threads or cores) + busy <= cores:
+        return None
+    return (
+        f"other processes keep {min(busy, cores)} of {cores} cores busy (load average {os.getloadavg()[0]:.1f}): "
+        f"waiting kernel threads spin and stall each step; start squeeze serve with OMP_WAIT_POLICY=PASSIVE in "
+        f"its environment, or pass --threads {max(1, cores - busy)}"
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -238,6 +259,14 @@ ShutdownGrace = Annotated[
     float,
     typer.Option("--shutdown-grace", help="Seconds open requests may run on after SIGINT/SIGTERM before they are cut."),
 ]
+Threads = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="Threads of the model's kernels (default: every core). Beside other CPU-bound processes, the cores "
+        "left free (their thread pools wait for a descheduled thread at every parallel region).",
+    ),
+]
 JsonOut = Annotated[
     bool, typer.Option("--json", help="Print the startup information as one JSON line on stdout (not stderr).")
 ]
@@ -262,6 +291,7 @@ def serve(
     shutdown_grace: ShutdownGrace = 10.0,
     dense: Dense = False,
     low_memory: LowMemory = False,
+    threads: Threads = None,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
 ) -> None:
@@ -284,11 +314,18 @@ def serve(
             max_queue=max_queue,
             prefix_cache=not no_prefix_cache,
         )
-        check_server_options(port=port, shutdown_grace=shutdown_grace, api_key=api_key)
+        check_server_options(port=port, shutdown_grace=shutdown_grace, api_key=api_key, threads=threads)
         check_serve_dependencies()
         if public_key is not None:
             api.check_signing_options(public_key, verify=not no_verify)
         sock = bind_socket(host, port)  # before the model loads: a port in use fails at once
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)  # the native kernels run torch.get_num_threads() threads too
+        hint = contention_hint(threads)
+        if hint is not None:
+            err_console.print(f"Note: {hint}", style="yellow", soft_wrap=True, markup=False)
         try:
             if no_verify:
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
