@@ -3,6 +3,7 @@
     python scripts/bench_serve.py ARTIFACT [--corpus ../shared/corpora/sotu.txt] [--modes plain,prefix,varying]
         [--clients 1,4,16,32] [--requests 8:32] [--point-seconds 240] [--output-tokens 128] [--prompt-tokens 64:256]
         [--system-tokens 500] [--shared-fraction 0.9] [--varying-output 16:512] [--focus-clients 16]
+        [--contention-clients 1,16]
         [--kv-memory 256MiB] [--server-arg=--kv-bits=4 ...] [--vllm-python PATH --vllm-model DIR] [--json OUT]
 
 Every server is started here, on 127.0.0.1 (a free port), one at a time, and stopped (SIGTERM) before the
@@ -26,7 +27,7 @@ Modes (``--modes``):
 - varying: output lengths uniform in ``--varying-output``, at ``--focus-clients``: continuous batching (the
   closed loop above) vs static batches (``clients`` requests at once, the next batch when all have finished),
   the same requests on one server with ``--no-prefix-cache`` (the second run would otherwise reuse the first's).
-- contention: plain at 1 client and ``--focus-clients``, squeeze serve with ``OMP_WAIT_POLICY=PASSIVE``
+- contention: plain at ``--contention-clients`` (1,16), squeeze serve with ``OMP_WAIT_POLICY=PASSIVE``
   (compare with the plain mode: torch's default policy), then beside a competing CPU-bound process (a Python
   busy loop): as is, with ``OMP_WAIT_POLICY=PASSIVE``, and with ``--threads`` one less than the cores.
 - with ``--vllm-python`` (a Python with vllm, e.g. .venv-vllm/bin/python from scripts/check_vllm.sh) and
@@ -373,6 +374,7 @@ def main() -> int:
     parser.add_argument("--modes", default="plain,prefix,varying")
     parser.add_argument("--clients", default="1,4,16,32")
     parser.add_argument("--focus-clients", type=int, default=16, help="clients of the prefix / varying points")
+    parser.add_argument("--contention-clients", default="1,16")
     parser.add_argument("--requests", default="8:32", help="requests per point: 2 x clients, clamped to LO:HI")
     parser.add_argument("--point-seconds", type=float, default=240.0, help="no new request after this")
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -440,7 +442,7 @@ def main() -> int:
         cores = len(os.sched_getaffinity(0))
         points = [
             ("contention", plain(corpus, count_for(c, args.requests), args, args.seed + c), c, False)
-            for c in sorted({1, focus})
+            for c in (int(c) for c in args.contention_clients.split(","))
         ]
         passive = {"OMP_WAIT_POLICY": "PASSIVE"}
         run_points(squeeze_server(args, "squeeze OMP passive", [], passive), points, args, rows)
