@@ -3,8 +3,8 @@
     python scripts/bench_serve.py ARTIFACT [--corpus ../shared/corpora/sotu.txt] [--modes plain,prefix,varying]
         [--clients 1,4,16,32] [--requests 8:32] [--point-seconds 240] [--output-tokens 128] [--prompt-tokens 64:256]
         [--system-tokens 500] [--shared-fraction 0.9] [--varying-output 16:512] [--focus-clients 16]
-        [--contention-clients 1,16]
-        [--kv-memory 256MiB] [--server-arg=--kv-bits=4 ...] [--vllm-python PATH --vllm-model DIR] [--json OUT]
+        [--contention-clients 1,16] [--kv-memory 256MiB] [--omp-wait-policy PASSIVE] [--server-arg=--kv-bits=4 ...]
+        [--vllm-python PATH --vllm-model DIR] [--json OUT]
 
 Every server is started here, on 127.0.0.1 (a free port), one at a time, and stopped (SIGTERM) before the
 next starts; its log goes to a temporary file (printed when it fails). Clients are coroutines (asyncio +
@@ -302,9 +302,13 @@ class Server:
 
 
 def squeeze_server(args: argparse.Namespace, name: str, extra: list[str], env: dict[str, str] | None = None) -> Server:
+    """squeeze serve on the artifact; ``env`` None: OMP_WAIT_POLICY as ``--omp-wait-policy`` says (unset: torch's
+    default), else exactly that policy (or none)."""
     cmd = [args.python, "-m", "squeeze", "serve", str(args.artifact), "--host", "127.0.0.1", "--port", "0", "--json"]
     cmd += ["--kv-memory", args.kv_memory, *args.server_arg, *extra]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    policy = {"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {}
+    full_env.update({"PYTHONPATH": str(REPO), **(policy if env is None else env)})
     return Server(name, cmd, full_env, url=None, timeout=args.start_timeout)
 
 
@@ -384,6 +388,9 @@ def main() -> int:
     parser.add_argument("--varying-output", default="16:512")
     parser.add_argument("--kv-memory", default="256MiB")
     parser.add_argument("--server-arg", action="append", default=[], help="extra squeeze serve argument")
+    parser.add_argument(
+        "--omp-wait-policy", default=None, help="OMP_WAIT_POLICY of the squeeze servers outside the contention mode"
+    )
     parser.add_argument("--python", default=sys.executable, help="the Python that runs squeeze serve")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--vllm-model", type=Path, default=None)
@@ -448,11 +455,12 @@ def main() -> int:
         run_points(squeeze_server(args, "squeeze OMP passive", [], passive), points, args, rows)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            run_points(squeeze_server(args, "squeeze (+1 busy process)", []), points, args, rows)
+            run_points(squeeze_server(args, "squeeze (+1 busy process)", [], {}), points, args, rows)
             run_points(squeeze_server(args, "squeeze OMP passive (+1 busy)", [], passive), points, args, rows)
             if cores > 1:
                 fewer = ["--threads", str(cores - 1)]
-                run_points(squeeze_server(args, f"squeeze --threads {cores - 1} (+1 busy)", fewer), points, args, rows)
+                name = f"squeeze --threads {cores - 1} (+1 busy)"
+                run_points(squeeze_server(args, name, fewer, {}), points, args, rows)
         finally:
             hog.kill()
             hog.wait()
@@ -466,6 +474,7 @@ def main() -> int:
         "machine": platform.machine(),
         "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
+        "omp_wait_policy": args.omp_wait_policy,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "minutes": (time.time() - started) / 60,
