@@ -7,8 +7,10 @@ tile path for a prompt longer than GEMV_MAX_ROWS, the GEMV otherwise: the two gi
 prompts give block ``i`` the same name exactly when they share its tokens and every token before it under
 the same settings; its keys and values were then computed from the same tokens at the same positions (a
 rotating key centre included: squeeze.quant.kv.KeyRotation), so the quantized codes are reused as they
-are and a request's tokens are the bits it gets without the cache. The pool belongs to one server run: a
-cache with other settings is another pool, never reused.
+are: the bits a whole prefill stores. The rest of the prompt is then computed as a chunk over them, which
+gives a whole prefill's bits only where attention and the linears are invariant to the number of queries
+(the test models; on SmolLM2 they differ by float rounding: docs/guide.md, "Serve"). The pool belongs to
+one server run: a cache with other settings is another pool, never reused.
 
 Only full blocks of prompt tokens are named (generated tokens were computed one step at a time, a prompt
 as one prefill: their bits may differ), and a request always computes its last prompt token (it needs
