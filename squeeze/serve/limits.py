@@ -11,6 +11,7 @@ without sending a complete request head, and how many connections are open at on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import resource
 from collections.abc import Callable
@@ -49,6 +50,28 @@ def _error_json(message: str, error_type: str) -> bytes:
     return json.dumps(body).encode()
 
 
+#: After a 413 in the middle of a body, up to this much more of it is read and dropped (for at most
+#: DRAIN_SECONDS): closing a connection with unread bytes resets it, and the client, still sending, would see the
+#: reset instead of the answer. A bigger or slower body is cut off there all the same.
+DRAIN_BYTES = 1 << 20
+DRAIN_SECONDS = 2.0
+
+
+async def _drain(receive: Receive, more: bool) -> None:
+    """Read and drop what is left of a refused body, bounded by DRAIN_BYTES and DRAIN_SECONDS."""
+    loop = asyncio.get_running_loop()
+    deadline, drained = loop.time() + DRAIN_SECONDS, 0
+    while more and drained < DRAIN_BYTES and (left := deadline - loop.time()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        more = bool(message.get("more_body", False))
+
+
 class BodyLimit:
     """Refuse a request body over ``max_bytes`` with 413 (OpenAI-shaped), before the app reads it."""
 
@@ -64,7 +87,11 @@ class BodyLimit:
         )
 
     async def _refuse(self, send: Send, body: bytes) -> None:
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),  # whole and framed, whatever happens to the rest
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -90,6 +117,7 @@ class BodyLimit:
                     # answered here; the app then sees a client that went away, and whatever it sends is dropped
                     refused = True
                     await self._refuse(send, self._too_large(f"over {self.max_bytes} bytes"))
+                    await _drain(receive, bool(message.get("more_body", False)))
                     return {"type": "http.disconnect"}
             return message
 

@@ -50,6 +50,11 @@ GAUGES = (
         "Share of the token slots of allocated KV blocks that hold live tokens, averaged over the steps run.",
         "kv_block_utilisation",
     ),
+    (
+        "squeeze_kv_blocks_cached",
+        "Free KV cache blocks still holding a cached prompt prefix (reused, or evicted when the pool needs them).",
+        "kv_blocks_cached",
+    ),
 )
 #: (name without _total, help, EngineStats field) of the counters read at scrape time.
 COUNTERS = (
@@ -57,6 +62,12 @@ COUNTERS = (
     ("squeeze_prompt_tokens", "Prompt tokens of the requests admitted since start.", "prompt_tokens_total"),
     ("squeeze_generation_tokens", "Tokens generated since start.", "generation_tokens_total"),
     ("squeeze_preemptions", "Requests preempted (KV blocks taken back) since start.", "preemptions_total"),
+    (
+        "squeeze_prefix_cache_queries",
+        "Tokens of the requests admitted, looked up in the prefix cache.",
+        "prefix_cache_queries_total",
+    ),
+    ("squeeze_prefix_cache_hits", "Tokens found in the prefix cache (not computed again).", "prefix_cache_hits_total"),
 )
 
 

@@ -41,7 +41,7 @@ from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg, input_device
 from squeeze.runtime.attention import native_kernels, scaling_of
 from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend
-from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS, RowPlan, row_paths
+from squeeze.runtime.kernels.cpu_lut import RowPlan, row_paths
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import PagedKVPool, StepSlots
 from squeeze.serve.scheduler import ScheduledChunk
@@ -232,35 +232,34 @@ class ModelRunner:
         return logits.to(dtype=torch.float32, device="cpu", copy=True)
 
     def _inputs(self, plan: Seq[ScheduledChunk]) -> _StepInputs:
+        """The step's tensors. Python work per row is constant (plus its new tokens): the slots of every row's
+        history come from the block table tensors in a few tensor operations (:func:`step_slots`)."""
         sink_tokens = self.pool.sink_tokens
         tokens: list[int] = []
-        positions: list[int] = []
-        new_slots: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        tables: list[Tensor] = []
         new_sink_tokens: list[int] = []
         new_sink_entries: list[int] = []
-        read_slots: list[int] = []
-        read_positions: list[int] = []
         sink_positions: list[int] = []
         sink_entries: list[int] = []
         rows: list[RowSpan] = []
         last: list[int] = []
         tiled: list[int] = []
         gemv: list[int] = []
+        q0 = k0 = 0
         for chunk in plan:
             seq = chunk.seq
             start, end = seq.computed, seq.computed + chunk.tokens
-            q0, k0 = len(tokens), len(read_slots)
-            prompt = len(seq.prompt_ids)
+            q1, k1 = q0 + chunk.tokens, k0 + end
             # squeeze run prefills a prompt longer than GEMV_MAX_ROWS on the tile path, everything else on the GEMV
-            split = q0 + (max(0, min(end, prompt) - start) if prompt > GEMV_MAX_ROWS else 0)
+            split = q0 + (max(0, min(end, len(seq.prompt_ids)) - start) if seq.prompt_tiled else 0)
             tiled += range(q0, split)
-            gemv += range(split, q0 + chunk.tokens)
-            tokens += seq.tokens[start:end]
-            positions += range(start, end)
-            row_slots = self.blocks.slots(seq.seq_id, 0, end)
-            new_slots += row_slots[start:]
-            read_slots += row_slots
-            read_positions += range(end)
+            gemv += range(split, q1)
+            tokens += seq.token_range(start, end)
+            starts.append(start)
+            ends.append(end)
+            tables.append(self.blocks.table_tensor(seq.seq_id)[: self.blocks.blocks_for(end)])
             if sink_tokens:
                 base = self.blocks.sinks[seq.seq_id] * sink_tokens
                 new_sink_tokens += range(q0, q0 + max(0, min(end, sink_tokens) - start))
@@ -269,33 +268,35 @@ class ModelRunner:
                 sink_positions += range(k0, k0 + kept)
                 sink_entries += range(base, base + kept)
             # a chunk that runs past the prompt recomputes generated tokens (after a preemption): those attend alone
-            in_prompt = max(0, min(end, prompt) - start)
+            in_prompt = max(0, min(end, len(seq.prompt_ids)) - start)
             if in_prompt == chunk.tokens:
-                row = RowSpan(q0, len(tokens), k0, len(read_slots), self._row_mask(chunk.tokens, end))
+                row = RowSpan(q0, q1, k0, k1, self._row_mask(chunk.tokens, end))
             else:
                 mask = self._row_mask(in_prompt, start + in_prompt) if in_prompt else None
-                row = RowSpan(q0, len(tokens), k0, len(read_slots), mask, in_prompt)
+                row = RowSpan(q0, q1, k0, k1, mask, in_prompt)
             rows.append(row)
-            last.append(len(tokens) - 1)
+            last.append(q1 - 1)
+            q0, k0 = q1, k1
         device = self.device
 
         def as_tensor(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
+        read_slots, read_positions, new_slots, new_positions = (
+            t.to(device) for t in step_slots(tables, starts, ends, self.blocks.block_size)
+        )
         slots = StepSlots(
-            as_tensor(new_slots),
+            new_slots,
             as_tensor(new_sink_tokens),
             as_tensor(new_sink_entries),
-            as_tensor(read_slots),
+            read_slots,
             as_tensor(sink_positions),
             as_tensor(sink_entries),
-            as_tensor(positions),
-            as_tensor(read_positions),
+            new_positions,
+            read_positions,
         )
         paths = RowPlan(len(tokens), torch.tensor(tiled, dtype=torch.long), torch.tensor(gemv, dtype=torch.long))
-        return _StepInputs(
-            as_tensor(tokens)[None], as_tensor(positions)[None], as_tensor(last), slots, tuple(rows), paths
-        )
+        return _StepInputs(as_tensor(tokens)[None], new_positions[None], as_tensor(last), slots, tuple(rows), paths)
 
     def _native(self, inputs: _StepInputs) -> NativeStep | None:
         """The step's rows as the native kernel reads them (None: this runner attends with SDPA)."""
@@ -322,6 +323,30 @@ class ModelRunner:
         return (keys[None, :] <= queries[:, None])[None, None]  # (1, 1, n, L)
 
 
+def step_slots(
+    tables: Seq[Tensor], starts: Seq[int], ends: Seq[int], block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The slots and positions of a step's rows, as int64 tensors, from their block tables.
+
+    Row ``b`` holds positions ``0..ends[b]-1`` in blocks ``tables[b]`` (at least ``ceil(ends[b] / block_size)``
+    of them, int64) and feeds positions ``starts[b]..ends[b]-1``. Returns ``read_slots`` / ``read_positions``
+    (K,): every row's history, row after row (K = sum of ends), and ``new_slots`` / ``new_positions`` (N,):
+    the new tokens' (N = sum of ends - starts), each the slot ``table[p // block_size] * block_size +
+    p % block_size`` of position ``p``.
+    """
+    counts = torch.tensor([t.numel() for t in tables], dtype=torch.long)
+    flat = torch.cat(list(tables)) if tables else torch.empty(0, dtype=torch.long)  # (NB,)
+    rows = torch.repeat_interleave(torch.arange(len(tables)), counts)  # (NB,) the row of each block
+    local = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[rows]  # block index in its row
+    offsets = torch.arange(block_size)
+    positions = (local[:, None] * block_size + offsets).reshape(-1)  # (NB * block_size,)
+    slots = (flat[:, None] * block_size + offsets).reshape(-1)
+    token_rows = torch.repeat_interleave(rows, block_size)
+    read = positions < torch.tensor(list(ends), dtype=torch.long)[token_rows]
+    new = read & (positions >= torch.tensor(list(starts), dtype=torch.long)[token_rows])
+    return slots[read], positions[read], slots[new], positions[new]
+
+
 __all__ = [
     "ATTENTION",
     "RowSpan",
@@ -330,4 +355,5 @@ __all__ = [
     "register_attention",
     "PagedStepCache",
     "ModelRunner",
+    "step_slots",
 ]

@@ -6,7 +6,8 @@ Every step is planned afresh, so requests join and leave between steps. Under a 
 1. every running sequence that is decoding (one token each), oldest first;
 2. the next prompt chunk of every running sequence still prefilling (chunked prefill), oldest first;
 3. waiting sequences, first come first served, while fewer than ``max_num_seqs`` run and the pool has the
-   blocks for their first chunk.
+   blocks for their first chunk. A sequence whose prompt starts with blocks in the prefix cache
+   (squeeze.serve.prefix_cache) takes them and starts computing after them.
 
 A running sequence whose next tokens need a block the pool no longer has takes it from the youngest running
 sequence: that one is preempted (its blocks go back to the pool, its cache is dropped) and returns to the
@@ -73,16 +74,30 @@ class Scheduler:
                 plan.append(ScheduledChunk(seq, tokens))
                 budget -= tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            tokens = min(seq.pending, budget)
-            if not self.blocks.can_grow(seq.seq_id, seq.computed + tokens):
+            seq = self.waiting[0]  # new or preempted: nothing computed
+            cached = self._cached(seq)
+            start = len(cached) * self.blocks.block_size
+            tokens = min(seq.length - start, budget)
+            if not self.blocks.can_admit(seq.seq_id, cached, start + tokens):
                 break  # admission never preempts: the queue waits for blocks to come back
             self.waiting.popleft()
-            self.blocks.grow(seq.seq_id, seq.computed + tokens)
+            self.blocks.admit(seq.seq_id, cached, start + tokens)
+            seq.computed = start
+            if self.blocks.cache is not None:
+                self.blocks.cache.record(seq.length, start)
             self.running.append(seq)
             plan.append(ScheduledChunk(seq, tokens))
             budget -= tokens
         return plan
+
+    def _cached(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq`` can start from (none without a prefix cache)."""
+        cache = self.blocks.cache
+        if cache is None:
+            return []
+        if seq.block_names is None:
+            seq.block_names = cache.names(seq.prompt_ids, seq.prompt_tiled)
+        return self.blocks.cached(seq.block_names, seq.length)
 
     def _make_room(self, seq: Sequence, tokens: int) -> bool:
         """Grow ``seq`` to ``tokens`` tokens, preempting the youngest running sequences as needed; False when

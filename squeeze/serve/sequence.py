@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS
 from squeeze.runtime.text_stream import TextState
 from squeeze.serve.types import FinishReason, SamplingParams
 
@@ -34,6 +35,8 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
     preemptions: int = 0
+    #: The names of the prompt's full blocks in the prefix cache (squeeze.serve.prefix_cache), once looked up.
+    block_names: list[bytes] | None = None
 
     def __post_init__(self) -> None:
         self.text = TextState(self.params.stop)
@@ -47,6 +50,22 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """``tokens[start:stop]`` without building the whole list (a step takes a row's newest tokens only)."""
+        prompt = len(self.prompt_ids)
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        if start >= prompt:
+            return self.output_ids[start - prompt : stop - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - prompt]
+
+    @property
+    def prompt_tiled(self) -> bool:
+        """Whether ``squeeze run`` prefills this prompt on the kernels' tile path (a prompt longer than
+        GEMV_MAX_ROWS tokens; shorter ones, and every generated token, take the GEMV): the engine sends each
+        prompt token down the same path, and the prefix cache keeps the two apart (their bits differ)."""
+        return len(self.prompt_ids) > GEMV_MAX_ROWS
 
     @property
     def length(self) -> int:

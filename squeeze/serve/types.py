@@ -71,7 +71,8 @@ class EngineConfig:
     kv_memory_bytes: the KV pool (all layers, sink tokens included). block_size: tokens per KV block.
     max_num_seqs: sequences in one batch at most. max_batch_tokens: tokens one step feeds the model at most
     (decode tokens first, then prompt chunks). max_model_len: the context a request may use (None: the
-    model's). max_queue: requests waiting at most before new ones get 429.
+    model's). max_queue: requests waiting at most before new ones get 429. prefix_cache: reuse the KV blocks
+    of prompt prefixes computed before (squeeze.serve.prefix_cache; the same tokens either way).
     """
 
     kv_bits: int | None = None
@@ -82,6 +83,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_model_len: int | None = None
     max_queue: int = 256
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,11 @@ class EngineStats:
     #: Of the token slots in allocated blocks, the share holding live tokens, averaged over the steps run
     #: (0 before any step: an untouched pool is not a fully used one).
     kv_block_utilisation: float = 0.0
+    #: Of the free blocks, those still holding a cached prompt prefix (reused or evicted when needed).
+    kv_blocks_cached: int = 0
+    #: Tokens of the requests admitted (looked up in the prefix cache), and those found there (vLLM's counts).
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
 
 class LatencyObserver(Protocol):

@@ -46,6 +46,15 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return calls
 
 
+CONTENTION_HINT = serve_cmd.contention_hint
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No busy-machine note on stderr, whatever else runs where the tests do."""
+    monkeypatch.setattr(serve_cmd, "contention_hint", lambda threads: None)
+
+
 @pytest.fixture
 def no_server(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, socket.socket, float]]:
     served: list[tuple[Any, socket.socket, float]] = []
@@ -122,7 +131,7 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
     result = serve(
         "--port", "0", "--kv-bits", "4", "--kv-dynamic", "--kv-memory", "64MiB", "--block-size", "8",
         "--max-num-seqs", "3", "--max-batch-tokens", "128", "--max-model-len", "256", "--max-queue", "5",
-        "--shutdown-grace", "2.5", "--dense", "--served-model-name", "tiny",
+        "--shutdown-grace", "2.5", "--dense", "--served-model-name", "tiny", "--no-prefix-cache",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     [call] = built
@@ -137,6 +146,7 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
             max_batch_tokens=128,
             max_model_len=256,
             max_queue=5,
+            prefix_cache=False,
         ),
         "verify": True,
         "dense_cache": True,
@@ -271,3 +281,25 @@ def test_the_startup_line_names_an_fp8_cache_as_fp8() -> None:
         "kv_blocks": 4, "block_size": 16, "kv_pool_bytes": 2**20, "max_model_len": 64,
     }  # fmt: skip
     assert "| KV cache fp8, 4 blocks x 16 tokens (1.0 MiB) |" in startup_line(info, api_key=False)
+
+
+def test_a_busy_machine_gets_the_wait_policy_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0), raising=False)
+    hint = CONTENTION_HINT(None)
+    assert hint is not None and "OMP_WAIT_POLICY=PASSIVE" in hint and "--threads 1" in hint
+    assert CONTENTION_HINT(1) is None  # one thread beside one busy core: nothing to stall
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 1.0, 1.0), raising=False)
+    assert CONTENTION_HINT(None) is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 1.0, 1.0), raising=False)
+    assert CONTENTION_HINT(None) is None
+
+
+def test_threads_must_be_positive(built: list) -> None:
+    result = serve("--port", "0", "--threads", "0")
+    assert result.exit_code == 2 and error_lines(result)[0] == "Error: --threads must be at least 1, found 0"
+    assert built == []

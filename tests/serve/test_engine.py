@@ -186,6 +186,8 @@ def test_bad_engine_options_are_refused_before_loading(serve_artifact: Path, tmp
     missing = tmp_path / "nothing-here"
     with pytest.raises(ConfigError, match="--max-num-seqs must be a positive integer"):
         api.serve_engine(missing, config=EngineConfig(max_num_seqs=0))
+    with pytest.raises(ConfigError, match="prefix_cache must be True or False, found 'yes'"):
+        api.serve_engine(missing, config=EngineConfig(prefix_cache="yes"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="--kv-bits must be 4, 8 or 16"):
         api.serve_engine(missing, config=EngineConfig(kv_bits=5))
     with pytest.raises(ConfigError, match="--kv-memory .* one sequence of the full context"):

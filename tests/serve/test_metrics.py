@@ -23,6 +23,9 @@ STATS = EngineStats(
     prompt_tokens_total=400,
     generation_tokens_total=250,
     kv_block_utilisation=0.75,
+    kv_blocks_cached=7,
+    prefix_cache_queries_total=1000,
+    prefix_cache_hits_total=640,
 )
 
 
@@ -58,6 +61,7 @@ def test_engine_state_is_read_at_scrape_time() -> None:
         ("squeeze_requests_running", 3),
         ("squeeze_requests_waiting", 2),
         ("squeeze_kv_block_utilisation", 0.75),
+        ("squeeze_kv_blocks_cached", 7),
     ]:
         assert families[name]["type"] == "gauge" and value(families, name) == expected, name
     for name, expected in [
@@ -65,6 +69,8 @@ def test_engine_state_is_read_at_scrape_time() -> None:
         ("squeeze_prompt_tokens", 400),
         ("squeeze_generation_tokens", 250),
         ("squeeze_preemptions", 1),
+        ("squeeze_prefix_cache_queries", 1000),
+        ("squeeze_prefix_cache_hits", 640),
     ]:
         assert families[name]["type"] == "counter" and value(families, name, name + "_total") == expected, name
 
