@@ -179,6 +179,26 @@ def _sum_nll(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None 
     return total
 
 
+def token_nlls(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None = None) -> torch.Tensor:
+    """Each next-token NLL of int64 ``ids (B, T)`` as :func:`perplexity` computes them (one forward pass,
+    fp32 log-softmax): ``(B, T - 1)`` float32 on the CPU, entry ``p`` for token ``p + 1``."""
+    with torch.inference_mode(), eval_mode(model):
+        ids = ids.to(input_device(model))
+        if kv_cache is None:
+            logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        else:
+            logits = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): kv_cache()}).logits
+        t = ids.shape[1]
+        out = []
+        for s in range(0, t - 1, _CE_CHUNK):
+            e = min(s + _CE_CHUNK, t - 1)
+            chunk = logits[:, s:e].float()  # (B, c, V)
+            target = ids[:, s + 1 : e + 1].to(logits.device)
+            nll = F.cross_entropy(chunk.flatten(0, 1), target.flatten(), reduction="none")
+            out.append(nll.view(ids.shape[0], e - s).cpu())
+        return torch.cat(out, dim=1) if out else torch.zeros((ids.shape[0], 0))
+
+
 def _safe_exp(x: float) -> float:
     try:
         return math.exp(x)
@@ -186,4 +206,4 @@ def _safe_exp(x: float) -> float:
         return float("inf")
 
 
-__all__ = ["PerplexityResult", "perplexity", "perplexity_from_ids"]
+__all__ = ["PerplexityResult", "perplexity", "perplexity_from_ids", "token_nlls"]

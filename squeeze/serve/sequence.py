@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from squeeze.runtime.text_stream import TextState
-from squeeze.serve.types import FinishReason, SamplingParams
+from squeeze.serve.types import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
     preemptions: int = 0
+    #: The prompt's log-probabilities so far (requests with ``prompt_logprobs``), the first token's None.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.text = TextState(self.params.stop)
