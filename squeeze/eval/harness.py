@@ -206,6 +206,7 @@ def lm_class() -> type:
 def register() -> None:
     """Name squeeze's model ``squeeze`` in lm-eval's registry (idempotent)."""
     import_lm_eval()
+    import lm_eval.models  # noqa: F401 - lm-eval's own models first: it fills an empty registry only
     from lm_eval.api.registry import model_registry
 
     if MODEL_NAME not in model_registry:

@@ -125,3 +125,8 @@ def test_lm_eval_runs_a_local_task_on_the_artifact(serve_artifact: Path, core: H
     )
     assert cli.exit_code == 0, cli.output
     assert TASK in json.loads(cli.stdout)["results"]
+    # --model squeeze beside lm-eval's own models (python -m squeeze.eval.harness)
+    from lm_eval.api.registry import get_model
+
+    api.register()
+    assert get_model("squeeze").__name__ == "SqueezeLM" and get_model("hf") is not None
