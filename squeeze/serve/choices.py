@@ -216,10 +216,12 @@ async def completion_events(
 # -- /v1/chat/completions ------------------------------------------------------------------------------------
 
 
-def _chat_logprobs(engine: EngineClient, choice: Choice, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+def _chat_logprobs(
+    engine: EngineClient, choice: Choice, entries: Sequence[TokenLogprob], context: Sequence[int]
+) -> dict[str, Any] | None:
     if choice.params.logprobs is None:
         return None
-    return chat_logprobs(entries, engine.token_strings, choice.params.logprobs)
+    return chat_logprobs(entries, engine.token_strings, choice.params.logprobs, context[-4:])
 
 
 def chat_body(engine: EngineClient, choices: Choices, model: str, created: int) -> dict[str, Any]:
@@ -233,7 +235,7 @@ def chat_body(engine: EngineClient, choices: Choices, model: str, created: int) 
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": "".join(c.pieces)},
-                "logprobs": _chat_logprobs(engine, c, c.logprobs),
+                "logprobs": _chat_logprobs(engine, c, c.logprobs, c.prompt_ids),
                 "finish_reason": c.last.finish_reason if c.last is not None else None,
             }
             for c in choices.choices
@@ -259,13 +261,15 @@ async def chat_events(
     finished = 0
     async for output in choices:
         choice = choices.choice_of(output)
+        context = choice.prompt_ids + choice.token_ids
         choice.add(output)
         failure = _failure(output) if output.finished else None
         if failure is not None:
             yield protocol.sse(failure)
             break
         if output.text or output.logprobs:
-            yield chunk(choice.index, {"content": output.text}, None, _chat_logprobs(engine, choice, output.logprobs))
+            logprobs = _chat_logprobs(engine, choice, output.logprobs, context)
+            yield chunk(choice.index, {"content": output.text}, None, logprobs)
         if output.finished:
             finished += 1
             yield chunk(choice.index, {}, output.finish_reason, None)

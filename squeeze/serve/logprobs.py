@@ -86,10 +86,13 @@ def merge_legacy(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, top: int) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``."""
+def chat_logprobs(
+    entries: Sequence[TokenLogprob], token_text: TokenText, top: int, context: Sequence[int] = ()
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``;
+    ``context``: the ids just before ``entries`` (for the first token's spacing)."""
     ids = [e.token_id for e in entries]
-    strings = token_text(ids, in_context=True) if ids else []
+    strings = token_text([*context, *ids], in_context=True)[len(context) :] if ids else []
     alternatives = sorted({i for e in entries for i, _ in e.top})
     names = dict(zip(alternatives, token_text(alternatives, in_context=False), strict=True))
 

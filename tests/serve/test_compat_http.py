@@ -119,16 +119,17 @@ def test_chat_logprobs_in_the_current_shape(url: str) -> None:
     )
     assert len(reply.choices) == 2
     content = reply.choices[0].logprobs.content
-    assert [t.token for t in content] == ["user:", " hi"]
-    assert content[0].logprob == pytest.approx(-0.2) and content[0].bytes == list(b"user:")
+    assert [t.token for t in content] == [" user:", " hi"]  # read after the prompt
+    assert content[0].logprob == pytest.approx(-0.2)
     assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("user:", -0.01), ("hi", -0.02)]
+    assert content[0].bytes == list(b" user:")
     plain = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None
     stream = client.chat.completions.create(
         model="fake-model", messages=messages, max_tokens=2, logprobs=True, stream=True
     )
     tokens = [t.token for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.content]
-    assert tokens == ["user:", "hi"]  # each streamed piece read on its own
+    assert tokens == [" user:", " hi"]  # each streamed piece read after what came before it
 
 
 def test_tokenizer_endpoints(client: httpx.Client, engine: FakeEngine) -> None:

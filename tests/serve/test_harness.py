@@ -130,3 +130,16 @@ def test_lm_eval_runs_a_local_task_on_the_artifact(serve_artifact: Path, core: H
 
     api.register()
     assert get_model("squeeze").__name__ == "SqueezeLM" and get_model("hf") is not None
+
+
+def test_the_int4_kv_cache_scores_the_same_in_the_server_and_in_process(serve_artifact: Path) -> None:
+    """The artifact's calibrated int4 KV cache, both ways: the paged pool's codes and squeeze eval's cache."""
+    core = load_harness_model(serve_artifact, batch_size=1)  # the calibrated cache, as squeeze eval uses it
+    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv_memory_bytes=4 << 20))
+    assert engine.pool.bits == 4
+    encoded = [core.encode_pair(c, x) for c, x in PAIRS]
+    request = {"prompt": [c + x for c, x in encoded], "echo": True, "logprobs": 1, "max_tokens": 0}
+    with serving(create_app(engine, shutdown_grace_seconds=1.0)) as url:
+        choices = httpx.post(f"{url}/v1/completions", json=request, timeout=60).json()["choices"]
+    for (ctx, _), choice, (score, _) in zip(encoded, choices, core.loglikelihood_ids(encoded), strict=True):
+        assert sum(choice["logprobs"]["token_logprobs"][len(ctx) :]) == pytest.approx(score, abs=1e-4)
