@@ -106,3 +106,26 @@ def test_echo_over_http_gives_the_nll_squeeze_eval_gives(serve_artifact: Path) -
         # greedy: the generated token is the top one (lm-eval's is_greedy reads the same dicts)
         assert logprobs["token_logprobs"][-1] == max(logprobs["top_logprobs"][-1].values())
         assert "".join(logprobs["tokens"][:-1]).strip() == engine.detokenize(ids).strip()
+
+
+def test_preempted_requests_keep_their_prompt_logprobs(serve_artifact: Path) -> None:
+    """A sequence preempted mid-prompt or mid-generation is recomputed; its prompt log-probabilities are
+    neither lost nor recorded twice."""
+    roomy = api.serve_engine(
+        serve_artifact, config=EngineConfig(kv_bits=16, max_model_len=256, kv_memory_bytes=4 << 20)
+    )
+    pool = roomy.pool
+    tight = api.serve_engine(
+        serve_artifact,
+        config=EngineConfig(kv_bits=16, max_model_len=256, kv_memory_bytes=18 * pool.block_bytes, max_batch_tokens=32),
+    )
+    prompts = [tight.tokenize(t) for t in TEXTS * 3]
+    params = SamplingParams(max_tokens=96, temperature=0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    expected = _run(roomy, [(ids, params) for ids in prompts])
+    got = _run(tight, [(ids, params) for ids in prompts])
+    assert tight.stats().preemptions_total > 0
+    for ids, want, have in zip(prompts, expected, got, strict=True):
+        a, b = want[-1].prompt_logprobs, have[-1].prompt_logprobs
+        assert a is not None and b is not None and len(b) == len(ids) == len(a)
+        assert [e.token_id for e in b] == ids
+        assert [e.logprob for e in b[1:]] == pytest.approx([e.logprob for e in a[1:]], abs=1e-4)
