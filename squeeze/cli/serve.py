@@ -256,8 +256,8 @@ def serve(
     json_out: JsonOut = False,
     public_key: PublicKey = None,
 ) -> None:
-    """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not),
-    /v1/models, /health and Prometheus /metrics.
+    """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not; n,
+    logprobs, echo), /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health and /metrics.
 
     Requests share the model through continuous batching over a paged KV cache (int8/int4 with --kv-bits).
     SIGINT or SIGTERM stops the server gracefully (exit 0).
