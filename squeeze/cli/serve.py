@@ -48,8 +48,7 @@ def check_serve_dependencies() -> None:
         except ImportError as exc:
             raise ConfigError(
                 "squeeze serve needs fastapi, uvicorn and prometheus-client",
-                # the CLI prints hints as rich markup: the extra's brackets are escaped
-                hint=f'pip install "squeeze\\[serve]" ({name} is not importable: {exc})',
+                hint=f'pip install "squeeze[serve]" ({name} is not importable: {exc})',
             ) from exc
 
 
