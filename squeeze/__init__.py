@@ -6,9 +6,11 @@ from squeeze.api import (  # noqa: E402
     calibrate_kv,
     compress,
     evaluate,
+    evaluate_tasks,
     generate,
     inspect,
     load,
+    register,
     verify_model_integrity,
 )
 from squeeze.errors import (  # noqa: E402
@@ -38,6 +40,8 @@ __all__ = [
     "compress",
     "calibrate_kv",
     "evaluate",
+    "evaluate_tasks",
+    "register",
     "generate",
     "load",
     "SqueezeError",

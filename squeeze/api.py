@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
     from squeeze.distribution.pull import PullResult
     from squeeze.distribution.push import PushResult
     from squeeze.eval.compare import EvalResult
+    from squeeze.eval.harness import HarnessResult
     from squeeze.format.signature import SignatureInfo as SignatureInfo
     from squeeze.format.signature import SignResult as SignResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult
@@ -360,6 +361,52 @@ def evaluate(
         public_key=public_key,
         activations=activations,
     )
+
+
+def register() -> None:
+    """Register squeeze now with the libraries that load its artifacts by name: transformers (the "squeeze"
+    quantization method, so ``AutoModelForCausalLM.from_pretrained(ARTIFACT)`` loads it; ``import squeeze``
+    already arranges this lazily) and, when it is installed, lm-evaluation-harness (``--model squeeze``)."""
+    import importlib.util
+
+    from squeeze.runtime.hf import register as register_transformers
+
+    register_transformers()
+    if importlib.util.find_spec("lm_eval") is not None:
+        from squeeze.eval.harness import register as register_harness
+
+        register_harness()
+
+
+def evaluate_tasks(
+    model: str | os.PathLike[str],
+    tasks: Sequence[str],
+    *,
+    include_path: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    kv_bits: int | None = None,
+    kv_dynamic: bool = False,
+    public_key: str | os.PathLike[str] | None = None,
+) -> HarnessResult:
+    """lm-evaluation-harness's own evaluator on ``tasks`` (lm-eval task names), scoring ``model`` as
+    :func:`evaluate` loads it (an artifact verified, compressed kernels, its calibrated KV cache unless
+    ``kv_bits`` says otherwise). ``include_path``: a directory of task YAMLs (local tasks, which need no
+    download). ``limit``: the first N documents of each task; ``num_fewshot``: examples in each prompt.
+    Needs lm-eval (``pip install 'squeeze[eval]'``; ConfigError without it, for an unknown task, or for a
+    task whose data cannot be downloaded)."""
+    from squeeze.eval.harness import import_lm_eval, load_harness_model, run_tasks
+    from squeeze.runtime.kvcache import check_kv_options
+
+    check_kv_options(kv_bits, kv_dynamic)
+    if not tasks:
+        raise ConfigError("no task named", hint="pass --tasks NAME[,NAME...]")
+    import_lm_eval()
+    core = load_harness_model(
+        model, batch_size=batch_size, kv_bits=kv_bits, kv_dynamic=kv_dynamic, public_key=public_key
+    )
+    return run_tasks(core, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot)
 
 
 def load(

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -55,9 +56,10 @@ def cli_errors() -> Iterator[None]:
     except SqueezeError as exc:
         if debug_enabled():
             raise
-        err_console.print(f"[bold red]Error:[/] {exc.message}", soft_wrap=True)
+        # escaped: a message or hint may hold brackets (pip install 'squeeze[eval]') that are not markup
+        err_console.print(f"[bold red]Error:[/] {escape(exc.message)}", soft_wrap=True)
         if exc.hint:
-            err_console.print(f"[dim]Hint:[/] {exc.hint}", soft_wrap=True)
+            err_console.print(f"[dim]Hint:[/] {escape(exc.hint)}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         if debug_enabled():

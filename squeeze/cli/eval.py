@@ -1,4 +1,5 @@
-"""``squeeze eval``: perplexity of a model or artifact, with a baseline side by side."""
+"""``squeeze eval``: perplexity of a model or artifact, with a baseline side by side; or lm-evaluation-harness
+tasks on it (``--tasks``)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,31 @@ from rich.table import Table
 from squeeze import api
 from squeeze.cli.common import PublicKey, cli_errors, out_console, print_json, stage_progress
 from squeeze.cli.run import ActivationsOpt
+from squeeze.errors import ConfigError
 
 # The options as Annotated aliases, so that the command's signature is one short line per option.
 Model = Annotated[
     str,
     typer.Argument(help="An artifact directory, a local HF model directory, a .gguf file or a built-in model."),
 ]
-Text = Annotated[Path, typer.Option("--text", "-t", help="UTF-8 text to evaluate on (never the calibration text).")]
+Text = Annotated[
+    Optional[Path],
+    typer.Option("--text", "-t", help="UTF-8 text to measure perplexity on (never the calibration text)."),
+]
+Tasks = Annotated[
+    Optional[str],
+    typer.Option(
+        "--tasks",
+        help="lm-evaluation-harness tasks, comma-separated, run by lm-eval's own evaluator on the model as "
+        "squeeze loads it (instead of --text; needs pip install 'squeeze[eval]').",
+    ),
+]
+IncludePath = Annotated[
+    Optional[Path], typer.Option("--include-path", help="With --tasks: a directory of local task YAMLs.")
+]
+Limit = Annotated[Optional[int], typer.Option("--limit", min=1, help="With --tasks: the first N documents of each.")]
+NumFewshot = Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="With --tasks: examples per prompt.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", min=1, help="With --tasks: sequences per forward pass.")]
 Baseline = Annotated[
     Optional[str],
     typer.Option("--baseline", "-b", help="A second model or artifact, measured on the same windows."),
@@ -38,7 +57,12 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout
 
 def eval_(
     model: Model,
-    text: Text,
+    text: Text = None,
+    tasks: Tasks = None,
+    include_path: IncludePath = None,
+    limit: Limit = None,
+    num_fewshot: NumFewshot = None,
+    batch_size: BatchSize = 1,
     baseline: Baseline = None,
     seq_len: SeqLen = 512,
     max_windows: MaxWindows = None,
@@ -48,7 +72,16 @@ def eval_(
     public_key: PublicKey = None,
     activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
 ) -> None:
-    """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity."""
+    """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity.
+    Or, with --tasks, lm-evaluation-harness tasks."""
+    with cli_errors():
+        if (text is None) == (tasks is None):
+            raise ConfigError("pass either --text FILE (perplexity) or --tasks NAMES (lm-evaluation-harness)")
+    if tasks is not None:
+        options = (include_path, limit, num_fewshot, batch_size, kv_bits, kv_dynamic, json_out, public_key)
+        _eval_tasks(model, tasks, *options)
+        return
+    assert text is not None  # checked above
     with cli_errors():
         activations = api.check_activations(activations)
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
@@ -81,4 +114,41 @@ def eval_(
             f"{result.baseline_result.perplexity:.3f}",
             f"{result.baseline_result.word_perplexity:.3f}",
         )
+    out_console.print(table)
+
+
+def _eval_tasks(
+    model: str,
+    tasks: str,
+    include_path: Optional[Path],
+    limit: Optional[int],
+    num_fewshot: Optional[int],
+    batch_size: int,
+    kv_bits: Optional[int],
+    kv_dynamic: bool,
+    json_out: bool,
+    public_key: Optional[Path],
+) -> None:
+    """``squeeze eval MODEL --tasks NAMES``: lm-eval's results as a table (or JSON)."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    with cli_errors():
+        result = api.evaluate_tasks(
+            model,
+            names,
+            include_path=include_path,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            batch_size=batch_size,
+            kv_bits=kv_bits,
+            kv_dynamic=kv_dynamic,
+            public_key=public_key,
+        )
+    if json_out:
+        print_json(result.to_dict())
+        return
+    table = Table(title=f"{model}: lm-evaluation-harness", title_justify="left")
+    for column in ("task", "metric", "value", "stderr"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    for task, metric, value, stderr in result.rows:
+        table.add_row(task, metric, f"{value:.4f}", "" if stderr is None else f"{stderr:.4f}")
     out_console.print(table)

@@ -50,8 +50,7 @@ def check_serve_dependencies() -> None:
         except ImportError as exc:
             raise ConfigError(
                 "squeeze serve needs fastapi, uvicorn and prometheus-client",
-                # the CLI prints hints as rich markup: the extra's brackets are escaped
-                hint=f'pip install "squeeze\\[serve]" ({name} is not importable: {exc})',
+                hint=f'pip install "squeeze[serve]" ({name} is not importable: {exc})',
             ) from exc
 
 
@@ -352,8 +351,8 @@ def serve(
     max_connections: MaxConnections = None,
     idle_timeout: IdleTimeout = api.SERVE_IDLE_TIMEOUT,
 ) -> None:
-    """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not),
-    /v1/models, /health and Prometheus /metrics.
+    """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not; n,
+    logprobs, echo), /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health and /metrics.
 
     Requests share the model through continuous batching over a paged KV cache (int8/int4 with --kv-bits).
     SIGINT or SIGTERM stops the server gracefully (exit 0).
@@ -389,9 +388,7 @@ def serve(
             import torch
 
             torch.set_num_threads(threads)  # the native kernels run torch.get_num_threads() threads too
-        hint = contention_hint(threads)
-        if hint is not None:
-            err_console.print(f"Note: {hint}", style="yellow", soft_wrap=True, markup=False)
+        hint = contention_hint(threads)  # measured before loading adds to the load average; shown once it loaded
         try:
             if no_verify:
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
@@ -421,6 +418,8 @@ def serve(
         except BaseException:
             sock.close()
             raise
+        if hint is not None:  # after every refusal: an error stays the one line it is
+            err_console.print(f"Note: {hint}", style="yellow", soft_wrap=True, markup=False)
         if json_out:
             sys.stdout.write(json.dumps(info) + "\n")
             sys.stdout.flush()

@@ -179,6 +179,38 @@ def _sum_nll(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None 
     return total
 
 
+def token_nlls(model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None = None) -> torch.Tensor:
+    """Each next-token NLL of int64 ``ids (B, T)`` as :func:`perplexity` computes them (one forward pass,
+    fp32 log-softmax): ``(B, T - 1)`` float32 on the CPU, entry ``p`` for token ``p + 1``."""
+    return next_token_scores(model, ids, kv_cache)[0]
+
+
+def next_token_scores(
+    model: nn.Module, ids: torch.Tensor, kv_cache: CacheFactory | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_nlls` and, beside it, the model's greedy choice at each position (``(B, T - 1)`` int64):
+    what a log-likelihood benchmark needs (lm-evaluation-harness's ``is_greedy``)."""
+    with torch.inference_mode(), eval_mode(model):
+        ids = ids.to(input_device(model))
+        if kv_cache is None:
+            logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        else:
+            logits = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): kv_cache()}).logits
+        t = ids.shape[1]
+        nlls, greedy = [], []
+        for s in range(0, t - 1, _CE_CHUNK):
+            e = min(s + _CE_CHUNK, t - 1)
+            chunk = logits[:, s:e].float()  # (B, c, V)
+            target = ids[:, s + 1 : e + 1].to(logits.device)
+            nll = F.cross_entropy(chunk.flatten(0, 1), target.flatten(), reduction="none")
+            nlls.append(nll.view(ids.shape[0], e - s).cpu())
+            greedy.append(chunk.argmax(dim=-1).cpu())
+        if not nlls:
+            empty = torch.zeros((ids.shape[0], 0))
+            return empty, empty.long()
+        return torch.cat(nlls, dim=1), torch.cat(greedy, dim=1)
+
+
 def _safe_exp(x: float) -> float:
     try:
         return math.exp(x)
@@ -186,4 +218,4 @@ def _safe_exp(x: float) -> float:
         return float("inf")
 
 
-__all__ = ["PerplexityResult", "perplexity", "perplexity_from_ids"]
+__all__ = ["PerplexityResult", "perplexity", "perplexity_from_ids", "token_nlls", "next_token_scores"]

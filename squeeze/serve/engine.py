@@ -27,6 +27,7 @@ from squeeze.quant.kv_spec import KVSpec, kv_geometry
 from squeeze.runtime.generate import eos_token_ids
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
+from squeeze.serve.logprobs import token_logprobs
 from squeeze.serve.prefix_cache import PrefixCache
 from squeeze.serve.runner import ModelRunner
 from squeeze.serve.sampling import choose_token
@@ -42,6 +43,7 @@ from squeeze.serve.types import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
     check_prompt,
 )
 
@@ -148,14 +150,57 @@ class Engine:
 
     # --- the event loop's side --------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one step may batch (requests with ``n`` > this are refused)."""
+        return self.config.max_num_seqs
+
+    def tokenize(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return self._check_ids(prompt, "prompt")
+
+    def _check_ids(self, ids: Seq[int], param: str) -> list[int]:
+        checked = [int(t) for t in ids]
+        bad = [t for t in checked if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"prompt token ids must lie in [0, {self.vocab_size}), found {bad[0]}", param="prompt")
-        return ids
+            raise RequestError(f"{param} token ids must lie in [0, {self.vocab_size}), found {bad[0]}", param=param)
+        return checked
+
+    def detokenize(self, ids: Seq[int]) -> str:
+        return str(self.tokenizer.decode(self._check_ids(ids, "tokens"), skip_special_tokens=False))
+
+    def token_strings(self, ids: Seq[int], *, in_context: bool = True) -> list[str]:
+        ids = [int(i) for i in ids]
+        decode = self.tokenizer.decode
+        if not in_context:
+            return [str(decode([i], skip_special_tokens=False)) for i in ids]
+        strings = []
+        for at, token in enumerate(ids):
+            # the text a token adds after the few before it: word-piece and byte tokenizers write a token's
+            # leading space (or the rest of a character) only in context
+            window = ids[max(0, at - 4) : at]
+            before = str(decode(window, skip_special_tokens=False)) if window else ""
+            after = str(decode([*window, token], skip_special_tokens=False))
+            common = 0
+            for a, b in zip(before, after, strict=False):
+                if a != b:
+                    break
+                common += 1
+            strings.append(after[common:])
+        return strings
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            value = getattr(tok, name, None)
+            info[name] = value if isinstance(value, str) else None
+        template = getattr(tok, "chat_template", None)
+        info["chat_template"] = template if isinstance(template, str) else None
+        info["model_max_length"] = self.max_model_len
+        info["vocab_size"] = self.vocab_size
+        return info
 
     def tokenize_chat(self, messages: Seq[dict[str, Any]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -311,15 +356,18 @@ class Engine:
         allocated = sum(len(self.blocks.tables[c.seq.seq_id]) for c in plan) * self.blocks.block_size
         total, steps = self._utilisation
         self._utilisation = (total + live / allocated, steps + 1)
+        full = [_wants_prompt_logits(chunk) for chunk in plan]
         try:
             with torch.inference_mode():
-                logits = self.runner.run(plan)  # (B, V)
+                logits, prompt_logits = self.runner.run_keeping(plan, full)  # (B, V), {row: (tokens, V)}
         except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
             log.exception("engine step failed")
             for chunk in plan:
                 self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
             return
         for row, chunk in enumerate(plan):
+            if row in prompt_logits:
+                _record_prompt_logprobs(chunk, prompt_logits[row])
             self._advance(chunk, logits[row])
 
     def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
@@ -329,7 +377,12 @@ class Engine:
             self.blocks.commit(seq.seq_id, seq.block_names, seq.computed)
         if seq.pending:  # mid-prompt: no token to choose yet
             return
+        if seq.params.max_tokens == 0:  # score only: the prompt is in, nothing to generate
+            self._finish(seq, "length")
+            return
         token = choose_token(seq, logits)
+        top = seq.params.logprobs
+        logprobs = () if top is None else tuple(token_logprobs(logits[None], [token], top))
         seq.output_ids.append(token)
         self._generated += 1
         now = time.perf_counter()
@@ -347,9 +400,9 @@ class Engine:
         piece, stopped = seq.text.update(self.tokenizer, text_ids, final=eos or out_of_room)
         reason: FinishReason | None = "stop" if (eos or stopped) else ("length" if out_of_room else None)
         if reason is None:
-            self._send(seq, piece, (token,), None)
+            self._send(seq, piece, (token,), None, logprobs=logprobs)
         else:
-            self._finish(seq, reason, piece=piece, token_ids=(token,))
+            self._finish(seq, reason, piece=piece, token_ids=(token,), logprobs=logprobs)
 
     def _finish(
         self,
@@ -359,11 +412,15 @@ class Engine:
         piece: str = "",
         token_ids: tuple[int, ...] = (),
         error: str | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.seq_id, None)
         self._finished += 1
-        self._send(seq, piece, token_ids, reason, error=error)
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_logprobs = tuple(seq.prompt_logprobs) or (TokenLogprob(seq.prompt_ids[0], None),)
+        self._send(seq, piece, token_ids, reason, error=error, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         self._handles.pop(seq.seq_id, None)
 
     def _abort(self, seq_id: str) -> None:
@@ -379,6 +436,8 @@ class Engine:
         reason: FinishReason | None,
         *,
         error: str | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> None:
         handle = self._handles.get(seq.seq_id)
         if handle is None:
@@ -393,8 +452,32 @@ class Engine:
                 prompt_tokens=len(seq.prompt_ids),
                 completion_tokens=len(seq.output_ids),
                 error=error,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         )
+
+
+def _wants_prompt_logits(chunk: ScheduledChunk) -> bool:
+    """Whether ``chunk`` covers prompt positions whose log-probabilities its request asked for and lacks."""
+    seq = chunk.seq
+    prompt = len(seq.prompt_ids)
+    return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < prompt and seq.computed < prompt - 1
+
+
+def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+    """Add the prompt log-probabilities ``logits`` (every position of ``chunk``, ``(tokens, V)``) give: position
+    p predicts prompt token p + 1. A preempted sequence's recomputed positions are not recorded twice."""
+    seq = chunk.seq
+    start, prompt = seq.computed, seq.prompt_ids
+    recorded = seq.prompt_logprobs
+    if not recorded:
+        recorded.append(TokenLogprob(prompt[0], None))
+    first = max(start, len(recorded) - 1)
+    stop = min(start + chunk.tokens, len(prompt) - 1)
+    if stop > first:
+        top = seq.params.prompt_logprobs or 0
+        recorded += token_logprobs(logits[first - start : stop - start], prompt[first + 1 : stop + 1], top)
 
 
 def _text_content(content: Any) -> str:

@@ -1,7 +1,9 @@
 """The HTTP front of ``squeeze serve``: an OpenAI-compatible FastAPI app over any :class:`EngineClient`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1/models/{id}), GET /health,
-GET /metrics. Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), schema
+GET /metrics, and vLLM's tokenizer endpoints POST /tokenize, POST /detokenize, GET /tokenizer_info
+(squeeze.serve.tokenization). A request's choices (prompts x ``n``) are engine requests held as one stream
+(squeeze.serve.choices). Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), schema
 violations and malformed JSON included (400, not FastAPI's 422).
 
 A request is tokenized and submitted before its response starts, so a refusal (400, 429 + Retry-After, 503)
@@ -23,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,24 +33,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from squeeze.serve import protocol
+from squeeze.serve import protocol, tokenization
+from squeeze.serve.choices import Choices, chat_body, chat_events, check_n, completion_body, completion_events
 from squeeze.serve.limits import BodyLimit, default_max_request_bytes
 from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.protocol import ChatRequest, CompletionRequest
-from squeeze.serve.types import (
-    EngineClient,
-    EngineStoppedError,
-    QueueFullError,
-    RequestError,
-    RequestOutput,
-    RequestStream,
-)
+from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
+from squeeze.serve.types import EngineClient, EngineStoppedError, QueueFullError, RequestError, RequestStream
 
 logger = logging.getLogger("squeeze.serve")
 
+_T = TypeVar("_T")
+
 #: nginx's "client closed request": the status of a response nobody is left to read.
 CLIENT_CLOSED = 499
-NO_FINAL_UPDATE = "the engine ended the request without a final update"
 
 
 class _EventStream(StreamingResponse):
@@ -147,41 +145,28 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(stream: RequestStream) -> tuple[str, RequestOutput]:
-    """A request's whole text and its last update."""
-    pieces = []
-    last = None
-    async for output in stream:
-        pieces.append(output.text)
-        last = output
-        if output.finished:
-            break
-    if last is None or not last.finished:
-        raise protocol.GenerationError(NO_FINAL_UPDATE)
-    return "".join(pieces), last
-
-
 async def _collect_unless_gone(
-    request: Request, stream: RequestStream, in_flight: set[RequestStream], cut: asyncio.Event
-) -> tuple[str, RequestOutput] | None:
-    """:func:`_collect`, or None as soon as the client disconnects; the request is cancelled either way
-    unless it finished (and on cancellation of this task). EngineStoppedError (503) when the shutdown's grace
-    ends first (``cut``)."""
-    result = asyncio.ensure_future(_collect(stream))
+    request: Request, choices: Choices, in_flight: set[RequestStream], cut: asyncio.Event
+) -> bool:
+    """Collect every choice (:meth:`Choices.collect`); False as soon as the client disconnects. The requests
+    are cancelled either way unless they finished (and on cancellation of this task). EngineStoppedError (503)
+    when the shutdown's grace ends first (``cut``)."""
+    result = asyncio.ensure_future(choices.collect())
     gone = asyncio.ensure_future(_wait_for_disconnect(request))
     stop = asyncio.ensure_future(cut.wait())
     try:
         await asyncio.wait((result, gone, stop), return_when=asyncio.FIRST_COMPLETED)
         if result.done():
-            return result.result()
+            result.result()
+            return True
         if stop.done():
             raise _shutdown_error()
-        return None
+        return False
     finally:
         gone.cancel()
         result.cancel()
         stop.cancel()
-        _release(stream, in_flight)
+        _release(choices, in_flight)
 
 
 def _shutdown_error() -> EngineStoppedError:
@@ -242,8 +227,8 @@ def create_app(
     # one thread: tokenizers are not safe to call from several at once, and the loop must stay free
     tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-tokenize")
 
-    async def off_loop(fn: Callable[[Any], list[int]], argument: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, argument)
+    async def off_loop(fn: Callable[..., _T], *arguments: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *arguments)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -325,70 +310,75 @@ def create_app(
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt_ids = await off_loop(engine.tokenize, body.prompt)
+        check_n(engine, body.choices_per_prompt)
+        prompts = [await off_loop(engine.tokenize, p) for p in body.prompt]
+        echoes = None
+        if body.echo:
+            echoes = [p if isinstance(p, str) else await off_loop(engine.detokenize, p) for p in body.prompt]
         request_id, created = protocol.new_request_id("cmpl"), protocol.now()
-        stream = engine.submit(prompt_ids, body.sampling_params(), request_id)
-        in_flight.add(stream)
+        params = body.sampling_params()
+        choices = Choices.submit(engine, request_id, prompts, params, body.choices_per_prompt, echoes)
+        in_flight.add(choices)
         return await _respond(
             request,
-            stream,
+            choices,
             in_flight,
             body.stream,
-            lambda: _completion_events(stream, request_id, model_name, created, body.include_usage),
-            lambda text, last: protocol.completion_response(request_id, model_name, created, text, last),
+            lambda: completion_events(engine, choices, model_name, created, body.include_usage),
+            lambda: completion_body(engine, choices, model_name, created),
         )
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
+        check_n(engine, body.choices_per_prompt)
         prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages())
         params = body.sampling_params(len(prompt_ids), engine.max_model_len)
         request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()
-        stream = engine.submit(prompt_ids, params, request_id)
-        in_flight.add(stream)
+        choices = Choices.submit(engine, request_id, [prompt_ids], params, body.choices_per_prompt)
+        in_flight.add(choices)
         return await _respond(
             request,
-            stream,
+            choices,
             in_flight,
             body.stream,
-            lambda: _chat_events(stream, request_id, model_name, created, body.include_usage),
-            lambda text, last: protocol.chat_response(request_id, model_name, created, text, last),
+            lambda: chat_events(engine, choices, model_name, created, body.include_usage),
+            lambda: chat_body(engine, choices, model_name, created),
         )
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return await off_loop(tokenization.tokenize, engine, body)
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return await off_loop(tokenization.detokenize, engine, body)
+
+    @app.get("/tokenizer_info", dependencies=guarded)
+    async def tokenizer_info() -> dict[str, Any]:
+        return engine.tokenizer_info()
 
     return app
 
 
 async def _respond(
     request: Request,
-    stream: RequestStream,
+    choices: Choices,
     in_flight: set[RequestStream],
     streaming: bool,
     events: Callable[[], AsyncIterator[bytes]],
-    build: Callable[[str, RequestOutput], dict[str, Any]],
+    build: Callable[[], dict[str, Any]],
 ) -> Response:
-    """The response to a submitted request: an event stream, or the whole result as one JSON object."""
+    """The response to submitted choices: an event stream, or the whole result as one JSON object."""
     cut: asyncio.Event = request.app.state.shutdown_cut
     if streaming:
-        return _EventStream(_guarded(events(), stream.request_id, cut), stream, in_flight)
-    collected = await _collect_unless_gone(request, stream, in_flight, cut)
-    if collected is None:
+        return _EventStream(_guarded(events(), choices.request_id, cut), choices, in_flight)
+    if not await _collect_unless_gone(request, choices, in_flight, cut):
         return Response(status_code=CLIENT_CLOSED)
-    text, last = collected
-    protocol.raise_for_failure(last)
-    return JSONResponse(build(text, last))
-
-
-def _failure(output: RequestOutput) -> dict[str, Any] | None:
-    """The error object a finished request ends in (engine failure, abort), or None."""
-    try:
-        protocol.raise_for_failure(output)
-    except RequestError as exc:
-        return protocol.request_error_body(exc)
-    return None
-
-
-def _no_final_update() -> bytes:
-    return protocol.sse(protocol.request_error_body(protocol.GenerationError(NO_FINAL_UPDATE)))
+    choices.raise_for_failure()
+    return JSONResponse(build())
 
 
 async def _guarded(events: AsyncIterator[bytes], request_id: str, cut: asyncio.Event) -> AsyncIterator[bytes]:
@@ -419,61 +409,6 @@ async def _guarded(events: AsyncIterator[bytes], request_id: str, cut: asyncio.E
         stop.cancel()
         if step is not None and not step.done():  # the client went away (Starlette cancelled this body)
             step.cancel()
-
-
-async def _completion_events(
-    stream: RequestStream, request_id: str, model: str, created: int, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """A completion's events: a chunk per piece of text, the finish reason on the last one, then the usage
-    chunk (``include_usage``) and [DONE]."""
-
-    def chunk(text: str, finish: str | None) -> bytes:
-        return protocol.sse(
-            protocol.completion_chunk(request_id, model, created, text, finish, include_usage=include_usage)
-        )
-
-    async for output in stream:
-        if output.finished:
-            failure = _failure(output)
-            if failure is not None:
-                yield protocol.sse(failure)
-                break
-            yield chunk(output.text, output.finish_reason)
-            if include_usage:
-                yield protocol.sse(protocol.usage_chunk("text_completion", request_id, model, created, output))
-            break
-        if output.text:
-            yield chunk(output.text, None)
-    else:
-        yield _no_final_update()
-    yield protocol.DONE_EVENT
-
-
-async def _chat_events(
-    stream: RequestStream, request_id: str, model: str, created: int, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """A chat completion's events: the assistant role first, a chunk per piece of text, an empty delta with
-    the finish reason, then the usage chunk (``include_usage``) and [DONE]."""
-
-    def chunk(delta: dict[str, str], finish: str | None) -> bytes:
-        return protocol.sse(protocol.chat_chunk(request_id, model, created, delta, finish, include_usage=include_usage))
-
-    yield chunk({"role": "assistant", "content": ""}, None)
-    async for output in stream:
-        failure = _failure(output) if output.finished else None
-        if failure is not None:
-            yield protocol.sse(failure)
-            break
-        if output.text:
-            yield chunk({"content": output.text}, None)
-        if output.finished:
-            yield chunk({}, output.finish_reason)
-            if include_usage:
-                yield protocol.sse(protocol.usage_chunk("chat.completion.chunk", request_id, model, created, output))
-            break
-    else:
-        yield _no_final_update()
-    yield protocol.DONE_EVENT
 
 
 __all__ = ["create_app"]

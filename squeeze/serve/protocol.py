@@ -4,10 +4,10 @@ chunk and error objects.
 
 Requests: fields this server does not know are ignored (OpenAI clients send ``user``, ``metadata``, penalties
 ...), but the known ones are checked strictly (``"0.5"`` is not a float), so a mistyped field is a 400 that
-names it. Fields that would change the response's shape or meaning and are not implemented (``n`` > 1,
-``echo``, ``logprobs``, ``best_of``, ``suffix``, ``tools``, a JSON ``response_format``) are refused rather than
-ignored. Defaults are OpenAI's: temperature 1.0, top_p 1.0, max_tokens 16 for completions and the rest of the
-context for chat.
+names it. Fields that would change the response's shape or meaning and are not implemented (``best_of``
+other than ``n``, ``suffix``, ``tools``, a JSON ``response_format``, ``echo`` with ``stream``) are refused
+rather than ignored. Defaults are OpenAI's: temperature 1.0, top_p 1.0, max_tokens 16 for completions and the
+rest of the context for chat.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from squeeze.serve.logprobs import MAX_LOGPROBS
 from squeeze.serve.types import EngineStoppedError, RequestError, RequestOutput, SamplingParams
 
 #: OpenAI's defaults for the sampling fields.
@@ -29,6 +30,8 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_COMPLETION_TOKENS = 16
 #: OpenAI accepts up to 4 stop sequences.
 MAX_STOP_STRINGS = 4
+#: The most choices per prompt (``n``).
+MAX_N = 16
 #: Seeds are int64 in OpenAI's API.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -69,20 +72,20 @@ def _is_token_ids(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
-def _one_prompt(value: object) -> object:
-    """OpenAI's ``prompt`` is a string, token ids, or a batch of either; this server takes one prompt per
-    request: a batch of one is unwrapped, a larger one refused with a message saying so."""
+def _prompts(value: object) -> object:
+    """OpenAI's ``prompt``: a string, token ids, or a batch of either, as a list of prompts (one choice each)."""
     if isinstance(value, str) or not isinstance(value, list):
-        return value  # a non-string scalar fails the type check that follows, naming the field
+        return [value] if isinstance(value, str) else value  # a non-list fails the type check, naming the field
     if not value:
         raise ValueError("the prompt is empty")
     if _is_token_ids(value):
-        return value
+        return [value]
     if all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
-        if len(value) > 1:
-            raise ValueError(f"one prompt per request: found a list of {len(value)} prompts")
-        return value[0]
-    raise ValueError("must be a string, a list of token ids, or a list holding one string")
+        for i, p in enumerate(value):
+            if p == []:
+                raise ValueError(f"prompt {i} is an empty list of token ids")
+        return value
+    raise ValueError("must be a string, a list of token ids, or a list of strings or of token-id lists")
 
 
 def _text_content(value: object) -> object:
@@ -131,7 +134,7 @@ def _finite(value: object) -> object:
     return value
 
 
-Prompt = Annotated[str | list[int], BeforeValidator(_one_prompt)]
+Prompts = Annotated[list[str | list[int]], BeforeValidator(_prompts)]
 TextContent = Annotated[str, BeforeValidator(_text_content)]
 
 
@@ -155,7 +158,8 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    #: Choices per prompt, sampled with seeds ``seed``, ``seed + 1``, ... (when ``seed`` is given).
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     #: vLLM's extension: generate past end-of-sequence tokens (benchmarks use it to fix output lengths).
     ignore_eos: bool = False
 
@@ -184,13 +188,6 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stop
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"only n=1 is supported (one choice per request), found {n}")
-        return n
-
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
@@ -199,7 +196,13 @@ class _GenerationRequest(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def _sampling_params(self, max_tokens: int) -> SamplingParams:
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
@@ -207,6 +210,8 @@ class _GenerationRequest(BaseModel):
             seed=self.seed,
             stop=self.stop_strings(),
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -215,34 +220,37 @@ def _refuse(value: object, name: str, what: str) -> None:
 
 
 class CompletionRequest(_GenerationRequest):
-    """A POST /v1/completions body."""
+    """A POST /v1/completions body: one choice per prompt (``n`` per prompt), ``index`` in prompt order."""
 
-    prompt: Prompt
-    max_tokens: int | None = Field(default=None, ge=1)
+    prompt: Prompts
+    #: The prompt comes back first in each choice's text (and its tokens first in ``logprobs``).
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    #: 0 only with ``echo``: the prompt is scored, nothing generated.
+    max_tokens: int | None = Field(default=None, ge=0)
     best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            _refuse(echo, "echo", "the response never repeats the prompt")
+    def _echo_not_streamed(cls, echo: bool | None, info: ValidationInfo) -> bool | None:
+        if echo and info.data.get("stream"):
+            raise ValueError("echo is not supported with stream: send stream false to get the prompt back")
         return echo
 
-    @field_validator("logprobs")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            _refuse(logprobs, "logprobs", "omit it or send null")
-        return logprobs
+    def _zero_needs_echo(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("must be greater than or equal to 1 (0 only with echo: score the prompt)")
+        return max_tokens
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            _refuse(best_of, "best_of", "one candidate per request")
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if best_of is not None and best_of != n:
+            _refuse(best_of, "best_of", f"only best_of equal to n ({n}): every candidate is returned")
         return best_of
 
     @field_validator("suffix")
@@ -253,8 +261,10 @@ class CompletionRequest(_GenerationRequest):
         return suffix
 
     def sampling_params(self) -> SamplingParams:
-        """The engine's parameters: ``max_tokens`` defaults to 16 (OpenAI's default)."""
-        return self._sampling_params(self.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        """The engine's parameters: ``max_tokens`` defaults to 16 (OpenAI's default); with ``echo`` and
+        ``logprobs`` the prompt's log-probabilities too."""
+        max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
 class ChatMessage(BaseModel):
@@ -273,23 +283,16 @@ class ChatRequest(_GenerationRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            _refuse(logprobs, "logprobs", "omit it or send false")
-        return logprobs
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, top: int | None) -> int | None:
-        if top is not None:
-            _refuse(top, "top_logprobs", "no log probabilities")
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return top
 
     @field_validator("tools", "functions")
@@ -323,7 +326,7 @@ class ChatRequest(_GenerationRequest):
                     hint="shorten the messages",
                     param="messages",
                 )
-        return self._sampling_params(max_tokens)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 # -- responses ----------------------------------------------------------------------------------------------
@@ -354,37 +357,6 @@ def raise_for_failure(output: RequestOutput) -> None:
         raise GenerationError(f"generation failed: {output.error or 'the engine gave no reason'}")
     if output.finish_reason == "abort":
         raise EngineStoppedError("the request was cancelled before it finished: the server is shutting down")
-
-
-def completion_response(request_id: str, model: str, created: int, text: str, output: RequestOutput) -> dict[str, Any]:
-    """A ``text_completion`` object; ``output`` is the request's last update (finish reason, token counts)."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": output.finish_reason}],
-        "usage": usage(output.prompt_tokens, output.completion_tokens),
-    }
-
-
-def chat_response(request_id: str, model: str, created: int, text: str, output: RequestOutput) -> dict[str, Any]:
-    """A ``chat.completion`` object; ``output`` is the request's last update (finish reason, token counts)."""
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": output.finish_reason,
-            }
-        ],
-        "usage": usage(output.prompt_tokens, output.completion_tokens),
-    }
 
 
 def completion_chunk(
@@ -472,8 +444,6 @@ __all__ = [
     "now",
     "usage",
     "raise_for_failure",
-    "completion_response",
-    "chat_response",
     "completion_chunk",
     "chat_chunk",
     "usage_chunk",

@@ -15,7 +15,8 @@ needs the rows apart, and it gets them through two hooks transformers offers:
   Without the step's ``squeeze_step`` keyword it is plain SDPA, so the model behaves as before everywhere
   else (``squeeze run`` in the same process, perplexity, ``generate``).
 
-``logits_to_keep`` takes the index of each row's last token, so the LM head runs on B positions only.
+``logits_to_keep`` takes the index of each row's last token, so the LM head runs on B positions only (and on
+every position of the rows whose prompt log-probabilities were asked for, :meth:`ModelRunner.run_keeping`).
 
 Every token's bits are those ``squeeze run`` computes for it alone: per-row attention as above; the LM head
 (squeeze.runtime.dense_linear) gives each row the same bits at any batch size; and the quantized linears
@@ -210,7 +211,25 @@ class ModelRunner:
 
     def run(self, plan: Seq[ScheduledChunk]) -> Tensor:
         """Feed every chunk of ``plan``; each row's next-token logits, (B, V) float32 on the CPU."""
+        return self.run_keeping(plan, ())[0]
+
+    def run_keeping(self, plan: Seq[ScheduledChunk], full: Seq[bool]) -> tuple[Tensor, dict[int, Tensor]]:
+        """:meth:`run`, and for each row ``b`` with ``full[b]`` the logits at every position of its chunk,
+        ``(tokens, V)`` float32 on the CPU (prompt log-probabilities need them); the LM head runs on those
+        positions as well as the rows' last ones."""
         inputs = self._inputs(plan)
+        keep, last, spans = inputs.last, None, {}
+        if any(full):
+            index: list[int] = []
+            ends: list[int] = []
+            for b, row in enumerate(inputs.rows):
+                if b < len(full) and full[b]:
+                    spans[b] = (len(index), len(index) + row.q1 - row.q0)
+                    index += range(row.q0, row.q1)
+                else:
+                    index.append(row.q1 - 1)
+                ends.append(len(index) - 1)
+            keep, last = torch.tensor(index, dtype=torch.long, device=self.device), torch.tensor(ends)
         native = self._native(inputs)
         cache = PagedStepCache(self.pool, inputs.slots, native=native is not None)
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
@@ -223,13 +242,16 @@ class ModelRunner:
                 position_ids=inputs.position_ids,
                 return_dict=True,
                 squeeze_step=inputs.rows,
-                **({self._keep_kwarg: inputs.last} if self._keep_kwarg else {}),
+                **({self._keep_kwarg: keep} if self._keep_kwarg else {}),
                 **kwargs,
             )
-        logits = output.logits[0]  # (B, V), or (N, V) for a model without logits_to_keep
+        logits = output.logits[0]  # (B, V) or the kept positions', or (N, V) for a model without logits_to_keep
         if not self._keep_kwarg:
-            logits = logits[inputs.last]
-        return logits.to(dtype=torch.float32, device="cpu", copy=True)
+            logits = logits[keep]
+        logits = logits.to(dtype=torch.float32, device="cpu", copy=True)
+        if last is None:
+            return logits, {}
+        return logits[last], {b: logits[s:e] for b, (s, e) in spans.items()}
 
     def _inputs(self, plan: Seq[ScheduledChunk]) -> _StepInputs:
         """The step's tensors. Python work per row is constant (plus its new tokens): the slots of every row's

@@ -91,9 +91,15 @@ class Scheduler:
         return plan
 
     def _cached(self, seq: Sequence) -> list[int]:
-        """The cached blocks ``seq`` can start from (none without a prefix cache)."""
+        """The cached blocks ``seq`` can start from (none without a prefix cache, and none for a request that
+        asks for its prompt's log-probabilities: those need the logits of every prompt position). Its own full
+        blocks are still named, so later requests can reuse them."""
         cache = self.blocks.cache
         if cache is None:
+            return []
+        if seq.params.prompt_logprobs is not None:
+            if seq.block_names is None:
+                seq.block_names = cache.names(seq.prompt_ids, seq.prompt_tiled)
             return []
         if seq.block_names is None:
             seq.block_names = cache.names(seq.prompt_ids, seq.prompt_tiled)

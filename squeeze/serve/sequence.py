@@ -15,7 +15,7 @@ import torch
 
 from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS
 from squeeze.runtime.text_stream import TextState
-from squeeze.serve.types import FinishReason, SamplingParams
+from squeeze.serve.types import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -37,6 +37,8 @@ class Sequence:
     preemptions: int = 0
     #: The names of the prompt's full blocks in the prefix cache (squeeze.serve.prefix_cache), once looked up.
     block_names: list[bytes] | None = None
+    #: The prompt's log-probabilities so far (requests with ``prompt_logprobs``), the first token's None.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.text = TextState(self.params.stop)

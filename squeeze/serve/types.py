@@ -32,7 +32,8 @@ class RequestError(SqueezeError):
 
 def check_prompt(prompt: Sequence[int], max_tokens: int, max_model_len: int) -> None:
     """RequestError (400, naming the field) for an empty prompt, or one whose tokens plus ``max_tokens`` exceed
-    the context: what every engine checks before taking a request."""
+    the context: what every engine checks before taking a request. ``max_tokens`` 0 (score the prompt only)
+    is allowed."""
     if not prompt:
         raise RequestError("the prompt is empty (zero tokens)", param="prompt")
     if len(prompt) + max_tokens > max_model_len:
@@ -103,6 +104,22 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: Log-probabilities of each generated token and of the ``logprobs`` most likely tokens at its position
+    #: (None: none). ``max_tokens`` may be 0 (nothing generated: the prompt is only scored).
+    logprobs: int | None = None
+    #: The same for every prompt token after the first (None: none), sent with the final update.
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model (fp32 log-softmax of its logits: before temperature and
+    top-p), and the ``top`` most likely tokens at its position as (id, log-probability), most likely first.
+    ``logprob`` is None for a prompt's first token, which nothing predicts."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +128,8 @@ class RequestOutput:
 
     text / token_ids: what is new since the previous update (text held back while it may still turn into a
     stop string). finished: the last update of the request, with its ``finish_reason``.
-    prompt_tokens / completion_tokens: counts so far (usage).
+    prompt_tokens / completion_tokens: counts so far (usage). logprobs: one per id of ``token_ids`` when the
+    request asked for them. prompt_logprobs: the prompt's, on the final update of a request that asked.
     """
 
     request_id: str
@@ -122,6 +140,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,14 +208,29 @@ class EngineClient(Protocol):
     #: Set by the HTTP layer to receive latencies; None: not measured.
     observer: LatencyObserver | None
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Prompt ids: text tokenized as ``squeeze run`` does (the tokenizer's special tokens added), or ids
-        checked against the vocabulary (RequestError when one is out of range)."""
+    def tokenize(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Prompt ids: text tokenized as ``squeeze run`` does (the tokenizer's special tokens added unless
+        ``add_special_tokens`` is false), or ids checked against the vocabulary (RequestError when one is out
+        of range)."""
         ...
 
     def tokenize_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The chat template applied to ``messages`` (with the generation prompt) as ids; RequestError when the
         tokenizer has no chat template."""
+        ...
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens kept); RequestError for an id outside the vocabulary."""
+        ...
+
+    def token_strings(self, ids: Sequence[int], *, in_context: bool = True) -> list[str]:
+        """Each token's text: ``in_context``, read as part of ``ids`` (the pieces of a word-piece or byte
+        tokenizer, leading spaces included); else each id decoded alone (the alternatives of top log-probs)."""
+        ...
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's description for GET /tokenizer_info (vLLM's fields: ``tokenizer_class``,
+        ``eos_token``, ``bos_token``, ``pad_token``, ``chat_template`` ...)."""
         ...
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> RequestStream:
@@ -223,6 +258,7 @@ __all__ = [
     "EngineStoppedError",
     "EngineConfig",
     "SamplingParams",
+    "TokenLogprob",
     "RequestOutput",
     "EngineStats",
     "LatencyObserver",

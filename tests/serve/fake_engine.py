@@ -4,8 +4,10 @@ Like the real engine it generates on its own thread and hands updates to the eve
 ``call_soon_threadsafe``. Words are tokens: a prompt's words get ids as they are first seen, and a request
 "generates" its prompt's words again, cyclically, one per step (`` hello world hello ...``). Two words
 act on the request when generated: ``EOS`` ends it with finish_reason "stop" (not emitted), ``FAIL`` with
-"error" (after emitting it). Blocks are allocated on submit (ceil((prompt + max_tokens) / block_size)) and
-freed on finish or cancel, so tests can watch a cancelled request give its blocks back through /metrics.
+"error" (after emitting it). Log-probabilities are made up and deterministic: token id t at position p has
+-(t + p) / 10, and its top alternatives are ids 0, 1, ... with -0.01, -0.02, .... Blocks are allocated on
+submit (ceil((prompt + max_tokens) / block_size)) and freed on finish or cancel, so tests can watch a
+cancelled request give its blocks back through /metrics.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from squeeze.serve.types import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
     check_prompt,
 )
 
@@ -45,6 +48,11 @@ class _Request:
     generated: int = 0
     text: str = ""
     last_token_at: float | None = None
+    last_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+def _logprob(token: int, position: int, top: int) -> TokenLogprob:
+    return TokenLogprob(token, -(token + position) / 10, tuple((i, -(i + 1) / 100) for i in range(top)))
 
 
 class FakeStream:
@@ -125,14 +133,25 @@ class FakeEngine:
 
     # -- EngineClient ------------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return [self._id(word) for word in prompt.split()]
-        ids = list(prompt)
+        return self._check(prompt, "prompt")
+
+    def _check(self, ids: Sequence[int], param: str) -> list[int]:
         bad = [i for i in ids if not 0 <= i < VOCAB_LIMIT]
         if bad:
-            raise RequestError(f"token ids must lie in [0, {VOCAB_LIMIT}), found {bad[0]}", param="prompt")
-        return ids
+            raise RequestError(f"token ids must lie in [0, {VOCAB_LIMIT}), found {bad[0]}", param=param)
+        return list(ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(self.word(i) for i in self._check(ids, "tokens"))
+
+    def token_strings(self, ids: Sequence[int], *, in_context: bool = True) -> list[str]:
+        return [(" " if in_context and at else "") + self.word(i) for at, i in enumerate(ids)]
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {"tokenizer_class": "FakeTokenizer", "eos_token": "EOS", "bos_token": None, "pad_token": None}
 
     def tokenize_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         if not self.chat_template:
@@ -240,13 +259,21 @@ class FakeEngine:
 
     def _step(self, request: _Request) -> None:
         """One new token of ``request`` (under the lock)."""
+        if request.params.max_tokens == 0:
+            self._finish(request, "length", "")
+            return
         now = time.monotonic()
         if self.observer is not None:
             since = request.arrival if request.last_token_at is None else request.last_token_at
             (self.observer.observe_ttft if request.last_token_at is None else self.observer.observe_itl)(now - since)
         request.last_token_at = now
-        word = self.word(request.prompt[request.generated % len(request.prompt)])
+        token = request.prompt[request.generated % len(request.prompt)]
+        word = self.word(token)
         request.generated += 1
+        request.last_logprobs = ()
+        if request.params.logprobs is not None:
+            position = len(request.prompt) + request.generated - 1
+            request.last_logprobs = (_logprob(token, position, request.params.logprobs),)
         self._generated += 1
         if word == "EOS":
             self._finish(request, "stop", "")
@@ -265,15 +292,24 @@ class FakeEngine:
             request.stream.deliver(self._output(request, piece, None))
 
     def _output(self, request: _Request, text: str, finish: Any, error: str | None = None) -> RequestOutput:
+        prompt_logprobs = None
+        top = request.params.prompt_logprobs
+        if finish is not None and top is not None:
+            first = TokenLogprob(request.prompt[0], None)
+            prompt_logprobs = (first, *(_logprob(t, p, top) for p, t in enumerate(request.prompt) if p))
+        fresh = request.last_logprobs
+        request.last_logprobs = ()
         return RequestOutput(
             request_id=request.request_id,
             text=text,
-            token_ids=(),
+            token_ids=tuple(e.token_id for e in fresh),
             finished=finish is not None,
             finish_reason=finish,
             prompt_tokens=len(request.prompt),
             completion_tokens=request.generated,
             error=error,
+            logprobs=fresh,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish(self, request: _Request, reason: Any, text: str, error: str | None = None) -> None:

@@ -201,9 +201,8 @@ def test_malformed_and_invalid_bodies_are_400(client: httpx.Client, engine: Fake
     assert_error(client.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400, "temperature")
     assert_error(client.post("/v1/completions", json={"prompt": "x", "temperature": 2.5}), 400, "temperature")
     assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
-    assert_error(client.post("/v1/completions", json={"prompt": "x", "n": 2}), 400, "n", "only n=1")
-    several = client.post("/v1/completions", json={"prompt": ["a", "b"]})
-    assert_error(several, 400, "prompt", "one prompt per request")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "n": 17}), 400, "n", "less than or equal to 16")
+    assert_error(client.post("/v1/completions", json={"prompt": [[1], []]}), 400, "prompt", "prompt 1 is an empty")
     assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert_error(client.post("/v1/chat/completions", json=image), 400, "messages.0.content", "image_url")
@@ -416,8 +415,8 @@ def test_openai_client() -> None:
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
         with pytest.raises(openai.BadRequestError) as bad:
-            client.completions.create(model="fake-model", prompt=PROMPT, n=2)
-        assert "n=1" in str(bad.value) and bad.value.status_code == 400
+            client.completions.create(model="fake-model", prompt=PROMPT, logprobs=21)
+        assert "logprobs" in str(bad.value) and bad.value.status_code == 400
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gpt-4", prompt=PROMPT)
         with pytest.raises(openai.InternalServerError):

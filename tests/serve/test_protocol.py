@@ -48,22 +48,30 @@ def test_completion_fields_convert() -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("text", "text"), ([1, 2], [1, 2]), (["one"], "one"), ([[7, 8]], [7, 8]), ("", "")],
+    [
+        ("text", ["text"]),
+        ([1, 2], [[1, 2]]),
+        (["one"], ["one"]),
+        ([[7, 8]], [[7, 8]]),
+        ("", [""]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
 )
-def test_one_prompt_forms(prompt: Any, expected: Any) -> None:
+def test_prompt_forms(prompt: Any, expected: Any) -> None:
     assert CompletionRequest.model_validate({"prompt": prompt}).prompt == expected
 
 
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
-        (["a", "b"], "one prompt per request: found a list of 2 prompts"),
-        ([[1], [2]], "one prompt per request"),
         ([], "the prompt is empty"),
+        ([[1], []], "prompt 1 is an empty list of token ids"),
+        (["a", [1]], "must be a string, a list of token ids"),
         ([1, "a"], "must be a string, a list of token ids"),
         ([True], "must be a string, a list of token ids"),
-        (5, "valid string"),
-        (None, "valid string"),
+        (5, "valid list"),
+        (None, "valid list"),
     ],
 )
 def test_bad_prompts_name_the_field(prompt: Any, message: str) -> None:
@@ -78,8 +86,10 @@ def test_bad_prompts_name_the_field(prompt: Any, message: str) -> None:
         ({"temperature": 2.01}, "temperature", "less than or equal to 2"),
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
-        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-        ({"n": 2}, "n", "only n=1 is supported"),
+        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1 (0 only with echo"),
+        ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+        ({"n": 17}, "n", "less than or equal to 16"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences, found 5"),
         ({"stop": ""}, "stop", "must not be empty"),
         ({"seed": 2**64}, "seed", "less than or equal to"),
@@ -90,15 +100,33 @@ def test_bad_prompts_name_the_field(prompt: Any, message: str) -> None:
         ({"stream": "yes"}, "stream", "valid boolean"),
         ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage", "valid boolean"),
         # features that would change the answer are refused, not ignored
-        ({"echo": True}, "echo", "echo is not supported"),
-        ({"logprobs": 2}, "logprobs", "logprobs is not supported"),
+        ({"echo": True, "stream": True}, "echo", "echo is not supported with stream"),
+        ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"logprobs": -1}, "logprobs", "greater than or equal to 0"),
+        ({"logprobs": 1.5}, "logprobs", "valid integer"),
+        ({"logprobs": True}, "logprobs", "valid integer"),
         ({"best_of": 3}, "best_of", "best_of is not supported"),
+        ({"n": 2, "best_of": 3}, "best_of", "only best_of equal to n (2)"),
         ({"suffix": "end"}, "suffix", "suffix is not supported"),
     ],
 )
 def test_completion_field_checks(fields: dict[str, Any], field: str, message: str) -> None:
     found_field, text = problem(CompletionRequest, {"prompt": "x", **fields})
     assert found_field == field and message in text, (found_field, text)
+
+
+def test_logprob_fields_convert() -> None:
+    scored = CompletionRequest.model_validate({"prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert scored.sampling_params() == SamplingParams(0, 1.0, 1.0, None, (), logprobs=1, prompt_logprobs=1)
+    plain = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "n": 3, "best_of": 3})
+    assert plain.sampling_params().logprobs == 0 and plain.sampling_params().prompt_logprobs is None
+    assert plain.choices_per_prompt == 3
+    echoed = CompletionRequest.model_validate({"prompt": "x", "echo": True})
+    assert echoed.sampling_params().prompt_logprobs is None  # the prompt's text, not its log-probabilities
+    top = ChatRequest.model_validate(chat(logprobs=True, top_logprobs=5)).sampling_params(2, 10)
+    assert top.logprobs == 5 and top.prompt_logprobs is None
+    assert ChatRequest.model_validate(chat(logprobs=True)).sampling_params(2, 10).logprobs == 0
+    assert ChatRequest.model_validate(chat(logprobs=False)).sampling_params(2, 10).logprobs is None
 
 
 def test_limits_and_unknown_fields_are_accepted() -> None:
@@ -148,11 +176,12 @@ def test_chat_messages() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "string 'text'"),
         ({"messages": "hi"}, "messages", "valid list"),
         ({**chat(), "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
-        ({**chat(), "logprobs": True}, "logprobs", "not supported"),
-        ({**chat(), "top_logprobs": 2}, "top_logprobs", "not supported"),
+        ({**chat(), "logprobs": 1}, "logprobs", "valid boolean"),
+        ({**chat(), "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({**chat(), "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({**chat(), "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
         ({**chat(), "response_format": {"type": "json_object"}}, "response_format", "not supported"),
-        ({**chat(), "n": 3}, "n", "only n=1"),
+        ({**chat(), "n": 17}, "n", "less than or equal to 16"),
     ],
 )
 def test_chat_field_checks(fields: dict[str, Any], field: str, message: str) -> None:
@@ -177,23 +206,10 @@ def output(finish: Any = "length", error: str | None = None) -> RequestOutput:
     return RequestOutput("r", "", (), True, finish, prompt_tokens=3, completion_tokens=4, error=error)
 
 
-def test_response_objects() -> None:
+def test_request_ids() -> None:
     request_id = protocol.new_request_id("cmpl")
     assert request_id.startswith("cmpl-") and int(request_id[5:], 16) >= 0 and len(request_id) == 37
     assert protocol.new_request_id("cmpl") != request_id
-    body = protocol.completion_response(request_id, "m", 123, "text", output())
-    assert body == {
-        "id": request_id,
-        "object": "text_completion",
-        "created": 123,
-        "model": "m",
-        "choices": [{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-    }
-    reply = protocol.chat_response("chatcmpl-1", "m", 1, "hi", output("stop"))
-    assert reply["object"] == "chat.completion"
-    assert reply["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
-    assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["total_tokens"] == 7
 
 
 def test_chunks() -> None:
