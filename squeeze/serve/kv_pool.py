@@ -5,7 +5,7 @@ values each hold, over all slots:
 
 - quantized (int8 / int4): ``codes (H, S, D or D/2)`` and per-token grid parameters ``scale`` (and
   ``offset`` for asymmetric value layers) ``(H, S, G)`` fp16: exactly what ``squeeze run``'s contiguous
-  cache stores per token (squeeze.runtime.kvcache.TokenCodec encodes and decodes both), so a sequence's
+  cache stores per token (squeeze.runtime.kv_codecs.TokenCodec encodes and decodes both), so a sequence's
   history reads back bit for bit the same whichever blocks hold it. The first ``sink_tokens`` tokens of
   every sequence (the attention sink) are also kept as given, in a small full-precision area with one
   entry per sequence slot (a sequence holds one while it runs).

@@ -142,7 +142,7 @@ def quantized_store(
     sink_head_stride: int,
     positions: int,
 ) -> KVStore | None:
-    """Keys or values stored by ``codec`` (squeeze.runtime.kvcache.TokenCodec or FP8Codec), or None for a codec
+    """Keys or values stored by ``codec`` (squeeze.runtime.kv_codecs.TokenCodec or FP8Codec), or None for a codec
     the kernel does not read.
 
     ``codes`` uint8 / int8 (token ``(h, slot)`` at row ``h * head_stride + slot`` of its (-1, D or D/2) view),
@@ -150,7 +150,7 @@ def quantized_store(
     ``h * sink_head_stride + e`` of its (-1, D) view), or None. ``positions``: one more than the largest cache
     position the kernel will read (a rotating key centre's table is grown to it: (H, P, D) float32 per layer).
     """
-    from squeeze.runtime.kvcache import FP8Codec, TokenCodec
+    from squeeze.runtime.kv_codecs import FP8Codec, TokenCodec
 
     if not isinstance(codec, TokenCodec):
         return None
@@ -195,7 +195,7 @@ def _centre_table(codec: Any, positions: int) -> Tensor:
     """The key normaliser's centre of ``codec`` (a TokenCodec with a rotating centre) at cache positions 0..P-1,
     (H, P, D) float32 with P >= ``positions`` (grown by doubling, from 256): the normaliser's centre plus the
     rotating one, as TokenCodec computes it (same ops, same bits), once per position instead of per token read."""
-    from squeeze.runtime.kvcache import trig_table
+    from squeeze.runtime.kv_codecs import trig_table
 
     table = _CENTRES.get(codec)
     if table is None or table.shape[1] < positions:
