@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,12 @@ def engine16(serve_artifact: Path) -> Engine:
     return api.serve_engine(serve_artifact, config=config)
 
 
+_REQUEST_IDS = itertools.count()  # unique ids: a finished request may still hold its id for a moment
+
+
 def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[RequestOutput]]:
     async def one(i: int, ids: list[int], params: SamplingParams) -> list[RequestOutput]:
-        return [o async for o in engine.submit(ids, params, f"lp{i}-{id(params)}")]
+        return [o async for o in engine.submit(ids, params, f"lp{i}-{next(_REQUEST_IDS)}")]
 
     async def main() -> list[list[RequestOutput]]:
         engine.start()
