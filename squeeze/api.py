@@ -389,22 +389,29 @@ def evaluate_tasks(
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
     public_key: str | os.PathLike[str] | None = None,
+    activations: Activations = DEFAULT_ACTIVATIONS,
 ) -> HarnessResult:
     """lm-evaluation-harness's own evaluator on ``tasks`` (lm-eval task names), scoring ``model`` as
     :func:`evaluate` loads it (an artifact verified, compressed kernels, its calibrated KV cache unless
     ``kv_bits`` says otherwise). ``include_path``: a directory of task YAMLs (local tasks, which need no
     download). ``limit``: the first N documents of each task; ``num_fewshot``: examples in each prompt.
     Needs lm-eval (``pip install 'squeeze[eval]'``; ConfigError without it, for an unknown task, or for a
-    task whose data cannot be downloaded)."""
+    task whose data cannot be downloaded). ``activations``: as for :func:`evaluate`."""
     from squeeze.eval.harness import import_lm_eval, load_harness_model, run_tasks
     from squeeze.runtime.kvcache import check_kv_options
 
     check_kv_options(kv_bits, kv_dynamic)
+    activations = check_activations(activations)
     if not tasks:
         raise ConfigError("no task named", hint="pass --tasks NAME[,NAME...]")
     import_lm_eval()
     core = load_harness_model(
-        model, batch_size=batch_size, kv_bits=kv_bits, kv_dynamic=kv_dynamic, public_key=public_key
+        model,
+        batch_size=batch_size,
+        kv_bits=kv_bits,
+        kv_dynamic=kv_dynamic,
+        public_key=public_key,
+        activations=activations,
     )
     return run_tasks(core, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot)
 

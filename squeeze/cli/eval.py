@@ -78,7 +78,7 @@ def eval_(
         if (text is None) == (tasks is None):
             raise ConfigError("pass either --text FILE (perplexity) or --tasks NAMES (lm-evaluation-harness)")
     if tasks is not None:
-        options = (include_path, limit, num_fewshot, batch_size, kv_bits, kv_dynamic, json_out, public_key)
+        options = (include_path, limit, num_fewshot, batch_size, kv_bits, kv_dynamic, json_out, public_key, activations)
         _eval_tasks(model, tasks, *options)
         return
     assert text is not None  # checked above
@@ -128,6 +128,7 @@ def _eval_tasks(
     kv_dynamic: bool,
     json_out: bool,
     public_key: Optional[Path],
+    activations: str,
 ) -> None:
     """``squeeze eval MODEL --tasks NAMES``: lm-eval's results as a table (or JSON)."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
@@ -142,6 +143,7 @@ def _eval_tasks(
             kv_bits=kv_bits,
             kv_dynamic=kv_dynamic,
             public_key=public_key,
+            activations=api.check_activations(activations),
         )
     if json_out:
         print_json(result.to_dict())

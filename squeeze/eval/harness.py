@@ -25,6 +25,7 @@ from torch import nn
 
 from squeeze.errors import ConfigError
 from squeeze.eval.perplexity import CacheFactory, next_token_scores
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 
 #: The name lm-eval knows squeeze's model by (``--model squeeze``).
 MODEL_NAME = "squeeze"
@@ -141,12 +142,13 @@ def load_harness_model(
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
     public_key: str | os.PathLike[str] | None = None,
+    activations: Activations = DEFAULT_ACTIVATIONS,
 ) -> HarnessModel:
-    """A model or artifact opened as ``squeeze eval`` opens it (an artifact verified, its calibrated KV cache
-    unless ``kv_bits`` says otherwise) and wrapped for lm-eval."""
+    """A model or artifact opened as ``squeeze eval`` opens it (an artifact verified, its LUT kernels'
+    ``activations``, its calibrated KV cache unless ``kv_bits`` says otherwise) and wrapped for lm-eval."""
     from squeeze.eval.compare import _open, kv_cache_factory, resolve_target
 
-    model, tokenizer, calibrated = _open(resolve_target(path), public_key)
+    model, tokenizer, calibrated = _open(resolve_target(path), public_key, activations)
     factory, _ = kv_cache_factory(model, calibrated, kv_bits, kv_dynamic)
     return HarnessModel(model, tokenizer, batch_size=batch_size, kv_cache=factory)
 

@@ -136,3 +136,14 @@ def test_the_int4_kv_cache_scores_the_same_in_the_server_and_in_process(serve_ar
         choices = httpx.post(f"{url}/v1/completions", json=request, timeout=60).json()["choices"]
     for (ctx, _), choice, (score, _) in zip(encoded, choices, core.loglikelihood_ids(encoded), strict=True):
         assert sum(choice["logprobs"]["token_logprobs"][len(ctx) :]) == pytest.approx(score, abs=1e-4)
+
+
+def test_the_tasks_run_with_the_activations_asked_for(serve_artifact: Path) -> None:
+    """``squeeze eval --tasks ... --activations int8`` loads the artifact's LUT kernels with int8 activations,
+    as ``squeeze eval --text`` does (the option used to stop at the perplexity path)."""
+    from squeeze.runtime.linear import SqueezeLinear
+
+    for activations in ("float32", "int8"):
+        core = load_harness_model(serve_artifact, batch_size=1, kv_bits=16, activations=activations)
+        linears = [m for m in core.model.modules() if isinstance(m, SqueezeLinear)]
+        assert linears and {m.activations for m in linears} == {activations}
