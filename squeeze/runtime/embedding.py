@@ -19,6 +19,7 @@ from squeeze.errors import FormatError
 from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.linear import SqueezeLinear, replace_module
+from squeeze.runtime.qmodule import QuantizedModule
 
 
 def gather_rows(qweight: WeightFormat, index: torch.Tensor) -> WeightFormat:
@@ -49,26 +50,20 @@ def check_embedding_weight(qweight: WeightFormat, name: str) -> None:
             )
 
 
-class SqueezeEmbedding(nn.Module):
+class SqueezeEmbedding(QuantizedModule):
     """ids (...) int64 -> (..., embedding_dim) float32, rows dequantized from the quantized (V, d) table."""
 
+    unnamed = "embedding"
+
     def __init__(self, qweight: WeightFormat, padding_idx: int | None = None):
-        super().__init__()
-        check_embedding_weight(qweight, "embedding")
+        check_embedding_weight(qweight, self.unnamed)
+        super().__init__(qweight)
         self.num_embeddings = qweight.out_features
         self.embedding_dim = qweight.in_features
         self.padding_idx = padding_idx  # kept for code that reads it; the stored row is what is returned
-        self._qweight = qweight
-        for name, tensor in qweight.tensors_by_role().items():
-            self.register_buffer(name, tensor)
 
-    @property
-    def qweight(self) -> WeightFormat:
-        return self._qweight
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole table (V, d) in ``dtype`` (the reference; ``forward`` never builds it)."""
-        return self._qweight.dequantize(dtype)
+    def check_weight(self, qweight: WeightFormat, name: str) -> None:
+        check_embedding_weight(qweight, name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64)
@@ -77,31 +72,8 @@ class SqueezeEmbedding(nn.Module):
         rows = gather_rows(self._qweight, flat).dequantize(torch.float32)  # (n, d)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
-    def rebind(self, name: str = "") -> None:
-        """Rebuild the weight from the live buffers with every format check (FormatError); see SqueezeLinear."""
-        self._qweight = self._from_buffers(name, check=True)
-        check_embedding_weight(self._qweight, name or "embedding")
-
-    def _from_buffers(self, prefix: str = "", *, check: bool) -> WeightFormat:
-        tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
-        q = self._qweight
-        return type(q).from_tensors(
-            tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check, **q.params()
-        )
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SqueezeEmbedding:
-        super()._apply(fn, recurse)  # .to(device) replaces the buffers: the weight object follows them
-        if not any(b.is_meta for b in self.buffers(recurse=False)):
-            self._qweight = self._from_buffers(check=False)
-        return self
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if not any(b.is_meta for b in self.buffers(recurse=False)):
-            self.rebind(prefix.rstrip("."))
-
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self._qweight.name}, bits={self._qweight.bits}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.format_repr()}"
 
 
 def replace_embedding(model: nn.Module, name: str, build: Callable[[nn.Embedding], nn.Module]) -> None:

@@ -12,9 +12,10 @@ Two ways to use it, both touching only the experts the batch routes to:
 
 * ``experts.gate_up_proj.linear(e, x)``: ``x @ W_e^T`` for expert e. On the CPU the native LUT kernels run
   it on the packed codes (a GEMV for decoding: ~50x faster than dequantizing the expert first, 1536 x 2048
-  at 4 bits); elsewhere the expert is dequantized and multiplied. :func:`squeeze_experts_forward`, the
-  experts forward the loaders select (registered with transformers' ``ExpertsInterface`` as "squeeze"),
-  computes each routed expert this way, with the family's own gate (``_apply_gate``), activation and biases.
+  at 4 bits); elsewhere the expert is dequantized and multiplied. The experts forward the loaders select
+  (:func:`~squeeze.runtime.experts_forward.squeeze_experts_forward`, registered with transformers'
+  ``ExpertsInterface`` as "squeeze") computes each routed expert this way, with the family's own gate
+  (``_apply_gate``), activation and biases.
 * indexing it like the parameter (``experts.gate_up_proj[e]``, a 0-d tensor, or a 1-D index tensor) returns
   the dequantized expert(s) in the parameter's layout and dtype: what transformers' own eager experts
   forward (and ``batched_mm``) read, so they run unchanged too; the grouped forwards read whole 3-D tensors
@@ -31,7 +32,6 @@ adds 12 bytes per sparse entry, and its int8 form (``activations="int8"``) 20 by
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +44,7 @@ from squeeze.limits import is_int
 from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, permuted_positions, prepare_cpu
+from squeeze.runtime.qmodule import QuantizedModule
 
 #: The module-entry keys of an expert parameter (popped before the format's ``from_spec``).
 EXPERTS_KEY, TRANSPOSED_KEY = "experts", "transposed"
@@ -84,7 +85,7 @@ def check_expert_rows(qweight: WeightFormat, experts: int, name: str) -> int:
     return rows // experts
 
 
-class SqueezeExperts(nn.Module):
+class SqueezeExperts(QuantizedModule):
     """A quantized expert parameter: ``self[e]`` is expert e's matrix, (out, in) or (in, out) when transposed.
 
     ``qweight``: the format's weight of shape (E*out, in); ``experts``: E; ``transposed``: the parameter is
@@ -93,6 +94,7 @@ class SqueezeExperts(nn.Module):
 
     #: transformers' init helpers skip a tensor so flagged; a loaded quantized weight has nothing to initialise
     _is_hf_initialized = True
+    unnamed = "experts"
 
     def __init__(
         self,
@@ -103,23 +105,21 @@ class SqueezeExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
         activations: Activations = DEFAULT_ACTIVATIONS,
     ):
-        super().__init__()
+        expert_rows = check_expert_rows(qweight, int(experts), self.unnamed)
+        super().__init__(qweight)
         #: the native LUT kernels' activation precision (cpu_w8.ACTIVATIONS)
         self.activations = activations
         self.num_experts = int(experts)
-        self.expert_rows = check_expert_rows(qweight, self.num_experts, "experts")
+        self.expert_rows = expert_rows
         self.in_features = qweight.in_features
         self.transposed = bool(transposed)
         self.compute_dtype = dtype
         #: expert matrices used so far (dequantized, or run by ``linear``): one per routed expert per call
         self.used = 0
-        self._qweight = qweight
         self._prepared: Any = None  # the grouped Triton kernel's layout, on CUDA
         self._cpu: list[CpuPreparedLut] | None = None  # the native kernels' form of each expert, on CPU
         self._cpu_columns: Tensor | None = None  # int64 (in,): column j's position in the kernels' order
-        for name, tensor in qweight.tensors_by_role().items():
-            self.register_buffer(name, tensor)
-        self._layout_changed()
+        self.prepare_layout()
 
     # -- what transformers may read off a parameter --------------------------------------------------
 
@@ -135,7 +135,7 @@ class SqueezeExperts(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.buffers(recurse=False)).device
+        return self.storage_device
 
     @property
     def ndim(self) -> int:
@@ -149,10 +149,6 @@ class SqueezeExperts(nn.Module):
 
     def __len__(self) -> int:
         return self.num_experts
-
-    @property
-    def qweight(self) -> WeightFormat:
-        return self._qweight
 
     @property
     def weight_path(self) -> str:
@@ -248,40 +244,22 @@ class SqueezeExperts(nn.Module):
 
     # -- buffers set or moved ------------------------------------------------------------------------
 
-    def rebind(self, name: str = "") -> None:
-        """Rebuild the weight from the live buffers with every format check (FormatError); see SqueezeLinear."""
-        self._qweight = self._from_buffers(name, check=True)
-        check_expert_rows(self._qweight, self.num_experts, name or "experts")
-        self._layout_changed()
+    def check_weight(self, qweight: WeightFormat, name: str) -> None:
+        check_expert_rows(qweight, self.num_experts, name)
 
-    def _from_buffers(self, prefix: str = "", *, check: bool) -> WeightFormat:
-        tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
-        q = self._qweight
-        return type(q).from_tensors(
-            tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check, **q.params()
-        )
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> SqueezeExperts:
+    def _move_buffers(self, fn: Callable[[Tensor], Tensor], recurse: bool) -> None:
         # .to(device) moves the buffers; .to(dtype) / .half() must not convert the stored LUT or sparse values
-        # (the format fixes their dtypes): they are cast back, and the experts are returned in the new dtype
+        # (the format fixes their dtypes): they are put back, and the experts are returned in the new dtype
         stored = dict(self.named_buffers(recurse=False))
-        super()._apply(fn, recurse)
+        super()._move_buffers(fn, recurse)
         for name, old in stored.items():
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:  # the original, moved: a cast back could round
                 self.compute_dtype = new.dtype
                 self._buffers[name] = old.to(new.device)
-        if not any(b.is_meta for b in self.buffers(recurse=False)):
-            self._qweight = self._from_buffers(check=False)
-        self._layout_changed()
-        return self
 
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if not any(b.is_meta for b in self.buffers(recurse=False)):
-            self.rebind(prefix.rstrip("."))
-
-    def _layout_changed(self) -> None:
+    def prepare_layout(self) -> None:
+        """Drop the experts' kernel forms; prepare the grouped Triton (CUDA) or per-expert native (CPU) ones."""
         self._prepared, self._cpu, self._cpu_columns = None, None, None
         if self.device.type == "cuda":
             from squeeze.runtime.kernels.triton_experts import prepare_experts
@@ -298,8 +276,7 @@ class SqueezeExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"experts={self.num_experts}, shape={tuple(self.shape)}, transposed={self.transposed}, "
-            f"format={self._qweight.name}, bits={self._qweight.bits}"
+            f"experts={self.num_experts}, shape={tuple(self.shape)}, transposed={self.transposed}, {self.format_repr()}"
         )
 
 
@@ -350,76 +327,9 @@ def replace_expert_parameter(
     return module
 
 
-def _expert_linear(module: nn.Module, attr: str, e: int, x: Tensor) -> Tensor:
-    """Expert ``e``'s projection ``attr`` of x: by SqueezeExperts.linear, or from a plain 3-D parameter."""
-    weight = getattr(module, attr)
-    if isinstance(weight, SqueezeExperts):
-        out = weight.linear(e, x)
-    else:  # an expert parameter the artifact keeps unquantized
-        out = x @ weight[e] if getattr(module, "is_transposed", False) else F.linear(x, weight[e])
-    bias = getattr(module, f"{attr}_bias", None) if getattr(module, "has_bias", False) else None
-    return out + bias[e] if bias is not None else out
-
-
-def squeeze_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """transformers' experts forward (the "squeeze" experts implementation) for experts modules holding
-    SqueezeExperts: hidden_states (T, H), top_k_index int (T, K), top_k_weights (T, K) -> (T, H).
-
-    The eager loop of the families' own forwards (experts in ascending order, each over the tokens routed to
-    it, results weighted and summed by ``index_add_``), with each projection computed by
-    :meth:`SqueezeExperts.linear` (the native kernels on the packed codes) instead of through an expert
-    matrix; the gate (``_apply_gate``: gpt-oss's clamped, interleaved one), activation and biases are the
-    module's own, as transformers' batched forwards read them. Sentinel indices >= E (expert parallelism)
-    are skipped.
-    """
-    experts = int(self.num_experts)  # self: the experts module (an nn.Module of a transformers MoE family)
-    gated = getattr(self, "has_gate", True)
-    final = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        hit = [e for e in torch.unique(top_k_index).tolist() if 0 <= e < experts]
-    for e in hit:
-        top_k_pos, token_idx = torch.where(top_k_index.T == e)  # the eager forwards' order
-        state = hidden_states[token_idx]
-        up = _expert_linear(self, "gate_up_proj" if gated else "up_proj", e, state)
-        act = self._apply_gate(up) if gated else self.act_fn(up)
-        out = _expert_linear(self, "down_proj", e, act)
-        if getattr(self, "has_post_expert_norm", False):
-            out = self.post_expert_norm(out)
-        out = out * top_k_weights[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, out.to(final.dtype))
-    return final
-
-
-@functools.cache
-def experts_implementation() -> str:
-    """The experts implementation the loaders select: "squeeze" (:func:`squeeze_experts_forward`, registered
-    with transformers' ExpertsInterface on the first call), or "eager" for a transformers without that registry
-    (its experts modules then index the parameter, which works too). transformers is imported here, not at
-    module import."""
-    try:
-        from transformers.integrations.moe import ExpertsInterface
-    except ImportError:  # pragma: no cover - older transformers (e.g. vLLM's pin) keep experts as linears
-        return "eager"
-    ExpertsInterface.register("squeeze", squeeze_experts_forward)
-    return "squeeze"
-
-
-def use_squeeze_experts(model: nn.Module) -> None:
-    """Make every experts module holding a SqueezeExperts run :func:`squeeze_experts_forward` (transformers'
-    grouped forward, its default, reads whole 3-D tensors)."""
-    for module in model.modules():
-        if any(isinstance(child, SqueezeExperts) for child in module.children()):
-            config = getattr(module, "config", None)
-            if config is not None and getattr(config, "_experts_implementation", None) != experts_implementation():
-                config._experts_implementation = experts_implementation()
-
-
 __all__ = [
     "SqueezeExperts",
     "replace_expert_parameter",
-    "use_squeeze_experts",
-    "squeeze_experts_forward",
-    "experts_implementation",
     "experts_layout",
     "format_spec",
     "check_expert_rows",

@@ -51,12 +51,11 @@ from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
-    experts_implementation,
     experts_layout,
     format_spec,
     replace_expert_parameter,
-    use_squeeze_experts,
 )
+from squeeze.runtime.experts_forward import experts_implementation, use_squeeze_experts
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
     QUANT_METHOD,

@@ -32,13 +32,16 @@ from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, prepare_cpu
 from squeeze.runtime.kernels.dispatch import drop_prepared, lut_forward, prepare_module, prepared_for
+from squeeze.runtime.qmodule import QuantizedModule
 
 #: Output rows dequantized at a time on the low-memory path (1024 x 4096 fp32 = 16 MiB per slice).
 DEFAULT_CHUNK_ROWS = 1024
 
 
-class SqueezeLinear(nn.Module):
+class SqueezeLinear(QuantizedModule):
     """y = x @ W^T + b with W stored quantized. Buffers are named as in the artifact (``weight_packed`` ...)."""
+
+    unnamed = "linear"
 
     def __init__(
         self,
@@ -49,72 +52,25 @@ class SqueezeLinear(nn.Module):
         low_memory: bool = False,
         activations: Activations = DEFAULT_ACTIVATIONS,
     ):
-        super().__init__()
+        super().__init__(qweight)
         self.in_features = qweight.in_features
         self.activations = activations
         self.out_features = qweight.out_features
         self.dense_cache = dense_cache
         self.low_memory = low_memory
         self._cpu: CpuPreparedLut | None = None
-        self._qweight = qweight
-        for name, tensor in qweight.tensors_by_role().items():
-            self.register_buffer(name, tensor)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._dense: torch.Tensor | None = None
         #: rows per slice on the chunked path
         self.chunk_rows = DEFAULT_CHUNK_ROWS
-        self._layout_changed()  # a weight built on CUDA gets its kernel layout now, not in the first forward
+        self.prepare_layout()  # a weight built on CUDA gets its kernel layout now, not in the first forward
 
-    @property
-    def qweight(self) -> WeightFormat:
-        return self._qweight
-
-    @property
-    def method(self) -> str:
-        return self._qweight.method
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight (out_features, in_features) in ``dtype``, by the exact reference path."""
-        return self._qweight.dequantize(dtype)
-
-    def rebind(self, name: str = "") -> None:
-        """Rebuild the weight from the live buffers with every format check (FormatError), drop caches.
-
-        For loaders that fill the buffers after construction (transformers' ``from_pretrained`` builds this
-        module with meta buffers, then assigns the checkpoint's tensors by name), and after any in-place
-        change of the buffers. ``name``: the module's name, so errors name the tensor.
-        """
-        self._qweight = self._from_buffers(name, check=True)
-        self._layout_changed()
-
-    def _from_buffers(self, prefix: str = "", *, check: bool) -> WeightFormat:
-        tensors = {f"{prefix}.{name}": buf for name, buf in self.named_buffers(recurse=False)}
-        q = self._qweight
-        return type(q).from_tensors(
-            tensors, prefix, bits=q.bits, in_features=q.in_features, check_values=check, **q.params()
-        )
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SqueezeLinear:
-        # .to() / .cuda() / .half() replace the buffers: rebuild the weight object over them (shapes are
-        # re-checked, values were checked at load) and prepare the kernels' layout for the new device
-        super()._apply(fn, recurse)
-        if not any(b.is_meta for b in self.buffers(recurse=False)):
-            self._qweight = self._from_buffers(check=False)
-        self._layout_changed()
-        return self
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
-        # load_state_dict copies INTO the buffers: the kernels' derived forms (sparse residual) and any
-        # dense cache are now stale, so the weight is rebuilt from the buffers, with every format check
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if not any(b.is_meta for b in self.buffers(recurse=False)):
-            self.rebind(prefix.rstrip("."))
-
-    def _layout_changed(self) -> None:
+    def prepare_layout(self) -> None:
+        """Drop the dense cache and kernel layouts; prepare the Triton (CUDA) or native (CPU) kernels' form."""
         self._dense = None
         self._cpu = None
         drop_prepared(self)
-        device = next(self.buffers(recurse=False)).device
+        device = self.storage_device
         if device.type == "cuda":
             prepare_module(self, device)
         elif device.type == "cpu" and not self.dense_cache:
@@ -123,7 +79,7 @@ class SqueezeLinear(nn.Module):
     @property
     def weight_path(self) -> str:
         """The path ``forward`` takes for inputs on the buffers' device (module docstring)."""
-        device = next(self.buffers(recurse=False)).device
+        device = self.storage_device
         if self._cpu is not None and device.type == "cpu":
             return f"native-{self._cpu.kernels.isa}"
         if device.type == "cuda" and prepared_for(self, device) is not None:
@@ -166,8 +122,8 @@ class SqueezeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, format={self._qweight.name}, "
-            f"bits={self._qweight.bits}, bias={self.bias is not None}"
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.format_repr()}, "
+            f"bias={self.bias is not None}"
         )
 
 

@@ -55,8 +55,8 @@ from squeeze.runtime.experts import (
     experts_layout,
     format_spec,
     replace_expert_parameter,
-    use_squeeze_experts,
 )
+from squeeze.runtime.experts_forward import use_squeeze_experts
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
 from squeeze.runtime.stored_dtype import KEPT_DTYPES, stored_dtype_names, upcast_embedding_output

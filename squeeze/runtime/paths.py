@@ -47,7 +47,7 @@ def set_activations(model: nn.Module, activations: Activations) -> int:
     for module in model.modules():
         if isinstance(module, (SqueezeLinear, SqueezeExperts)):
             module.activations = activations
-            module._layout_changed()
+            module.prepare_layout()
             count += 1
     return count
 

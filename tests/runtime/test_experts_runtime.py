@@ -30,11 +30,10 @@ from squeeze.quant.schemes.rtn import RtnWeight
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.experts import (
     SqueezeExperts,
-    experts_implementation,
     experts_layout,
     replace_expert_parameter,
-    use_squeeze_experts,
 )
+from squeeze.runtime.experts_forward import experts_implementation, use_squeeze_experts
 from squeeze.runtime.memory import SPARSE_ENTRY_BYTES, W8_BITS, W8_ROW_BYTES, estimate_load
 from squeeze.runtime.paths import set_activations
 
