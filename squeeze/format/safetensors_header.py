@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from squeeze.errors import FormatError
+from squeeze.format.dtypes import SAFETENSORS_DTYPES
 from squeeze.format.manifest import strict_json_loads
 from squeeze.format.paths import short_repr
 
@@ -22,24 +23,6 @@ MAX_HEADER_BYTES = 100 * 2**20
 #: or double; far past any real tensor). A zero-size tensor needs no bytes, so without this bound a shape
 #: like [0, 2**64] would pass the byte-count check and overflow torch's int64 sizes at load.
 MAX_ELEMENTS = 2**53
-
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -121,7 +104,7 @@ def _tensor_info(key: str, value: Any, name: str) -> TensorInfo:
     if not isinstance(value, dict):
         raise FormatError(f"{where} entry must be an object")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
+    if dtype not in SAFETENSORS_DTYPES:
         raise FormatError(f"{where} has unknown dtype {short_repr(dtype)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise FormatError(f"{where} has an invalid shape {short_repr(shape)}")
@@ -137,7 +120,7 @@ def _tensor_info(key: str, value: Any, name: str) -> TensorInfo:
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise FormatError(f"{where} has invalid data_offsets {short_repr(offsets)}")
-    expected = math.prod(shape) * DTYPE_BYTES[dtype]
+    expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
     if offsets[1] - offsets[0] != expected:
         raise FormatError(
             f"{where} spans {offsets[1] - offsets[0]} bytes, but {dtype} x {short_repr(shape)} needs {expected}"

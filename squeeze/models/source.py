@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from squeeze.errors import FormatError, ModelError
+from squeeze.format.dtypes import FLOAT_DTYPES, SAFETENSORS_DTYPES
 from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
 from squeeze.models.remote_code import check_no_remote_code, is_remote_code_refusal, read_small_json, remote_code_error
 
@@ -331,12 +332,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
 
 
 #: The dtypes ``--keep-dtype`` may name (``source``: the checkpoint's own), as squeeze spells them.
-KEEP_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-_SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float32}
+KEEP_DTYPES: dict[str, torch.dtype] = {name: FLOAT_DTYPES[name] for name in ("float32", "bfloat16", "float16")}
 
 
 def source_dtype(source: ModelSource) -> torch.dtype:
@@ -356,8 +352,9 @@ def source_dtype(source: ModelSource) -> torch.dtype:
         except (OSError, FormatError):
             continue  # transformers reports an unreadable checkpoint when it loads it
         for info in header.tensors.values():
-            dtype = _SAFETENSORS_FLOATS.get(info.dtype)
-            if dtype is not None:
+            dtype = SAFETENSORS_DTYPES[info.dtype].torch  # the parser refuses a dtype not in the table
+            if dtype is not None and dtype.is_floating_point:
+                dtype = torch.float32 if dtype == torch.float64 else dtype
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + info.end - info.begin
     if by_dtype:
         return max(by_dtype, key=lambda d: by_dtype[d])

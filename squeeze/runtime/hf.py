@@ -41,6 +41,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from squeeze.errors import FormatError
+from squeeze.format.dtypes import torch_dtype
 from squeeze.format.paths import resolve_root
 from squeeze.format.quant_config import FORMAT_VERSION
 from squeeze.format.safetensors_header import TensorInfo
@@ -62,7 +63,6 @@ from squeeze.runtime.loader import (
     is_artifact,
     quantized_weight_from,
     swap_in_quantized,
-    torch_dtype,
     verified_report,
 )
 from squeeze.runtime.stored_dtype import restore_stored_dtype, stored_dtype_names

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from squeeze.errors import ConfigError, FormatError, IntegrityError, ModelError
+from squeeze.format.dtypes import torch_dtype
 from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
@@ -130,24 +131,6 @@ def _reason(exc: BaseException, limit: int = 300) -> str:
         return type(exc).__name__
     text = lines[-1] if len(lines) > 1 else f"{type(exc).__name__}: {lines[0]}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtypes = {
-        "BOOL": torch.bool,
-        "U8": torch.uint8,
-        "I8": torch.int8,
-        "I16": torch.int16,
-        "I32": torch.int32,
-        "I64": torch.int64,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F32": torch.float32,
-        "F64": torch.float64,
-    }
-    if name not in dtypes:
-        raise FormatError(f"tensor dtype {name} is not supported by the squeeze loader")
-    return dtypes[name]
 
 
 def tensors_from_captured(report: VerifyReport, exclude: Collection[str] = ()) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from squeeze.errors import ResourceError, SqueezeError
+from squeeze.format.dtypes import float_itemsize
 from squeeze.format.inspect import module_dim
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
 from squeeze.format.paths import (
@@ -51,7 +52,6 @@ from squeeze.system import available_memory_bytes
 #: `squeeze.generate` on SmolLM2-135M (32 new tokens) exceeds the artifact + dense cache by 355-384 MB over
 #: what the process held after `import squeeze`; rounded up.
 OVERHEAD_BYTES = 512 * 2**20
-_FLOAT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 #: Bytes the native kernels' prepared form holds per sparse entry, at most: permuted column (int32), residual
 #: and exact value (float32; no copy when the artifact's values are float32) (cpu_lut.prepare_cpu), plus the
 #: int8 form's column (int32) and residual (float32) (cpu_w8.prepare_w8).
@@ -178,7 +178,7 @@ def _read_config(root_fd: int) -> dict[str, Any] | None:
 def _float_width(config: Mapping[str, Any] | None) -> int:
     """Bytes per element of the model's float dtype (what a dense cache is built in); 4 when unknown."""
     name = (config.get("dtype") or config.get("torch_dtype") or "float32") if config is not None else "float32"
-    return _FLOAT_BYTES.get(str(name), 4)
+    return float_itemsize(name, 4)
 
 
 def _modules(config: Mapping[str, Any], native: bool) -> list[_Module]:

@@ -28,11 +28,12 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.utils import set_weight_attrs
 
 from squeeze.errors import FormatError
+from squeeze.format.dtypes import torch_dtype
 from squeeze.integrations.vllm.artifact import ModuleSpecs
 from squeeze.integrations.vllm.sharding import LayerGeometry, ShardId, ShardPlan, Split, plan_shards, take_shard
 from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.loader import quantized_weight_from, torch_dtype
+from squeeze.runtime.loader import quantized_weight_from
 
 #: The attribute of a vLLM layer that holds its :class:`LayerState`.
 STATE = "squeeze_state"
