@@ -14,7 +14,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from squeeze.errors import FormatError
+from squeeze.errors import ConfigError, FormatError, SqueezeError
 
 _OPEN_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; fstat then refuses it
@@ -76,25 +76,35 @@ def file_kind(mode: int) -> str:
     return "a special file"
 
 
-def read_user_file(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
-    """The whole of a small file the user named (a key, a recipe): opened non-blocking, so a FIFO cannot hang
-    the read, then refused unless it is a regular file; at most ``limit`` bytes. The user's own links are
-    followed. Raises OSError (missing, unreadable) and ConfigError (not a regular file, too large)."""
-    from squeeze.errors import ConfigError
+def read_capped(
+    fd: int, limit: int, subject: str, error: type[SqueezeError] = FormatError, hint: str | None = None
+) -> bytes:
+    """The whole of the small file open as ``fd`` (closed here): the one capped read of every file squeeze
+    reads whole before or without hashing it (config.json, the manifest, a signature, a key, a recipe).
 
-    shown = short_path(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    ``fd`` was opened non-blocking (a FIFO cannot hang the open). Refused, with ``error`` whose message starts
+    with ``subject``: anything but a regular file (``hint`` then), and a file larger than ``limit`` bytes, by
+    its size before a byte is read and again after reading at most ``limit + 1`` (a file growing meanwhile).
+    """
     with os.fdopen(fd, "rb") as handle:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(
-                f"the {what} {shown} is {file_kind(mode)}, not a regular file",
-                hint=f"pass the path of the {what} file itself",
-            )
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{subject} is {file_kind(info.st_mode)}, not a regular file", hint=hint)
+        if info.st_size > limit:
+            raise error(f"{subject} is {info.st_size} bytes, larger than the {limit} byte limit")
         data = handle.read(limit + 1)
     if len(data) > limit:
-        raise ConfigError(f"the {what} {shown} is larger than {limit} bytes")
+        raise error(f"{subject} grew past the {limit} byte limit while being read")
     return data
+
+
+def read_user_file(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
+    """The whole of a small file the user named (a key, a recipe, a model's config.json), at most ``limit``
+    bytes (:func:`read_capped`). The user's own links are followed. Raises OSError (missing, unreadable) and
+    ConfigError (not a regular file, too large) naming it as "the ``what`` <path>"."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    hint = f"pass the path of the {what} file itself"
+    return read_capped(fd, limit, f"the {what} {short_path(path)}", ConfigError, hint)
 
 
 def check_relative_path(path: object, where: str) -> str:
@@ -184,10 +194,8 @@ def open_inside(root_fd: int, relative: str) -> int:
 def read_inside(root: int | str | os.PathLike[str], relative: str, limit: int, *, name: str | None = None) -> bytes:
     """The whole of the small file ``relative`` under ``root`` (a directory fd, or a resolved root path).
 
-    Hardened for files read before they are verified: no symlink at any component, regular files only,
-    a non-blocking open, and the size capped before reading (fstat first, then at most ``limit + 1``
-    bytes, so a file that grows meanwhile is refused too). Raises FormatError naming the file as ``name``
-    (default: ``relative``).
+    Hardened for files read before they are verified: no symlink at any component (:func:`open_inside`),
+    then :func:`read_capped`. Raises FormatError naming the file as ``name`` (default: ``relative``).
     """
     shown = short_path(name or relative)
     root_fd = root if isinstance(root, int) else open_root(root)
@@ -200,14 +208,7 @@ def read_inside(root: int | str | os.PathLike[str], relative: str, limit: int, *
     finally:
         if not isinstance(root, int):
             os.close(root_fd)
-    with os.fdopen(fd, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > limit:
-            raise FormatError(f"{shown} is {size} bytes, larger than the {limit} byte limit")
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise FormatError(f"{shown} grew past the {limit} byte limit while being read")
-    return data
+    return read_capped(fd, limit, shown)
 
 
 def walk_artifact(root: int | str | os.PathLike[str]) -> Iterator[tuple[str, os.stat_result]]:

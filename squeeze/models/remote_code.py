@@ -6,12 +6,11 @@ Also the size-capped, non-blocking JSON read every check of a model's small file
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from squeeze.errors import ModelError
+from squeeze.errors import ConfigError, ModelError
+from squeeze.format.paths import read_user_file
 
 if TYPE_CHECKING:
     from squeeze.models.source import ModelSource
@@ -72,24 +71,14 @@ def _code_files(auto_map: object) -> str:
 def read_small_json(path: Path) -> object:
     """``path`` parsed as JSON; None when it is not a small regular file holding valid JSON.
 
-    Opened non-blocking (a FIFO never hangs) and size-capped before reading; links are followed (hub-cache
-    snapshots are links to blobs). None leaves the file to transformers, which reports what is wrong.
+    Read by the one capped reader (:func:`squeeze.format.paths.read_user_file`: non-blocking, regular files
+    only, size capped before reading); links are followed (hub-cache snapshots are links to blobs). None
+    leaves the file to transformers, which reports what is wrong.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+        return json.loads(read_user_file(path, _MAX_CONFIG_BYTES, "config"))
+    except (OSError, ConfigError, ValueError, RecursionError):
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_CONFIG_BYTES:
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(_MAX_CONFIG_BYTES + 1)
-        return json.loads(data)
-    except (OSError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
 
 
 __all__ = ["check_no_remote_code", "remote_code_error", "is_remote_code_refusal", "read_small_json"]

@@ -19,11 +19,12 @@ from typer.testing import CliRunner
 from blocking import within
 from squeeze import verify_model_integrity
 from squeeze.cli.app import app
-from squeeze.errors import FormatError
+from squeeze.errors import ConfigError, FormatError
 from squeeze.format.manifest import MANIFEST_NAME
-from squeeze.format.paths import MAX_DEPTH, read_inside, short_path
+from squeeze.format.paths import MAX_DEPTH, read_inside, read_user_file, short_path
 from squeeze.format.safetensors_header import parse_safetensors_header
 from squeeze.format.verify import read_manifest, seal_artifact
+from squeeze.models.remote_code import read_small_json
 
 runner = CliRunner()
 SHARD = "model-00001-of-00002.safetensors"
@@ -84,6 +85,47 @@ def test_read_inside_stops_at_the_limit_when_the_file_is_longer_than_it_said():
     # /proc files report size 0 and then deliver bytes: what a file growing after fstat looks like
     with pytest.raises(FormatError, match="grew past the 10 byte limit"):
         read_inside(os.path.realpath("/proc/self"), "status", 10)
+
+
+# ------------------------------------------------------------------------------------------------------
+# read_user_file and read_small_json: the same capped read (read_capped), the user's own links followed
+
+
+def test_a_user_file_follows_links_and_refuses_a_fifo_without_blocking(tmp_path):
+    (tmp_path / "key.pem").write_bytes(b"pem")
+    os.symlink(tmp_path / "key.pem", tmp_path / "link.pem")
+    assert read_user_file(tmp_path / "link.pem", 3, "public key") == b"pem"
+    os.mkfifo(tmp_path / "fifo.pem")
+    with pytest.raises(ConfigError, match=r"the public key .*fifo.pem is a FIFO \(named pipe\), not a regular"):
+        within(10, lambda: read_user_file(tmp_path / "fifo.pem", 100, "public key"), unblock=tmp_path / "fifo.pem")
+    with pytest.raises(FileNotFoundError):
+        read_user_file(tmp_path / "missing.pem", 100, "public key")
+
+
+def test_a_user_file_is_capped_before_reading_and_while_reading(tmp_path):
+    with open(tmp_path / "recipe.yaml", "wb") as handle:
+        handle.truncate(2**30)  # sparse
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError, match="recipe .* is 1073741824 bytes, larger than the 4096 byte limit"):
+            read_user_file(tmp_path / "recipe.yaml", 4096, "recipe")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20  # before: read_user_file read limit + 1 bytes first
+    with pytest.raises(ConfigError, match="grew past the 10 byte limit"):
+        read_user_file("/proc/self/status", 10, "status")
+
+
+def test_a_models_small_json_is_none_unless_small_regular_and_valid(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert read_small_json(tmp_path / "config.json") == {"model_type": "llama"}
+    (tmp_path / "bad.json").write_text("{")
+    with open(tmp_path / "huge.json", "wb") as handle:
+        handle.truncate(2**30)
+    os.mkfifo(tmp_path / "fifo.json")
+    for name in ("bad.json", "huge.json", "fifo.json", "missing.json"):
+        assert within(10, lambda n=name: read_small_json(tmp_path / n), unblock=tmp_path / "fifo.json") is None
 
 
 def test_a_huge_sparse_manifest_is_refused_without_reading_it(artifact):
