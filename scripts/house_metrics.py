@@ -9,12 +9,11 @@ What is counted, and how:
   function counts on its own and inside its parent). ``@triton.jit`` kernels are listed separately.
 - functions with 8+ parameters: positional, positional-only and keyword-only parameters; ``self``/``cls`` of a
   method and ``*args``/``**kwargs`` are not counted.
-- import cycles: a graph of the package's modules with an edge for every import statement anywhere in a module,
-  at module level or inside a function (lazy); imports under ``if TYPE_CHECKING:`` never run and are left out.
-  ``from squeeze.a import b`` is an edge to ``squeeze.a.b`` when that is a module, else to ``squeeze.a``.
-  The parent packages Python initialises on the way are not edges (else every module would share a cycle with
-  a package ``__init__`` that re-exports it); ``from squeeze import __version__`` is an edge to ``squeeze``.
-  Each strongly connected group of modules is one cycle; one shortest cycle through it is shown.
+- import cycles: the graph of squeeze/_dev/import_graph.py, the one tests/test_import_layers.py checks: an edge
+  for every import statement anywhere in a module, at module level or inside a function (lazy), and to the
+  parent packages an import initialises on the way (but those containing the importer); imports under
+  ``if TYPE_CHECKING:`` never run and are left out. Each strongly connected group of modules is one cycle;
+  one shortest cycle through it is shown.
 - method branches: comparisons (``==``, ``!=``, ``in``, ``not in``, ``is``) and ``match`` cases against the
   literals "squeeze" or "rtn" (alone or inside a tuple, list or set), and ``isinstance(..., LutWeight/RtnWeight)``,
   outside ``squeeze/quant/schemes/`` (the weight-format registry, the one place allowed to know the formats).
@@ -26,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import sys
-from collections import deque
+import types
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
@@ -70,13 +70,6 @@ class Function:
     where: str  # path:line
     name: str  # qualified: module.Class.function
     value: int  # lines or parameter count
-
-
-@dataclass
-class Edge:
-    target: str
-    line: int
-    lazy: bool
 
 
 @dataclass
@@ -190,132 +183,28 @@ def function_metrics(modules: dict[str, Module], metrics: Metrics) -> None:
         items.sort(key=lambda f: (-f.value, f.name))
 
 
-def _type_checking_blocks(tree: ast.Module) -> set[int]:
-    """ids of the statements under ``if TYPE_CHECKING:`` (never executed)."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _dotted(node.test).split(".")[-1] == "TYPE_CHECKING":
-            for stmt in node.body:
-                skipped.update(id(n) for n in ast.walk(stmt))
-    return skipped
+def _import_graph() -> types.ModuleType:
+    """squeeze/_dev/import_graph.py (the graph the layering test checks), loaded by its path: it is stdlib only,
+    while ``import squeeze`` would import torch and transformers (seconds) for this pure-``ast`` script."""
+    path = REPO / "squeeze" / "_dev" / "import_graph.py"
+    spec = importlib.util.spec_from_file_location("_squeeze_import_graph", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
-def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
-    """The absolute module a ``from ... import`` reads from (relative imports resolved against ``module``)."""
-    if node.level == 0:
-        return node.module or ""
-    package = module.name.split(".") if module.is_package else module.name.split(".")[:-1]
-    base = package[: len(package) - (node.level - 1)]
-    return ".".join([*base, node.module] if node.module else base)
-
-
-def _lazy_import_ids(tree: ast.Module) -> set[int]:
-    """ids of the import statements inside a function body (run on call, not at import time)."""
-    lazy: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            lazy.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
-    return lazy
-
-
-def import_graph(modules: dict[str, Module]) -> dict[str, dict[str, Edge]]:
-    """module -> {imported package module -> the first edge (line, lazy)}; only edges inside the package."""
-    graph: dict[str, dict[str, Edge]] = {name: {} for name in modules}
-    for module in modules.values():
-        skipped = _type_checking_blocks(module.tree)
-        lazy = _lazy_import_ids(module.tree)
-        for node in ast.walk(module.tree):
-            if id(node) in skipped or not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                source = _resolve_from(module, node)
-                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
-            for target in targets:
-                if target in modules and target != module.name:
-                    edges = graph[module.name]
-                    edge = Edge(target, node.lineno, id(node) in lazy)
-                    # Keep an eager edge over a lazy one: the cycle shown is then the one that bites at import.
-                    if target not in edges or (edges[target].lazy and not edge.lazy):
-                        edges[target] = edge
-    return graph
-
-
-def _strongly_connected(graph: dict[str, dict[str, Edge]]) -> list[list[str]]:
-    """Tarjan's algorithm, iterative; groups with more than one module (self-imports are not edges here)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on_stack: set[str] = set()
-    stack: list[str] = []
-    groups: list[list[str]] = []
-    counter = 0
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                group = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    group.append(member)
-                    if member == node:
-                        break
-                if len(group) > 1:
-                    groups.append(sorted(group))
-    return sorted(groups)
-
-
-def _shortest_cycle(graph: dict[str, dict[str, Edge]], group: list[str]) -> list[str]:
-    """A shortest cycle inside ``group`` through its first module (breadth-first search back to the start)."""
-    members = set(group)
-    start = group[0]
-    parent: dict[str, str] = {}
-    queue = deque([start])
-    while queue:
-        node = queue.popleft()
-        for child in sorted(graph[node]):
-            if child not in members:
-                continue
-            if child == start:
-                path = [node]
-                while path[-1] != start:
-                    path.append(parent[path[-1]])
-                return [*reversed(path), start]
-            if child not in parent:
-                parent[child] = node
-                queue.append(child)
-    return group  # not reached: a strongly connected group always has a cycle through each member
-
-
-def cycle_metrics(modules: dict[str, Module], metrics: Metrics) -> None:
-    graph = import_graph(modules)
-    for group in _strongly_connected(graph):
-        cycle = _shortest_cycle(graph, group)
+def cycle_metrics(modules: dict[str, Module], package_dir: Path, metrics: Metrics) -> None:
+    graph_module = _import_graph()
+    edges = graph_module.import_edges(graph_module.all_modules(package_dir))
+    graph = graph_module.runtime_graph(edges)
+    shown = graph_module.first_edges(edges)
+    for group in sorted(graph_module.strongly_connected(graph)):
+        cycle = graph_module.shortest_cycle(graph, group)
         steps = []
         for a, b in pairwise(cycle):
-            edge = graph[a][b]
+            edge = shown[(a, b)]
             steps.append(f"{a} -> {b} ({modules[a].path}:{edge.line}{', lazy' if edge.lazy else ''})")
         metrics.import_cycles.append(Cycle(group, steps))
 
@@ -377,7 +266,7 @@ def collect(package_dir: Path) -> Metrics:
     modules = load_modules(package_dir)
     metrics = Metrics()
     function_metrics(modules, metrics)
-    cycle_metrics(modules, metrics)
+    cycle_metrics(modules, package_dir, metrics)
     branch_metrics(modules, package_dir, metrics)
     return metrics
 
