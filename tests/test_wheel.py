@@ -45,6 +45,9 @@ def test_wheel_ships_every_builtin(wheel: Path) -> None:
         for name in builtin_names(directory):
             assert f"squeeze/{kind}/{name}.yaml" in names
     assert "squeeze/py.typed" in names
+    kernels = REPO / "squeeze" / "runtime" / "kernels"
+    for source in sorted([*kernels.glob("*.cpp"), *kernels.glob("*.h")]):  # the native kernels build from these
+        assert f"squeeze/runtime/kernels/{source.name}" in names
     assert wheel.name.startswith(f"squeeze-{__version__}-")  # the version is read from squeeze/version.py
 
 

@@ -30,6 +30,8 @@ ISAS: dict[str, int] = {"avx512": 2, "avx2": 1, "scalar": 0}
 SOURCE = Path(__file__).with_name("cpu_lut.cpp")
 #: Every source of the library: the float32 LUT kernels and the W4A8 (int8) kernel, compiled together.
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_w8.cpp"))
+#: Headers the sources include (hashed with them: an edited header builds anew).
+HEADERS = (Path(__file__).with_name("cpu_codes.h"),)
 #: -fopenmp: threads over output rows; the library then needs libgomp.so.1, the runtime torch itself loads.
 #: -ffp-contract=off: the 8-bit LUT's level * scale + zero rounds twice, as in torch (no fused multiply-add).
 CXX_FLAGS = (
@@ -151,7 +153,7 @@ def _build(sources: tuple[Path, ...] = SOURCES, stem: str = "squeeze_cpu_lut") -
     compiler = find_compiler()
     if compiler is None:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX') or 'g++, c++'})")
-    texts = [path.read_bytes() for path in sources]
+    texts = [path.read_bytes() for path in (*sources, *HEADERS)]
     version = _compiler_version(compiler)
     key = hashlib.sha256(b"\0".join([*texts, version.encode(), " ".join(CXX_FLAGS).encode()])).hexdigest()[:16]
     target = cache_dir() / f"{stem}-{key}.so"
