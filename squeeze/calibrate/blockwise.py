@@ -36,11 +36,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from squeeze.calibrate.fisher import (
-    _only_targets_require_grad,
-    _square_and_drop_hooks,
-    _window_loss,
     finish_sums,
     new_sums,
+    only_targets_require_grad,
+    square_and_drop_hooks,
+    window_loss,
 )
 from squeeze.errors import ConfigError
 from squeeze.models.experts import ExpertWeight
@@ -222,7 +222,7 @@ def _tied(embed: nn.Module, head: nn.Module) -> bool:
 def _frozen(model: nn.Module) -> Iterator[None]:
     """Nothing requires grad but what a step turns on (as fisher_information freezes all but its targets);
     every flag is restored afterwards."""
-    with _only_targets_require_grad(model, ()):
+    with only_targets_require_grad(model, ()):
         yield
 
 
@@ -292,7 +292,7 @@ def _block_out(output: Any) -> torch.Tensor:
 def _loss(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """fisher.py's window loss on ``lm_head(norm(hidden))``: the same code computes the same bits."""
     logits_of = lambda **_kw: SimpleNamespace(logits=head(norm(hidden)))  # noqa: E731
-    return _window_loss(logits_of, ids)  # type: ignore[arg-type]
+    return window_loss(logits_of, ids)  # type: ignore[arg-type]
 
 
 def _head_grads(
@@ -309,7 +309,7 @@ def _head_grads(
     (when it is a target) to ``sink``. ``keep``: leave the last outputs in ``store`` (else they are taken)."""
     weights = _weights(targets)
     sums = new_sums(weights)
-    with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
+    with torch.enable_grad(), _requires_grad(weights.values()), square_and_drop_hooks(weights, sums):
         for w, row in enumerate(windows):
             final = store.get(f"h{n_blocks}-{w}") if keep else store.take(f"h{n_blocks}-{w}")
             x = final.detach().requires_grad_(True)
@@ -333,7 +333,7 @@ def _block_backward(
     ``need_input``. Both inputs are taken from ``store``."""
     weights = _weights(targets)
     sums = new_sums(weights)
-    with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
+    with torch.enable_grad(), _requires_grad(weights.values()), square_and_drop_hooks(weights, sums):
         for w, kw in enumerate(kwargs):
             x = store.take(f"h{index}-{w}").detach().requires_grad_(need_input)
             grad = store.take(f"g{index + 1}-{w}")
@@ -362,7 +362,7 @@ def _embedding_backward(
     the head's gradient of the same weight, recomputed from the last block's output (``h{n_blocks}-{w}``)."""
     weights = _weights(targets)
     sums = new_sums(weights)
-    with torch.enable_grad(), _requires_grad(weights.values()), _square_and_drop_hooks(weights, sums):
+    with torch.enable_grad(), _requires_grad(weights.values()), square_and_drop_hooks(weights, sums):
         for w, row in enumerate(windows):
             ids = row[None]
             outputs, seeds = [embed(ids)], [store.take(f"g0-{w}")]

@@ -80,9 +80,9 @@ def fisher_sums(
         if windows.is_inference():
             windows = windows.clone()
         with (
-            _only_targets_require_grad(model, weights.values()),
+            only_targets_require_grad(model, weights.values()),
             eval_mode(model),
-            _square_and_drop_hooks(weights, fisher),
+            square_and_drop_hooks(weights, fisher),
         ):
             _run_windows(model, windows, batch_size, device, progress)
     return fisher
@@ -153,13 +153,13 @@ def _run_windows(
     done = 0
     for start in range(0, n, batch_size):
         batch = windows[start : start + batch_size].to(device)  # (B, T)
-        _window_loss(model, batch).backward()
+        window_loss(model, batch).backward()
         done += batch.shape[0]
         if progress is not None:
             progress(done, n)
 
 
-def _window_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def window_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of int64 ``ids (B, T)`` over the ``B * (T - 1)`` predictions."""
     logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
     # Shift by building labels rather than slicing logits: logits[:, :-1] is non-contiguous for B > 1 and
@@ -171,7 +171,8 @@ def _window_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _only_targets_require_grad(model: nn.Module, targets: Iterable[torch.Tensor]) -> Iterator[None]:
+def only_targets_require_grad(model: nn.Module, targets: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Within the block, only ``targets`` (parameters of ``model``) require grad; every flag is restored after."""
     # Freezing everything else means autograd computes no weight gradient for embeddings, norms, lm_head
     # (a large (V, d) matmul saved per window) or untargeted linears; activations' gradients are still
     # propagated where a target lies below them.
@@ -187,7 +188,9 @@ def _only_targets_require_grad(model: nn.Module, targets: Iterable[torch.Tensor]
 
 
 @contextmanager
-def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]) -> Iterator[None]:
+def square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Within the block, each weight's gradient is squared into ``fisher[name]`` (fp32, its shape) as soon as it
+    is accumulated, then dropped: no model-wide gradient is ever held. The hooks are removed after."""
     # One hook per distinct parameter: a weight shared by two target names (tied linears) must feed both
     # accumulators from the same gradient, not have the first hook drop it before the second runs.
     by_param: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -220,4 +223,14 @@ def _square_and_drop_hooks(weights: Mapping[str, torch.Tensor], fisher: Mapping[
             w.grad = None
 
 
-__all__ = ["SUM_DTYPE", "add_square", "finish_sums", "fisher_information", "fisher_sums", "new_sums"]
+__all__ = [
+    "SUM_DTYPE",
+    "add_square",
+    "finish_sums",
+    "fisher_information",
+    "fisher_sums",
+    "new_sums",
+    "window_loss",
+    "only_targets_require_grad",
+    "square_and_drop_hooks",
+]

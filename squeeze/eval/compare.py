@@ -100,11 +100,11 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
 
 def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     """(model, tokenizer) from an artifact directory (verified, reference dequant path) or a model spec."""
-    model, tokenizer, _ = _open(resolve_target(spec))
+    model, tokenizer, _ = open_target(resolve_target(spec))
     return model, tokenizer
 
 
-def _open(
+def open_target(
     target: EvalTarget, public_key: str | os.PathLike[str] | None = None, activations: Activations = DEFAULT_ACTIVATIONS
 ) -> tuple[nn.Module, Any, KVSpec | None]:
     """(model, tokenizer, the artifact's calibrated KV spec or None); an artifact's signature is checked by
@@ -172,7 +172,7 @@ def evaluate(
     kv_used: list[tuple[int, str]] = []
 
     def measure(label: str, with_kv: bool) -> PerplexityResult:
-        net, tokenizer, calibrated = _open(targets[label], public_key if label == "model" else None, activations)
+        net, tokenizer, calibrated = open_target(targets[label], public_key if label == "model" else None, activations)
         factory = None
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)

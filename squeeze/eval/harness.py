@@ -146,9 +146,9 @@ def load_harness_model(
 ) -> HarnessModel:
     """A model or artifact opened as ``squeeze eval`` opens it (an artifact verified, its LUT kernels'
     ``activations``, its calibrated KV cache unless ``kv_bits`` says otherwise) and wrapped for lm-eval."""
-    from squeeze.eval.compare import _open, kv_cache_factory, resolve_target
+    from squeeze.eval.compare import kv_cache_factory, open_target, resolve_target
 
-    model, tokenizer, calibrated = _open(resolve_target(path), public_key, activations)
+    model, tokenizer, calibrated = open_target(resolve_target(path), public_key, activations)
     factory, _ = kv_cache_factory(model, calibrated, kv_bits, kv_dynamic)
     return HarnessModel(model, tokenizer, batch_size=batch_size, kv_cache=factory)
 

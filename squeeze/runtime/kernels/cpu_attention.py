@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from squeeze.runtime.kernels.cpu_build import ISAS, KernelBuildError, KernelWarning, _best_isa, _build
+from squeeze.runtime.kernels.cpu_build import ISAS, KernelBuildError, KernelWarning, best_isa, build_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 #: cpu_attention.cpp's sq_kv.kind values.
@@ -83,14 +83,14 @@ def attention_kernels() -> AttentionKernels | None:
     """The attention kernel, built on first use; None (after one KernelWarning) when it cannot be built/loaded."""
     with _lock:
         try:
-            path = _build((SOURCE,), "squeeze_cpu_attention")
+            path = build_library((SOURCE,), "squeeze_cpu_attention")
             lib = _load(path)
         except KernelBuildError as exc:
             warnings.warn(
                 f"squeeze: native CPU attention unavailable ({exc}); using torch's attention", KernelWarning, 2
             )
             return None
-        return AttentionKernels(lib=lib, isa=_best_isa(lib), path=path)
+        return AttentionKernels(lib=lib, isa=best_isa(lib), path=path)
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -24,6 +24,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: Instruction sets of the kernels, best first, with the library's numbering (cpu_lut.cpp's SQ_* enum).
 ISAS: dict[str, int] = {"avx512": 2, "avx2": 1, "scalar": 0}
@@ -88,6 +89,22 @@ class SqW8(ctypes.Structure):
     ]
 
 
+class PreparedWeight:
+    """Base of the kernels' prepared forms (``cpu_lut.CpuPreparedLut``, ``cpu_w8.W8Prepared``): frozen
+    dataclasses whose ``weight`` is the ctypes structure every kernel call receives by reference."""
+
+    weight: ctypes.Structure
+
+    @property
+    def weight_ref(self) -> Any:
+        """``byref(weight)``, made once and kept: the argument every kernel call passes."""
+        ref = self.__dict__.get("_ref")
+        if ref is None:
+            ref = ctypes.byref(self.weight)
+            object.__setattr__(self, "_ref", ref)  # the subclasses are frozen dataclasses
+        return ref
+
+
 @dataclass(frozen=True)
 class CpuKernels:
     """The loaded library and the instruction set it runs here."""
@@ -136,19 +153,19 @@ def cpu_kernels() -> CpuKernels | None:
     """The native kernels, built on first use; None (after one KernelWarning) when they cannot be built/loaded."""
     with _lock:
         try:
-            path = _build()
+            path = build_library()
             lib = _load(path)
         except KernelBuildError as exc:
             warnings.warn(f"squeeze: native CPU kernels unavailable ({exc}); using the dense path", KernelWarning, 2)
             return None
-        return CpuKernels(lib=lib, isa=_best_isa(lib), path=path)
+        return CpuKernels(lib=lib, isa=best_isa(lib), path=path)
 
 
 class KernelBuildError(Exception):
     """Internal: why the kernels could not be built or loaded (turned into one KernelWarning)."""
 
 
-def _build(sources: tuple[Path, ...] = SOURCES, stem: str = "squeeze_cpu_lut") -> Path:
+def build_library(sources: tuple[Path, ...] = SOURCES, stem: str = "squeeze_cpu_lut") -> Path:
     """Compile ``sources`` into one library in the kernel cache, ``{stem}-{hash}.so`` (or find it built already)."""
     compiler = find_compiler()
     if compiler is None:
@@ -215,7 +232,9 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _best_isa(lib: ctypes.CDLL) -> str:
+def best_isa(lib: ctypes.CDLL) -> str:
+    """The best instruction set ``lib`` (a kernels library with ``sq_isa_supported``) runs on this CPU, capped
+    by ``$SQUEEZE_CPU_ISA`` (module docstring; an unknown value warns once and is ignored)."""
     cap = os.environ.get("SQUEEZE_CPU_ISA", "").strip().lower()
     names = list(ISAS)
     if cap in ISAS:
@@ -227,4 +246,18 @@ def _best_isa(lib: ctypes.CDLL) -> str:
     return next(name for name in names if lib.sq_isa_supported(ISAS[name]))
 
 
-__all__ = ["CpuKernels", "KernelWarning", "SqWeight", "SqW8", "cpu_kernels", "cache_dir", "find_compiler", "ISAS"]
+__all__ = [
+    "CpuKernels",
+    "KernelWarning",
+    "KernelBuildError",
+    "SqWeight",
+    "SqW8",
+    "PreparedWeight",
+    "cpu_kernels",
+    "build_library",
+    "best_isa",
+    "cache_dir",
+    "find_compiler",
+    "ISAS",
+    "HEADERS",
+]

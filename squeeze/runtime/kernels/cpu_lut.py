@@ -13,19 +13,17 @@ prepared form adds 12 bytes per sparse entry (position, exact value as float32, 
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
-from squeeze.runtime.kernels.cpu_build import CpuKernels, SqWeight, cpu_kernels
-from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, prepare_w8, w8_linear
+from squeeze.runtime.kernels.cpu_build import CpuKernels, PreparedWeight, SqWeight, cpu_kernels
+from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, bias_f32, prepare_w8, w8_linear
 from squeeze.runtime.kernels.reference import sparse_residual
 
 #: Rows of x up to which the fused GEMV runs (in chunks of 8 rows, each chunk reading W once); above, the
@@ -48,7 +46,7 @@ SIMD_BITS = {4: 2, 3: 8}  # bits -> codes per group; a block is 16 groups
 
 
 @dataclass(frozen=True, eq=False)
-class CpuPreparedLut:
+class CpuPreparedLut(PreparedWeight):
     """A LutWeight as the native kernels read it. ``keep`` holds every tensor ``weight`` points into."""
 
     kernels: CpuKernels
@@ -67,15 +65,6 @@ class CpuPreparedLut:
     def activations(self) -> Activations:
         """The activation precision the calls run: int8 when the weight has an int8 form, else float32."""
         return "int8" if self.w8 is not None else "float32"
-
-    @property
-    def weight_ref(self) -> Any:
-        """``byref(weight)``, made once: the argument every kernel call passes."""
-        ref = self.__dict__.get("_ref")
-        if ref is None:
-            ref = ctypes.byref(self.weight)
-            object.__setattr__(self, "_ref", ref)
-        return ref
 
 
 def covers(qweight: object) -> bool:
@@ -215,7 +204,7 @@ def _gemv(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor:
     batch, rows = int(x2.shape[0]), prepared.rows
     y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
     if batch and rows:
-        b32 = _bias32(bias)
+        b32 = bias_f32(bias)
         prepared.kernels.lib.sq_linear(
             prepared.weight_ref,
             x2.data_ptr(),
@@ -258,12 +247,6 @@ def _tiled_linear(x2: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
         lib.sq_dequant_rows(prepared.weight_ref, start, stop, tile.data_ptr(), isa, threads)
         torch.mm(tile[: stop - start], xp.T, out=y_t[start:stop])  # (rows, N) @ (N, B)
     return y_t.T.contiguous()
-
-
-def _bias32(bias: Tensor | None) -> Tensor | None:
-    if bias is None:
-        return None
-    return bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.to(torch.float32).contiguous()
 
 
 def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:

@@ -16,16 +16,14 @@ Memory: 16 bytes of levels and 4 of scale per weight row, plus 8 per sparse entr
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from squeeze.quant.schemes.lut import LutWeight
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
-from squeeze.runtime.kernels.cpu_build import CpuKernels, SqW8
+from squeeze.runtime.kernels.cpu_build import CpuKernels, PreparedWeight, SqW8
 from squeeze.runtime.kernels.reference import w8_lut, w8_sparse_residual
 
 #: Code widths the int8 kernel covers.
@@ -33,22 +31,13 @@ W8_BITS = (3, 4)
 
 
 @dataclass(frozen=True, eq=False)
-class W8Prepared:
+class W8Prepared(PreparedWeight):
     """A 3/4-bit LUT weight in the int8 kernel's form. ``keep`` holds every tensor ``weight`` points into."""
 
     weight: SqW8
     keep: tuple[Tensor, ...]
     #: bytes beyond the module's own buffers: levels, scales, sparse columns and residuals
     extra_bytes: int
-
-    @property
-    def weight_ref(self) -> Any:
-        """``byref(weight)``, made once."""
-        ref = self.__dict__.get("_ref")
-        if ref is None:
-            ref = ctypes.byref(self.weight)
-            object.__setattr__(self, "_ref", ref)
-        return ref
 
 
 def prepare_w8(qweight: LutWeight, packed: Tensor) -> W8Prepared | None:
@@ -83,9 +72,7 @@ def w8_linear(x2: Tensor, w8: W8Prepared, kernels: CpuKernels, bias: Tensor | No
     batch, rows = int(x2.shape[0]), int(w8.weight.rows)
     y = torch.empty(batch, rows, dtype=torch.float32)  # (M, R)
     if batch and rows:
-        b32 = None
-        if bias is not None:
-            b32 = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.to(torch.float32).contiguous()
+        b32 = bias_f32(bias)
         kernels.lib.sq_w8_linear(
             w8.weight_ref,
             x2.data_ptr(),
@@ -98,7 +85,15 @@ def w8_linear(x2: Tensor, w8: W8Prepared, kernels: CpuKernels, bias: Tensor | No
     return y
 
 
+def bias_f32(bias: Tensor | None) -> Tensor | None:
+    """``bias`` (R,) as the kernels read it: float32 and contiguous (itself when it is already)."""
+    if bias is None:
+        return None
+    return bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.to(torch.float32).contiguous()
+
+
 __all__ = [
+    "bias_f32",
     "Activations",
     "ACTIVATIONS",
     "DEFAULT_ACTIVATIONS",
