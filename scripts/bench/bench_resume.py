@@ -1,7 +1,7 @@
 """Checkpoint overhead, and an interrupted-and-resumed compress against an uninterrupted one.
 
-    .venv/bin/python scripts/bench_resume.py                  # SmolLM2-135M, w4, sotu 8 x 256 tokens
-    .venv/bin/python scripts/bench_resume.py --num-samples 32 --seq-len 512   # the main job's calibration
+    .venv/bin/python scripts/bench/bench_resume.py                  # SmolLM2-135M, w4, sotu 8 x 256 tokens
+    .venv/bin/python scripts/bench/bench_resume.py --num-samples 32 --seq-len 512   # the main job's calibration
 
 Each run is a real ``squeeze compress`` subprocess. (1) Uninterrupted: wall time, and the seconds the run
 spent writing and reading checkpoints (its ``checkpoint`` stage: Fisher and layer-group saves, group reads
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 CLI = [sys.executable, "-c", "from squeeze.cli.app import main; main()"]
 

@@ -1,6 +1,6 @@
 """End-to-end CPU runtime benchmark: SmolLM2-135M artifacts (native LUT kernels) vs the original in fp32, one run.
 
-    .venv/bin/python scripts/bench_runtime.py [--artifact DIR ...] [--model smollm2-135m] [--quick]
+    .venv/bin/python scripts/bench/bench_runtime.py [--artifact DIR ...] [--model smollm2-135m] [--quick]
         [--new-tokens 64] [--repeats 3] [--batches 1,4,8,16] [--prefill-tokens 512] [--json OUT]
         [--ppl-text FILE] [--ppl-seq-len 256] [--ppl-windows 4] [--threads N] [--skip-memory] [--cold-start]
 
@@ -43,9 +43,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ARTIFACTS = [REPO / "artifacts" / "smollm2-135m-w4", REPO / "artifacts" / "smollm2-135m-w3-s045"]
 PROMPTS = [
     "Once upon a time, in a small village at the edge of a great forest, there lived",

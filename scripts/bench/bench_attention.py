@@ -1,6 +1,6 @@
 """Attention over the paged quantized KV: the native kernel vs today's per-row SDPA, and its share of a decode step.
 
-    .venv/bin/python scripts/bench_attention.py [--artifact DIR] [--rows 16] [--context 512] [--repeats 10]
+    .venv/bin/python scripts/bench/bench_attention.py [--artifact DIR] [--rows 16] [--context 512] [--repeats 10]
         [--threads N] [--cpu-time] [--json bench-out/attention.json]
 
 (1) One layer's attention for ``--rows`` decode rows over ``--context`` tokens of history each, in a paged
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 
 from squeeze.quant.kv_spec import KVSpec, LayerKV
 from squeeze.runtime.kernels.cpu_attention import RaggedRows, attend, attention_kernels

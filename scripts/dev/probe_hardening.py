@@ -1,6 +1,6 @@
 """Reproduce the probe classes of issue 11 (hardening) against a squeeze checkout; print a markdown table.
 
-    .venv/bin/python scripts/probe_hardening.py --repo DIR [--json OUT] [--timeout 60] [--only 1a,4] [--seed N]
+    .venv/bin/python scripts/dev/probe_hardening.py --repo DIR [--json OUT] [--timeout 60] [--only 1a,4] [--seed N]
 
 The checkout's CLI runs as ``PYTHONPATH=DIR python -c "from squeeze.cli.app import main; main()" ...`` with
 this interpreter, one subprocess per command, each with a wall-clock limit (a hang reads "hung (>60 s)") and

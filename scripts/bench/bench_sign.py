@@ -1,6 +1,6 @@
 """Signing and signature checks on a big artifact: what ``squeeze sign`` and ``--public-key`` cost.
 
-    .venv/bin/python scripts/bench_sign.py --dir /root/scratch/bench-B [--size-mib 1024] [--repeats 3]
+    .venv/bin/python scripts/bench/bench_sign.py --dir /root/scratch/bench-B [--size-mib 1024] [--repeats 3]
         [--out bench-out/sign.json]
 
 Builds one artifact with a single ``--size-mib`` shard (random bytes) and a config, seals it, makes an EC P-256
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 
 from squeeze.format import Provenance, seal_artifact, write_shards
 from squeeze.format.manifest import SIGNATURE_NAME

@@ -1,6 +1,6 @@
 """squeeze artifacts on vLLM, measured side by side in one run (the vLLM environment: scripts/check_vllm.sh).
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--artifacts A B] [--original DIR]
+    .venv-vllm/bin/python scripts/bench/bench_vllm.py [--artifacts A B] [--original DIR]
         [--skip-correctness] [--skip-tp] [--skip-throughput]
 
 1. Correctness: 8 prompts, greedy, 32 new tokens, each artifact through vLLM (float32, tensor parallel 1)
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -35,10 +35,10 @@ PROMPTS = [
 
 
 def vllm_generate(model: Path, prompts: list[str], max_tokens: int, **options: Any) -> dict[str, Any]:
-    """scripts/vllm_generate.py in a process of its own (vLLM spawns workers); its JSON result."""
+    """scripts/bench/vllm_generate.py in a process of its own (vLLM spawns workers); its JSON result."""
     cmd = [
         sys.executable,
-        str(ROOT / "scripts" / "vllm_generate.py"),
+        str(ROOT / "scripts" / "bench" / "vllm_generate.py"),
         str(model),
         "--prompts-json",
         json.dumps(prompts),

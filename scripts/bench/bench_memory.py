@@ -1,6 +1,6 @@
 """Peak memory of compress, unbounded and within ``--max-memory``: peak RSS, wall time, identical bytes.
 
-    .venv/bin/python scripts/bench_memory.py --model DIR --calibration ../shared/corpora/sotu.txt \\
+    .venv/bin/python scripts/bench/bench_memory.py --model DIR --calibration ../shared/corpora/sotu.txt \\
         --num-samples 32 --seq-len 512 --work /tmp/bench-memory
 
 (1) ``squeeze compress`` unbounded, under ``/usr/bin/time -v`` (maximum resident set size, wall time);

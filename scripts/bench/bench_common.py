@@ -14,7 +14,7 @@ def revision() -> str:
     import squeeze
 
     where = Path(squeeze.__file__).resolve().parent
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False

@@ -1,7 +1,7 @@
 """House-keeping numbers for the ``squeeze`` package (issue 12's "Done when"), read from the source with ``ast``.
 
-    .venv/bin/python scripts/house_metrics.py            # a table
-    .venv/bin/python scripts/house_metrics.py --json     # the same numbers and lists as JSON
+    .venv/bin/python scripts/dev/house_metrics.py            # a table
+    .venv/bin/python scripts/dev/house_metrics.py --json     # the same numbers and lists as JSON
 
 What is counted, and how:
 - modules over 400 lines: physical lines of each ``.py`` file.
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MANY_PARAMETERS = 8

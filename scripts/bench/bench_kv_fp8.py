@@ -1,6 +1,6 @@
 """fp8 KV scales for vLLM: perplexity of fp8 KV (calibrated per-layer scales) next to full precision, int8, int4.
 
-    .venv/bin/python scripts/bench_kv_fp8.py              # SmolLM2-135M w4 artifact, sotu -> wikitext2, 40 x 512
+    .venv/bin/python scripts/bench/bench_kv_fp8.py              # SmolLM2-135M w4 artifact, sotu -> wikitext2, 40 x 512
 
 The artifact (default artifacts/smollm2-135m-w4) is never modified: it is copied three times under --work, and
 each copy is calibrated as ``squeeze calibrate-kv COPY --bits {fp8,8,4} -c sotu.txt --num-samples 16
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
-from bench_common import command_line, revision  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from bench_common import command_line, revision  # noqa: E402  (scripts/bench/ is on sys.path when run as a script)
 
 from squeeze import api  # noqa: E402
 from squeeze.calibrate.windows import read_text_file  # noqa: E402

@@ -1,6 +1,6 @@
 """Batched LUT matmul on the CPU: the W4A8 kernel against the float32 kernels and torch's GEMMs, per row count.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_w8.py [--threads 2] [--bits 4] [--rows 1 4 16 32] [--repeats 200]
+    PYTHONPATH=. .venv/bin/python scripts/bench/bench_w8.py [--threads 2] [--bits 4] [--rows 1 4 16 32] [--repeats 200]
 
 For each SmolLM2-135M linear shape (out x in: q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536) and
 M rows of activations: the median and best time of

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from squeeze.quant.kmeans import weighted_kmeans_1d  # noqa: E402
 

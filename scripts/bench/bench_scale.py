@@ -1,7 +1,7 @@
 """Frontier-model scale measurements (issue 16), one part per run.
 
-    .venv/bin/python scripts/bench_scale.py --part coverage                  # MoE expert coverage, w4 + Fisher
-    .venv/bin/python scripts/bench_scale.py --part coverage --sensitivity uniform --experts 8 --out cov.json
+    .venv/bin/python scripts/bench/bench_scale.py --part coverage                  # MoE expert coverage, w4 + Fisher
+    .venv/bin/python scripts/bench/bench_scale.py --part coverage --sensitivity uniform --experts 8 --out cov.json
 
 coverage: tiny random MoE models built from each family's transformers config (no downloads; hidden 128,
 3 layers, --experts routed experts, shared experts / dense first layers where the family has them):
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 from bench_common import command_line, revision  # noqa: E402
 

@@ -2,7 +2,7 @@
 logprobs 1, max_tokens 1, 8 prompts per HTTP request) through ``squeeze serve`` vs the in-process adapter
 ``squeeze eval --tasks`` uses, on a task's JSON lines; prints requests per second and the largest difference.
 
-    python scripts/bench_echo.py ARTIFACT [tests/data/lm_eval/tinystories_mc.jsonl] [PORT]
+    python scripts/bench/bench_echo.py ARTIFACT [tests/data/lm_eval/tinystories_mc.jsonl] [PORT]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kernel-level benchmark of the native CPU LUT kernels against torch's fp32 GEMM/GEMV, one run, side by side.
 
-    .venv/bin/python scripts/bench_cpu_kernels.py [--quick] [--repeats 15] [--json bench-out/cpu_kernels.json]
+    .venv/bin/python scripts/bench/bench_cpu_kernels.py [--quick] [--repeats 15] [--json bench-out/cpu_kernels.json]
         [--shapes 4096x11008,...] [--batches 1,8,...] [--threads N] [--flush-mib 64] [--skip-int8]
 
 Run it on a quiet machine: every kernel call is an OpenMP parallel region, and a thread descheduled by
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 from torch import Tensor
 
 from squeeze.quant.packing import pack_codes

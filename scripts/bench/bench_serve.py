@@ -1,6 +1,6 @@
 """Serving benchmark over HTTP: one load generator for ``squeeze serve`` (and vLLM-CPU), streamed /v1/completions.
 
-    python scripts/bench_serve.py ARTIFACT [--corpus ../shared/corpora/sotu.txt] [--modes plain,prefix,varying]
+    python scripts/bench/bench_serve.py ARTIFACT [--corpus ../shared/corpora/sotu.txt] [--modes plain,prefix,varying]
         [--clients 1,4,16,32] [--requests 8:32] [--point-seconds 240] [--output-tokens 128] [--prompt-tokens 64:256]
         [--system-tokens 500] [--shared-fraction 0.9] [--varying-output 16:512] [--focus-clients 16]
         [--contention-clients 1,16] [--kv-memory 256MiB] [--omp-wait-policy PASSIVE] [--server-arg=--kv-bits=4 ...]
@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

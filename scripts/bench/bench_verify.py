@@ -1,7 +1,7 @@
 """Verify and verified-load hashing of one big shard: manifest v2 (chunk digests, hashed on every core) vs v1
 (one thread per file), warm and cold, against the page-cache read floor.
 
-    .venv/bin/python scripts/bench_verify.py --dir /root/scratch/bench-A [--size-mib 1024] [--repeats 3]
+    .venv/bin/python scripts/bench/bench_verify.py --dir /root/scratch/bench-A [--size-mib 1024] [--repeats 3]
         [--out bench-out/verify.json] [--workers 2,4,8] [--sha256sum]
 
 Builds one artifact with a single ``--size-mib`` shard (random bytes) sealed as version 2 (64 MiB chunks),

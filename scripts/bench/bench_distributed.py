@@ -8,7 +8,7 @@ sparse parts, with "kmeans" breaking the k-means part out) and peak resident mem
 single process, i.e. one rank). Both runs use ``--threads`` torch threads per process (default 1, what torchrun
 sets): GEMM and k-means results can depend on the thread count, so byte identity is checked at equal threads.
 
-Example: python scripts/bench_distributed.py --model smollm2-135m --calibration ../shared/corpora/sotu.txt \\
+Example: python scripts/bench/bench_distributed.py --model smollm2-135m --calibration ../shared/corpora/sotu.txt \\
          --num-samples 32 --seq-len 512 --ranks 2 --workdir /tmp/bench-dist
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import command_line, revision  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 MANIFEST = "squeeze.manifest.json"
 

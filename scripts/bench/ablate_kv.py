@@ -1,6 +1,6 @@
 """int4 KV-cache ablations: which part of the calibrated int4 cache buys how much perplexity.
 
-    .venv/bin/python scripts/ablate_kv.py                      # SmolLM2-135M, sotu -> wikitext2, 10 x 512
+    .venv/bin/python scripts/bench/ablate_kv.py                      # SmolLM2-135M, sotu -> wikitext2, 10 x 512
 
 Keys and values are captured once on the calibration text (squeeze.calibrate.kv.capture_kv, as
 ``squeeze calibrate-kv`` does); every variant fits its quantizers with squeeze.calibrate.kv_fit and is scored
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench_kv import add_data_arguments, load_data  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from bench_kv import add_data_arguments, load_data  # noqa: E402  (scripts/bench/ is on sys.path when run as a script)
 from transformers import DynamicCache  # noqa: E402
 
 from squeeze.calibrate.kv import capture_kv  # noqa: E402

@@ -1,7 +1,7 @@
 """KV-cache quantization: perplexity, bytes per token and CPU decode speed, side by side in one run.
 
-    .venv/bin/python scripts/bench_kv.py                       # SmolLM2-135M, sotu -> wikitext2 40 x 512
-    .venv/bin/python scripts/bench_kv.py --eval-windows 10 --skip-decode
+    .venv/bin/python scripts/bench/bench_kv.py                       # SmolLM2-135M, sotu -> wikitext2 40 x 512
+    .venv/bin/python scripts/bench/bench_kv.py --eval-windows 10 --skip-decode
 
 Calibration (``squeeze.calibrate.kv.calibrate_kv``, what ``squeeze calibrate-kv`` runs) on
 ../shared/corpora/sotu.txt; evaluation on ../shared/corpora/wikitext2_raw_test.txt (512-token windows, the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 

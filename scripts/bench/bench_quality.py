@@ -1,7 +1,7 @@
 """Perplexity per bit: FP32, RTN, squeeze (SqueezeLLM; -ec: error-compensated) and HQQ side by side, in one run.
 
-    .venv/bin/python scripts/bench_quality.py                 # SmolLM2-135M (GGUF), sotu -> wikitext2
-    .venv/bin/python scripts/bench_quality.py --methods fp32,rtn-w3,w3,w3-s045 --eval-windows 10
+    .venv/bin/python scripts/bench/bench_quality.py                 # SmolLM2-135M (GGUF), sotu -> wikitext2
+    .venv/bin/python scripts/bench/bench_quality.py --methods fp32,rtn-w3,w3,w3-s045 --eval-windows 10
 
 Calibration on ../shared/corpora/sotu.txt, evaluation on ../shared/corpora/wikitext2_raw_test.txt
 (512-token windows, first 40). The Fisher pass runs once and feeds every squeeze variant; each variant
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 

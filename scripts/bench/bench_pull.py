@@ -1,6 +1,6 @@
 """squeeze pull of a ~1 GiB artifact from a local HTTP server, against the fastest single-stream download.
 
-    .venv/bin/python scripts/bench_pull.py [--shards-mib 768,256] [--repeats 3] [--dir /root/scratch/bench-C]
+    .venv/bin/python scripts/bench/bench_pull.py [--shards-mib 768,256] [--repeats 3] [--dir /root/scratch/bench-C]
 
 Builds an artifact of two safetensors shards of random bytes (sealed: manifest version 2, 64 MiB chunks)
 and a version-1 copy of its manifest (no chunks: one hashed stream per file), serves it from a separate
@@ -34,14 +34,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 from safetensors.torch import save_file
 
 from squeeze.distribution.pull import pull_artifact
 from squeeze.format.manifest import FileEntry, root_digest, write_manifest
 from squeeze.format.verify import seal_artifact, verify_artifact
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUFFER = 1 << 20
 SERVER = """
 import sys

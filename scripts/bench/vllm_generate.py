@@ -1,9 +1,9 @@
 """Greedy generation through vLLM, printed as one JSON object (run in the vLLM environment, scripts/check_vllm.sh).
 
-    python scripts/vllm_generate.py MODEL --prompts-json '["Once upon a time"]' --max-tokens 32 [--tp 3]
+    python scripts/bench/vllm_generate.py MODEL --prompts-json '["Once upon a time"]' --max-tokens 32 [--tp 3]
 
 Prints {"tokens": [[ids...]...], "texts": [...], "prompt_tokens": [[ids...]...], "logprobs": [[{id: logprob}...]...],
-"load_seconds": s, "generate_seconds": s}. Used by tests/integrations/vllm and scripts/bench_vllm.py: vLLM
+"load_seconds": s, "generate_seconds": s}. Used by tests/integrations/vllm and scripts/bench/bench_vllm.py: vLLM
 spawns worker processes, so each engine lives in a process of its own.
 """
 

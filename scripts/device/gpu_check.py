@@ -2,7 +2,7 @@
 """Device check of the Triton LUT kernels: correctness, speed against the bandwidth floor, decode tokens/s.
 
 One self-contained run for a machine with one CUDA GPU and no network (installs nothing; needs torch,
-triton and transformers; run from the repo root with PYTHONPATH=. or through scripts/gpu_check.sh):
+triton and transformers; run from the repo root with PYTHONPATH=. or through scripts/device/gpu_check.sh):
 
 1. env: versions, GPU, multiprocessors, L2.
 2. copy: device-to-device copy bandwidth (read + write bytes / time), the floor every ratio refers to.
@@ -42,7 +42,7 @@ from typing import Any
 
 if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -730,7 +730,7 @@ def precompile(rep: Report, plan: Plan, device: torch.device, workers: int) -> N
 def _warmup_child(launch: dict[str, Any]) -> str:
     """Compile one variant through the JIT's own path (kernel.warmup), filling the on-disk cache."""
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
         from squeeze.runtime.kernels import _triton_kernels as K
 
         args = [getattr(torch, a) if isinstance(a, str) else a for a in launch["args"]]

@@ -1,9 +1,10 @@
 """Perplexity vs model bytes: every method and peer of a bench_quality.py run on one plot (SVG).
 
-    .venv/bin/python scripts/plot_quality.py bench-out/quality.json --out docs/quality.svg
-    .venv/bin/python scripts/plot_quality.py bench-out/quality.json --extra b3.5=41.18:118.0e6 --out docs/quality.svg
+    .venv/bin/python scripts/dev/plot_quality.py bench-out/quality.json --out docs/quality.svg
+    .venv/bin/python scripts/dev/plot_quality.py bench-out/quality.json --extra b3.5=41.18:118.0e6 \\
+        --out docs/quality.svg
 
-Reads the JSON that scripts/bench_quality.py writes (rows with method, perplexity, model_bytes). ``--extra``
+Reads the JSON that scripts/bench/bench_quality.py writes (rows with method, perplexity, model_bytes). ``--extra``
 adds points measured elsewhere (an artifact's `compress --json` artifact_bytes and its `squeeze eval`
 perplexity), as NAME=PERPLEXITY:BYTES. Squeeze variants, RTN and HQQ get one marker each, so the frontier
 reads at a glance; the y axis is logarithmic (2-bit peers sit orders of magnitude above). Needs matplotlib
@@ -56,7 +57,7 @@ def main() -> None:
         rows.extend(row for row in data["rows"] if "model_bytes" in row)
     rows.extend(parse_extra(text) for text in args.extra)
     if not rows:
-        raise SystemExit("no rows with model_bytes: run scripts/bench_quality.py first")
+        raise SystemExit("no rows with model_bytes: run scripts/bench/bench_quality.py first")
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     seen: set[str] = set()

@@ -1,7 +1,7 @@
 """Serving benchmark: continuous batching vs static batches vs one request at a time, KV capacity, latencies.
 
-    .venv/bin/python scripts/bench_serve_engine.py [--artifact DIR ...] [--clients 1,4,16,32] [--requests-per-client 2]
-        [--prompt-tokens 16:256] [--output-tokens 16:128] [--kv-memory 256MiB] [--repeats 1]
+    .venv/bin/python scripts/bench/bench_serve_engine.py [--artifact DIR ...] [--clients 1,4,16,32]
+        [--requests-per-client 2] [--prompt-tokens 16:256] [--output-tokens 16:128] [--kv-memory 256MiB] [--repeats 1]
         [--capacity-len 1024] [--capacity-memory 1GiB] [--max-model-len 2048] [--one-at-a-time-at 16]
         [--invariance-tokens 48] [--skip-fp] [--threads N] [--seed 0] [--json OUT]
 
@@ -50,9 +50,9 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from bench_common import command_line, revision  # scripts/ is on sys.path when a script runs
+from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ARTIFACTS = [REPO / "artifacts" / "smollm2-135m-w4-kv4", REPO / "artifacts" / "smollm2-135m-w4-kv8"]
 TEXT = REPO.parent / "shared" / "corpora" / "sotu.txt"
 

@@ -1,8 +1,8 @@
 """int4 KV calibrated on other text vs on the evaluated domain, with and without the key-scale search.
 
-    .venv/bin/python scripts/bench_kv_domain.py --model ART --in-domain ../shared/corpora/tinystories_sample.txt \
+    .venv/bin/python scripts/bench/bench_kv_domain.py --model ART --in-domain ../shared/corpora/tinystories_sample.txt \
         --eval-text ../shared/corpora/tinystories_sample.txt --eval-seq-len 256           # stories260K (issue 18)
-    .venv/bin/python scripts/bench_kv_domain.py --calib-windows 16 --max-eval-windows 40   # SmolLM2, wikitext2
+    .venv/bin/python scripts/bench/bench_kv_domain.py --calib-windows 16 --max-eval-windows 40   # SmolLM2, wikitext2
 
 ``--model``: a squeeze artifact (loaded verified, dense cache) or a model squeeze can open (fp32). The
 model is loaded once; every calibration (texts x variants) runs ``squeeze.calibrate.kv.calibrate_kv``, the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
