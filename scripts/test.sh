@@ -2,6 +2,8 @@
 # Set up (idempotent), check lint, formatting and types, then run the whole test suite. This is the README's test
 # command and what CI runs. SQUEEZE_CHECKS=0 skips the three checks (a quick local run of a few tests); CI never
 # sets it.
+# The hardening tests (tests/hardening: the CLI in child processes, minutes) are deselected unless named or
+# SQUEEZE_HARDENING=1 is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -65,7 +65,7 @@ KvChoice = int | Literal["fp8"]
 KV_CHOICES: tuple[KvChoice, ...] = (8, 4, KV_FP8)
 
 #: Leading tokens of a sequence whose keys and values the quantized KV cache keeps in full precision (the
-#: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (scripts/ablate_kv.py, 10 windows)
+#: attention sink; 4 as in StreamingLLM). On SmolLM2-135M with int4 KV (scripts/bench/ablate_kv.py, 10 windows)
 #: 4 instead of 1 measured +2.41% vs +2.62% perplexity over full precision; they cost 4 tokens of fp16 per
 #: sequence, not per token, and cover the BOS / chat-template tokens where generation puts its outliers.
 DEFAULT_SINK_TOKENS = 4

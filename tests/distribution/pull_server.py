@@ -1,4 +1,4 @@
-"""Small sealed artifacts, and a local HTTP server for pull tests and scripts/bench_pull.py: static files with
+"""Small sealed artifacts, and a local HTTP server for pull tests and scripts/bench/bench_pull.py: static files with
 Range support and faults.
 
 ``ArtifactServer(root)`` serves ``root`` on 127.0.0.1 (an ephemeral port) from a daemon thread until

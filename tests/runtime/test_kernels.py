@@ -1,7 +1,7 @@
 """LUT kernels: torch references, the kernels' tile layout, and the Triton kernels under TRITON_INTERPRET=1.
 
 The Triton kernels run here in Triton's CPU interpreter on tiny shapes (it executes each program in numpy,
-so it checks indexing, masks, packing and the math, not speed); scripts/gpu_check.py runs them on a GPU.
+so it checks indexing, masks, packing and the math, not speed); scripts/device/gpu_check.py runs them on a GPU.
 Known interpreter differences, reflected in the bfloat16 tolerances: it truncates float32 -> bfloat16
 instead of rounding to nearest, and its tl.dot cannot take bfloat16 (the launcher upcasts on CPU).
 """

@@ -1,7 +1,7 @@
 """Tiling of the Triton LUT kernels: the config dataclasses and the default heuristics.
 
 The defaults are educated guesses from the kernels' register use (checked offline with
-``scripts/gpu_check.py --compile-only``); ``scripts/gpu_check.py`` times alternatives on a GPU and prints
+``scripts/device/gpu_check.py --compile-only``); ``scripts/device/gpu_check.py`` times alternatives on a GPU and prints
 the best, so these numbers are the place to tune.
 """
 

@@ -31,7 +31,7 @@ from squeeze.runtime.kernels.reference import sparse_residual
 #: path's time on 1536x576, 576x1536 and 4096x4096 (and beats fp32 F.linear on all three).
 GEMV_MAX_ROWS = 32
 #: float32 elements of one dequantized tile of W (4 MiB), and the fewest rows a tile holds: torch's GEMM
-#: needs tall enough tiles (4096x11008 at 512 tokens, scripts/bench_cpu_kernels.py: 1 MiB tiles of 23 rows
+#: needs tall enough tiles (4096x11008 at 512 tokens, scripts/bench/bench_cpu_kernels.py: 1 MiB tiles of 23 rows
 #: ran at 0.5x fp32; 4 MiB tiles of at least 128 rows at 0.83x).
 TILE_ELEMENTS = 1 << 20
 TILE_MIN_ROWS = 128

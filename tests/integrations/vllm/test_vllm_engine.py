@@ -4,7 +4,7 @@ A tiny Llama vLLM's CPU attention accepts (head_dim 64; a vocabulary of 384, whi
 shaped to exercise the plugin's sharding at tensor parallel 3: 6 query heads and 1 key/value head (k and v
 replicated on every rank), and an MLP of 300 channels (down_proj's 3-bit codes cut mid-byte at each rank's 100
 columns). Each engine runs in a process of its own
-(scripts/vllm_generate.py), since vLLM spawns workers; each start costs 15-60 s on 2 cores.
+(scripts/bench/vllm_generate.py), since vLLM spawns workers; each start costs 15-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def vllm_tiny(
 
 
 def run_vllm(model: Path, **options: Any) -> tuple[dict[str, Any] | None, str]:
-    """(result, log) of scripts/vllm_generate.py on ``model``; result None when vLLM failed to start."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "vllm_generate.py"), str(model)]
+    """(result, log) of scripts/bench/vllm_generate.py on ``model``; result None when vLLM failed to start."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "vllm_generate.py"), str(model)]
     cmd += ["--prompts-json", json.dumps(PROMPTS), "--max-tokens", str(TOKENS), "--max-model-len", "128"]
     for key, value in options.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]

@@ -1,0 +1,335 @@
+"""Perplexity per bit: FP32, RTN, squeeze (SqueezeLLM; -ec: error-compensated) and HQQ side by side, in one run.
+
+    .venv/bin/python scripts/bench/bench_quality.py                 # SmolLM2-135M (GGUF), sotu -> wikitext2
+    .venv/bin/python scripts/bench/bench_quality.py --methods fp32,rtn-w3,w3,w3-s045 --eval-windows 10
+
+Calibration on ../shared/corpora/sotu.txt, evaluation on ../shared/corpora/wikitext2_raw_test.txt
+(512-token windows, first 40). The Fisher pass runs once and feeds every squeeze variant; each variant
+replaces the target weights by their exact dequantization (the artifact's reference path) and is scored
+on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
+Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
+the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
+in descending diag(H) order; a trailing -dampX sets the dampening, default 0.01). --generated-samples N adds
+the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
+Writes JSON (--out) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+sys.path.insert(0, str(REPO))
+
+from squeeze.calibrate.fisher import fisher_information  # noqa: E402
+from squeeze.calibrate.generated import sample_windows_from_model, start_token  # noqa: E402
+from squeeze.calibrate.hessian import dedupe_hessians, input_hessians, output_weighted_hessians  # noqa: E402
+from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
+from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
+from squeeze.models.source import load_model, resolve_model  # noqa: E402
+from squeeze.models.targets import find_target_linears  # noqa: E402
+from squeeze.quant.schemes.lut import compensate_lut, quantize_lut  # noqa: E402
+from squeeze.quant.schemes.rtn import rtn_quantize  # noqa: E402
+from squeeze.quant.sparse import select_sparse  # noqa: E402
+
+SQUEEZE = {
+    "w4": (4, 0.0, 0.0),
+    "w4-s045": (4, 0.0005, 0.004),
+    "w3": (3, 0.0, 0.0),
+    "w3-s045": (3, 0.0005, 0.004),
+    "w3-uniform": (3, 0.0, 0.0),
+}
+SQUEEZE.update({f"{name}-lut8": spec for name, spec in list(SQUEEZE.items()) if not name.endswith("uniform")})
+SQUEEZE["w2"] = (2, 0.0, 0.0)
+SQUEEZE["w2-s045"] = (2, 0.0005, 0.004)
+# error compensation: -ec, plus -act (columns by descending diag H) and / or -refit (LUT refitted once)
+for _suffix in ("-ec", "-ec-act", "-ec-refit", "-ec-act-refit"):
+    SQUEEZE.update(
+        {f"{n}{_suffix}": spec for n, spec in list(SQUEEZE.items()) if "-ec" not in n and "uniform" not in n}
+    )
+RTN = {
+    "rtn-w4": (4, None),
+    "rtn-w3": (3, None),
+    "rtn-w4-g128": (4, 128),
+    "rtn-w3-g128": (3, 128),
+    "rtn-w2-g128": (2, 128),
+    "rtn-w2-g64": (2, 64),  # 2.5 bpw with its fp16 scale and zero: the peer of --target-bpw 2.5
+}
+#: HQQ variants: (bits, group size); g64 at 2 bits is 2.5 bpw, the peer of --target-bpw 2.5
+HQQ = {"hqq-w4-g128": (4, 128), "hqq-w3-g128": (3, 128), "hqq-w2-g128": (2, 128), "hqq-w2-g64": (2, 64)}
+DEFAULT_METHODS = "fp32,rtn-w4,rtn-w4-g128,hqq-w4-g128,w4,w4-s045,rtn-w3,rtn-w3-g128,hqq-w3-g128,w3,w3-s045"
+
+
+def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tuple[torch.Tensor, int]:
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data.copy_(weight)
+    quantized = HQQLinear(
+        linear,
+        BaseQuantizeConfig(nbits=bits, group_size=group_size),
+        compute_dtype=torch.float32,
+        device="cpu",
+        del_orig=False,
+    )
+    w = quantized.dequantize().detach().float().reshape(weight.shape)
+    groups = math.ceil(weight.numel() / group_size)
+    return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
+
+
+def _base_method(method: str) -> str:
+    """The method without a trailing -gqG (output-weighted Hessians, G row groups) or -dampX (the dampening of
+    an -ec variant, e.g. w3-ec-gq4-damp0.1)."""
+    return re.sub(r"(-gq[0-9]+)?(-damp[0-9.]+)?$", "", method)
+
+
+def _guided_groups(method: str) -> int | None:
+    """G of an -ec variant's -gqG suffix: compensate against GuidedQuant's output-weighted Hessians."""
+    match = re.search(r"-gq([0-9]+)(-damp[0-9.]+)?$", method)
+    return int(match.group(1)) if match else None
+
+
+def _damp(method: str) -> float:
+    match = re.search(r"-damp([0-9.]+)$", method)
+    return float(match.group(1)) if match else 0.01
+
+
+def _with_generated(
+    model: torch.nn.Module,
+    tokenizer: object,
+    targets: dict[str, torch.nn.Linear],
+    hessians: dict[str, torch.Tensor],
+    samples: int,
+    seq_len: int,
+    cache: Path | None,
+    weight: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """``hessians`` plus ``weight`` times those of ``samples`` sequences the model samples (seed 0), as compress
+    adds them (weights.generated_samples, weight 1); cached beside the Fisher (``-gen{samples}``) when ``cache``
+    is given."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = cache.with_name(f"{cache.stem}-gen{samples}x{seq_len}.safetensors") if cache is not None else None
+    if path is not None and path.is_file():
+        with safe_open(str(path), framework="pt") as handle:
+            alias = json.loads((handle.metadata() or {})["alias"])
+        stored = load_file(str(path))
+        generated = {name: stored[owner] for name, owner in alias.items()}
+        print(f"generated-text Hessians: loaded from {path}", flush=True)
+    else:
+        t0 = time.perf_counter()
+        with input_hessians(targets) as acc:
+            sample_windows_from_model(model, samples, seq_len, start=start_token(tokenizer), seed=0)
+        generated = acc.result()
+        print(f"generated-text Hessians: {samples} x {seq_len} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        if path is not None:
+            stored, alias = dedupe_hessians(generated)
+            save_file(stored, str(path), metadata={"alias": json.dumps(alias)})
+    total: dict[int, torch.Tensor] = {}  # one sum per shared tensor, so q/k/v (gate/up) still share theirs
+    return {name: total.setdefault(id(h), h + weight * generated[name]) for name, h in hessians.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--calibration", default=str(SHARED / "corpora" / "sotu.txt"))
+    parser.add_argument("--eval-text", default=str(SHARED / "corpora" / "wikitext2_raw_test.txt"))
+    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default="bench-out/quality.json")
+    parser.add_argument(
+        "--fisher-cache",
+        default=None,
+        help="safetensors file: load the Fisher from it if present, else compute and save it there",
+    )
+    parser.add_argument(
+        "--generated-samples",
+        type=int,
+        default=0,
+        help="-ec variants: add N model-sampled sequences of --seq-len tokens to the Hessians (seed 0)",
+    )
+    parser.add_argument(
+        "--generated-weight",
+        type=float,
+        default=1.0,
+        help="the sampled sequences' Hessians are added times this (1: as compress adds them)",
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    known = set(SQUEEZE) | set(RTN) | set(HQQ) | {"fp32"}
+    unknown = [m for m in methods if _base_method(m) not in known]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}")
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(resolve_model(args.model))
+    load_seconds = time.perf_counter() - t0
+    targets = find_target_linears(
+        model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), ("lm_head",)
+    )
+    originals = {name: module.weight.detach().clone() for name, module in targets.items()}
+    n_weights = sum(w.numel() for w in originals.values())
+    # the model's other tensors as the artifact keeps them: in the source's 16-bit dtype, tied weights once
+    other_bytes = 2 * (sum(p.numel() for p in model.parameters()) - n_weights)
+    eval_ids = tokenize_text(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer)[None, :]
+
+    fisher: dict[str, torch.Tensor] = {}
+    hessians: dict[str, torch.Tensor] = {}
+    fisher_seconds = 0.0
+    guided: dict[str, torch.Tensor] = {}
+    want_ec = any("-ec" in m for m in methods)
+    groups = sorted({g for m in methods if (g := _guided_groups(m)) is not None})
+    if len(groups) > 1:
+        raise SystemExit(f"one -gqG group count per run, found {groups}")
+    want_guided = groups[0] if groups else None
+    if any(_base_method(m) in SQUEEZE for m in methods):
+        cache = Path(args.fisher_cache) if args.fisher_cache else None
+        hcache = cache.with_name(cache.stem + "-hessian.safetensors") if cache is not None else None
+        gcache = cache.with_name(f"{cache.stem}-guided{want_guided}.safetensors") if cache is not None else None
+        have_guided = want_guided is None or (gcache is not None and gcache.is_file())
+        if (
+            cache is not None
+            and cache.is_file()
+            and have_guided
+            and (not want_ec or (hcache is not None and hcache.is_file()))
+        ):
+            from safetensors import safe_open
+            from safetensors.torch import load_file
+
+            fisher = load_file(str(cache))  # safetensors: no pickle, safe to reuse across runs
+            if want_ec and hcache is not None:
+                with safe_open(str(hcache), framework="pt") as handle:
+                    alias = json.loads((handle.metadata() or {})["alias"])
+                stored = load_file(str(hcache))
+                hessians = {name: stored[owner] for name, owner in alias.items()}
+            if want_guided is not None and gcache is not None:
+                guided = load_file(str(gcache))
+            print(f"Fisher: loaded from {cache}", flush=True)
+        else:
+            calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
+            windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
+            t0 = time.perf_counter()
+            with input_hessians(targets) as acc, output_weighted_hessians(targets, want_guided or 1) as gacc:
+                fisher = fisher_information(model, windows, targets)
+            hessians = acc.result()
+            if want_guided is not None:
+                guided = gacc.result()
+            fisher_seconds = time.perf_counter() - t0
+            print(
+                f"Fisher + Hessians: {args.num_samples} x {args.seq_len} tokens in {fisher_seconds:.1f} s", flush=True
+            )
+            if cache is not None and hcache is not None:
+                from safetensors.torch import save_file
+
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                save_file({k: v.contiguous() for k, v in fisher.items()}, str(cache))
+                stored, alias = dedupe_hessians(hessians)
+                save_file(stored, str(hcache), metadata={"alias": json.dumps(alias)})
+                if want_guided is not None and gcache is not None:
+                    save_file(guided, str(gcache))
+
+    if want_ec and args.generated_samples:
+        hessians = _with_generated(
+            model, tokenizer, targets, hessians, args.generated_samples, args.seq_len, cache, args.generated_weight
+        )
+
+    rows = []
+    for method in methods:
+        t0 = time.perf_counter()
+        bits_total = n_weights * 32
+        if method != "fp32":
+            bits_total = 0
+            for name, module in targets.items():
+                weight = originals[name]
+                if _base_method(method) in SQUEEZE:
+                    bits, s, o = SQUEEZE[_base_method(method)]
+                    f = None if method.endswith("uniform") else fisher[name]
+                    mask = select_sparse(weight, f, s, o) if (s or o) else None
+                    lut_dtype = "int8" if "lut8" in method else "float16"
+                    q = quantize_lut(weight, f, bits, mask=mask, lut_dtype=lut_dtype)
+                    if "-ec" in method:
+                        refit, act = _base_method(method).endswith("refit"), "-act" in method
+                        hessian, damp = hessians[name], _damp(method)
+                        if _guided_groups(method) is not None:
+                            hessian = guided[name]
+                        q = compensate_lut(q, weight, hessian, mask=mask, refit=refit, act_order=act, damp=damp)
+                    w, b = q.dequantize(), q.storage_bits()
+                elif method in RTN:
+                    q = rtn_quantize(weight, *RTN[method])
+                    w, b = q.dequantize(), q.storage_bits()
+                else:
+                    w, b = hqq_dequantize(weight, *HQQ[method])
+                module.weight.data.copy_(w)
+                bits_total += b
+        quant_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        result = perplexity_from_ids(
+            model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, tokenizer=tokenizer
+        )
+        eval_seconds = time.perf_counter() - t0
+        for name, module in targets.items():
+            module.weight.data.copy_(originals[name])
+        row = {
+            "method": method,
+            "perplexity": result.perplexity,
+            "word_perplexity": result.word_perplexity,
+            "bits_per_weight": bits_total / n_weights,
+            # what the artifact would weigh: the quantized linears' exact bits + every other tensor in 16 bits
+            # (fp32 counts the whole model in 16 bits too: the bf16 original users compare with)
+            "model_bytes": (n_weights * 16 if method == "fp32" else bits_total) // 8 + other_bytes,
+            "quantize_seconds": quant_seconds,
+            "eval_seconds": eval_seconds,
+        }
+        rows.append(row)
+        print(
+            f"{method:14s} ppl {result.perplexity:9.3f}  bpw {row['bits_per_weight']:.3f}  "
+            f"quantize {quant_seconds:6.1f} s  eval {eval_seconds:5.1f} s",
+            flush=True,
+        )
+
+    print(
+        f"\n{args.model}: calibration {Path(args.calibration).name} ({args.num_samples} x {args.seq_len}), "
+        f"eval {Path(args.eval_text).name} ({args.eval_windows} x {args.seq_len}); load {load_seconds:.1f} s, "
+        f"Fisher {fisher_seconds:.1f} s; {torch.get_num_threads()} threads"
+    )
+    print("| method | perplexity | bits/weight | quantize s |\n|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['method']} | {row['perplexity']:.2f} | {row['bits_per_weight']:.3f} "
+            f"| {row['quantize_seconds']:.1f} |"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "num_samples": args.num_samples,
+                "seq_len": args.seq_len,
+                "eval_windows": args.eval_windows,
+                "fisher_seconds": fisher_seconds,
+                "load_seconds": load_seconds,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
