@@ -125,7 +125,8 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
 
     info = inspect_artifact(path)
     try:
-        info.kv_bytes_per_token = kv_bytes_table(info.config) if info.config is not None else None
+        kv = info.quantization.kv_cache if info.quantization is not None else None
+        info.kv_bytes_per_token = kv_bytes_table(info.config, kv) if info.config is not None else None
     except (ValueError, TypeError, AttributeError, ArithmeticError, KeyError):  # no decoder config: nothing to size
         info.kv_bytes_per_token = None
     return info

@@ -69,6 +69,7 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
     """
     from squeeze.compression.workarea import WORK_NAME
     from squeeze.format.manifest import MANIFEST_NAME
+    from squeeze.format.quant_config import QuantizationConfig
     from squeeze.models.remote_code import read_small_json
     from squeeze.models.source import resolve_model
     from squeeze.runtime.loader import is_artifact
@@ -80,9 +81,9 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
     path = Path(text).expanduser()
     if path.is_dir():
         config = read_small_json(path / "config.json")
-        quant = config.get("quantization_config") if isinstance(config, dict) else None
+        quant = QuantizationConfig.from_model_config(config if isinstance(config, dict) else None, strict=False)
         unfinished = (path / WORK_NAME).exists()
-        if unfinished or (isinstance(quant, dict) and quant.get("quant_method") == "squeeze"):
+        if unfinished or quant is not None:
             raise ModelError(
                 f"{prefix}{text} is a squeeze output without its manifest ({MANIFEST_NAME}): expected a complete "
                 "artifact",

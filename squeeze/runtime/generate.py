@@ -365,10 +365,8 @@ def _cache_bytes(cache: Any) -> int:
 def _kv_table(model: nn.Module, kv_spec: KVSpec | None) -> dict[str, int] | None:
     """Bytes per token at each width, counting the calibrated layout (asymmetric value layers) when there is one."""
     try:
-        config = model.config.to_dict()  # type: ignore[operator, union-attr]
-        if kv_spec is not None and kv_spec.calibrated:
-            config["quantization_config"] = {"kv_cache": kv_spec.to_config()}
-        return kv_bytes_table(config)
+        calibrated = kv_spec.to_config() if kv_spec is not None and kv_spec.calibrated else None
+        return kv_bytes_table(model.config.to_dict(), calibrated)  # type: ignore[operator, union-attr]
     except (TypeError, ValueError, AttributeError):  # a config without the usual decoder fields
         return None
 

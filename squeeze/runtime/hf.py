@@ -42,13 +42,13 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from squeeze.errors import FormatError
 from squeeze.format.paths import resolve_root
-from squeeze.format.quant_config import FORMAT_VERSION
+from squeeze.format.quant_config import QUANT_METHOD, QuantizationConfig
 from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.verify import VerifyReport
 from squeeze.quant.schemes import WeightFormat, stored_roles
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
-from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
+from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
     experts_implementation,
@@ -59,7 +59,6 @@ from squeeze.runtime.experts import (
 )
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
-    QUANT_METHOD,
     is_artifact,
     quantized_weight_from,
     swap_in_quantized,
@@ -70,31 +69,29 @@ from squeeze.runtime.stored_dtype import restore_stored_dtype, stored_dtype_name
 
 
 class SqueezeQuantConfig(QuantizationConfigMixin):
-    """``config.json``'s ``quantization_config`` of a squeeze artifact, kept verbatim (``to_dict`` round-trips).
+    """``config.json``'s ``quantization_config`` of a squeeze artifact as transformers holds it: its keys as
+    attributes (``to_dict`` round-trips them), checked once by :class:`QuantizationConfig` (the same checks,
+    and the same FormatError for an unknown ``format_version``, as every other squeeze loader).
 
     Only pre-quantized artifacts load this way: squeeze compresses offline (``squeeze compress``).
     """
 
-    #: quantization_config.modules: module name -> module entry (set from the config's keys in __init__)
-    modules: dict[str, Any]
-
     def __init__(self, **kwargs: Any) -> None:
-        version = kwargs.get("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise FormatError(
-                f"quantization_config.format_version is {version!r}; this squeeze reads {FORMAT_VERSION}",
-                hint="upgrade squeeze, or re-create the artifact with this version",
-            )
-        modules = kwargs.get("modules", {})
-        if not isinstance(modules, dict) or not all(isinstance(v, dict) for v in modules.values()):
-            raise FormatError("quantization_config.modules must map module names to objects")
-        for key, value in kwargs.items():
+        kwargs["quant_method"] = QUANT_METHOD  # transformers passes it, or drops it, depending on the path
+        parsed = QuantizationConfig.from_dict(kwargs)
+        for key, value in parsed.to_dict().items():
             setattr(self, key, value)
         # transformers types quant_method as its own enum; registered out-of-tree methods are plain strings
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
+        self._parsed = parsed
+
+    @property
+    def squeeze(self) -> QuantizationConfig:
+        """The typed section."""
+        return self._parsed
 
     def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.__dict__)
+        return copy.deepcopy({key: value for key, value in self.__dict__.items() if not key.startswith("_")})
 
 
 class SqueezeHfQuantizer(HfQuantizer):
@@ -110,8 +107,8 @@ class SqueezeHfQuantizer(HfQuantizer):
         name = getattr(config, "name_or_path", None)
         if isinstance(name, str) and name and is_artifact(name):
             self._verified = verified_report(resolve_root(name))
-            _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
-        if any(experts_layout(spec, key) for key, spec in self.quantization_config.modules.items()):
+            _check_shapes(config.to_dict(), self._verified, self.quantization_config.squeeze.module_specs())
+        if any(experts_layout(spec, key) for key, spec in self.quantization_config.squeeze.module_specs().items()):
             # quantized experts run one routed expert at a time (squeeze_experts_forward; transformers' default
             # grouped forward reads whole 3-D tensors); set before the skeleton checks it
             config._experts_implementation = experts_implementation()
@@ -125,11 +122,12 @@ class SqueezeHfQuantizer(HfQuantizer):
         if report is None or Path(report.artifact_dir) != directory:
             report = verified_report(directory)
         config: Any = model.config  # a PreTrainedModel's config (nn.Module's typing knows no such attribute)
-        _check_shapes(config.to_dict(), report, self.quantization_config.modules)
+        specs = self.quantization_config.squeeze.module_specs()
+        _check_shapes(config.to_dict(), report, specs)
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
-        for name, spec in self.quantization_config.modules.items():
+        for name, spec in specs.items():
             _swap_in_squeeze_linear(model, name, spec, infos)
-        _untie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))
+        _untie_quantized_heads(model, self.quantization_config.squeeze.tied_heads)
         self._stored_dtypes = {  # the embedding and LM head go back to these after loading (stored_dtype)
             name: torch_dtype(infos[name].dtype) for name in stored_dtype_names(model) if name in infos
         }
@@ -141,7 +139,7 @@ class SqueezeHfQuantizer(HfQuantizer):
                 if any(t.is_meta for t in module.buffers()):
                     raise FormatError(f"artifact lacks tensors of the quantized embedding {name!r}")
                 module.rebind(name)
-        tie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))  # over the loaded embedding
+        tie_quantized_heads(model, self.quantization_config.squeeze.tied_heads)  # over the loaded embedding
         for name, module in model.named_modules():
             if not isinstance(module, (SqueezeLinear, SqueezeExperts)):
                 continue

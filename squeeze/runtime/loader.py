@@ -37,7 +37,7 @@ from squeeze.format.paths import (
     short_repr,
     walk_artifact,
 )
-from squeeze.format.quant_config import QUANT_METHOD
+from squeeze.format.quant_config import SECTION, QuantizationConfig
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.signature import SignatureInfo, check_public_key, check_signature
@@ -49,7 +49,7 @@ from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations, check_
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
-from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads, tied_heads
+from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
     experts_layout,
@@ -69,7 +69,8 @@ class LoadedModel:
 
     model: nn.Module
     tokenizer: Any
-    quantization: dict[str, Any]
+    #: config.json's ``quantization_config``, checked (None: the artifact has none)
+    quantization: QuantizationConfig | None
     report: VerifyReport | None
     #: The calibrated KV-cache quantizers (``squeeze calibrate-kv``), or None when the artifact has none.
     kv_spec: KVSpec | None = None
@@ -105,7 +106,7 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
     """The artifact's architecture on the meta device: no memory, no weight init (filled in by the loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    plain = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+    plain = {k: v for k, v in config_dict.items() if k != SECTION}
     model_type = plain.pop("model_type", None)
     if not model_type:
         raise FormatError("config.json lacks 'model_type'")
@@ -351,7 +352,8 @@ def load_artifact(
             hint="an artifact needs the config.json written by squeeze compress",
         )
     config = parse_config(files["config.json"], "config.json")
-    quant, modules = quantized_modules(config)
+    quant = QuantizationConfig.from_model_config(config)  # FormatError for a format_version it cannot read
+    modules = quant.module_specs() if quant is not None else {}
     check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
     model = build_skeleton(config)
     for name, spec in modules.items():
@@ -368,7 +370,8 @@ def load_artifact(
         )
     use_squeeze_experts(model)  # quantized experts run one routed expert at a time, on the packed codes
     # a tied LM head reads the embedding's buffers
-    tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory, activations=activations)
+    tied = quant.tied_heads if quant is not None else {}
+    tie_quantized_heads(model, tied, low_memory=low_memory, activations=activations)
     _load_other_tensors(model, tensors)
     stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
@@ -376,7 +379,8 @@ def load_artifact(
     # still runs the kernels, which have no backward, instead of falling back to dense weights
     model.requires_grad_(False)
     model.eval()
-    kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
+    kv_entry = quant.kv_cache if quant is not None else None
+    kv_spec = KVSpec.from_config(dict(kv_entry), kv_tensors) if kv_entry else None
     loaded = LoadedModel(
         model=model,
         tokenizer=_tokenizer_from_files(files),
@@ -408,17 +412,6 @@ def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[
     }
     kv_header = report.headers.get(KV_FILE)
     return tensors_from_captured(report), files, list(kv_header.tensors) if kv_header is not None else []
-
-
-def quantized_modules(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(quantization_config, its ``modules``: name -> module entry) of an artifact's config.json."""
-    quant = config.get("quantization_config") or {}
-    if not isinstance(quant, dict):
-        raise FormatError("config.json: quantization_config must be an object")
-    modules = quant.get("modules", {}) if quant.get("quant_method") == QUANT_METHOD else {}
-    if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
-        raise FormatError("config.json: quantization_config.modules must map module names to objects")
-    return quant, modules
 
 
 def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from squeeze.errors import FormatError
 from squeeze.format.paths import short_repr
-from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD
+from squeeze.format.quant_config import QuantizationConfig
 from squeeze.format.verify import VerifyReport
 from squeeze.limits import check_weight_bits, is_int
 from squeeze.models import resolve_model
@@ -34,51 +34,44 @@ class ModuleSpecs:
     roles: Mapping[str, Mapping[str, str]]
 
 
-def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The ``modules`` of a squeeze ``quantization_config``, every entry checked: a format version this
-    squeeze reads, a registered method, integer sizes. FormatError naming the module otherwise."""
-    if config.get("quant_method") != QUANT_METHOD:
-        raise FormatError(
-            f"quantization_config.quant_method is {short_repr(config.get('quant_method'))}, not 'squeeze'"
-        )
-    version = config.get("format_version")
-    if version != FORMAT_VERSION:
-        raise FormatError(
-            f"quantization_config.format_version is {short_repr(version)}; this squeeze reads {FORMAT_VERSION}",
-            hint="install the squeeze version that wrote the artifact, or re-create it with this one",
-        )
-    modules = config.get("modules")
-    if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
-        raise FormatError("quantization_config.modules must map module names to objects")
-    embeddings = config.get("embeddings")
-    if embeddings is not None:  # vLLM's (vocab-parallel) embedding and LM head read plain weights only
-        names = embeddings.get("modules") if isinstance(embeddings, dict) else None
-        shown = ", ".join(map(str, names)) if isinstance(names, list) else "its token embedding"
+def parse_quant_config(config: Mapping[str, Any]) -> QuantizationConfig:
+    """A squeeze ``quantization_config`` checked for vLLM: the checks every loader makes (squeeze's section, a
+    format version this squeeze reads: :class:`QuantizationConfig`), then every module entry's method
+    registered and its sizes integers. FormatError naming the module otherwise."""
+    quant = QuantizationConfig.from_dict(dict(config))
+    if quant.embeddings is not None:  # vLLM's (vocab-parallel) embedding and LM head read plain weights only
+        shown = ", ".join(quant.embeddings.modules) or "its token embedding"
         raise FormatError(
             f"the squeeze vLLM plugin cannot serve a quantized token embedding / LM head ({short_repr(shown, 80)}); "
             "this artifact was compressed with weights.embedding_bits",
             hint="serve it with `squeeze serve`, or re-compress without --embedding-bits for vLLM",
         )
-    experts = [name for name, spec in modules.items() if "experts" in spec]
+    experts = [name for name, entry in quant.modules.items() if entry.is_experts]
     if experts:  # vLLM's fused-MoE layers read their own weight formats; serving squeeze experts is future work
         raise FormatError(
             f"the squeeze vLLM plugin cannot serve quantized MoE experts ({len(experts)} expert parameters, e.g. "
             f"{short_repr(experts[0], 80)}); MoE serving on vLLM is future work",
             hint="serve it with `squeeze serve` (or squeeze.load / from_pretrained)",
         )
-    for name, spec in modules.items():
+    for name, entry in quant.modules.items():
         where = f"quantization_config.modules[{name!r}]"
-        method = spec.get("method")
-        if not isinstance(method, str) or not formats_of(method):
+        spec = entry.spec
+        if not formats_of(entry.method):
             raise FormatError(
-                f"{where}.method is {short_repr(method, 60)}, which this squeeze cannot run",
+                f"{where}.method is {short_repr(entry.method, 60)}, which this squeeze cannot run",
                 hint="this squeeze runs methods " + ", ".join(repr(m) for m in methods()) + "; upgrade squeeze",
             )
         for key in ("bits", "in_features", "out_features"):
             if not is_int(spec.get(key)) or spec[key] < 0:
                 raise FormatError(f"{where}.{key} must be an integer >= 0, found {short_repr(spec.get(key))}")
         check_weight_bits(spec["bits"], f"{where}.bits", FormatError, hint=None)
-    return modules
+    return quant
+
+
+def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``modules`` of a squeeze ``quantization_config`` (module name -> entry), checked by
+    :func:`parse_quant_config`."""
+    return parse_quant_config(config).module_specs()
 
 
 def artifact_directory(model: str) -> Path:
@@ -142,6 +135,7 @@ def checkpoint_modules(prefix: str, packed: Mapping[str, list[str]]) -> tuple[st
 
 __all__ = [
     "ModuleSpecs",
+    "parse_quant_config",
     "check_quant_config",
     "artifact_directory",
     "verify",
