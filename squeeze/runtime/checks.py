@@ -10,14 +10,11 @@ from collections.abc import Sequence
 import torch
 
 from squeeze.errors import ConfigError
+from squeeze.runtime.sampling_params import SamplingParams
 
 
-def validate_options(prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
-    """Check generation options before anything expensive runs; returns the prompts as a list.
-
-    Raises ConfigError for no prompts, an empty (or whitespace-only) prompt, max_new_tokens <= 0,
-    temperature < 0 or top_p outside (0, 1].
-    """
+def check_prompts(prompts: str | Sequence[str]) -> list[str]:
+    """The prompts as a list; ConfigError for no prompt or an empty (or whitespace-only) one."""
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = list(prompts)
@@ -27,17 +24,14 @@ def validate_options(prompts: Sequence[str], *, max_new_tokens: int, temperature
         if not isinstance(prompt, str) or not prompt.strip():
             where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
             raise ConfigError(f"{where} is empty; expected some text to continue", hint="pass a non-empty prompt")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ConfigError(
-            f"max_new_tokens must be an integer >= 1, found {max_new_tokens!r}", hint="e.g. --max-new-tokens 128"
-        )
-    if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
-        raise ConfigError(
-            f"temperature must be a finite number >= 0 (0 = greedy), found {temperature!r}",
-            hint="use 0 for greedy decoding, or e.g. 0.7 to sample",
-        )
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1], found {top_p!r}", hint="1.0 keeps the whole distribution")
+    return prompts
+
+
+def validate_options(prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
+    """Deprecated: :func:`check_prompts` and :meth:`SamplingParams.for_generate` (which checks the options
+    when it is built). Returns the prompts as a list; ConfigError as those two raise it."""
+    prompts = check_prompts(prompts)
+    SamplingParams.for_generate(max_new_tokens, temperature, top_p)
     return prompts
 
 
@@ -95,4 +89,4 @@ def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: in
     )
 
 
-__all__ = ["validate_options", "resolve_device", "check_context"]
+__all__ = ["check_prompts", "validate_options", "resolve_device", "check_context"]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.errors import ConfigError, FormatError, IntegrityError, ModelError
+from squeeze.errors import FormatError, IntegrityError, ModelError
 from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
@@ -40,12 +40,12 @@ from squeeze.format.paths import (
 from squeeze.format.quant_config import SECTION, QuantizationConfig
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
-from squeeze.format.signature import SignatureInfo, check_public_key, check_signature
+from squeeze.format.signature import SignatureInfo, check_signature
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.models.remote_code import is_remote_code_refusal
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
-from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations, check_activations
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
@@ -59,6 +59,7 @@ from squeeze.runtime.experts import (
 )
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
+from squeeze.runtime.options import LoadOptions
 from squeeze.runtime.stored_dtype import KEPT_DTYPES, stored_dtype_names, upcast_embedding_output
 from squeeze.system import release_free_heap
 
@@ -307,39 +308,33 @@ def verified_report(directory: Path, *, capture: bool | Callable[[str], bool] = 
     return report
 
 
-def load_artifact(
-    path: str | Path,
-    *,
-    verify: bool = True,
-    dense_cache: bool = False,
-    low_memory: bool = False,
-    check_memory: bool = True,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
-) -> LoadedModel:
-    """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
+def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywords: Any) -> LoadedModel:
+    """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``options.verify`` is False).
 
+    ``options``: :class:`~squeeze.runtime.options.LoadOptions` (checked when built: trusted here), or its
+    keywords (``verify``, ``dense_cache``, ``low_memory``, ``check_memory``, ``public_key``, ``activations``).
     Every file is read once into private memory while it is hashed; tensors are views of those bytes,
     and the config and tokenizer are read from them too, so a file swapped or rewritten after any earlier
     ``squeeze verify`` is caught here (IntegrityError) before a single output is produced. Nothing sized
     by the artifact (skeleton, tokenizer) is built before verification succeeded, and config.json must
-    agree with the tensors' shapes (FormatError) before the skeleton is built.
+    agree with the tensors' shapes (FormatError) before the skeleton is built; its ``quantization_config``
+    is read by :class:`QuantizationConfig` (FormatError for a ``format_version`` this squeeze cannot read).
     ``dense_cache`` / ``low_memory``: the weights' path, as in SqueezeLinear (default: the native kernels
     on the packed codes). ``check_memory``: first estimate the memory the load will hold (artifact bytes,
     plus the dense cache when ``dense_cache``) from the manifest and config, and raise ResourceError if it
     is not available.
     ``public_key``: the artifact's ``model.sig`` must be a signature by this key (PEM, EC) over exactly the
     verified bytes (IntegrityError otherwise, before anything is built); it reuses the digests verification
-    computed, so no file is hashed twice. ConfigError with ``verify=False`` or for an unusable key.
+    computed, so no file is hashed twice.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
     ``activations``: the native LUT kernels' activation precision, "float32" (the exact LUT values, the
-    default) or "int8" (W4A8); ConfigError for anything else (squeeze.runtime.activations).
+    default) or "int8" (W4A8).
     """
-    activations = check_activations(activations)
+    options = LoadOptions.build(options, keywords)
+    verify, dense_cache, low_memory = options.verify, options.dense_cache, options.low_memory
+    public_key, activations = options.public_key, options.activations
     directory = resolve_root(path)
-    if public_key is not None:
-        check_signing_options(public_key, verify=verify)
-    if check_memory:
+    if options.check_memory:
         check_load_memory(directory, dense_cache=dense_cache, low_memory=low_memory)
     report = verified_report(directory, capture=True) if verify else None
     signature = check_signature(report, public_key) if report is not None and public_key is not None else None
@@ -394,13 +389,9 @@ def load_artifact(
 
 
 def check_signing_options(public_key: str | os.PathLike[str], *, verify: bool) -> None:
-    """ConfigError when a signature check is asked for without verification, or the key cannot check one."""
-    if not verify:
-        raise ConfigError(
-            "--public-key needs verification: a signature vouches for the bytes only once they are hashed",
-            hint="drop --no-verify (squeeze.load(..., verify=True)) or drop --public-key",
-        )
-    check_public_key(public_key)
+    """ConfigError when a signature check is asked for without verification, or the key cannot check one
+    (what :class:`LoadOptions` checks when built with a ``public_key``)."""
+    LoadOptions(public_key=public_key, verify=verify)
 
 
 def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from squeeze.errors import SqueezeError
+from squeeze.runtime.sampling_params import SamplingParams  # one sampling options class for run and serve
 
 #: Why a request stopped: an end-of-sequence token or a stop string ("stop"), max_tokens ("length"), the
 #: client went away or the server shut down ("abort"), or the engine failed on it ("error").
@@ -85,30 +86,6 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int = 256
     prefix_cache: bool = True
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's generation options (already validated by the HTTP layer's schema).
-
-    Greedy when ``temperature == 0``; else sampling with nucleus ``top_p``, from a generator seeded with
-    ``seed`` (random when None) that belongs to this request alone, so a seeded request gives the same text
-    whatever else is in the batch. Generation stops at ``max_tokens`` new tokens, an end-of-sequence token,
-    or the first of the ``stop`` strings (which is not part of the returned text). ``ignore_eos``: do not stop
-    at end-of-sequence tokens (vLLM's option of that name; benchmarks use it to fix output lengths).
-    """
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    #: Log-probabilities of each generated token and of the ``logprobs`` most likely tokens at its position
-    #: (None: none). ``max_tokens`` may be 0 (nothing generated: the prompt is only scored).
-    logprobs: int | None = None
-    #: The same for every prompt token after the first (None: none), sent with the final update.
-    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
