@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -454,6 +455,16 @@ def load(path: str | os.PathLike[str], options: LoadOptions | None = None, **key
     return load_artifact(local_artifact(path, public_key=options.public_key), options)
 
 
+def loading(options: LoadOptions | None = None, **keywords: Any) -> AbstractContextManager[LoadOptions]:
+    """Load options for ``AutoModelForCausalLM.from_pretrained(artifact)`` calls inside a ``with`` block
+    (:func:`squeeze.runtime.hf.loading`): ``public_key`` (the signature is checked right after the manifest,
+    IntegrityError unless it verifies), ``activations``, ``dense_cache`` / ``low_memory``; a
+    :class:`LoadOptions` or its keywords, checked once (ConfigError). ``verify=False`` is refused."""
+    from squeeze.runtime.hf import loading as hf_loading
+
+    return hf_loading(options, **keywords)
+
+
 def set_activations(model: Any, activations: Activations) -> int:
     """Switch a loaded model's LUT kernels to ``activations`` ("int8" or "float32"; ConfigError else): for
     models from ``AutoModelForCausalLM.from_pretrained`` (:func:`load` takes the option directly). Returns
@@ -761,6 +772,7 @@ __all__ = [
     "DEFAULT_ACTIVATIONS",
     "check_activations",
     "set_activations",
+    "loading",
     "SamplingParams",
     "LoadOptions",
     "KVOptions",

@@ -13,11 +13,19 @@ from squeeze.errors import ConfigError
 from squeeze.runtime.sampling_params import SamplingParams
 
 
-def check_prompts(prompts: str | Sequence[str]) -> list[str]:
-    """The prompts as a list; ConfigError for no prompt or an empty (or whitespace-only) one."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
+class Prompts(list[str]):
+    """Prompts that :func:`check_prompts` checked: passed on as they are, not checked again."""
+
+
+def check_prompts(prompts: str | Sequence[str]) -> Prompts:
+    """The prompts as a list; ConfigError for no prompt or an empty (or whitespace-only) one. Prompts it
+    returned before come back as they are."""
+    if isinstance(prompts, Prompts):
+        return prompts
+    return Prompts(_checked_prompts([prompts] if isinstance(prompts, str) else list(prompts)))
+
+
+def _checked_prompts(prompts: list[str]) -> list[str]:
     if not prompts:
         raise ConfigError("no prompt given", hint="pass a PROMPT, or --prompts-file with one prompt per line")
     for i, prompt in enumerate(prompts):
@@ -89,4 +97,4 @@ def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: in
     )
 
 
-__all__ = ["check_prompts", "validate_options", "resolve_device", "check_context"]
+__all__ = ["Prompts", "check_prompts", "validate_options", "resolve_device", "check_context"]

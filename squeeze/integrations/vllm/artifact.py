@@ -17,12 +17,14 @@ import torch
 from squeeze.errors import FormatError
 from squeeze.format.paths import short_repr
 from squeeze.format.quant_config import QuantizationConfig
+from squeeze.format.signature import check_signature
 from squeeze.format.verify import VerifyReport
 from squeeze.limits import check_weight_bits, is_int
 from squeeze.models import resolve_model
 from squeeze.quant.kv_spec import KV_FILE, KV_FP8_E4M3, KVSpec, LayerFP8
 from squeeze.quant.schemes import formats_of, methods, stored_roles
 from squeeze.runtime.loader import tensors_from_captured, verified_report
+from squeeze.runtime.options import LoadOptions
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,19 @@ def artifact_directory(model: str) -> Path:
     return resolve_model(model).directory
 
 
-def verify(directory: Path, *, capture: bool = False) -> VerifyReport:
+def verify(directory: Path, *, capture: bool = False, options: LoadOptions | None = None) -> VerifyReport:
     """The artifact verified against its manifest (IntegrityError otherwise); ``capture`` keeps every file's
-    hashed bytes in memory for :func:`verified_tensors`, else only those of the small KV-cache file."""
-    return verified_report(directory, capture=True if capture else (lambda path: path == KV_FILE))
+    hashed bytes in memory for :func:`verified_tensors`, else only those of the small KV-cache file.
+
+    ``options``: the load options (default: :meth:`LoadOptions.from_env`, since vLLM hands a plugin no options
+    of its own: ``$SQUEEZE_PUBLIC_KEY`` names the key). With a ``public_key``, the artifact's ``model.sig``
+    must verify with it (IntegrityError otherwise), checked from the digests just computed, before any weight
+    is read."""
+    options = options if options is not None else LoadOptions.from_env()
+    report = verified_report(directory, capture=True if capture else (lambda path: path == KV_FILE))
+    if options.public_key is not None:
+        check_signature(report, options.public_key)
+    return report
 
 
 def fp8_kv_scales(report: VerifyReport, section: object) -> dict[str, tuple[float, float]]:
