@@ -563,17 +563,17 @@ def serve_engine(
     # a URL or repo id names the model by its last part, not by its directory in the cache
     name = model_name or Path(os.fspath(path).rstrip("/")).resolve().name
     loaded, _ = _loaded_on(path, load)
-    kv = KVOptions(config.kv_bits, config.kv_dynamic)  # checked above with the engine's options
-    kv_spec = kv.spec_for(loaded.model, loaded.kv_spec)
+    from squeeze.runtime.kvcache import kv_spec_for
+
+    # the KV options were checked when the EngineConfig was built
+    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic, checked=True)
     return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
 
 
 def check_engine_config(config: EngineConfig) -> None:
-    """ConfigError for serving options that are wrong whatever the model (what :func:`serve_engine` checks
-    before anything loads), naming the ``squeeze serve`` flag."""
-    from squeeze.serve.engine import check_engine_config as check
-
-    check(config)
+    """ResourceError when ``config``'s KV pool is more than the memory available now: what :func:`serve_engine`
+    checks before anything loads. (The options themselves were checked when the EngineConfig was built:
+    ConfigError naming the ``squeeze serve`` flag.)"""
     _check_kv_memory_available(config.kv_memory_bytes)
 
 

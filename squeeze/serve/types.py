@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from squeeze.errors import SqueezeError
+from squeeze.errors import ConfigError, SqueezeError
 from squeeze.runtime.sampling_params import SamplingParams  # one sampling options class for run and serve
 
 #: Why a request stopped: an end-of-sequence token or a stop string ("stop"), max_tokens ("length"), the
@@ -86,6 +86,26 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int = 256
     prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _check_engine_config(self)
+
+
+def _check_engine_config(config: EngineConfig) -> None:
+    """ConfigError for engine options that are wrong whatever the model: what :class:`EngineConfig` checks when
+    built (before anything loads), naming the ``squeeze serve`` flag."""
+    from squeeze.runtime.kvcache import check_kv_options
+
+    check_kv_options(config.kv_bits, config.kv_dynamic)
+    for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batch_tokens", "max_queue"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_bytes", "").replace("_", "-")
+            raise ConfigError(f"{flag} must be a positive integer, found {value!r}")
+    if not isinstance(config.prefix_cache, bool):
+        raise ConfigError(f"prefix_cache must be True or False, found {config.prefix_cache!r}")
+    if config.max_model_len is not None and (isinstance(config.max_model_len, bool) or config.max_model_len < 1):
+        raise ConfigError(f"--max-model-len must be a positive integer, found {config.max_model_len!r}")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ PROMPT = "Once upon a time"
         (lambda: KVOptions(kv_bits=5), r"--kv-bits must be 4, 8 or 16 \(no KV quantization\), found 5"),
         (lambda: KVOptions(kv_dynamic=True), r"--kv-dynamic needs --kv-bits 8 or 4"),
         (lambda: LoadOptions.build(LoadOptions(), {"verify": False}), r"pass LoadOptions or its keywords, not both"),
+        (lambda: api.EngineConfig(block_size=0), r"--block-size must be a positive integer, found 0"),
+        (lambda: api.EngineConfig(kv_bits=3), r"--kv-bits must be 4, 8 or 16"),
     ],
 )
 def test_bad_options_are_config_errors_when_built(build: Callable[[], Any], message: str) -> None:
