@@ -30,7 +30,7 @@ from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
-from squeeze.runtime.options import KVOptions, LoadOptions, split_keywords
+from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.serve.limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.types import EngineConfig
@@ -361,7 +361,7 @@ def evaluate(
     """
     from squeeze.eval.compare import evaluate as _evaluate
 
-    load, kv = _options(options, load, kv)
+    load, kv = load_and_kv(options, load, kv)
     return _evaluate(
         model,
         text,
@@ -372,14 +372,6 @@ def evaluate(
         load=load,
         kv=kv,
     )
-
-
-def _options(
-    keywords: Mapping[str, Any], load: LoadOptions | None, kv: KVOptions | None
-) -> tuple[LoadOptions, KVOptions]:
-    """The load and KV options: as given, or built once from their keywords (TypeError for any other)."""
-    load_keywords, kv_keywords = split_keywords(keywords, LoadOptions, KVOptions)
-    return LoadOptions.build(load, load_keywords), KVOptions.build(kv, kv_keywords)
 
 
 def register() -> None:
@@ -417,7 +409,7 @@ def evaluate_tasks(
     task whose data cannot be downloaded). ``load`` / ``kv`` (or their keywords): as for :func:`evaluate`."""
     from squeeze.eval.harness import import_lm_eval, load_harness_model, run_tasks
 
-    load, kv = _options(options, load, kv)
+    load, kv = load_and_kv(options, load, kv)
     if not tasks:
         raise ConfigError("no task named", hint="pass --tasks NAME[,NAME...]")
     import_lm_eval()
@@ -471,7 +463,7 @@ def set_activations(model: Any, activations: Activations) -> int:
     how many quantized modules were switched."""
     from squeeze.runtime.paths import set_activations as _set
 
-    return _set(model, check_activations(activations))
+    return _set(model, activations)  # checks it
 
 
 def generate(

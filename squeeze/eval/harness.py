@@ -25,7 +25,7 @@ from torch import nn
 
 from squeeze.errors import ConfigError
 from squeeze.eval.perplexity import CacheFactory, next_token_scores
-from squeeze.runtime.options import KVOptions, LoadOptions
+from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
 
 #: The name lm-eval knows squeeze's model by (``--model squeeze``).
 MODEL_NAME = "squeeze"
@@ -141,13 +141,16 @@ def load_harness_model(
     batch_size: int = 1,
     load: LoadOptions | None = None,
     kv: KVOptions | None = None,
+    **options: Any,
 ) -> HarnessModel:
     """A model or artifact opened as ``squeeze eval`` opens it (an artifact verified, its LUT kernels'
-    ``activations``, its calibrated KV cache unless ``kv_bits`` says otherwise) and wrapped for lm-eval."""
+    ``activations``, its calibrated KV cache unless ``kv_bits`` says otherwise) and wrapped for lm-eval.
+    ``load`` / ``kv``: the options objects, or their keywords (``activations=``, ``kv_bits=``...)."""
     from squeeze.eval.compare import _open, kv_cache_factory, resolve_target
 
+    load, kv = load_and_kv(options, load, kv)
     model, tokenizer, calibrated = _open(resolve_target(path), load)
-    factory, _ = kv_cache_factory(model, calibrated, kv if kv is not None else KVOptions())
+    factory, _ = kv_cache_factory(model, calibrated, kv)
     return HarnessModel(model, tokenizer, batch_size=batch_size, kv_cache=factory)
 
 

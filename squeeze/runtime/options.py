@@ -148,4 +148,13 @@ def split_keywords(keywords: Mapping[str, Any], *classes: type) -> list[dict[str
     return dealt
 
 
-__all__ = ["LoadOptions", "KVOptions", "PUBLIC_KEY_ENV", "split_keywords"]
+def load_and_kv(
+    keywords: Mapping[str, Any], load: LoadOptions | None = None, kv: KVOptions | None = None
+) -> tuple[LoadOptions, KVOptions]:
+    """The load and KV options of a call that takes both: as given, or built once from ``keywords`` (their
+    fields' names; TypeError for any other)."""
+    load_keywords, kv_keywords = split_keywords(keywords, LoadOptions, KVOptions)
+    return LoadOptions.build(load, load_keywords), KVOptions.build(kv, kv_keywords)
+
+
+__all__ = ["LoadOptions", "KVOptions", "PUBLIC_KEY_ENV", "split_keywords", "load_and_kv"]
