@@ -16,7 +16,7 @@ from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
 from squeeze.models.source import ModelSource
 from squeeze.quant.kv_spec import KVSpec
-from squeeze.runtime.options import KVOptions, LoadOptions
+from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ def evaluate(
     progress: Callable[[str, int, int], None] | None = None,
     load: LoadOptions | None = None,
     kv: KVOptions | None = None,
+    **options: Any,
 ) -> EvalResult:
     """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate.
 
@@ -153,8 +154,7 @@ def evaluate(
     baseline is not checked. ``load.activations``: the LUT kernels' activation precision for artifacts (model
     and baseline). Artifacts are always verified.
     """
-    load = load if load is not None else LoadOptions()
-    kv = kv if kv is not None else KVOptions()
+    load, kv = load_and_kv(options, load, kv)  # as given, or built once from their keywords
     public_key = load.public_key
     text = read_text_file(text_file, "evaluation text", ConfigError)
     targets = {"model": resolve_target(model)}
