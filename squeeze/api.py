@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from squeeze.config import (
@@ -28,6 +30,8 @@ from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
+from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
+from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.serve.limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.types import EngineConfig
 
@@ -125,7 +129,8 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
 
     info = inspect_artifact(path)
     try:
-        info.kv_bytes_per_token = kv_bytes_table(info.config) if info.config is not None else None
+        kv = info.quantization.kv_cache if info.quantization is not None else None
+        info.kv_bytes_per_token = kv_bytes_table(info.config, kv) if info.config is not None else None
     except (ValueError, TypeError, AttributeError, ArithmeticError, KeyError):  # no decoder config: nothing to size
         info.kv_bytes_per_token = None
     return info
@@ -152,19 +157,25 @@ def check_generate_options(
     kv_bits: int | None = None,
     kv_dynamic: bool = False,
 ) -> list[str]:
-    """The checks :func:`generate` makes before anything loads; returns the prompts as a list.
+    """The checks :func:`generate` makes before anything loads; returns the prompts as a list (building the
+    options objects is what checks them: prefer building them once and passing them to :func:`generate`).
 
     ConfigError, in this order, for: no prompt or an empty one, ``max_new_tokens`` < 1, a negative or
     non-finite ``temperature``, ``top_p`` outside (0, 1]; an unknown or unavailable ``device``; ``kv_bits``
     other than 4, 8, 16 or None, or ``kv_dynamic`` without 4 / 8 bits. Cheap: reads no file.
     """
-    from squeeze.runtime.checks import resolve_device, validate_options
-    from squeeze.runtime.kvcache import check_kv_options
-
-    prompt_list = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-    resolve_device(device)
-    check_kv_options(kv_bits, kv_dynamic)
+    prompt_list = check_prompts(prompts)
+    SamplingParams.for_generate(max_new_tokens, temperature, top_p)
+    LoadOptions(device=device)
+    KVOptions(kv_bits, kv_dynamic)
     return prompt_list
+
+
+def check_prompts(prompts: str | Sequence[str]) -> list[str]:
+    """The prompts as a list; ConfigError for no prompt or an empty one (cheap: checked before loading)."""
+    from squeeze.runtime.checks import check_prompts as check
+
+    return check(prompts)
 
 
 def check_calibrate_kv_options(
@@ -332,10 +343,9 @@ def evaluate(
     seq_len: int = 512,
     max_windows: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
-    kv_bits: int | None = None,
-    kv_dynamic: bool = False,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
+    load: LoadOptions | None = None,
+    kv: KVOptions | None = None,
+    **options: Any,
 ) -> EvalResult:
     """Perplexity of a model or artifact on a text file (paper protocol), with an optional baseline.
 
@@ -346,9 +356,12 @@ def evaluate(
     picks it explicitly (ConfigError when not calibrated, unless ``kv_dynamic`` asks for uncalibrated
     per-token scales), 16 turns it off. ``public_key``: ``model`` must be an artifact signed by that key
     (see :func:`load`; ConfigError for a model that is not an artifact); the baseline is not checked.
+    ``load`` / ``kv``: the options objects (LoadOptions: ``public_key``, ``activations``; KVOptions), or their
+    keywords (``public_key=``, ``activations=``, ``kv_bits=``, ``kv_dynamic=``).
     """
     from squeeze.eval.compare import evaluate as _evaluate
 
+    load, kv = load_and_kv(options, load, kv)
     return _evaluate(
         model,
         text,
@@ -356,10 +369,8 @@ def evaluate(
         seq_len=seq_len,
         max_windows=max_windows,
         progress=progress,
-        kv_bits=kv_bits,
-        kv_dynamic=kv_dynamic,
-        public_key=public_key,
-        activations=activations,
+        load=load,
+        kv=kv,
     )
 
 
@@ -386,48 +397,32 @@ def evaluate_tasks(
     limit: int | None = None,
     num_fewshot: int | None = None,
     batch_size: int = 1,
-    kv_bits: int | None = None,
-    kv_dynamic: bool = False,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
+    load: LoadOptions | None = None,
+    kv: KVOptions | None = None,
+    **options: Any,
 ) -> HarnessResult:
     """lm-evaluation-harness's own evaluator on ``tasks`` (lm-eval task names), scoring ``model`` as
     :func:`evaluate` loads it (an artifact verified, compressed kernels, its calibrated KV cache unless
     ``kv_bits`` says otherwise). ``include_path``: a directory of task YAMLs (local tasks, which need no
     download). ``limit``: the first N documents of each task; ``num_fewshot``: examples in each prompt.
     Needs lm-eval (``pip install 'squeeze[eval]'``; ConfigError without it, for an unknown task, or for a
-    task whose data cannot be downloaded). ``activations``: as for :func:`evaluate`."""
+    task whose data cannot be downloaded). ``load`` / ``kv`` (or their keywords): as for :func:`evaluate`."""
     from squeeze.eval.harness import import_lm_eval, load_harness_model, run_tasks
-    from squeeze.runtime.kvcache import check_kv_options
 
-    check_kv_options(kv_bits, kv_dynamic)
-    activations = check_activations(activations)
+    load, kv = load_and_kv(options, load, kv)
     if not tasks:
         raise ConfigError("no task named", hint="pass --tasks NAME[,NAME...]")
     import_lm_eval()
-    core = load_harness_model(
-        model,
-        batch_size=batch_size,
-        kv_bits=kv_bits,
-        kv_dynamic=kv_dynamic,
-        public_key=public_key,
-        activations=activations,
-    )
+    core = load_harness_model(model, batch_size=batch_size, load=load, kv=kv)
     return run_tasks(core, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot)
 
 
-def load(
-    path: str | os.PathLike[str],
-    *,
-    verify: bool = True,
-    dense_cache: bool = False,
-    low_memory: bool = False,
-    check_memory: bool = True,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
-) -> LoadedModel:
+def load(path: str | os.PathLike[str], options: LoadOptions | None = None, **keywords: Any) -> LoadedModel:
     """Verify an artifact against its manifest and load it on the CPU, weights kept compressed.
 
+    ``options``: a :class:`LoadOptions` (checked when it was built), or its keywords: ``verify``,
+    ``dense_cache``, ``low_memory``, ``check_memory``, ``public_key``, ``activations`` (ConfigError for a bad
+    one, before anything is read; TypeError for an unknown keyword).
     Linears of a LUT format run the native CPU kernels on their packed codes (built on first use, once per
     machine). ``dense_cache=True`` caches every weight dequantized instead (the fastest prefill, 8x the
     memory at 4 bits); formats no kernel covers, or a machine without a C++ compiler, take that dense path
@@ -448,22 +443,18 @@ def load(
     """
     from squeeze.runtime.loader import load_artifact
 
-    activations = check_activations(activations)
+    options = LoadOptions.build(options, split_keywords(keywords, LoadOptions)[0])
+    return load_artifact(local_artifact(path, public_key=options.public_key), options)
 
-    if dense_cache and low_memory:
-        raise ConfigError(
-            "dense_cache=True and low_memory=True contradict each other",
-            hint="dense_cache caches dequantized weights, low_memory never builds them: choose one",
-        )
-    return load_artifact(
-        local_artifact(path, public_key=public_key),
-        verify=verify,
-        dense_cache=dense_cache,
-        low_memory=low_memory,
-        check_memory=check_memory,
-        public_key=public_key,
-        activations=activations,
-    )
+
+def loading(options: LoadOptions | None = None, **keywords: Any) -> AbstractContextManager[LoadOptions]:
+    """Load options for ``AutoModelForCausalLM.from_pretrained(artifact)`` calls inside a ``with`` block
+    (:func:`squeeze.runtime.hf.loading`): ``public_key`` (the signature is checked right after the manifest,
+    IntegrityError unless it verifies), ``activations``, ``dense_cache`` / ``low_memory``; a
+    :class:`LoadOptions` or its keywords, checked once (ConfigError). ``verify=False`` is refused."""
+    from squeeze.runtime.hf import loading as hf_loading
+
+    return hf_loading(options, **keywords)
 
 
 def set_activations(model: Any, activations: Activations) -> int:
@@ -472,90 +463,76 @@ def set_activations(model: Any, activations: Activations) -> int:
     how many quantized modules were switched."""
     from squeeze.runtime.paths import set_activations as _set
 
-    return _set(model, check_activations(activations))
+    return _set(model, activations)  # checks it
 
 
 def generate(
     model: str | os.PathLike[str] | LoadedModel,
     prompts: str | Sequence[str],
+    sampling: SamplingParams | None = None,
     *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
+    load: LoadOptions | None = None,
+    kv: KVOptions | None = None,
     chat: bool = False,
     stream: Callable[[str], None] | None = None,
-    verify: bool = True,
-    low_memory: bool = False,
-    device: str = "cpu",
-    kv_bits: int | None = None,
-    kv_dynamic: bool = False,
-    dense_cache: bool = False,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
+    **options: Any,
 ) -> GenerationResult:
     """Load an artifact (verified unless ``verify=False``) and continue the prompts, all in one batch.
 
-    ``model``: an artifact directory, or a LoadedModel from :func:`load` (reused as is: ``low_memory`` and
-    ``verify`` then do not apply). Greedy when ``temperature == 0``; else sampling with ``top_p``, seeded
-    by ``seed``. ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first
-    prompt's text as it is produced. ``dense_cache`` / ``low_memory`` / ``activations``: the weights' path,
-    as in :func:`load` (default: compressed, native float32 kernels). ``device``: ``cpu`` or ``cuda[:N]``. Options and
-    the device are checked (ConfigError), then whether the load fits in memory (ResourceError, see
-    :func:`load`), before anything loads.
-    ``kv_bits``: the KV cache, as in :func:`evaluate` (default: what the artifact was calibrated for).
-    ``public_key``: check the artifact's signature while loading, as :func:`load` does (with a LoadedModel,
-    pass it to :func:`load` instead: ConfigError here).
+    The options come as three objects, each checked once when it is built (the CLI builds them from its
+    flags), or as their keywords, from which this call builds them once:
+    ``sampling`` (:class:`SamplingParams`; keywords ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``):
+    greedy when ``temperature == 0``; else sampling with ``top_p``, seeded by ``seed``.
+    ``load`` (:class:`LoadOptions`; keywords ``verify``, ``dense_cache``, ``low_memory``, ``public_key``,
+    ``activations``, ``device``): as in :func:`load`; ``device`` is ``cpu`` or ``cuda[:N]``.
+    ``kv`` (:class:`KVOptions`; keywords ``kv_bits``, ``kv_dynamic``): the KV cache, as in :func:`evaluate`
+    (default: what the artifact was calibrated for).
+    ``model``: an artifact directory, or a LoadedModel from :func:`load` (reused as is: the load options then
+    only place it on the device; ``public_key`` is a ConfigError: pass it to :func:`load`).
+    ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first prompt's text as it
+    is produced. Options, prompts and the device are checked (ConfigError), then whether the load fits in
+    memory (ResourceError, see :func:`load`), before anything loads.
     Returns texts plus load time, time to first token, tokens/s, peak memory and KV-cache bytes.
     """
     from squeeze.runtime.generate import generate as _generate
-    from squeeze.runtime.kvcache import kv_spec_for
 
-    prompt_list = check_generate_options(
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        device=device,
-        kv_bits=kv_bits,
-        kv_dynamic=kv_dynamic,
-    )
-    activations = check_activations(activations)
-    loaded, load_seconds = _loaded_on(
-        model,
-        device,
-        verify=verify,
-        low_memory=low_memory,
-        dense_cache=dense_cache,
-        public_key=public_key,
-        activations=activations,
-    )
-    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, kv_bits, dynamic=kv_dynamic)
+    sampling_keywords, load_keywords, kv_keywords = split_keywords(options, _GenerateKeywords, LoadOptions, KVOptions)
+    if sampling is None:
+        sampling = SamplingParams.for_generate(**sampling_keywords)
+    elif sampling_keywords:
+        raise ConfigError(f"pass sampling or its keywords, not both (found {', '.join(sorted(sampling_keywords))})")
+    load, kv = LoadOptions.build(load, load_keywords), KVOptions.build(kv, kv_keywords)
+    prompt_list = check_prompts(prompts)
+    loaded, load_seconds = _loaded_on(model, load)
     return _generate(
         loaded,
         loaded.tokenizer,
         prompt_list,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
+        sampling,
         chat=chat,
         stream=stream,
         load_seconds=load_seconds,
-        kv_spec=kv_spec,
+        kv_spec=kv.spec_for(loaded.model, loaded.kv_spec),
     )
+
+
+@dataclass(frozen=True)
+class _GenerateKeywords:
+    """The keywords of :meth:`SamplingParams.for_generate` (what :func:`generate` deals its keywords to)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 def serve_engine(
     path: str | os.PathLike[str],
     *,
     config: EngineConfig | None = None,
-    verify: bool = True,
-    dense_cache: bool = False,
-    low_memory: bool = False,
+    load: LoadOptions | None = None,
     model_name: str | None = None,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
+    **load_options: Any,
 ) -> Engine:
     """Load an artifact (verified unless ``verify=False``) into a serving engine: continuous batching over a
     paged KV cache (squeeze.serve). Start it with ``engine.start()``, or hand it to
@@ -565,38 +542,30 @@ def serve_engine(
     Its ``kv_bits`` None takes the artifact's calibrated KV cache when it has one, else full precision;
     4 / 8 need calibrated scales unless ``kv_dynamic``. ``model_name``: what the API reports (default: the
     artifact directory's name). ConfigError when the KV memory cannot hold one full-context sequence.
-    ``public_key``: the artifact must be signed by that key (checked while loading, see :func:`load`).
-    ``activations``: the LUT kernels' activation precision, as in :func:`load`.
+    ``load``: the :class:`LoadOptions` (or its keywords: ``verify``, ``dense_cache``, ``low_memory``,
+    ``public_key``, ``activations``), as in :func:`load`.
     """
     from pathlib import Path
 
-    from squeeze.runtime.kvcache import kv_spec_for
     from squeeze.serve.engine import Engine
 
     config = config if config is not None else EngineConfig()
     check_engine_config(config)
-    activations = check_activations(activations)
+    load = LoadOptions.build(load, split_keywords(load_options, LoadOptions)[0])
     # a URL or repo id names the model by its last part, not by its directory in the cache
     name = model_name or Path(os.fspath(path).rstrip("/")).resolve().name
-    path = local_artifact(path, public_key=public_key)
-    loaded = load(
-        path,
-        verify=verify,
-        dense_cache=dense_cache,
-        low_memory=low_memory,
-        public_key=public_key,
-        activations=activations,
-    )
-    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic)
+    loaded, _ = _loaded_on(path, load)
+    from squeeze.runtime.kvcache import kv_spec_for
+
+    # the KV options were checked when the EngineConfig was built
+    kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic, checked=True)
     return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
 
 
 def check_engine_config(config: EngineConfig) -> None:
-    """ConfigError for serving options that are wrong whatever the model (what :func:`serve_engine` checks
-    before anything loads), naming the ``squeeze serve`` flag."""
-    from squeeze.serve.engine import check_engine_config as check
-
-    check(config)
+    """ResourceError when ``config``'s KV pool is more than the memory available now: what :func:`serve_engine`
+    checks before anything loads. (The options themselves were checked when the EngineConfig was built:
+    ConfigError naming the ``squeeze serve`` flag.)"""
     _check_kv_memory_available(config.kv_memory_bytes)
 
 
@@ -725,55 +694,35 @@ def local_artifact(
     return os.fspath(resolve_source(text, public_key=public_key, progress=progress))
 
 
-def _loaded_on(
-    model: str | os.PathLike[str] | LoadedModel,
-    device: str,
-    *,
-    verify: bool,
-    low_memory: bool,
-    dense_cache: bool,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
-) -> tuple[LoadedModel, float]:
-    """``model`` loaded (a path; a LoadedModel is taken as is) and moved to ``device``; the seconds loading took."""
+def _loaded_on(model: str | os.PathLike[str] | LoadedModel, options: LoadOptions) -> tuple[LoadedModel, float]:
+    """``model`` loaded (a path; a LoadedModel is taken as is) and moved to ``options.device``; the seconds
+    loading took."""
+    import dataclasses
     import time
 
-    from squeeze.runtime.checks import resolve_device
-
-    target = resolve_device(device)
-    load_seconds = 0.0
-    if public_key is not None and not isinstance(model, (str, os.PathLike)):
+    target = options.torch_device
+    if options.public_key is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(
             "public_key applies while loading an artifact, and this model is already loaded",
             hint="pass public_key to squeeze.load(), or pass the artifact's path here",
         )
-    if public_key is not None:
-        from squeeze.runtime.loader import check_signing_options
+    if not isinstance(model, (str, os.PathLike)):
+        if target.type != "cpu":
+            model.model.to(target)
+        return model, 0.0
+    start = time.perf_counter()
+    path = local_artifact(model, public_key=options.public_key)
+    on_cpu = target.type == "cpu"
+    if not on_cpu:  # host memory: the dense cache (if any) is built on the device, not here
+        from squeeze.runtime.memory import check_load_memory
 
-        check_signing_options(public_key, verify=verify)  # before the memory check reads anything
-    if isinstance(model, (str, os.PathLike)):
-        start = time.perf_counter()
-        model = local_artifact(model, public_key=public_key)
-        if target.type != "cpu":  # host memory: the dense cache (if any) is built on the device, not here
-            from squeeze.runtime.memory import check_load_memory
-
-            check_load_memory(model, dense_cache=False, low_memory=True)
-        on_cpu = target.type == "cpu"
+        check_load_memory(path, dense_cache=False, low_memory=True)
         # off the CPU the native kernels do not run: load for the dense (or chunked) path the device takes
-        dense = dense_cache or (not on_cpu and not low_memory)
-        loaded = load(
-            model,
-            verify=verify,
-            dense_cache=dense,
-            low_memory=low_memory,
-            check_memory=on_cpu,
-            public_key=public_key,
-            activations=activations,
-        )
-        load_seconds = time.perf_counter() - start
-    else:
-        loaded = model
-    if target.type != "cpu":
+        dense = options.dense_cache or not options.low_memory
+        options = dataclasses.replace(options, dense_cache=dense, check_memory=False, device="cpu")
+    loaded = load(path, options)
+    load_seconds = time.perf_counter() - start
+    if not on_cpu:
         loaded.model.to(target)
     return loaded, load_seconds
 
@@ -800,6 +749,7 @@ __all__ = [
     "EngineConfig",
     "parse_size",
     "check_generate_options",
+    "check_prompts",
     "check_calibrate_kv_options",
     "builtin_recipes",
     "builtin_calibration_specs",
@@ -814,4 +764,8 @@ __all__ = [
     "DEFAULT_ACTIVATIONS",
     "check_activations",
     "set_activations",
+    "loading",
+    "SamplingParams",
+    "LoadOptions",
+    "KVOptions",
 ]

@@ -187,8 +187,9 @@ def timed_decode(model: Any, input_ids: Any, mask: Any, new_tokens: int) -> tupl
     from transformers import DynamicCache
 
     from squeeze.runtime.decode import DecodeOptions, choose_tokens, decode_step, prefill
+    from squeeze.runtime.sampling_params import SamplingParams
 
-    options = DecodeOptions(max_new_tokens=new_tokens)  # greedy, no eos ids: no row finishes early
+    options = DecodeOptions(SamplingParams(max_tokens=new_tokens))  # greedy, no eos ids: no row finishes early
     processors = options.processors()
     steps: list[float] = []
     with torch.inference_mode():

@@ -83,7 +83,8 @@ def eval_(
         return
     assert text is not None  # checked above
     with cli_errors():
-        activations = api.check_activations(activations)
+        load = api.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
+        kv_options = api.KVOptions(kv_bits, kv_dynamic)
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
         with stage_progress(not json_out, labels) as progress:
             result = api.evaluate(
@@ -93,10 +94,8 @@ def eval_(
                 seq_len=seq_len,
                 max_windows=max_windows,
                 progress=progress,
-                kv_bits=kv_bits,
-                kv_dynamic=kv_dynamic,
-                public_key=public_key,
-                activations=activations,
+                load=load,
+                kv=kv_options,
             )
     if json_out:
         print_json(result.to_dict())
@@ -133,6 +132,7 @@ def _eval_tasks(
     """``squeeze eval MODEL --tasks NAMES``: lm-eval's results as a table (or JSON)."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     with cli_errors():
+        load = api.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
         result = api.evaluate_tasks(
             model,
             names,
@@ -140,10 +140,8 @@ def _eval_tasks(
             limit=limit,
             num_fewshot=num_fewshot,
             batch_size=batch_size,
-            kv_bits=kv_bits,
-            kv_dynamic=kv_dynamic,
-            public_key=public_key,
-            activations=api.check_activations(activations),
+            load=load,
+            kv=api.KVOptions(kv_bits, kv_dynamic),
         )
     if json_out:
         print_json(result.to_dict())

@@ -40,9 +40,9 @@ def inspect(
     for role in info.roles:
         roles.add_row(role.role, str(role.count), f"{role.bytes:,}")
     out_console.print(roles)
-    quant = info.quantization or {}
-    if quant:
-        desc = ", ".join(f"{k}={v}" for k, v in quant.items() if k != "modules")
+    quant = info.quantization.to_dict() if info.quantization is not None else {}
+    if quant:  # in config.json's (sorted) key order
+        desc = ", ".join(f"{k}={v}" for k, v in sorted(quant.items()) if k != "modules")
         out_console.print(f"quantization: {desc}")
         out_console.print(f"quantized modules: {info.quantized_modules}; bits per weight: {info.bits_per_weight}")
         if len(info.widths) > 1:  # a bits-per-weight budget: how many modules got each width
@@ -53,7 +53,7 @@ def inspect(
     else:
         out_console.print("quantization: none")
     if info.kv_bytes_per_token:
-        kv = (info.quantization or {}).get("kv_cache")
+        kv = dict(info.quantization.kv_cache or {}) if info.quantization is not None else None
         if isinstance(kv, dict) and kv.get("format") == api.KV_FP8_E4M3:
             calibrated = "calibrated for fp8 (per-layer scales, vLLM kv_cache_dtype=fp8)"
         else:

@@ -13,8 +13,6 @@ from squeeze.cli.common import PublicKey, cli_errors, err_console, kv_bytes_line
 from squeeze.errors import ConfigError
 
 MIB = 1024 * 1024
-#: The options api.check_generate_options checks before anything loads (and api.generate takes as they are).
-CHECKED_OPTIONS = ("max_new_tokens", "temperature", "top_p", "device", "kv_bits", "kv_dynamic")
 UNVERIFIED_WARNING = "Warning: loading without verification: the artifact's bytes are NOT checked against its manifest"
 
 
@@ -33,17 +31,6 @@ def read_prompts_file(path: Path) -> list[str]:
     if not prompts:
         raise ConfigError(f"prompts file {path} holds no prompt (only blank lines)", hint="write one prompt per line")
     return prompts
-
-
-def check_weight_options(*, dense: bool, low_memory: bool) -> None:
-    """ConfigError when --dense and --low-memory are both given (one caches dense weights, the other never
-    builds them)."""
-    if dense and low_memory:
-        raise ConfigError(
-            "--dense and --low-memory contradict each other: --dense caches every weight dequantized, "
-            "--low-memory never builds dense weights",
-            hint="pass one of them (neither: the weights stay compressed and run the native kernels)",
-        )
 
 
 def _write(piece: str) -> None:
@@ -115,7 +102,6 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print only JSON to stdout
 
 
 def run(
-    ctx: typer.Context,
     model: Model,  # before PROMPT: required (no default); the help lists it among the options as before
     prompt: Prompt = None,
     max_new_tokens: MaxNewTokens = 128,
@@ -139,34 +125,28 @@ def run(
     Several prompts (--prompts-file) run as one batch; the first one streams, the others follow it.
     """
     with cli_errors():
-        check_weight_options(dense=dense, low_memory=low_memory)
-        activations = api.check_activations(activations)
+        # everything cheap is checked before the model loads, so a bad option costs nothing and prints nothing;
+        # each options object is checked once, when built here: api.generate and the runtime take them as they are
+        sampling = api.SamplingParams.for_generate(max_new_tokens, temperature, top_p, seed)
+        load = api.LoadOptions(
+            verify=not no_verify,
+            dense_cache=dense,
+            low_memory=low_memory,
+            public_key=public_key,
+            activations=activations,  # type: ignore[arg-type]  # checked when the options are built
+            device=device,
+        )
+        kv = api.KVOptions(kv_bits, kv_dynamic)
         prompts = [prompt] if prompt is not None else []
         if prompts_file is not None:
             prompts += read_prompts_file(prompts_file)
-        # everything cheap is checked before the model loads, so a bad option costs nothing and prints nothing
-        checked = {name: ctx.params[name] for name in CHECKED_OPTIONS}
-        prompts = api.check_generate_options(prompts, **checked)
-        if public_key is not None:
-            api.check_signing_options(public_key, verify=not no_verify)
+        prompts = api.check_prompts(prompts)
         if no_verify:
             err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
         stream = None if json_out else _write
         with progress_bar("Pulling", not json_out, bytes_=True) as progress:
             local = api.local_artifact(model, public_key=public_key, progress=progress)
-        result = api.generate(
-            local,
-            prompts,
-            seed=seed,
-            chat=chat,
-            stream=stream,
-            verify=not no_verify,
-            dense_cache=dense,
-            low_memory=low_memory,
-            public_key=public_key,
-            activations=activations,
-            **checked,
-        )
+        result = api.generate(local, prompts, sampling, load=load, kv=kv, chat=chat, stream=stream)
     if json_out:
         extra = {
             "model": str(model),
@@ -174,7 +154,7 @@ def run(
             "signature_checked": public_key is not None,
             "dense": dense,
             "low_memory": low_memory,
-            "activations": activations,
+            "activations": load.activations,
         }
         print_json({**result.to_dict(), **extra})
         return

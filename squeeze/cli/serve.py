@@ -32,7 +32,6 @@ from squeeze.cli.run import (  # the options squeeze run has too, declared once
     KvDynamic,
     LowMemory,
     NoVerify,
-    check_weight_options,
 )
 from squeeze.errors import ConfigError
 
@@ -358,8 +357,14 @@ def serve(
     SIGINT or SIGTERM stops the server gracefully (exit 0).
     """
     with cli_errors():
-        check_weight_options(dense=dense, low_memory=low_memory)
-        activations = api.check_activations(activations)
+        # every load option checked once, here: api.serve_engine and the loader take the object as it is
+        load = api.LoadOptions(
+            verify=not no_verify,
+            dense_cache=dense,
+            low_memory=low_memory,
+            public_key=public_key,
+            activations=activations,  # type: ignore[arg-type]  # checked when the options are built
+        )
         config = engine_config(
             kv_bits=kv_bits,
             kv_dynamic=kv_dynamic,
@@ -381,8 +386,6 @@ def serve(
         )
         body_cap = request_bytes(max_request_bytes)
         check_serve_dependencies()
-        if public_key is not None:
-            api.check_signing_options(public_key, verify=not no_verify)
         sock = bind_socket(host, port)  # before the model loads: a port in use fails at once
         if threads is not None:
             import torch
@@ -392,18 +395,7 @@ def serve(
         try:
             if no_verify:
                 err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
-            # only when given: api.serve_engine stand-ins (tests/cli/test_serve_cli.py) predate the option
-            signature_options: dict[str, Any] = {"public_key": public_key} if public_key is not None else {}
-            if activations != api.DEFAULT_ACTIVATIONS:
-                signature_options["activations"] = activations
-            engine = api.serve_engine(
-                artifact,
-                config=config,
-                verify=not no_verify,
-                dense_cache=dense,
-                low_memory=low_memory,
-                **signature_options,
-            )
+            engine = api.serve_engine(artifact, config=config, load=load)
             # only when given: api.create_serve_app stand-ins predate the option
             app_options: dict[str, Any] = {"max_request_bytes": body_cap} if body_cap is not None else {}
             app = api.create_serve_app(

@@ -20,10 +20,10 @@ from torch import nn
 from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.quantize import weight_format
 from squeeze.compression.writer import (
-    quantization_header,
     seal,
     state_bytes,
     unique_tensors,
+    with_quantization,
     write_config,
     write_model_files,
     write_recipe,
@@ -32,9 +32,11 @@ from squeeze.compression.writer import (
 from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
+from squeeze.format.quant_config import EmbeddingsEntry, QuantizationConfig, RecipeSummary, module_entries
 from squeeze.models.experts import UnroutedExpertsWarning, unrouted_message
 from squeeze.models.source import keep_dtype, source_dtype
 from squeeze.models.targets import embedding_modules
+from squeeze.version import __version__
 
 
 @contextlib.contextmanager
@@ -86,7 +88,7 @@ def write_artifact(
         )
 
 
-def _embeddings_entry(job: CompressJob) -> dict[str, Any] | None:
+def _embeddings_entry(job: CompressJob) -> EmbeddingsEntry | None:
     """``quantization_config.embeddings``: the quantized embeddings, their ``bits`` and, for a tied model, which
     one its LM head reads (``tied``: head name -> embedding name); None when the recipe (or, with
     ``embedding_bits: auto``, the budget's plan) keeps them. ``bits``: the recipe's width, or with auto the
@@ -100,11 +102,9 @@ def _embeddings_entry(job: CompressJob) -> dict[str, Any] | None:
     if bits == EMBEDDING_AUTO:  # the plan gave each its width (kept ones left job.embedding_names)
         planned = {name: job.bit_plan[name].bits for name in job.embedding_names}
         bits = next(iter(planned.values())) if len(set(planned.values())) == 1 else planned
-    return {
-        "bits": bits,
-        "modules": list(job.embedding_names),
-        "tied": {head: inputs[0]} if head is not None and inputs else {},
-    }
+    return EmbeddingsEntry.build(
+        bits, list(job.embedding_names), {head: inputs[0]} if head is not None and inputs else {}
+    )
 
 
 def _kept(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,29 +195,31 @@ def write_metadata(
     staging: Path,
     *,
     kept_dtype: torch.dtype = torch.float32,
-    embeddings: dict[str, Any] | None = None,
+    embeddings: EmbeddingsEntry | None = None,
 ) -> None:
     """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
-    config = net.config.to_dict()  # type: ignore[union-attr, operator]
     w = recipe.weights
-    config["quantization_config"] = {
-        **quantization_header(),
-        "method": w.method,
-        # a budget recipe has no one width: each module entry carries its own, and target_bpw the average asked
-        "bits": None if w.target_bpw is not None else w.bits,
-        "target_bpw": w.target_bpw,
-        "sensitive_fraction": w.sensitive_fraction,
-        "outlier_fraction": w.outlier_fraction,
-        "sensitivity": w.sensitivity,
-        "group_size": w.group_size,
-        "lut_dtype": w.lut_dtype if "lut_dtype" in weight_format(recipe).recipe_options else None,
-        "bits_per_weight": round(storage_bits / n_weights, 4) if n_weights else None,
-        "modules": quantized,
+    quant = QuantizationConfig(
+        squeeze_version=__version__,
+        method=w.method,
+        modules=module_entries(quantized),
+        summary=RecipeSummary(
+            # a budget recipe has no one width: each module entry carries its own, and target_bpw the average asked
+            bits=None if w.target_bpw is not None else w.bits,
+            target_bpw=w.target_bpw,
+            sensitive_fraction=w.sensitive_fraction,
+            outlier_fraction=w.outlier_fraction,
+            sensitivity=w.sensitivity,
+            group_size=w.group_size,
+            lut_dtype=w.lut_dtype if "lut_dtype" in weight_format(recipe).recipe_options else None,
+            bits_per_weight=round(storage_bits / n_weights, 4) if n_weights else None,
+        ),
         # the dtype every unquantized tensor is stored in; loaders compute in float32 whatever it is
-        "unquantized_dtype": str(kept_dtype).removeprefix("torch."),
-    }
-    if embeddings is not None:  # weights.embedding_bits: the loaders rebuild the embedding (and a tied head)
-        config["quantization_config"]["embeddings"] = embeddings
+        unquantized_dtype=str(kept_dtype).removeprefix("torch."),
+        # weights.embedding_bits: the loaders rebuild the embedding (and a tied head)
+        embeddings=embeddings,
+    )
+    config = with_quantization(net.config.to_dict(), quant)  # type: ignore[union-attr, operator]
     write_config(staging, config)
     write_model_files(staging, net, tokenizer)
     write_recipe(staging, recipe.to_yaml())

@@ -33,9 +33,9 @@ from squeeze.compression.preflight import check_context_length
 from squeeze.compression.publish import clean_kv_leftovers, kv_staging, replace_dir
 from squeeze.compression.writer import (
     CONFIG_NAME,
-    quantization_header,
     seal,
     unique_tensors,
+    with_quantization,
     write_config,
     write_model_files,
     write_tensor_file,
@@ -44,11 +44,13 @@ from squeeze.compression.writer import (
 from squeeze.config import CalibrationSpec, OutputConfig
 from squeeze.errors import ConfigError, IntegrityError, SqueezeError
 from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, Provenance
+from squeeze.format.quant_config import QuantizationConfig
 from squeeze.format.signature import warn_signature_dropped
 from squeeze.format.swap import restore_aside
 from squeeze.format.verify import read_manifest
 from squeeze.limits import KvChoice, check_kv_calibration
 from squeeze.quant.kv_spec import KV_FILE, kv_bytes_table
+from squeeze.version import __version__
 
 #: The lock file beside the output (``.NAME.squeeze-kv.lock``) that a run holds from start to end.
 KV_LOCK_SUFFIX = ".squeeze-kv.lock"
@@ -201,7 +203,7 @@ def _run_locked(
         bits=bits,
         sink_tokens=sink_tokens,
         calibration=result.to_dict(),
-        bytes_per_token=kv_bytes_table(config),
+        bytes_per_token=kv_bytes_table(config, result.spec.to_config()),
         seconds=time.perf_counter() - started,
         timings=timings,
         root_digest=manifest.root_digest,
@@ -358,14 +360,9 @@ def _write_plain_artifact(model: torch.nn.Module, tokenizer: Any, staging: Path)
     """The original weights as shards, tokenizer, generation config; returns config.json's dict (unwritten)."""
     write_tensors(staging, unique_tensors(model.state_dict()), OutputConfig().max_shard_bytes)
     write_model_files(staging, model, tokenizer)
-    config = model.config.to_dict()  # type: ignore[union-attr, operator]
-    config["quantization_config"] = _unquantized()
-    return config
-
-
-def _unquantized() -> dict[str, Any]:
-    """The ``quantization_config`` of an artifact whose weights are not quantized (only its KV cache is)."""
-    return {**quantization_header(), "method": "none", "modules": {}}
+    # the weights are not quantized: only the KV cache will be
+    plain = model.config.to_dict()  # type: ignore[union-attr, operator]
+    return with_quantization(plain, QuantizationConfig.unquantized(__version__))
 
 
 def _write_kv(
@@ -373,15 +370,14 @@ def _write_kv(
 ) -> dict[str, Any]:
     """kv_cache.safetensors plus config.json with its ``quantization_config.kv_cache`` entry (returned)."""
     write_tensor_file(staging, KV_FILE, result.spec.to_tensors())
-    config = dict(config)
-    quant = dict(config.get("quantization_config") or _unquantized())
-    quant["kv_cache"] = {
+    quant = QuantizationConfig.from_model_config(config) or QuantizationConfig.unquantized(__version__)
+    entry = {
         **result.spec.to_config(),
         "file": KV_FILE,
         "calibration": calibration.name,
         "calibration_hash": calibration.spec_hash(),
     }
-    config["quantization_config"] = quant
+    config = with_quantization(config, quant.with_kv_cache(entry))
     write_config(staging, config)
     return config
 

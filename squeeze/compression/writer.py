@@ -20,7 +20,7 @@ from torch import nn
 
 from squeeze.format.atomic import atomic_write_bytes, atomic_write_text
 from squeeze.format.manifest import Manifest, Provenance
-from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD
+from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD, SECTION, QuantizationConfig
 from squeeze.format.shards import SHARD_METADATA, ShardIndex, ShardWriter
 from squeeze.format.verify import seal_artifact
 from squeeze.version import __version__
@@ -30,7 +30,15 @@ CONFIG_NAME = "config.json"
 
 def quantization_header() -> dict[str, Any]:
     """The keys every squeeze ``quantization_config`` starts with: method tag, format and writer version."""
-    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "squeeze_version": __version__}
+    header = QuantizationConfig(squeeze_version=__version__).to_dict()
+    del header["modules"]
+    return header
+
+
+def with_quantization(config: Mapping[str, Any], quant: QuantizationConfig) -> dict[str, Any]:
+    """A config.json dict (a copy) carrying ``quant`` as its ``quantization_config``: the one place a writer
+    puts the section into a config."""
+    return {**config, SECTION: quant.to_dict()}
 
 
 def unique_tensors(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -98,6 +106,7 @@ __all__ = [
     "FORMAT_VERSION",
     "QUANT_METHOD",
     "quantization_header",
+    "with_quantization",
     "unique_tensors",
     "state_bytes",
     "write_tensors",

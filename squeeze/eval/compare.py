@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
 from squeeze.models.source import ModelSource
 from squeeze.quant.kv_spec import KVSpec
-from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations, check_activations
+from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
     """
     from squeeze.compression.workarea import WORK_NAME
     from squeeze.format.manifest import MANIFEST_NAME
+    from squeeze.format.quant_config import QuantizationConfig
     from squeeze.models.remote_code import read_small_json
     from squeeze.models.source import resolve_model
     from squeeze.runtime.loader import is_artifact
@@ -80,9 +82,9 @@ def resolve_target(spec: str | os.PathLike[str], option: str | None = None) -> E
     path = Path(text).expanduser()
     if path.is_dir():
         config = read_small_json(path / "config.json")
-        quant = config.get("quantization_config") if isinstance(config, dict) else None
+        quant = QuantizationConfig.from_model_config(config if isinstance(config, dict) else None, strict=False)
         unfinished = (path / WORK_NAME).exists()
-        if unfinished or (isinstance(quant, dict) and quant.get("quant_method") == "squeeze"):
+        if unfinished or quant is not None:
             raise ModelError(
                 f"{prefix}{text} is a squeeze output without its manifest ({MANIFEST_NAME}): expected a complete "
                 "artifact",
@@ -104,16 +106,15 @@ def open_for_eval(spec: str | os.PathLike[str]) -> tuple[nn.Module, Any]:
     return model, tokenizer
 
 
-def open_target(
-    target: EvalTarget, public_key: str | os.PathLike[str] | None = None, activations: Activations = DEFAULT_ACTIVATIONS
-) -> tuple[nn.Module, Any, KVSpec | None]:
-    """(model, tokenizer, the artifact's calibrated KV spec or None); an artifact's signature is checked by
-    ``public_key`` when given; ``activations``: an artifact's LUT kernels' activation precision."""
+def open_target(target: EvalTarget, options: LoadOptions | None = None) -> tuple[nn.Module, Any, KVSpec | None]:
+    """(model, tokenizer, the artifact's calibrated KV spec or None); an artifact is loaded with ``options``
+    (its ``public_key`` checks the signature, its ``activations`` set the LUT kernels' precision), always
+    verified."""
     from squeeze.models.source import load_model
     from squeeze.runtime.loader import load_artifact
 
     if target.artifact is not None:
-        loaded = load_artifact(target.artifact, verify=True, public_key=public_key, activations=activations)
+        loaded = load_artifact(target.artifact, options if options is not None else LoadOptions())
         return loaded.model, loaded.tokenizer, loaded.kv_spec
     assert target.source is not None
     model, tokenizer = load_model(target.source)
@@ -121,12 +122,12 @@ def open_target(
 
 
 def kv_cache_factory(
-    model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, dynamic: bool
+    model: nn.Module, calibrated: KVSpec | None, kv: KVOptions
 ) -> tuple[CacheFactory | None, KVSpec | None]:
     """The cache every window is scored through (None: no cache), per squeeze.runtime.kvcache.select_kv_spec."""
-    from squeeze.runtime.kvcache import SqueezeKVCache, kv_spec_for
+    from squeeze.runtime.kvcache import SqueezeKVCache
 
-    spec = kv_spec_for(model, calibrated, kv_bits, dynamic=dynamic)
+    spec = kv.spec_for(model, calibrated)
     if spec is None:
         return None, None
     return (lambda: SqueezeKVCache(spec)), spec
@@ -140,26 +141,21 @@ def evaluate(
     seq_len: int = 512,
     max_windows: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
-    kv_bits: int | None = None,
-    kv_dynamic: bool = False,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
+    load: LoadOptions | None = None,
+    kv: KVOptions | None = None,
+    **options: Any,
 ) -> EvalResult:
     """Paper-protocol perplexity of ``model`` (and ``baseline``) on ``text_file``; see squeeze.api.evaluate.
 
-    The KV options apply to ``model`` only; the baseline always runs with a full-precision cache-free pass.
-    Everything cheap is checked before the first model loads: the options, the text file, then that both
-    ``model`` and ``baseline`` exist and can be opened (see :func:`resolve_target`).
-    ``public_key``: ``model`` must be an artifact signed by this key (checked while it loads); the baseline
-    is not checked. ``activations``: the LUT kernels' activation precision for artifacts (model and baseline).
+    The KV options (``kv``) apply to ``model`` only; the baseline always runs with a full-precision cache-free
+    pass. Everything cheap is checked before the first model loads: the options (when they were built), the
+    text file, then that both ``model`` and ``baseline`` exist and can be opened (see :func:`resolve_target`).
+    ``load.public_key``: ``model`` must be an artifact signed by this key (checked while it loads); the
+    baseline is not checked. ``load.activations``: the LUT kernels' activation precision for artifacts (model
+    and baseline). Artifacts are always verified.
     """
-    from squeeze.runtime.kvcache import check_kv_options
-    from squeeze.runtime.loader import check_signing_options
-
-    activations = check_activations(activations)
-    check_kv_options(kv_bits, kv_dynamic)
-    if public_key is not None:
-        check_signing_options(public_key, verify=True)
+    load, kv = load_and_kv(options, load, kv)  # as given, or built once from their keywords
+    public_key = load.public_key
     text = read_text_file(text_file, "evaluation text", ConfigError)
     targets = {"model": resolve_target(model)}
     if public_key is not None and targets["model"].artifact is None:
@@ -172,10 +168,11 @@ def evaluate(
     kv_used: list[tuple[int, str]] = []
 
     def measure(label: str, with_kv: bool) -> PerplexityResult:
-        net, tokenizer, calibrated = open_target(targets[label], public_key if label == "model" else None, activations)
+        unsigned = dataclasses.replace(load, public_key=None) if public_key is not None else load
+        net, tokenizer, calibrated = open_target(targets[label], load if label == "model" else unsigned)
         factory = None
         if with_kv:
-            factory, chosen = kv_cache_factory(net, calibrated, kv_bits, kv_dynamic)
+            factory, chosen = kv_cache_factory(net, calibrated, kv)
             full = str(getattr(net, "dtype", "float32")).removeprefix("torch.")
             kv_used.append((chosen.bits, chosen.label) if chosen is not None else (16, full))
         report = (lambda done, total: progress(label, done, total)) if progress else None
@@ -184,7 +181,7 @@ def evaluate(
         )
 
     result = measure("model", True)
-    kv = {"kv_bits": kv_used[0][0], "kv_dynamic": kv_dynamic, "kv_cache": kv_used[0][1]}
+    kv_info = {"kv_bits": kv_used[0][0], "kv_dynamic": kv.kv_dynamic, "kv_cache": kv_used[0][1]}
     if baseline is None:
-        return EvalResult(str(model), result, kv=kv)
-    return EvalResult(str(model), result, str(baseline), measure("baseline", False), kv=kv)
+        return EvalResult(str(model), result, kv=kv_info)
+    return EvalResult(str(model), result, str(baseline), measure("baseline", False), kv=kv_info)

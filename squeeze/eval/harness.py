@@ -25,7 +25,7 @@ from torch import nn
 
 from squeeze.errors import ConfigError
 from squeeze.eval.perplexity import CacheFactory, next_token_scores
-from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
+from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
 
 #: The name lm-eval knows squeeze's model by (``--model squeeze``).
 MODEL_NAME = "squeeze"
@@ -139,17 +139,18 @@ def load_harness_model(
     path: str | os.PathLike[str],
     *,
     batch_size: int = 1,
-    kv_bits: int | None = None,
-    kv_dynamic: bool = False,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
+    load: LoadOptions | None = None,
+    kv: KVOptions | None = None,
+    **options: Any,
 ) -> HarnessModel:
     """A model or artifact opened as ``squeeze eval`` opens it (an artifact verified, its LUT kernels'
-    ``activations``, its calibrated KV cache unless ``kv_bits`` says otherwise) and wrapped for lm-eval."""
+    ``activations``, its calibrated KV cache unless ``kv_bits`` says otherwise) and wrapped for lm-eval.
+    ``load`` / ``kv``: the options objects, or their keywords (``activations=``, ``kv_bits=``...)."""
     from squeeze.eval.compare import kv_cache_factory, open_target, resolve_target
 
-    model, tokenizer, calibrated = open_target(resolve_target(path), public_key, activations)
-    factory, _ = kv_cache_factory(model, calibrated, kv_bits, kv_dynamic)
+    load, kv = load_and_kv(options, load, kv)
+    model, tokenizer, calibrated = open_target(resolve_target(path), load)
+    factory, _ = kv_cache_factory(model, calibrated, kv)
     return HarnessModel(model, tokenizer, batch_size=batch_size, kv_cache=factory)
 
 
@@ -184,7 +185,8 @@ def lm_class() -> type:
                     raise ConfigError("--model squeeze needs --model_args pretrained=ARTIFACT")
                 size = int(batch_size) if str(batch_size).isdigit() else 1
                 bits = int(kv_bits) if kv_bits is not None else None
-                core = load_harness_model(pretrained, batch_size=size, kv_bits=bits, kv_dynamic=bool(kv_dynamic))
+                kv = KVOptions(bits, bool(kv_dynamic))
+                core = load_harness_model(pretrained, batch_size=size, kv=kv)
             self.core = core
 
         def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:

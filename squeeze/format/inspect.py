@@ -25,8 +25,8 @@ from squeeze.format.paths import (
     short_path,
     walk_artifact,
 )
+from squeeze.format.quant_config import QuantizationConfig
 from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
-from squeeze.limits import is_int
 from squeeze.quant.schemes import stored_roles
 
 
@@ -47,7 +47,8 @@ class ArtifactInfo:
     files: list[dict[str, Any]] = field(default_factory=list)  # {path, size, listed}
     roles: list[RoleSummary] = field(default_factory=list)
     n_tensors: int = 0
-    quantization: dict[str, Any] | None = None
+    #: config.json's squeeze ``quantization_config`` (read leniently: junk reads as absent), None without one
+    quantization: QuantizationConfig | None = None
     bits_per_weight: float | None = None
     quantized_modules: int = 0
     #: quantized 3-D expert parameters of MoE layers (module entries with ``experts``; counted in
@@ -66,7 +67,7 @@ class ArtifactInfo:
     config: dict[str, Any] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        quant = dict(self.quantization or {})
+        quant = self.quantization.to_dict() if self.quantization is not None else {}
         quant.pop("modules", None)  # per-module detail is long; the summary says how many
         return {
             "directory": self.directory,
@@ -189,26 +190,19 @@ def _read_quantization(root_fd: int, info: ArtifactInfo, roles: dict[str, RoleSu
     if not isinstance(config, dict):
         return
     info.config = config
-    quant = config.get("quantization_config")
-    if not isinstance(quant, dict):
+    quant = QuantizationConfig.from_model_config(config, strict=False)  # unverified: summarised, never refused
+    if quant is None:
         return
     info.quantization = quant
-    modules = quant.get("modules")
-    if isinstance(modules, dict) and modules:
+    modules = quant.modules.values()
+    if modules:
         info.quantized_modules = len(modules)
-        counts = [module_dim(m, "experts") for m in modules.values() if isinstance(m, dict) and "experts" in m]
+        counts = [m.experts for m in modules if m.is_experts]
         info.expert_parameters, info.experts = len(counts), sum(counts)
-        for bits in sorted(module_dim(m, "bits") for m in modules.values()):
+        for bits in sorted(m.bits for m in modules):
             if bits:
                 info.widths[bits] = info.widths.get(bits, 0) + 1
-        n_weights = sum(module_dim(m, "in_features") * module_dim(m, "out_features") for m in modules.values())
+        n_weights = sum(m.n_weights for m in modules)
         quant_bytes = sum(roles[r].bytes for r in stored_roles() if r in roles)  # every registered format's
         if n_weights:
             info.bits_per_weight = round(quant_bytes * 8 / n_weights, 4)
-
-
-def module_dim(module: object, key: str) -> int:
-    """A quantized module's dimension (``in_features`` / ``out_features`` / ``experts`` / ``bits``) from an
-    unverified config.json, 0 when absent or not a positive integer: sizing and summaries never fail on junk."""
-    value = module.get(key) if isinstance(module, dict) else None
-    return value if is_int(value) and value > 0 else 0

@@ -21,6 +21,7 @@ Two kinds (``KVSpec.kind``), one per layer type:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -444,20 +445,15 @@ def fp_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, element_byte
     return 2 * n_layers * kv_heads * head_dim * element_bytes
 
 
-def kv_bytes_table(model_config: object) -> dict[str, int]:
+def kv_bytes_table(model_config: object, kv: Mapping[str, Any] | None = None) -> dict[str, int]:
     """KV bytes per token over all layers: fp16, fp8, int8 and int4 (codes plus per-token scales / offsets).
 
-    ``model_config``: a transformers config or its dict. The width its quantization_config's ``kv_cache``
-    was calibrated for is counted with that layout (asymmetric layers, grid sizes); other widths with the
-    default one (symmetric values, :func:`default_key_group`, :func:`default_value_group`).
+    ``model_config``: a transformers config or its dict (its geometry). ``kv``: the artifact's calibrated
+    ``kv_cache`` entry (:meth:`KVSpec.to_config`), if any: the width it was calibrated for is counted with that
+    layout (asymmetric layers, grid sizes); other widths with the default one (symmetric values,
+    :func:`default_key_group`, :func:`default_value_group`).
     """
     layers, kv_heads, head_dim = kv_geometry(model_config)
-    quant = (
-        model_config.get("quantization_config")
-        if isinstance(model_config, dict)
-        else getattr(model_config, "quantization_config", None)
-    )
-    kv = quant.get("kv_cache") if isinstance(quant, dict) else None
     entries = kv.get("layers") if isinstance(kv, dict) else None
     table = {
         "fp16": fp_bytes_per_token(layers, kv_heads, head_dim),

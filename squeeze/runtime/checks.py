@@ -10,34 +10,36 @@ from collections.abc import Sequence
 import torch
 
 from squeeze.errors import ConfigError
+from squeeze.runtime.sampling_params import SamplingParams
 
 
-def validate_options(prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
-    """Check generation options before anything expensive runs; returns the prompts as a list.
+class Prompts(list[str]):
+    """Prompts that :func:`check_prompts` checked: passed on as they are, not checked again."""
 
-    Raises ConfigError for no prompts, an empty (or whitespace-only) prompt, max_new_tokens <= 0,
-    temperature < 0 or top_p outside (0, 1].
-    """
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
+
+def check_prompts(prompts: str | Sequence[str]) -> Prompts:
+    """The prompts as a list; ConfigError for no prompt or an empty (or whitespace-only) one. Prompts it
+    returned before come back as they are."""
+    if isinstance(prompts, Prompts):
+        return prompts
+    return Prompts(_checked_prompts([prompts] if isinstance(prompts, str) else list(prompts)))
+
+
+def _checked_prompts(prompts: list[str]) -> list[str]:
     if not prompts:
         raise ConfigError("no prompt given", hint="pass a PROMPT, or --prompts-file with one prompt per line")
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
             where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
             raise ConfigError(f"{where} is empty; expected some text to continue", hint="pass a non-empty prompt")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ConfigError(
-            f"max_new_tokens must be an integer >= 1, found {max_new_tokens!r}", hint="e.g. --max-new-tokens 128"
-        )
-    if not isinstance(temperature, (int, float)) or not temperature >= 0.0 or temperature == float("inf"):
-        raise ConfigError(
-            f"temperature must be a finite number >= 0 (0 = greedy), found {temperature!r}",
-            hint="use 0 for greedy decoding, or e.g. 0.7 to sample",
-        )
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1], found {top_p!r}", hint="1.0 keeps the whole distribution")
+    return prompts
+
+
+def validate_options(prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
+    """Deprecated: :func:`check_prompts` and :meth:`SamplingParams.for_generate` (which checks the options
+    when it is built). Returns the prompts as a list; ConfigError as those two raise it."""
+    prompts = check_prompts(prompts)
+    SamplingParams.for_generate(max_new_tokens, temperature, top_p)
     return prompts
 
 
@@ -95,4 +97,4 @@ def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: in
     )
 
 
-__all__ = ["validate_options", "resolve_device", "check_context"]
+__all__ = ["Prompts", "check_prompts", "validate_options", "resolve_device", "check_context"]

@@ -22,9 +22,10 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessorList
 
 from squeeze.models.modes import cache_kwarg
+from squeeze.runtime.sampling_params import SamplingParams
 
 #: Called with each step's chosen tokens, (B,) int64 on the CPU (the streamer that times and prints them).
 TokensFn = Callable[[torch.Tensor], None]
@@ -32,33 +33,25 @@ TokensFn = Callable[[torch.Tensor], None]
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """How tokens are chosen and when decoding stops.
+    """How one batch decodes: its :class:`SamplingParams` (checked when built; trusted here), and the batch's
+    token ids. Rows that produced one of ``eos_ids`` are finished: they are fed ``pad_id`` from then on, and
+    decoding stops when all are finished."""
 
-    Greedy when ``temperature == 0``; else softmax sampling after dividing by ``temperature`` and keeping
-    the smallest set of tokens whose probability reaches ``top_p``. Rows that produced one of ``eos_ids``
-    are finished: they are fed ``pad_id`` from then on, and decoding stops when all are finished.
-    """
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingParams
     pad_id: int = 0
     eos_ids: frozenset[int] = field(default_factory=frozenset)
 
     @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
     def do_sample(self) -> bool:
-        return self.temperature > 0.0
+        return self.sampling.do_sample
 
     def processors(self) -> LogitsProcessorList:
         """transformers' warpers, in ``generate``'s order and on its conditions (a no-op one is left out)."""
-        chain = LogitsProcessorList()
-        if not self.do_sample:
-            return chain
-        if self.temperature != 1.0:
-            chain.append(TemperatureLogitsWarper(float(self.temperature)))
-        if self.top_p < 1.0:
-            chain.append(TopPLogitsWarper(top_p=float(self.top_p), min_tokens_to_keep=1))
-        return chain
+        return self.sampling.processors()
 
 
 @dataclass

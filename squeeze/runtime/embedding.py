@@ -10,7 +10,6 @@ weight (:func:`tied_head`): one stored copy serves both.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -82,20 +81,6 @@ def replace_embedding(model: nn.Module, name: str, build: Callable[[nn.Embedding
     replace_module(model, name, nn.Embedding, build, error)
 
 
-def tied_heads(quant: Mapping[str, Any]) -> dict[str, str]:
-    """``quantization_config.embeddings.tied`` (LM head name -> the quantized embedding it shares), checked.
-
-    Absent when the artifact quantizes no embedding, or its LM head has a weight of its own.
-    """
-    embeddings = quant.get("embeddings")
-    if embeddings is None:
-        return {}
-    tied = embeddings.get("tied", {}) if isinstance(embeddings, dict) else None
-    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-        raise FormatError("config.json: quantization_config.embeddings.tied must map module names to module names")
-    return dict(tied)
-
-
 def tie_quantized_heads(
     model: nn.Module,
     tied: Mapping[str, str],
@@ -144,6 +129,5 @@ __all__ = [
     "gather_rows",
     "check_embedding_weight",
     "replace_embedding",
-    "tied_heads",
     "tie_quantized_heads",
 ]

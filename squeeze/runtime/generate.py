@@ -24,10 +24,11 @@ from transformers import DynamicCache
 from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
 from squeeze.runtime.attention import native_run
-from squeeze.runtime.checks import check_context, resolve_device, validate_options
+from squeeze.runtime.checks import check_context, check_prompts, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.kvcache import SqueezeKVCache
 from squeeze.runtime.paths import describe_weight_paths, weight_paths
+from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.text_stream import TextState
 
 StreamFn = Callable[[str], None]
@@ -197,42 +198,40 @@ def generate(
     loaded_or_model: Any,
     tokenizer: Any | None,
     prompts: Sequence[str] | str,
+    sampling: SamplingParams | None = None,
     *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
     chat: bool = False,
     stream: StreamFn | None = None,
     load_seconds: float = 0.0,
     kv_spec: KVSpec | None = None,
+    **sampling_options: Any,
 ) -> GenerationResult:
     """Continue each prompt, all prompts as one left-padded batch (prefill, then one decode step per token).
 
     ``loaded_or_model``: a LoadedModel (its tokenizer is used when ``tokenizer`` is None) or a transformers
-    causal LM, on the device it should run on. Greedy when ``temperature == 0``, else sampling with
+    causal LM, on the device it should run on. ``sampling``: how tokens are chosen and how many (checked when
+    it was built, trusted here); or, instead, its keywords ``max_new_tokens``, ``temperature``, ``top_p`` and
+    ``seed`` (:meth:`SamplingParams.for_generate`). Greedy when ``temperature == 0``, else sampling with
     ``temperature`` and nucleus ``top_p`` (top-k off), after ``torch.manual_seed(seed)`` when a seed is
     given. ``chat`` wraps each prompt as one user turn with the tokenizer's chat template (ConfigError when
     it has none). ``stream(piece)`` receives the first prompt's text as it is produced. ``kv_spec``: run
-    with squeeze's quantized KV cache (else transformers' DynamicCache). Raises ConfigError
-    for bad options (see :func:`validate_options`) or a prompt longer than the model's context.
+    with squeeze's quantized KV cache (else transformers' DynamicCache). Raises ConfigError for bad options,
+    an empty prompt or a prompt longer than the model's context.
     """
-    prompts = validate_options(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    if sampling is None:
+        sampling = SamplingParams.for_generate(**sampling_options)
+    elif sampling_options:
+        raise ConfigError(f"pass sampling or its keywords, not both (found {', '.join(sorted(sampling_options))})")
+    prompts = check_prompts(prompts)
     model, tokenizer = _model_and_tokenizer(loaded_or_model, tokenizer)
     batch = _tokenize(tokenizer, _format_prompts(tokenizer, prompts, chat), chat, _model_device(model))
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(context, int) and not isinstance(context, bool):
-        check_context(batch.prompt_tokens, max_new_tokens, context)
+        check_context(batch.prompt_tokens, sampling.max_tokens, context)
     eos_ids = eos_token_ids(model, tokenizer)
-    options = DecodeOptions(
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        pad_id=batch.pad_id,
-        eos_ids=frozenset(eos_ids),
-    )
-    if seed is not None:  # for greedy too: harmless, and keeps any stochastic module reproducible
-        torch.manual_seed(seed)
+    options = DecodeOptions(sampling, pad_id=batch.pad_id, eos_ids=frozenset(eos_ids))
+    if sampling.seed is not None:  # for greedy too: harmless, and keeps any stochastic module reproducible
+        torch.manual_seed(sampling.seed)
     cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=getattr(model, "config", None))
     run = _Run(model, tokenizer, batch, options, cache, kv_spec, float(load_seconds))
     return _result(run, *_decode_timed(run, _RunStreamer(tokenizer, stream, eos_ids)))
@@ -365,12 +364,19 @@ def _cache_bytes(cache: Any) -> int:
 def _kv_table(model: nn.Module, kv_spec: KVSpec | None) -> dict[str, int] | None:
     """Bytes per token at each width, counting the calibrated layout (asymmetric value layers) when there is one."""
     try:
-        config = model.config.to_dict()  # type: ignore[operator, union-attr]
-        if kv_spec is not None and kv_spec.calibrated:
-            config["quantization_config"] = {"kv_cache": kv_spec.to_config()}
-        return kv_bytes_table(config)
+        calibrated = kv_spec.to_config() if kv_spec is not None and kv_spec.calibrated else None
+        return kv_bytes_table(model.config.to_dict(), calibrated)  # type: ignore[operator, union-attr]
     except (TypeError, ValueError, AttributeError):  # a config without the usual decoder fields
         return None
 
 
-__all__ = ["GenerationResult", "generate", "eos_token_ids", "validate_options", "resolve_device", "check_context"]
+__all__ = [
+    "GenerationResult",
+    "SamplingParams",
+    "generate",
+    "eos_token_ids",
+    "check_prompts",
+    "validate_options",
+    "resolve_device",
+    "check_context",
+]

@@ -25,7 +25,10 @@ the bytes it hashed; prefer it when that guarantee matters.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +43,18 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from squeeze.errors import FormatError
+from squeeze.errors import ConfigError, FormatError
 from squeeze.format.dtypes import torch_dtype
 from squeeze.format.paths import resolve_root
-from squeeze.format.quant_config import FORMAT_VERSION
+from squeeze.format.quant_config import QUANT_METHOD, QuantizationConfig
 from squeeze.format.safetensors_header import TensorInfo
+from squeeze.format.signature import check_signature
 from squeeze.format.verify import VerifyReport
 from squeeze.quant.schemes import WeightFormat, stored_roles
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
-from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads, tied_heads
+from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
     experts_layout,
@@ -59,45 +64,80 @@ from squeeze.runtime.experts import (
 from squeeze.runtime.experts_forward import experts_implementation, use_squeeze_experts
 from squeeze.runtime.linear import SqueezeLinear
 from squeeze.runtime.loader import (
-    QUANT_METHOD,
     is_artifact,
     quantized_weight_from,
     swap_in_quantized,
     verified_report,
 )
+from squeeze.runtime.options import LoadOptions
+from squeeze.runtime.paths import set_activations
 from squeeze.runtime.stored_dtype import restore_stored_dtype, stored_dtype_names
 
 
 class SqueezeQuantConfig(QuantizationConfigMixin):
-    """``config.json``'s ``quantization_config`` of a squeeze artifact, kept verbatim (``to_dict`` round-trips).
+    """``config.json``'s ``quantization_config`` of a squeeze artifact as transformers holds it: its keys as
+    attributes (``to_dict`` round-trips them), checked once by :class:`QuantizationConfig` (the same checks,
+    and the same FormatError for an unknown ``format_version``, as every other squeeze loader).
 
     Only pre-quantized artifacts load this way: squeeze compresses offline (``squeeze compress``).
     """
 
-    #: quantization_config.modules: module name -> module entry (set from the config's keys in __init__)
-    modules: dict[str, Any]
-
     def __init__(self, **kwargs: Any) -> None:
-        version = kwargs.get("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise FormatError(
-                f"quantization_config.format_version is {version!r}; this squeeze reads {FORMAT_VERSION}",
-                hint="upgrade squeeze, or re-create the artifact with this version",
-            )
-        modules = kwargs.get("modules", {})
-        if not isinstance(modules, dict) or not all(isinstance(v, dict) for v in modules.values()):
-            raise FormatError("quantization_config.modules must map module names to objects")
-        for key, value in kwargs.items():
+        kwargs["quant_method"] = QUANT_METHOD  # transformers passes it, or drops it, depending on the path
+        parsed = QuantizationConfig.from_dict(kwargs)
+        for key, value in parsed.to_dict().items():
             setattr(self, key, value)
         # transformers types quant_method as its own enum; registered out-of-tree methods are plain strings
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
+        self._parsed = parsed
+
+    @property
+    def squeeze(self) -> QuantizationConfig:
+        """The typed section."""
+        return self._parsed
 
     def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.__dict__)
+        return copy.deepcopy({key: value for key, value in self.__dict__.items() if not key.startswith("_")})
+
+
+#: The load options of the ``from_pretrained`` calls inside :func:`loading` (None: the defaults).
+_LOAD_OPTIONS: ContextVar[LoadOptions | None] = ContextVar("squeeze_load_options", default=None)
+
+
+@contextlib.contextmanager
+def loading(options: LoadOptions | None = None, **keywords: Any) -> Iterator[LoadOptions]:
+    """The :class:`LoadOptions` ``AutoModelForCausalLM.from_pretrained(artifact)`` loads with inside the block
+    (a context variable: per thread and per task). transformers has no way to hand a quantizer options of
+    its own, so::
+
+        with squeeze.api.loading(public_key="signer.pub.pem"):
+            model = AutoModelForCausalLM.from_pretrained(artifact)  # IntegrityError unless signed by it
+
+    ``public_key``: the artifact's ``model.sig`` must verify with it, checked right after the manifest (before
+    any weight is read). ``activations``: the LUT kernels' activation precision. ``dense_cache`` /
+    ``low_memory``: the weights' path, as in :func:`squeeze.load`. ``verify=False`` is refused: this path
+    always verifies. The options are checked once, when built."""
+    options = LoadOptions.build(options, keywords)
+    if not options.verify:
+        raise ConfigError(
+            "from_pretrained always verifies a squeeze artifact; verify=False does not apply",
+            hint="drop verify=False, or use squeeze.load(path, verify=False)",
+        )
+    token = _LOAD_OPTIONS.set(options)
+    try:
+        yield options
+    finally:
+        _LOAD_OPTIONS.reset(token)
+
+
+def _options() -> LoadOptions:
+    options = _LOAD_OPTIONS.get()
+    return options if options is not None else LoadOptions()
 
 
 class SqueezeHfQuantizer(HfQuantizer):
-    """Loads squeeze artifacts through ``from_pretrained``: verify, swap in SqueezeLinear, fill, validate."""
+    """Loads squeeze artifacts through ``from_pretrained``: verify (and check the signature when
+    :func:`loading` names a public key), swap in SqueezeLinear, fill, validate."""
 
     requires_calibration = True  # pre-quantized only: there is no on-the-fly "quantize while loading"
     quantization_config: SqueezeQuantConfig
@@ -108,9 +148,9 @@ class SqueezeHfQuantizer(HfQuantizer):
         """Before transformers builds the skeleton: verify a local artifact and check its config's dimensions."""
         name = getattr(config, "name_or_path", None)
         if isinstance(name, str) and name and is_artifact(name):
-            self._verified = verified_report(resolve_root(name))
-            _check_shapes(config.to_dict(), self._verified, self.quantization_config.modules)
-        if any(experts_layout(spec, key) for key, spec in self.quantization_config.modules.items()):
+            self._verified = _verified(resolve_root(name))
+            _check_shapes(config.to_dict(), self._verified, self.quantization_config.squeeze.module_specs())
+        if any(experts_layout(spec, key) for key, spec in self.quantization_config.squeeze.module_specs().items()):
             # quantized experts run one routed expert at a time (squeeze_experts_forward; transformers' default
             # grouped forward reads whole 3-D tensors); set before the skeleton checks it
             config._experts_implementation = experts_implementation()
@@ -122,13 +162,15 @@ class SqueezeHfQuantizer(HfQuantizer):
         directory = _artifact_directory(checkpoint_files)
         report = self._verified
         if report is None or Path(report.artifact_dir) != directory:
-            report = verified_report(directory)
+            report = _verified(directory)
         config: Any = model.config  # a PreTrainedModel's config (nn.Module's typing knows no such attribute)
-        _check_shapes(config.to_dict(), report, self.quantization_config.modules)
+        specs = self.quantization_config.squeeze.module_specs()
+        _check_shapes(config.to_dict(), report, specs)
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
-        for name, spec in self.quantization_config.modules.items():
-            _swap_in_squeeze_linear(model, name, spec, infos)
-        _untie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))
+        options = _options()
+        for name, spec in specs.items():
+            _swap_in_squeeze_linear(model, name, spec, infos, options)
+        _untie_quantized_heads(model, self.quantization_config.squeeze.tied_heads)
         self._stored_dtypes = {  # the embedding and LM head go back to these after loading (stored_dtype)
             name: torch_dtype(infos[name].dtype) for name in stored_dtype_names(model) if name in infos
         }
@@ -140,7 +182,7 @@ class SqueezeHfQuantizer(HfQuantizer):
                 if any(t.is_meta for t in module.buffers()):
                     raise FormatError(f"artifact lacks tensors of the quantized embedding {name!r}")
                 module.rebind(name)
-        tie_quantized_heads(model, tied_heads(self.quantization_config.to_dict()))  # over the loaded embedding
+        tie_quantized_heads(model, self.quantization_config.squeeze.tied_heads)  # over the loaded embedding
         for name, module in model.named_modules():
             if not isinstance(module, (SqueezeLinear, SqueezeExperts)):
                 continue
@@ -149,6 +191,8 @@ class SqueezeHfQuantizer(HfQuantizer):
                 raise FormatError(f"artifact lacks tensors of the quantized {what} {name!r}")
             module.rebind(name)  # the full dtype / shape / value checks of the format, on the loaded tensors
         use_squeeze_experts(model)
+        if _options().activations != DEFAULT_ACTIVATIONS:
+            set_activations(model, _options().activations)  # every quantized module, tied heads included
         stabilise_dense_linears(model)  # the LM head as squeeze.load runs it
         restore_stored_dtype(model, getattr(self, "_stored_dtypes", {}))  # their memory as squeeze.load holds it
         return model
@@ -193,12 +237,25 @@ def meta_qweight(name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) 
     return quantized_weight_from(tensors, name, spec, check_values=False)
 
 
-def _swap_in_squeeze_linear(model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo]) -> None:
+def _verified(directory: Path) -> VerifyReport:
+    """``directory`` verified against its manifest, and its signature checked when the load options name a
+    public key (IntegrityError either way), before the skeleton is built."""
+    report = verified_report(directory)
+    public_key = _options().public_key
+    if public_key is not None:
+        check_signature(report, public_key)
+    return report
+
+
+def _swap_in_squeeze_linear(
+    model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo], options: LoadOptions
+) -> None:
     layout = experts_layout(spec, name)
     if layout is not None:  # a 3-D expert parameter: a SqueezeExperts in the parameter's dtype
         replace_expert_parameter(model, name, meta_qweight(name, format_spec(spec), infos), *layout)
         return
-    swap_in_quantized(model, name, meta_qweight(name, spec, infos), _meta(infos, f"{name}.bias"))
+    qweight, bias = meta_qweight(name, spec, infos), _meta(infos, f"{name}.bias")
+    swap_in_quantized(model, name, qweight, bias, dense_cache=options.dense_cache, low_memory=options.low_memory)
 
 
 def _untie_quantized_heads(model: nn.Module, tied: dict[str, str]) -> None:
@@ -228,4 +285,4 @@ def register() -> None:
 
 register()  # importing the integration registers it (also when this import is what loaded transformers)
 
-__all__ = ["SqueezeQuantConfig", "SqueezeHfQuantizer", "register", "meta_qweight"]
+__all__ = ["SqueezeQuantConfig", "SqueezeHfQuantizer", "register", "meta_qweight", "loading"]

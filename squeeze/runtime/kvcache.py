@@ -289,10 +289,11 @@ def check_kv_options(kv_bits: int | None, dynamic: bool) -> None:
 
 
 def kv_spec_for(
-    model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, *, dynamic: bool = False
+    model: nn.Module, calibrated: KVSpec | None, kv_bits: int | None, *, dynamic: bool = False, checked: bool = False
 ) -> KVSpec | None:
     """:func:`select_kv_spec` for ``model``: its attention modules are looked up only for a dynamic spec
-    without calibration, so a plain full-precision run never depends on recognising the architecture."""
+    without calibration, so a plain full-precision run never depends on recognising the architecture.
+    ``checked``: the options come from a KVOptions (checked when it was built)."""
     from squeeze.models.targets import attention_modules
 
     if calibrated is not None:
@@ -301,7 +302,7 @@ def kv_spec_for(
         names = attention_modules(model)
     else:
         names = ()
-    return select_kv_spec(calibrated, names, kv_bits, dynamic=dynamic)
+    return select_kv_spec(calibrated, names, kv_bits, dynamic=dynamic, checked=checked)
 
 
 def select_kv_spec(
@@ -311,6 +312,7 @@ def select_kv_spec(
     *,
     dynamic: bool = False,
     sink_tokens: int = DEFAULT_SINK_TOKENS,
+    checked: bool = False,
 ) -> KVSpec | None:
     """Which KV cache to run with; None means an ordinary full-precision cache.
 
@@ -318,7 +320,8 @@ def select_kv_spec(
     the calibrated int spec of that width, or with ``dynamic`` the uncalibrated per-token baseline. 16: full
     precision.
     """
-    check_kv_options(kv_bits, dynamic)
+    if not checked:  # a KVOptions was checked when built
+        check_kv_options(kv_bits, dynamic)
     if kv_bits is None:
         return calibrated
     if kv_bits == FULL_PRECISION_BITS:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.errors import ConfigError, FormatError, IntegrityError, ModelError
+from squeeze.errors import FormatError, IntegrityError, ModelError
 from squeeze.format.dtypes import torch_dtype
 from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
 from squeeze.format.paths import (
@@ -38,19 +38,19 @@ from squeeze.format.paths import (
     short_repr,
     walk_artifact,
 )
-from squeeze.format.quant_config import QUANT_METHOD
+from squeeze.format.quant_config import SECTION, QuantizationConfig
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
-from squeeze.format.signature import SignatureInfo, check_public_key, check_signature
+from squeeze.format.signature import SignatureInfo, check_signature
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.models.remote_code import is_remote_code_refusal
 from squeeze.quant.kv_spec import KV_FILE, KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
-from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations, check_activations
+from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
-from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads, tied_heads
+from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
     experts_layout,
@@ -60,6 +60,7 @@ from squeeze.runtime.experts import (
 from squeeze.runtime.experts_forward import use_squeeze_experts
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
+from squeeze.runtime.options import LoadOptions
 from squeeze.runtime.stored_dtype import KEPT_DTYPES, stored_dtype_names, upcast_embedding_output
 from squeeze.system import release_free_heap
 
@@ -70,7 +71,8 @@ class LoadedModel:
 
     model: nn.Module
     tokenizer: Any
-    quantization: dict[str, Any]
+    #: config.json's ``quantization_config``, checked (None: the artifact has none)
+    quantization: QuantizationConfig | None
     report: VerifyReport | None
     #: The calibrated KV-cache quantizers (``squeeze calibrate-kv``), or None when the artifact has none.
     kv_spec: KVSpec | None = None
@@ -106,7 +108,7 @@ def build_skeleton(config_dict: dict[str, Any]) -> nn.Module:
     """The artifact's architecture on the meta device: no memory, no weight init (filled in by the loader)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    plain = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+    plain = {k: v for k, v in config_dict.items() if k != SECTION}
     model_type = plain.pop("model_type", None)
     if not model_type:
         raise FormatError("config.json lacks 'model_type'")
@@ -289,39 +291,33 @@ def verified_report(directory: Path, *, capture: bool | Callable[[str], bool] = 
     return report
 
 
-def load_artifact(
-    path: str | Path,
-    *,
-    verify: bool = True,
-    dense_cache: bool = False,
-    low_memory: bool = False,
-    check_memory: bool = True,
-    public_key: str | os.PathLike[str] | None = None,
-    activations: Activations = DEFAULT_ACTIVATIONS,
-) -> LoadedModel:
-    """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``verify=False``).
+def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywords: Any) -> LoadedModel:
+    """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``options.verify`` is False).
 
+    ``options``: :class:`~squeeze.runtime.options.LoadOptions` (checked when built: trusted here), or its
+    keywords (``verify``, ``dense_cache``, ``low_memory``, ``check_memory``, ``public_key``, ``activations``).
     Every file is read once into private memory while it is hashed; tensors are views of those bytes,
     and the config and tokenizer are read from them too, so a file swapped or rewritten after any earlier
     ``squeeze verify`` is caught here (IntegrityError) before a single output is produced. Nothing sized
     by the artifact (skeleton, tokenizer) is built before verification succeeded, and config.json must
-    agree with the tensors' shapes (FormatError) before the skeleton is built.
+    agree with the tensors' shapes (FormatError) before the skeleton is built; its ``quantization_config``
+    is read by :class:`QuantizationConfig` (FormatError for a ``format_version`` this squeeze cannot read).
     ``dense_cache`` / ``low_memory``: the weights' path, as in SqueezeLinear (default: the native kernels
     on the packed codes). ``check_memory``: first estimate the memory the load will hold (artifact bytes,
     plus the dense cache when ``dense_cache``) from the manifest and config, and raise ResourceError if it
     is not available.
     ``public_key``: the artifact's ``model.sig`` must be a signature by this key (PEM, EC) over exactly the
     verified bytes (IntegrityError otherwise, before anything is built); it reuses the digests verification
-    computed, so no file is hashed twice. ConfigError with ``verify=False`` or for an unusable key.
+    computed, so no file is hashed twice.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
     ``activations``: the native LUT kernels' activation precision, "float32" (the exact LUT values, the
-    default) or "int8" (W4A8); ConfigError for anything else (squeeze.runtime.activations).
+    default) or "int8" (W4A8).
     """
-    activations = check_activations(activations)
+    options = LoadOptions.build(options, keywords)
+    verify, dense_cache, low_memory = options.verify, options.dense_cache, options.low_memory
+    public_key, activations = options.public_key, options.activations
     directory = resolve_root(path)
-    if public_key is not None:
-        check_signing_options(public_key, verify=verify)
-    if check_memory:
+    if options.check_memory:
         check_load_memory(directory, dense_cache=dense_cache, low_memory=low_memory)
     report = verified_report(directory, capture=True) if verify else None
     signature = check_signature(report, public_key) if report is not None and public_key is not None else None
@@ -334,7 +330,8 @@ def load_artifact(
             hint="an artifact needs the config.json written by squeeze compress",
         )
     config = parse_config(files["config.json"], "config.json")
-    quant, modules = quantized_modules(config)
+    quant = QuantizationConfig.from_model_config(config)  # FormatError for a format_version it cannot read
+    modules = quant.module_specs() if quant is not None else {}
     check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
     model = build_skeleton(config)
     for name, spec in modules.items():
@@ -351,7 +348,8 @@ def load_artifact(
         )
     use_squeeze_experts(model)  # quantized experts run one routed expert at a time, on the packed codes
     # a tied LM head reads the embedding's buffers
-    tie_quantized_heads(model, tied_heads(quant), low_memory=low_memory, activations=activations)
+    tied = quant.tied_heads if quant is not None else {}
+    tie_quantized_heads(model, tied, low_memory=low_memory, activations=activations)
     _load_other_tensors(model, tensors)
     stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
     materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
@@ -359,7 +357,8 @@ def load_artifact(
     # still runs the kernels, which have no backward, instead of falling back to dense weights
     model.requires_grad_(False)
     model.eval()
-    kv_spec = KVSpec.from_config(quant["kv_cache"], kv_tensors) if quant.get("kv_cache") else None
+    kv_entry = quant.kv_cache if quant is not None else None
+    kv_spec = KVSpec.from_config(dict(kv_entry), kv_tensors) if kv_entry else None
     loaded = LoadedModel(
         model=model,
         tokenizer=_tokenizer_from_files(files),
@@ -373,13 +372,9 @@ def load_artifact(
 
 
 def check_signing_options(public_key: str | os.PathLike[str], *, verify: bool) -> None:
-    """ConfigError when a signature check is asked for without verification, or the key cannot check one."""
-    if not verify:
-        raise ConfigError(
-            "--public-key needs verification: a signature vouches for the bytes only once they are hashed",
-            hint="drop --no-verify (squeeze.load(..., verify=True)) or drop --public-key",
-        )
-    check_public_key(public_key)
+    """ConfigError when a signature check is asked for without verification, or the key cannot check one
+    (what :class:`LoadOptions` checks when built with a ``public_key``)."""
+    LoadOptions(public_key=public_key, verify=verify)
 
 
 def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
@@ -391,17 +386,6 @@ def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[
     }
     kv_header = report.headers.get(KV_FILE)
     return tensors_from_captured(report), files, list(kv_header.tensors) if kv_header is not None else []
-
-
-def quantized_modules(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(quantization_config, its ``modules``: name -> module entry) of an artifact's config.json."""
-    quant = config.get("quantization_config") or {}
-    if not isinstance(quant, dict):
-        raise FormatError("config.json: quantization_config must be an object")
-    modules = quant.get("modules", {}) if quant.get("quant_method") == QUANT_METHOD else {}
-    if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
-        raise FormatError("config.json: quantization_config.modules must map module names to objects")
-    return quant, modules
 
 
 def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -32,7 +32,6 @@ from typing import Any
 
 from squeeze.errors import ResourceError, SqueezeError
 from squeeze.format.dtypes import float_itemsize
-from squeeze.format.inspect import module_dim
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
@@ -43,6 +42,7 @@ from squeeze.format.paths import (
     short_path,
     walk_artifact,
 )
+from squeeze.format.quant_config import QuantizationConfig
 from squeeze.format.safetensors_header import TensorInfo, parse_safetensors_header, read_header_prefix
 from squeeze.limits import is_weight_bits
 from squeeze.quant.schemes import formats_of
@@ -182,25 +182,22 @@ def _float_width(config: Mapping[str, Any] | None) -> int:
 
 
 def _modules(config: Mapping[str, Any], native: bool) -> list[_Module]:
-    """config.json's quantized linears; [] when its quantization_config is junk."""
-    quant = config.get("quantization_config")
-    specs = quant.get("modules") if isinstance(quant, dict) else None
-    if not isinstance(specs, dict):
+    """config.json's quantized linears; [] when its quantization_config is junk (read leniently: unverified)."""
+    quant = QuantizationConfig.from_model_config(config, strict=False)
+    if quant is None:
         return []
     modules = []
-    for name, spec in specs.items():
-        method = spec.get("method") if isinstance(spec, dict) else None
-        bits = spec.get("bits") if isinstance(spec, dict) else None
-        kinds = formats_of(method) if isinstance(method, str) else ()
-        covered = native and bool(kinds) and all(cls.kernel == "lut" for cls in kinds) and is_weight_bits(bits)
+    for name, entry in quant.modules.items():
+        kinds = formats_of(entry.method) if entry.method else ()
+        covered = native and bool(kinds) and all(cls.kernel == "lut" for cls in kinds) and is_weight_bits(entry.bits)
         modules.append(
             _Module(
                 name=str(name),
-                rows=module_dim(spec, "out_features"),
-                cols=module_dim(spec, "in_features"),
-                bits=bits if is_weight_bits(bits) else 0,
+                rows=entry.out_features,
+                cols=entry.in_features,
+                bits=entry.bits if is_weight_bits(entry.bits) else 0,
                 covered=covered,
-                experts=module_dim(spec, "experts") if isinstance(spec, dict) and "experts" in spec else 0,
+                experts=entry.experts if entry.is_experts else 0,
             )
         )
     return modules

@@ -96,7 +96,6 @@ class Engine:
         *,
         model_name: str = "squeeze",
     ):
-        check_engine_config(config)
         model_config: Any = model.config
         self.model = model
         self.tokenizer = tokenizer
@@ -489,22 +488,6 @@ def _text_content(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def check_engine_config(config: EngineConfig) -> None:
-    """ConfigError for engine options that are wrong whatever the model (checked before anything loads)."""
-    from squeeze.runtime.kvcache import check_kv_options
-
-    check_kv_options(config.kv_bits, config.kv_dynamic)
-    for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batch_tokens", "max_queue"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            flag = "--" + name.replace("_bytes", "").replace("_", "-")
-            raise ConfigError(f"{flag} must be a positive integer, found {value!r}")
-    if not isinstance(config.prefix_cache, bool):
-        raise ConfigError(f"prefix_cache must be True or False, found {config.prefix_cache!r}")
-    if config.max_model_len is not None and (isinstance(config.max_model_len, bool) or config.max_model_len < 1):
-        raise ConfigError(f"--max-model-len must be a positive integer, found {config.max_model_len!r}")
-
-
 def model_context(model_config: Any, max_model_len: int | None) -> int:
     """The context requests may use: ``max_model_len``, at most the model's (and its sliding window, which the
     engine's full-attention mask does not apply); ConfigError when it asks for more."""
@@ -526,4 +509,4 @@ def model_context(model_config: Any, max_model_len: int | None) -> int:
     return max_model_len
 
 
-__all__ = ["Engine", "RequestHandle", "check_engine_config", "model_context"]
+__all__ = ["Engine", "RequestHandle", "model_context"]

@@ -1,7 +1,7 @@
 """Choosing each request's next token from its logits row, independently of the rest of the batch.
 
 Greedy (argmax) when ``temperature == 0``, as ``squeeze run``; else transformers' temperature / top-p
-warpers (the same ones ``squeeze run`` applies, squeeze.runtime.decode.DecodeOptions) and a draw from the
+warpers (the same ones ``squeeze run`` applies, squeeze.runtime.sampling_params.warpers) and a draw from the
 request's own generator, so a seeded request samples the same tokens whatever shares its batch.
 """
 
@@ -14,13 +14,13 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList
 
-from squeeze.runtime.decode import DecodeOptions
+from squeeze.runtime.sampling_params import warpers
 from squeeze.serve.sequence import Sequence
 
 
 @lru_cache(maxsize=256)
 def _processors(temperature: float, top_p: float) -> LogitsProcessorList:
-    return DecodeOptions(max_new_tokens=1, temperature=temperature, top_p=top_p).processors()
+    return warpers(temperature, top_p)
 
 
 def choose_token(seq: Sequence, logits: Tensor) -> int:

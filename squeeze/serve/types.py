@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from squeeze.errors import SqueezeError
+from squeeze.errors import ConfigError, SqueezeError
+from squeeze.runtime.sampling_params import SamplingParams  # one sampling options class for run and serve
 
 #: Why a request stopped: an end-of-sequence token or a stop string ("stop"), max_tokens ("length"), the
 #: client went away or the server shut down ("abort"), or the engine failed on it ("error").
@@ -86,29 +87,25 @@ class EngineConfig:
     max_queue: int = 256
     prefix_cache: bool = True
 
+    def __post_init__(self) -> None:
+        _check_engine_config(self)
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's generation options (already validated by the HTTP layer's schema).
 
-    Greedy when ``temperature == 0``; else sampling with nucleus ``top_p``, from a generator seeded with
-    ``seed`` (random when None) that belongs to this request alone, so a seeded request gives the same text
-    whatever else is in the batch. Generation stops at ``max_tokens`` new tokens, an end-of-sequence token,
-    or the first of the ``stop`` strings (which is not part of the returned text). ``ignore_eos``: do not stop
-    at end-of-sequence tokens (vLLM's option of that name; benchmarks use it to fix output lengths).
-    """
+def _check_engine_config(config: EngineConfig) -> None:
+    """ConfigError for engine options that are wrong whatever the model: what :class:`EngineConfig` checks when
+    built (before anything loads), naming the ``squeeze serve`` flag."""
+    from squeeze.runtime.kvcache import check_kv_options
 
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    #: Log-probabilities of each generated token and of the ``logprobs`` most likely tokens at its position
-    #: (None: none). ``max_tokens`` may be 0 (nothing generated: the prompt is only scored).
-    logprobs: int | None = None
-    #: The same for every prompt token after the first (None: none), sent with the final update.
-    prompt_logprobs: int | None = None
+    check_kv_options(config.kv_bits, config.kv_dynamic)
+    for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batch_tokens", "max_queue"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_bytes", "").replace("_", "-")
+            raise ConfigError(f"{flag} must be a positive integer, found {value!r}")
+    if not isinstance(config.prefix_cache, bool):
+        raise ConfigError(f"prefix_cache must be True or False, found {config.prefix_cache!r}")
+    if config.max_model_len is not None and (isinstance(config.max_model_len, bool) or config.max_model_len < 1):
+        raise ConfigError(f"--max-model-len must be a positive integer, found {config.max_model_len!r}")
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,7 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
             max_queue=5,
             prefix_cache=False,
         ),
-        "verify": True,
-        "dense_cache": True,
-        "low_memory": False,
+        "load": api.LoadOptions(verify=True, dense_cache=True, low_memory=False),  # built once, by the CLI
     }
     [(served_app, sock, grace)] = no_server
     assert grace == 2.5 and sock.fileno() == -1  # closed once the server returned
@@ -168,7 +166,7 @@ def test_defaults_no_verify_and_json(built: list, no_server: list, monkeypatch: 
     assert result.exit_code == 0, result.output
     [call] = built
     assert call["config"] == squeeze.serve.types.EngineConfig(kv_memory_bytes=2**30)
-    assert call["verify"] is False and call["dense_cache"] is False and call["low_memory"] is False
+    assert call["load"] == api.LoadOptions(verify=False, dense_cache=False, low_memory=False)
     assert UNVERIFIED_WARNING in result.stderr
     info = json.loads(result.stdout)
     assert info["model"] == "stories" and info["verified"] is False and info["kv_bits"] == 8
@@ -225,7 +223,7 @@ class LoggedEngine(FakeEngine):
         print(f"engine shut down, grace {{grace_seconds}}, cancelled {{len(self.cancelled)}}", file=sys.stderr)
 
 
-def serve_engine(path, *, config, verify=True, dense_cache=False, low_memory=False):
+def serve_engine(path, *, config, load):
     return LoggedEngine(model_name="stories", step_seconds=0.02)
 
 

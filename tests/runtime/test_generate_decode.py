@@ -24,6 +24,7 @@ from squeeze.models.modes import cache_kwarg
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.generate import generate
 from squeeze.runtime.kvcache import SqueezeKVCache, kv_spec_for
+from squeeze.runtime.sampling_params import SamplingParams
 
 PAD = 0
 
@@ -109,7 +110,7 @@ def _theirs(model, max_new_tokens: int, cache=None, seed: int | None = None, **k
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 17])
 def test_greedy_decode_equals_generate(model, max_new_tokens: int) -> None:
-    ours = _ours(model, DecodeOptions(max_new_tokens=max_new_tokens, pad_id=PAD))
+    ours = _ours(model, DecodeOptions(SamplingParams(max_tokens=max_new_tokens), pad_id=PAD))
     assert ours.shape == (2, max_new_tokens) and ours.dtype == torch.int64
     assert torch.equal(ours, _theirs(model, max_new_tokens, do_sample=False))
     assert max_new_tokens < 3 or len(set(ours[0].tolist())) > 1  # not a degenerate repeat of one token
@@ -117,7 +118,7 @@ def test_greedy_decode_equals_generate(model, max_new_tokens: int) -> None:
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (1.0, 0.97)])
 def test_seeded_sampling_equals_generate(model, temperature: float, top_p: float) -> None:
-    options = DecodeOptions(max_new_tokens=12, temperature=temperature, top_p=top_p, pad_id=PAD)
+    options = DecodeOptions(SamplingParams(max_tokens=12, temperature=temperature, top_p=top_p), pad_id=PAD)
     for seed in (0, 3):
         ours = _ours(model, options, seed=seed)
         theirs = _theirs(model, 12, seed=seed, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
@@ -126,9 +127,9 @@ def test_seeded_sampling_equals_generate(model, temperature: float, top_p: float
 
 
 def test_finished_rows_are_padded_and_the_loop_stops_when_all_are_done(model) -> None:
-    free = _ours(model, DecodeOptions(max_new_tokens=12, pad_id=PAD))
+    free = _ours(model, DecodeOptions(SamplingParams(max_tokens=12), pad_id=PAD))
     eos = {int(free[0, 2]), int(free[1, 4])}  # row 0 ends by step 3, row 1 by step 5
-    ours = _ours(model, DecodeOptions(max_new_tokens=12, pad_id=PAD, eos_ids=frozenset(eos)))
+    ours = _ours(model, DecodeOptions(SamplingParams(max_tokens=12), pad_id=PAD, eos_ids=frozenset(eos)))
     theirs = _theirs(model, 12, do_sample=False, eos_token_id=sorted(eos))
     assert torch.equal(ours, theirs)
     assert ours.shape[1] <= 5
@@ -140,7 +141,7 @@ def test_finished_rows_are_padded_and_the_loop_stops_when_all_are_done(model) ->
 def test_quantized_kv_cache_decodes_like_generate_with_it(llama) -> None:
     spec = kv_spec_for(llama, None, 8, dynamic=True)
     assert spec is not None
-    ours = _ours(llama, DecodeOptions(max_new_tokens=10, pad_id=PAD), cache=SqueezeKVCache(spec))
+    ours = _ours(llama, DecodeOptions(SamplingParams(max_tokens=10), pad_id=PAD), cache=SqueezeKVCache(spec))
     theirs = _theirs(llama, 10, cache=SqueezeKVCache(spec), do_sample=False)
     assert torch.equal(ours, theirs)
 
@@ -151,19 +152,19 @@ def test_one_forward_per_new_token_and_none_after_the_last(model) -> None:
         lambda _m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
     try:
-        _ours(model, DecodeOptions(max_new_tokens=6, pad_id=PAD))
+        _ours(model, DecodeOptions(SamplingParams(max_tokens=6), pad_id=PAD))
     finally:
         handle.remove()
     assert calls == [(2, 7)] + [(2, 1)] * 5
 
 
 def test_processors_follow_generates_conditions() -> None:
-    assert len(DecodeOptions(max_new_tokens=1).processors()) == 0  # greedy
-    assert len(DecodeOptions(max_new_tokens=1, temperature=1.0, top_p=1.0).processors()) == 0  # both no-ops
-    chain = DecodeOptions(max_new_tokens=1, temperature=0.5, top_p=0.9).processors()
+    assert len(DecodeOptions(SamplingParams(max_tokens=1)).processors()) == 0  # greedy
+    assert len(DecodeOptions(SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0)).processors()) == 0  # both no-ops
+    chain = DecodeOptions(SamplingParams(max_tokens=1, temperature=0.5, top_p=0.9)).processors()
     assert [type(p) for p in chain] == [TemperatureLogitsWarper, TopPLogitsWarper]
-    assert DecodeOptions(max_new_tokens=1, temperature=0.5).do_sample
-    assert not DecodeOptions(max_new_tokens=1).do_sample
+    assert DecodeOptions(SamplingParams(max_tokens=1, temperature=0.5)).do_sample
+    assert not DecodeOptions(SamplingParams(max_tokens=1)).do_sample
 
 
 def test_generate_on_stories_equals_model_generate_for_a_sampled_batch(stories_dir: Path) -> None:
@@ -225,8 +226,8 @@ def test_decode_equals_generate_across_families(config_name: str) -> None:
     net = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         net.get_output_embeddings().weight.mul_(40)
-    greedy = DecodeOptions(max_new_tokens=10, pad_id=PAD)
+    greedy = DecodeOptions(SamplingParams(max_tokens=10), pad_id=PAD)
     assert torch.equal(_ours(net, greedy), _theirs(net, 10, do_sample=False))
-    sampled = DecodeOptions(max_new_tokens=10, temperature=0.8, top_p=0.9, pad_id=PAD)
+    sampled = DecodeOptions(SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9), pad_id=PAD)
     theirs = _theirs(net, 10, seed=2, do_sample=True, temperature=0.8, top_p=0.9, top_k=0)
     assert torch.equal(_ours(net, sampled, seed=2), theirs)

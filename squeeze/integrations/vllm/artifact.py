@@ -16,13 +16,15 @@ import torch
 
 from squeeze.errors import FormatError
 from squeeze.format.paths import short_repr
-from squeeze.format.quant_config import FORMAT_VERSION, QUANT_METHOD
+from squeeze.format.quant_config import QuantizationConfig
+from squeeze.format.signature import check_signature
 from squeeze.format.verify import VerifyReport
 from squeeze.limits import check_weight_bits, is_int
 from squeeze.models import resolve_model
 from squeeze.quant.kv_spec import KV_FILE, KV_FP8_E4M3, KVSpec, LayerFP8
 from squeeze.quant.schemes import formats_of, methods, stored_roles
 from squeeze.runtime.loader import tensors_from_captured, verified_report
+from squeeze.runtime.options import LoadOptions
 
 
 @dataclass(frozen=True)
@@ -34,51 +36,44 @@ class ModuleSpecs:
     roles: Mapping[str, Mapping[str, str]]
 
 
-def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The ``modules`` of a squeeze ``quantization_config``, every entry checked: a format version this
-    squeeze reads, a registered method, integer sizes. FormatError naming the module otherwise."""
-    if config.get("quant_method") != QUANT_METHOD:
-        raise FormatError(
-            f"quantization_config.quant_method is {short_repr(config.get('quant_method'))}, not 'squeeze'"
-        )
-    version = config.get("format_version")
-    if version != FORMAT_VERSION:
-        raise FormatError(
-            f"quantization_config.format_version is {short_repr(version)}; this squeeze reads {FORMAT_VERSION}",
-            hint="install the squeeze version that wrote the artifact, or re-create it with this one",
-        )
-    modules = config.get("modules")
-    if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
-        raise FormatError("quantization_config.modules must map module names to objects")
-    embeddings = config.get("embeddings")
-    if embeddings is not None:  # vLLM's (vocab-parallel) embedding and LM head read plain weights only
-        names = embeddings.get("modules") if isinstance(embeddings, dict) else None
-        shown = ", ".join(map(str, names)) if isinstance(names, list) else "its token embedding"
+def parse_quant_config(config: Mapping[str, Any]) -> QuantizationConfig:
+    """A squeeze ``quantization_config`` checked for vLLM: the checks every loader makes (squeeze's section, a
+    format version this squeeze reads: :class:`QuantizationConfig`), then every module entry's method
+    registered and its sizes integers. FormatError naming the module otherwise."""
+    quant = QuantizationConfig.from_dict(dict(config))
+    if quant.embeddings is not None:  # vLLM's (vocab-parallel) embedding and LM head read plain weights only
+        shown = ", ".join(quant.embeddings.modules) or "its token embedding"
         raise FormatError(
             f"the squeeze vLLM plugin cannot serve a quantized token embedding / LM head ({short_repr(shown, 80)}); "
             "this artifact was compressed with weights.embedding_bits",
             hint="serve it with `squeeze serve`, or re-compress without --embedding-bits for vLLM",
         )
-    experts = [name for name, spec in modules.items() if "experts" in spec]
+    experts = [name for name, entry in quant.modules.items() if entry.is_experts]
     if experts:  # vLLM's fused-MoE layers read their own weight formats; serving squeeze experts is future work
         raise FormatError(
             f"the squeeze vLLM plugin cannot serve quantized MoE experts ({len(experts)} expert parameters, e.g. "
             f"{short_repr(experts[0], 80)}); MoE serving on vLLM is future work",
             hint="serve it with `squeeze serve` (or squeeze.load / from_pretrained)",
         )
-    for name, spec in modules.items():
+    for name, entry in quant.modules.items():
         where = f"quantization_config.modules[{name!r}]"
-        method = spec.get("method")
-        if not isinstance(method, str) or not formats_of(method):
+        spec = entry.spec
+        if not formats_of(entry.method):
             raise FormatError(
-                f"{where}.method is {short_repr(method, 60)}, which this squeeze cannot run",
+                f"{where}.method is {short_repr(entry.method, 60)}, which this squeeze cannot run",
                 hint="this squeeze runs methods " + ", ".join(repr(m) for m in methods()) + "; upgrade squeeze",
             )
         for key in ("bits", "in_features", "out_features"):
             if not is_int(spec.get(key)) or spec[key] < 0:
                 raise FormatError(f"{where}.{key} must be an integer >= 0, found {short_repr(spec.get(key))}")
         check_weight_bits(spec["bits"], f"{where}.bits", FormatError, hint=None)
-    return modules
+    return quant
+
+
+def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``modules`` of a squeeze ``quantization_config`` (module name -> entry), checked by
+    :func:`parse_quant_config`."""
+    return parse_quant_config(config).module_specs()
 
 
 def artifact_directory(model: str) -> Path:
@@ -86,10 +81,19 @@ def artifact_directory(model: str) -> Path:
     return resolve_model(model).directory
 
 
-def verify(directory: Path, *, capture: bool = False) -> VerifyReport:
+def verify(directory: Path, *, capture: bool = False, options: LoadOptions | None = None) -> VerifyReport:
     """The artifact verified against its manifest (IntegrityError otherwise); ``capture`` keeps every file's
-    hashed bytes in memory for :func:`verified_tensors`, else only those of the small KV-cache file."""
-    return verified_report(directory, capture=True if capture else (lambda path: path == KV_FILE))
+    hashed bytes in memory for :func:`verified_tensors`, else only those of the small KV-cache file.
+
+    ``options``: the load options (default: :meth:`LoadOptions.from_env`, since vLLM hands a plugin no options
+    of its own: ``$SQUEEZE_PUBLIC_KEY`` names the key). With a ``public_key``, the artifact's ``model.sig``
+    must verify with it (IntegrityError otherwise), checked from the digests just computed, before any weight
+    is read."""
+    options = options if options is not None else LoadOptions.from_env()
+    report = verified_report(directory, capture=True if capture else (lambda path: path == KV_FILE))
+    if options.public_key is not None:
+        check_signature(report, options.public_key)
+    return report
 
 
 def fp8_kv_scales(report: VerifyReport, section: object) -> dict[str, tuple[float, float]]:
@@ -142,6 +146,7 @@ def checkpoint_modules(prefix: str, packed: Mapping[str, list[str]]) -> tuple[st
 
 __all__ = [
     "ModuleSpecs",
+    "parse_quant_config",
     "check_quant_config",
     "artifact_directory",
     "verify",

@@ -24,10 +24,10 @@ from squeeze.format.quant_config import QUANT_METHOD
 from squeeze.integrations.vllm.artifact import (
     ModuleSpecs,
     artifact_directory,
-    check_quant_config,
     checkpoint_modules,
     fp8_kv_scales,
     module_specs,
+    parse_quant_config,
     verify,
 )
 from squeeze.integrations.vllm.linear import SqueezeLinearMethod
@@ -63,7 +63,8 @@ class SqueezeVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SqueezeVllmConfig:
-        return cls(check_quant_config(config), config.get("kv_cache"))
+        quant = parse_quant_config(config)
+        return cls(quant.module_specs(), dict(quant.kv_cache) if quant.kv_cache is not None else None)
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         self.attach(model_name)

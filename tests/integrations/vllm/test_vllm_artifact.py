@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from squeeze import api
 from squeeze.errors import FormatError, IntegrityError
 from squeeze.format.manifest import MANIFEST_NAME
+from squeeze.format.quant_config import QuantizationConfig
 from squeeze.integrations.vllm.artifact import (
     check_quant_config,
     checkpoint_modules,
@@ -24,7 +25,6 @@ from squeeze.integrations.vllm.artifact import (
     verify,
 )
 from squeeze.quant.kv_spec import KV_FILE
-from squeeze.runtime.loader import quantized_modules
 
 GOOD = {
     "quant_method": "squeeze",
@@ -97,7 +97,9 @@ def test_fused_layers_expand_by_the_models_mapping() -> None:
 
 def test_module_roles_come_from_the_verified_headers(tiny_w3: Path) -> None:
     report = verify(tiny_w3)
-    _, modules = quantized_modules(json.loads((tiny_w3 / "config.json").read_text()))
+    quant = QuantizationConfig.from_model_config(json.loads((tiny_w3 / "config.json").read_text()))
+    assert quant is not None
+    modules = quant.module_specs()
     specs = module_specs(
         report, check_quant_config(json.loads((tiny_w3 / "config.json").read_text())["quantization_config"])
     )
