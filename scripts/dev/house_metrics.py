@@ -27,6 +27,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -327,4 +328,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `| head` closed the pipe: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        sys.exit(0)

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from squeeze.runtime.kernels.cpu_build import ISAS, KernelBuildError, KernelWarning, best_isa, build_library
+from squeeze.runtime.kernels.cpu_build import (
+    ISAS,
+    KernelBuildError,
+    KernelWarning,
+    NativeLibrary,
+    best_isa,
+    build_library,
+)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 #: cpu_attention.cpp's sq_kv.kind values.
@@ -57,22 +64,10 @@ class SqKV(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class AttentionKernels:
+class AttentionKernels(NativeLibrary):
     """The loaded attention library and the instruction set it runs here."""
 
-    lib: ctypes.CDLL
-    isa: str
-    path: Path
-
-    def with_isa(self, isa: str) -> AttentionKernels:
-        """The same library running ``isa`` (ValueError when this CPU lacks it)."""
-        if not self.supports(isa):
-            raise ValueError(f"this CPU does not run the {isa!r} attention kernel (it runs {self.isa!r})")
-        return AttentionKernels(lib=self.lib, isa=isa, path=self.path)
-
-    def supports(self, isa: str) -> bool:
-        """True when this CPU runs ``isa``."""
-        return isa in ISAS and bool(self.lib.sq_isa_supported(ISAS[isa]))
+    what = "attention kernel"
 
 
 _lock = threading.Lock()

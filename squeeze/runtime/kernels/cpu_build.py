@@ -14,6 +14,7 @@ None; SqueezeLinear then runs the dense reference path. ``$CXX`` names the compi
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -24,7 +25,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 #: Instruction sets of the kernels, best first, with the library's numbering (cpu_lut.cpp's SQ_* enum).
 ISAS: dict[str, int] = {"avx512": 2, "avx2": 1, "scalar": 0}
@@ -105,9 +106,16 @@ class PreparedWeight:
         return ref
 
 
+_Library = TypeVar("_Library", bound="NativeLibrary")
+
+
 @dataclass(frozen=True)
-class CpuKernels:
-    """The loaded library and the instruction set it runs here."""
+class NativeLibrary:
+    """A loaded native library (built by :func:`build_library`) and the instruction set it runs here: the base
+    of the LUT kernels (:class:`CpuKernels`) and the attention kernel (``cpu_attention.AttentionKernels``)."""
+
+    #: what a message calls the library's code
+    what: ClassVar[str] = "kernels"
 
     lib: ctypes.CDLL
     isa: str
@@ -117,15 +125,20 @@ class CpuKernels:
     def isa_code(self) -> int:
         return ISAS[self.isa]
 
-    def with_isa(self, isa: str) -> CpuKernels:
+    def with_isa(self: _Library, isa: str) -> _Library:
         """The same library running ``isa`` (ValueError when this CPU lacks it)."""
         if not self.supports(isa):
-            raise ValueError(f"this CPU does not run the {isa!r} kernels (it runs {self.isa!r})")
-        return CpuKernels(lib=self.lib, isa=isa, path=self.path)
+            raise ValueError(f"this CPU does not run the {isa!r} {self.what} (it runs {self.isa!r})")
+        return dataclasses.replace(self, isa=isa)
 
     def supports(self, isa: str) -> bool:
         """True when this CPU runs ``isa``."""
         return isa in ISAS and bool(self.lib.sq_isa_supported(ISAS[isa]))
+
+
+@dataclass(frozen=True)
+class CpuKernels(NativeLibrary):
+    """The loaded LUT kernels (cpu_lut.cpp, cpu_w8.cpp) and the instruction set they run here."""
 
 
 def cache_dir() -> Path:
@@ -248,6 +261,7 @@ def best_isa(lib: ctypes.CDLL) -> str:
 
 __all__ = [
     "CpuKernels",
+    "NativeLibrary",
     "KernelWarning",
     "KernelBuildError",
     "SqWeight",

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from squeeze.runtime.kernels.cpu_build import CpuKernels
+from squeeze.runtime.kernels.cpu_w8 import bias_f32
 
 #: Weight dtypes the dense kernel reads as stored (cpu_lut.cpp's SQ_DENSE_* numbering).
 DENSE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -30,7 +31,7 @@ def cpu_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernels: Cp
     batch = int(x2.shape[0])
     y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
     if batch and rows:
-        b32 = None if bias is None else bias.to(torch.float32).contiguous()
+        b32 = bias_f32(bias)
         kernels.lib.sq_dense_linear_typed(
             weight.data_ptr(),
             DENSE_DTYPES[weight.dtype],
