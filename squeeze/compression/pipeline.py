@@ -78,7 +78,7 @@ def run_compress(
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     world = world_from_env()  # one process, or this rank of a torchrun world (distributed.py)
     needs = RecipeNeeds.of(recipe)
-    check_world_options(world, error_compensation=needs.hessians, max_memory=max_memory)
+    check_world_options(world, error_compensation=needs.hessians)
     job = CompressJob(
         source=source,
         recipe=recipe,

@@ -141,12 +141,10 @@ def test_a_rank_that_cannot_see_the_work_area_is_refused(tmp_path: Path) -> None
 
 def test_what_is_not_split_yet_is_refused_under_torchrun() -> None:
     two = World(rank=0, size=2)
-    check_world_options(SINGLE, error_compensation=True, max_memory=10**9)
-    check_world_options(two, error_compensation=False, max_memory=None)
+    check_world_options(SINGLE, error_compensation=True)
+    check_world_options(two, error_compensation=False)
     with pytest.raises(ConfigError, match="error compensation"):
-        check_world_options(two, error_compensation=True, max_memory=None)
-    with pytest.raises(ConfigError, match="--max-memory"):
-        check_world_options(two, error_compensation=False, max_memory=10**9)
+        check_world_options(two, error_compensation=True)
 
 
 # -- real torchrun worlds (gloo)
@@ -258,3 +256,23 @@ def test_two_gloo_ranks_killed_mid_run_resume_to_the_bytes_one_process_writes(
     assert len(results) == 1  # rank 0 speaks for the world: one JSON summary, not one per rank
     root = json.loads((out / MANIFEST_NAME).read_text())["root_digest"]
     assert results[0]["root_digest"] == root
+
+
+def test_two_gloo_ranks_streaming_within_max_memory_write_the_bytes_one_process_writes(
+    one_process, tmp_path, stories_dir, tinystories_file
+) -> None:
+    out = tmp_path / "bounded"
+    # rank 1 streams its 3 windows block by block and dies as it starts its second layer group (group 3)
+    env = {"SQUEEZE_TEST_DIE_RANK": "1", "SQUEEZE_TEST_DIE_AFTER": "1"}
+    run = torchrun(stories_dir, tinystories_file, out, "--max-memory", "64GB", env=env)
+    assert run.returncode != 0
+    work = out / WORK_NAME
+    assert (work / "groups" / "00001.safetensors").is_file() and not (work / "groups" / "00003.safetensors").exists()
+    rerun = torchrun(stories_dir, tinystories_file, out, "--max-memory", "64GB")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not work.exists()
+    # each group's Fisher summed over both ranks' windows inside the block-by-block pass, groups dealt round
+    # robin and resumed: every byte as one unbounded process writes them (a bounded run writes the same)
+    assert files(out) == files(one_process)
+    (result,) = json_results(rerun.stdout)
+    assert result["max_memory"] > 0 and result["peak_estimate_bytes"] > 0

@@ -15,7 +15,8 @@ modes, one module each, registered at import:
 
 - ``plain`` (plain.py): one process, the whole model loaded;
 - ``bounded`` (bounded.py): ``--max-memory``, one decoder block resident at a time, byte-identical to plain;
-- ``data_parallel`` (data_parallel.py): a torchrun world, windows and layer groups split across ranks.
+- ``data_parallel`` (data_parallel.py): a torchrun world, windows and layer groups split across ranks;
+- ``bounded_data_parallel`` (bounded_parallel.py): both, every rank streaming block by block.
 
 :func:`mode_of` chooses the mode from the job (its one place), :func:`pipeline_for` returns its pipeline.
 
@@ -26,7 +27,7 @@ mode that runs it (placed with a wrapper in data_parallel.py). To add a mode: a 
 
 from __future__ import annotations
 
-from squeeze.compression.pipelines import bounded, data_parallel, plain
+from squeeze.compression.pipelines import bounded, bounded_parallel, data_parallel, plain
 from squeeze.compression.pipelines.registry import (
     CALIBRATION_STAGES,
     NamedStage,
@@ -46,6 +47,7 @@ __all__ = [
     "Pipeline",
     "STAGES",
     "bounded",
+    "bounded_parallel",
     "data_parallel",
     "mode_of",
     "pipeline_for",

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.blockwise import blockwise_fisher
+from squeeze.calibrate.blockwise import Combine, blockwise_fisher
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
 from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact
+from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_targets
 from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.pipelines.registry import Pipeline, register
@@ -78,9 +79,12 @@ def fisher_pass(
     *,
     window_share: tuple[int, int | None],
     spill_dir: Path,
+    combine: Combine | None = None,
+    commit: bool = True,
 ) -> None:
     """blockwise_fisher over the calibration windows ``[start:stop)`` of ``window_share``, spilling into
-    ``spill_dir`` (removed after); each group's Fisher committed as it is done."""
+    ``spill_dir`` (removed after); each group's Fisher committed as it is done when ``commit`` (a torchrun
+    rank other than 0 only adds its share: ``combine``, see squeeze.calibrate.blockwise)."""
     windows = windows_of(job)
     start, stop = window_share
     group_of = {name: index for index, names in enumerate(job.groups) for name in names}
@@ -91,8 +95,9 @@ def fisher_pass(
             pending.setdefault(group_of[name], {})[name] = tensor
         for index in [i for i, got in pending.items() if len(got) == len(job.groups[i])]:
             group = pending.pop(index)
-            with timed(job.timings, "checkpoint"):
-                job.work.save_fisher_group(index, group)
+            if commit:
+                with timed(job.timings, "checkpoint"):
+                    job.work.save_fisher_group(index, group)
 
     progress = job.progress
     report = (lambda done, total: progress("fisher", done, total)) if progress else None
@@ -108,6 +113,7 @@ def fisher_pass(
             spill_dir=spill_dir,
             on_group=on_group,
             progress=report,
+            combine=combine,
         )
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
@@ -121,6 +127,8 @@ def quantize_stage(job: CompressJob) -> None:
     lazy: LazyModel = job.lazy
     done = 0
     for index, names in enumerate(job.groups):
+        if not owns_group(index, job.world):  # under torchrun another rank quantizes it (distributed.py)
+            continue
         with timed(job.timings, "checkpoint"):
             committed = job.work.has_group(index, names)
         if not committed:

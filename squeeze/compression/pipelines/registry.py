@@ -49,9 +49,10 @@ def registered() -> tuple[str, ...]:
 
 def mode_of(job: CompressJob) -> str:
     """The compress mode ``job`` asks for: "bounded" (``--max-memory``: one block resident at a time),
-    "data_parallel" (a torchrun world: windows and layer groups split across ranks), or "plain"."""
+    "data_parallel" (a torchrun world: windows and layer groups split across ranks), both at once
+    ("bounded_data_parallel"), or "plain"."""
     if job.max_memory is not None:
-        return "bounded"
+        return "bounded_data_parallel" if job.world.active else "bounded"
     if job.world.active:
         return "data_parallel"
     return "plain"
