@@ -241,7 +241,8 @@ def compress(
     unbounded run. A budget that cannot hold one block and its activations is refused in preflight
     (ResourceError naming the minimum).
     """
-    from squeeze.compression.pipeline import needs_calibration, run_compress
+    from squeeze.compression.job import needs_calibration
+    from squeeze.compression.pipeline import run_compress
 
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(os.fspath(recipe), **dict(overrides or {}))
     spec = None

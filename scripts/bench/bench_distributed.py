@@ -8,6 +8,10 @@ sparse parts, with "kmeans" breaking the k-means part out) and peak resident mem
 single process, i.e. one rank). Both runs use ``--threads`` torch threads per process (default 1, what torchrun
 sets): GEMM and k-means results can depend on the thread count, so byte identity is checked at equal threads.
 
+With ``--max-memory SIZE`` both runs stream block by block within that budget (per process: per rank under
+torchrun), so the comparison is a bounded process against bounded ranks; the source must then be a safetensors
+directory (e.g. /work/artifacts/smollm2-135m-hf), not a GGUF file.
+
 Example: python scripts/bench/bench_distributed.py --model smollm2-135m --calibration ../shared/corpora/sotu.txt \\
          --num-samples 32 --seq-len 512 --ranks 2 --workdir /tmp/bench-dist
 """
@@ -48,6 +52,7 @@ def compress_args(args: argparse.Namespace, out: Path) -> list[str]:
         "--seq-len",
         str(args.seq_len),
         "--json",
+        *(["--max-memory", args.max_memory] if args.max_memory else []),
     ]
 
 
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--max-memory", default=None, help="stream within this budget per process (e.g. 2GB)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench-out" / "distributed")
     parser.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
@@ -110,7 +116,9 @@ def main() -> None:
     print(revision(), flush=True)
     print(command_line(), flush=True)
 
-    print(f"one process: {args.model} {args.recipe}, {args.num_samples} x {args.seq_len}, {args.threads} thread(s)")
+    bounded = f", --max-memory {args.max_memory}" if args.max_memory else ""
+    windows = f"{args.num_samples} x {args.seq_len}"
+    print(f"one process: {args.model} {args.recipe}, {windows}, {args.threads} thread(s){bounded}")
     one_seconds, one_rss, stdout = timed_run([sys.executable, "-m", "squeeze", *compress_args(args, one)], env)
     (one_summary,) = summaries(stdout)
     print(f"  {one_seconds:.1f} s wall, peak RSS {one_rss} KiB, stages {stage_row(one_summary)}", flush=True)
@@ -137,6 +145,7 @@ def main() -> None:
         "seq_len": args.seq_len,
         "threads": args.threads,
         "ranks": args.ranks,
+        "max_memory": args.max_memory,
         "one_process": {"wall_s": round(one_seconds, 1), "peak_rss_kib": one_rss, "stages": stage_row(one_summary)},
         "torchrun": {
             "wall_s": round(many_seconds, 1),

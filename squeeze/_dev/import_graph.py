@@ -1,7 +1,7 @@
 """The import graph of a package, read from its source with ``ast`` (nothing is imported).
 
 One graph for the two readers that need it: the layering test (no cycles, quant/ imports nothing above it)
-and scripts/house_metrics.py (import cycles counted and shown). Every ``import`` / ``from ... import``
+and scripts/dev/house_metrics.py (import cycles counted and shown). Every ``import`` / ``from ... import``
 anywhere in a module is an edge, function bodies included (``lazy``). Rules:
 
 * ``from pkg import name`` is an edge to the submodule ``pkg.name`` when there is one, else to ``pkg``

@@ -50,6 +50,9 @@ from squeeze.models.modes import eval_mode
 Materializer = Callable[..., contextlib.AbstractContextManager[None]]
 #: ``on_group(fisher)``: one group's finished Fisher, ``{name: fp32 tensor}``
 GroupSink = Callable[[dict[str, torch.Tensor]], None]
+#: ``combine(sums)``: one group's float64 sums of squared gradients, updated in place before they are rounded,
+#: called for the groups in the same order on every run (a torchrun world adds its ranks' window shares there)
+Combine = Callable[[dict[str, torch.Tensor]], None]
 Progress = Callable[[int, int], None]
 
 
@@ -130,6 +133,7 @@ def blockwise_fisher(
     spill_dir: Path | None = None,
     on_group: GroupSink | None = None,
     progress: Progress | None = None,
+    combine: Combine | None = None,
 ) -> dict[str, torch.Tensor]:
     """The Fisher of ``modules``' weights (an ExpertWeight's: its 3-D parameter) over int64 ``windows (n, T)``,
     block by block (batch 1, as fisher_information's default). ``model`` may live on the meta device:
@@ -139,8 +143,8 @@ def blockwise_fisher(
     Returns ``{name: fp32 F}`` (shaped like the weight), or ``{}`` when ``on_group`` takes each group's
     Fisher as it is done. ``spill_dir``: keep the per-window hidden states and carried gradients (T x hidden
     fp32 each; all blocks' inputs are kept until their backward) in files there instead of in memory, each
-    removed once read for the last time. ``progress(done, total)`` counts blocks. Raises ConfigError for a
-    model this cannot stream (see :func:`model_parts`).
+    removed once read for the last time. ``progress(done, total)`` counts blocks. ``combine``: see
+    :data:`Combine`. Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
     """
     materialize = materialized or _resident
     embed, blocks, norm, head = model_parts(model)
@@ -148,7 +152,7 @@ def blockwise_fisher(
     owners = _owners(model, modules, embed, blocks, head)
     store = _Store(spill_dir)
     done: dict[str, torch.Tensor] = {}
-    sink = on_group or done.update
+    sink = _rounding_sink(on_group or done.update, combine)
     total = n_blocks + 2
     tied = _tied(embed, head)
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
@@ -184,6 +188,17 @@ def blockwise_fisher(
         if progress:
             progress(total, total)
     return done
+
+
+def _rounding_sink(finished: GroupSink, combine: Combine | None) -> GroupSink:
+    """A group's float64 sums -> ``combine`` (when given) -> rounded once to the fp32 Fisher -> ``finished``."""
+
+    def sink(sums: dict[str, torch.Tensor]) -> None:
+        if combine is not None:
+            combine(sums)
+        finished(finish_sums(sums))
+
+    return sink
 
 
 def _owners(
@@ -306,7 +321,7 @@ def _head_grads(
     keep: bool,
 ) -> None:
     """dL/d(last block's output) per window into ``store`` (``g{n_blocks}-{w}``); an untied LM head's Fisher
-    (when it is a target) to ``sink``. ``keep``: leave the last outputs in ``store`` (else they are taken)."""
+    sums (when it is a target) to ``sink``. ``keep``: leave the last outputs in ``store`` (else they are taken)."""
     weights = _weights(targets)
     sums = new_sums(weights)
     with torch.enable_grad(), _requires_grad(weights.values()), square_and_drop_hooks(weights, sums):
@@ -316,7 +331,7 @@ def _head_grads(
             _loss(norm, head, x, row[None]).backward(inputs=[x, *weights.values()])
             store.put(f"g{n_blocks}-{w}", _take_grad(x))
     if weights:
-        sink(finish_sums(sums))
+        sink(sums)
 
 
 def _block_backward(
@@ -329,7 +344,7 @@ def _block_backward(
     sink: GroupSink,
 ) -> None:
     """Recompute block ``index`` per window from its input (``h{index}-{w}``) with grad, backpropagate the carried
-    gradient (``g{index+1}-{w}``); the block's Fisher to ``sink``; dL/d(input) into ``g{index}-{w}`` when
+    gradient (``g{index+1}-{w}``); the block's Fisher sums to ``sink``; dL/d(input) into ``g{index}-{w}`` when
     ``need_input``. Both inputs are taken from ``store``."""
     weights = _weights(targets)
     sums = new_sums(weights)
@@ -344,7 +359,7 @@ def _block_backward(
             if need_input:
                 store.put(f"g{index}-{w}", _take_grad(x))
     if weights:
-        sink(finish_sums(sums))
+        sink(sums)
 
 
 def _embedding_backward(
@@ -370,7 +385,7 @@ def _embedding_backward(
                 outputs.append(_loss(norm, head, store.take(f"h{n_blocks}-{w}"), ids))
                 seeds.append(torch.ones(()))
             torch.autograd.backward(outputs, seeds, inputs=list(weights.values()))
-    sink(finish_sums(sums))
+    sink(sums)
 
 
 def _weights(targets: Mapping[str, Any]) -> dict[str, torch.Tensor]:

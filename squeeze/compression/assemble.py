@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.compression.job import CompressJob, timed
-from squeeze.compression.quantize import weight_format
+from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.compression.writer import (
     seal,
     state_bytes,

@@ -36,8 +36,8 @@ from squeeze.compression.bit_budget import (
     without_error_compensation,
 )
 from squeeze.compression.embeddings import embedding_recipe
-from squeeze.compression.job import CompressJob, timed
-from squeeze.compression.quantize import quantize_module, weight_format
+from squeeze.compression.job import CompressJob, timed, weight_format
+from squeeze.compression.quantize import quantize_module
 from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.format.atomic import atomic_write_text
 from squeeze.models.source import keep_dtype

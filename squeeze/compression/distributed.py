@@ -5,14 +5,16 @@ the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER
 torch.distributed process group (gloo for CPU tensors, NCCL for CUDA tensors when CUDA is present). Without
 torchrun (WORLD_SIZE unset or 1) the run is one process and nothing here communicates.
 
-How the pipeline shares the work (pipeline.py):
+How the data-parallel pipelines share the work (squeeze.compression.pipelines: data_parallel.py, and
+bounded_parallel.py for ``--max-memory``, where each rank streams block by block):
 - every rank runs preflight and computes the job fingerprint; :func:`check_same_job` refuses, on every rank,
   a world whose ranks disagree on it (model digest, recipe, calibration, seed, versions, output, flags);
 - rank 0 alone creates and locks the work area and writes the fingerprint; the work area must be on a
   filesystem every rank sees (multi-node: a shared filesystem), which each rank checks (:func:`check_visible`);
 - the calibration windows are split into contiguous ranges (:func:`window_range`); each rank sums its
   windows' squared gradients in float64 (squeeze.calibrate.fisher), and :func:`sum_in_rank_order` adds the
-  partials in rank order, so the fp32 Fisher has the bits one process gets;
+  partials in rank order (a bounded run: per layer group, inside its block-by-block pass), so the fp32 Fisher
+  has the bits one process gets;
 - the layer groups are dealt round robin (:func:`owns_group`), each rank committing its own to the shared
   work area; rank 0 writes, seals and publishes, and sends the result to the others (:func:`share_json`).
 
@@ -207,20 +209,13 @@ def _name(stage: Callable[..., Any]) -> str:
     return getattr(stage, "__name__", "a stage").removesuffix("_stage").replace("_", " ")
 
 
-def check_world_options(world: World, *, error_compensation: bool, max_memory: int | None) -> None:
+def check_world_options(world: World, *, error_compensation: bool) -> None:
     """Refuse (ConfigError) what data-parallel compress does not split yet: error compensation (its input
-    Hessians are summed in fp32 by a GEMM, whose bits depend on how the windows are split) and --max-memory."""
-    if not world.active:
-        return
-    if error_compensation:
+    Hessians are summed in fp32 by a GEMM, whose bits depend on how the windows are split)."""
+    if world.active and error_compensation:
         raise ConfigError(
             f"error compensation recipes run in one process, found a torchrun world of {world.size} ranks",
             hint="run this recipe without torchrun, or choose a recipe without error compensation",
-        )
-    if max_memory is not None:
-        raise ConfigError(
-            f"--max-memory runs in one process, found a torchrun world of {world.size} ranks",
-            hint="drop --max-memory (each rank loads the whole model), or run without torchrun",
         )
 
 

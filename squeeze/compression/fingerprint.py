@@ -3,7 +3,8 @@
 A fingerprint holds the digest of the source model's files, the full recipe, the calibration spec (with a
 digest of its text file instead of the path, so the same file reached from another directory matches),
 the seed, and the squeeze and format versions. Two fingerprints are compared key by key, so a refusal can
-say exactly what changed.
+say exactly what changed. :func:`fingerprint_stage`, the first stage of every compress run, claims the work
+area for the job (writing its fingerprint) or refuses one made by a different job.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from squeeze.compression.distributed import check_same_job, job_digest
+from squeeze.compression.job import CompressJob
+from squeeze.compression.workarea import WorkArea
 from squeeze.config import CalibrationSpec, Recipe
+from squeeze.errors import ResumeError
+from squeeze.format.quant_config import FORMAT_VERSION
+from squeeze.models.source import source_digest
+from squeeze.version import __version__
 
 _CHUNK = 4 * 2**20
 
@@ -79,4 +87,60 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:16] + "..." + text[-8:]
 
 
-__all__ = ["build_fingerprint", "fingerprint_differences", "file_sha256"]
+def fingerprint_stage(job: CompressJob) -> None:
+    """Claim the work area for this job (writing its fingerprint), or refuse one made by a different job.
+
+    Under torchrun every rank computes the fingerprint and a world whose ranks disagree is refused on every
+    rank; rank 0 alone then claims the work area."""
+    world = job.world
+    options = {"output": str(job.work.output), "overwrite": job.overwrite, "restart": job.restart}
+    _, digests = world.step("fingerprint", lambda: _fingerprint(job), lambda _: job_digest(job.fingerprint, options))
+    check_same_job(world, digests)
+    world.step("claiming the work area", lambda: _claim_work_area(job) if world.is_main else None)
+
+
+def _fingerprint(job: CompressJob) -> None:
+    job.digest = source_digest(job.source)
+    job.fingerprint = build_fingerprint(
+        source_model=job.source.model_id,
+        source_digest=job.digest,
+        recipe=job.recipe,
+        calibration=job.calibration,
+        seed=job.seed,
+        squeeze_version=__version__,
+        format_version=FORMAT_VERSION,
+    )
+
+
+def _claim_work_area(job: CompressJob) -> None:
+    if job.restart:
+        job.work.reset()
+    job.work.clean_temps()
+    check_fingerprint(job.work, job.fingerprint)
+
+
+def check_fingerprint(work: WorkArea, fingerprint: dict[str, Any]) -> None:
+    """Write the fingerprint of a new job, or refuse (ResumeError) to resume a work area made by a different one."""
+    saved = work.read_fingerprint()
+    if saved is None:
+        if work.has_checkpoints():
+            raise ResumeError(
+                f"the work area {work.root} has checkpoints but no fingerprint, so it cannot be resumed",
+                hint="pass --restart to discard it and start over",
+            )
+        work.write_fingerprint(fingerprint)
+        return
+    differences = fingerprint_differences(saved, fingerprint)
+    if differences:
+        more = f"; and {len(differences) - 6} more" if len(differences) > 6 else ""
+        raise ResumeError(
+            f"cannot resume the work area in {work.output}: it was made by a different job ("
+            + "; ".join(differences[:6])
+            + more
+            + ")",
+            hint="rerun with the original model, recipe, calibration and seed, or pass --restart to discard "
+            "the work area and start over",
+        )
+
+
+__all__ = ["build_fingerprint", "check_fingerprint", "file_sha256", "fingerprint_differences", "fingerprint_stage"]

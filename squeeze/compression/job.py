@@ -1,13 +1,14 @@
 """A compress run as one job: the context its named stages read and fill, and the result it returns.
 
-The stages run in this order (pipeline.py): ``fingerprint`` (the work area belongs to this job, or is
-claimed for it), ``calibrate`` (token windows; before the model loads, so a text too short fails fast),
-``load``, ``sensitivity`` (Fisher information, or its checkpoint), ``plan`` (each linear's width for a
-``weights.target_bpw`` budget, or its checkpoint; nothing without one), ``quantize`` (layer groups, each
-committed as a checkpoint), ``write`` (shards and metadata assembled in the staging directory), ``seal``
-(the manifest) and ``publish`` (the sealed artifact moved into the output). Each stage's seconds are kept
-under its name in ``timings``; "checkpoint" (checkpoint I/O) and "sparse" / "kmeans" / "rtn" (one
-weight's quantization) break parts of some stages down and are included in those stages' seconds.
+The stages of a plain run, in order (each compress mode lists its own: squeeze.compression.pipelines):
+``fingerprint`` (the work area belongs to this job, or is claimed for it), ``calibrate`` (token windows;
+before the model loads, so a text too short fails fast), ``load``, ``sensitivity`` (Fisher information, or
+its checkpoint), ``plan`` (each linear's width for a ``weights.target_bpw`` budget, or its checkpoint;
+nothing without one), ``quantize`` (layer groups, each committed as a checkpoint), ``write`` (shards and
+metadata assembled in the staging directory), ``seal`` (the manifest) and ``publish`` (the sealed artifact
+moved into the output). Each stage's seconds are kept under its name in ``timings``; "checkpoint"
+(checkpoint I/O) and "sparse" / "kmeans" / "rtn" (one weight's quantization) break parts of some stages
+down and are included in those stages' seconds.
 """
 
 from __future__ import annotations
@@ -29,12 +30,53 @@ from squeeze.config import CalibrationSpec, Recipe
 from squeeze.format.manifest import Manifest
 from squeeze.models.source import ModelSource
 from squeeze.models.targets import Target
+from squeeze.quant.schemes import WeightFormat, format_for_recipe
 
 #: progress(stage, done, total); stages: "fisher", "generate", "plan", "quantize".
 StageProgress = Callable[[str, int, int], None]
 
-#: The job's stages, in the order they run.
-STAGES = ("fingerprint", "calibrate", "load", "sensitivity", "plan", "quantize", "write", "seal", "publish")
+
+def weight_format(recipe: Recipe) -> type[WeightFormat]:
+    """The registered format ``recipe.weights`` selects (recipes are checked against the registry when built)."""
+    fmt = format_for_recipe(recipe.weights)
+    if fmt is None:
+        raise ValueError(f"no registered weight format for method {recipe.weights.method!r}")
+    return fmt
+
+
+@dataclass(frozen=True)
+class RecipeNeeds:
+    """What a recipe's weight format asks of a compress run, worked out once (:meth:`of`) and kept on the job,
+    so no stage re-derives it from the recipe.
+
+    ``fisher``: k-means weighted by the Fisher information (the format uses it and ``weights.sensitivity`` is
+    "fisher"); ``hessians``: error compensation (the format uses an input Hessian and the recipe turns
+    ``weights.error_compensation`` on), whose Hessians come from the same calibration pass; ``calibration``:
+    either of them, so the run reads calibration text.
+    """
+
+    format: type[WeightFormat]
+    fisher: bool
+    hessians: bool
+
+    @property
+    def calibration(self) -> bool:
+        return self.fisher or self.hessians
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RecipeNeeds:
+        fmt = weight_format(recipe)
+        weights = recipe.weights
+        return cls(
+            format=fmt,
+            fisher=fmt.uses_fisher and weights.sensitivity == "fisher",
+            hessians=fmt.uses_hessian and weights.error_compensation,
+        )
+
+
+def needs_calibration(recipe: Recipe) -> bool:
+    """Whether compressing with ``recipe`` needs calibration text (see :class:`RecipeNeeds`)."""
+    return RecipeNeeds.of(recipe).calibration
 
 
 @dataclass
@@ -112,6 +154,8 @@ class CompressJob:
     peak_estimate: int = 0
     #: this process's rank under torchrun (distributed.py); one process: rank 0 of 1
     world: World = SINGLE
+    #: what the recipe's format needs (Fisher, Hessians, calibration): from ``recipe`` when the job is built
+    needs: RecipeNeeds = field(init=False)
     guard: SignalGuard = field(default_factory=SignalGuard)
     started: float = field(default_factory=time.perf_counter)
     timings: dict[str, float] = field(default_factory=dict)
@@ -142,6 +186,9 @@ class CompressJob:
     source_bytes: int = 0  # write
     manifest: Manifest | None = None  # seal
     summary: dict[str, Any] = field(default_factory=dict)  # seal (or the publishing record): CompressResult fields
+
+    def __post_init__(self) -> None:
+        self.needs = RecipeNeeds.of(self.recipe)
 
     def loaded_model(self) -> nn.Module:
         if self.model is None:
@@ -183,4 +230,14 @@ def run_stages(job: CompressJob, stages: tuple[tuple[str, Stage], ...]) -> None:
             stage(job)
 
 
-__all__ = ["CompressJob", "CompressResult", "STAGES", "Stage", "StageProgress", "run_stages", "timed"]
+__all__ = [
+    "CompressJob",
+    "CompressResult",
+    "RecipeNeeds",
+    "Stage",
+    "StageProgress",
+    "needs_calibration",
+    "run_stages",
+    "timed",
+    "weight_format",
+]

@@ -16,19 +16,11 @@ from torch import nn
 from squeeze.compression.bit_budget import planned_recipe, without_error_compensation
 from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_recipe
-from squeeze.compression.job import CompressJob, timed
+from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.config import Recipe
 from squeeze.models.experts import ExpertWeight, expert_modules, unrouted_experts
 from squeeze.models.targets import matrix_fisher
-from squeeze.quant.schemes import WeightFormat, format_for_recipe
-
-
-def weight_format(recipe: Recipe) -> type[WeightFormat]:
-    """The registered format ``recipe.weights`` selects (recipes are checked against the registry when built)."""
-    fmt = format_for_recipe(recipe.weights)
-    if fmt is None:
-        raise ValueError(f"no registered weight format for method {recipe.weights.method!r}")
-    return fmt
+from squeeze.quant.schemes import WeightFormat
 
 
 def quantize_module(
@@ -83,7 +75,7 @@ def quantize_stage(job: CompressJob) -> None:
                 job.fisher.pop(name, None)
                 job.hessians.pop(name, None)
         else:
-            tensors, meta = _quantize_group(job, names)
+            tensors, meta = quantize_group(job, names)
             with timed(job.timings, "checkpoint"):
                 job.work.save_group(index, tensors, meta)
         done += len(names)
@@ -93,7 +85,7 @@ def quantize_stage(job: CompressJob) -> None:
     job.hessians = {}
 
 
-def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One group's tensors ({tensor name: tensor}) and checkpoint metadata (modules, tensor names, bits; for
     experts modules their expert count and the experts calibration never reached)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -136,4 +128,4 @@ def _quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch
     return tensors, meta
 
 
-__all__ = ["quantize_module", "weight_format", "layer_groups", "quantize_stage"]
+__all__ = ["layer_groups", "quantize_group", "quantize_module", "quantize_stage"]

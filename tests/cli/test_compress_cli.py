@@ -6,7 +6,7 @@ import os
 
 from typer.testing import CliRunner
 
-import squeeze.compression.pipeline as pipeline
+import squeeze.compression.pipelines.plain as plain
 from squeeze.cli.app import app
 from squeeze.cli.compress import resume_command
 from squeeze.compression import preflight
@@ -36,7 +36,7 @@ def test_a_second_run_into_a_locked_output_refuses_at_once(tmp_path, stories_dir
     out = tmp_path / "out"
     (out / WORK_NAME).mkdir(parents=True)
     loads = []
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loads.append(1))
+    monkeypatch.setattr(plain, "load_model", lambda *a, **k: loads.append(1))
     with OutputLock(out / WORK_NAME):  # what a first, running compress holds
         before = sorted(p.name for p in (out / WORK_NAME).iterdir())
         result = rtn(stories_dir, out)

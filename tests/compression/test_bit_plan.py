@@ -212,7 +212,7 @@ def test_a_resumed_budget_run_reuses_the_committed_plan_and_gives_the_same_artif
     import squeeze.compression.quantize as quantize
     from squeeze.compression.workarea import WORK_NAME
 
-    real = quantize._quantize_group
+    real = quantize.quantize_group
     calls = {"groups": 0}
 
     def failing(job, names):  # noqa: ANN001, ANN202
@@ -222,11 +222,11 @@ def test_a_resumed_budget_run_reuses_the_committed_plan_and_gives_the_same_artif
         return real(job, names)
 
     out = tmp_path / "tiny-b5"
-    monkeypatch.setattr(quantize, "_quantize_group", failing)
+    monkeypatch.setattr(quantize, "quantize_group", failing)
     with pytest.raises(RuntimeError, match="killed"):
         compress_tiny(out, "w3-s045", overrides={"weights.target_bpw": TARGET})
     assert (out / WORK_NAME / PLAN_NAME).is_file()
-    monkeypatch.setattr(quantize, "_quantize_group", real)
+    monkeypatch.setattr(quantize, "quantize_group", real)
 
     def no_estimate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the committed plan must be reused, not estimated again")

@@ -301,7 +301,7 @@ def test_a_resumed_auto_run_reuses_the_committed_plan(
 
     overrides = {"weights.target_bpw": 16.0, **KEEP_BF16}  # the tiny Llama: one embedding kept, one quantized
     whole = compress_tiny(tmp_path / "whole", "b3.5-e", overrides=overrides)
-    real, calls = quantize._quantize_group, {"groups": 0}
+    real, calls = quantize.quantize_group, {"groups": 0}
 
     def failing(job, names):  # noqa: ANN001, ANN202
         calls["groups"] += 1
@@ -310,13 +310,13 @@ def test_a_resumed_auto_run_reuses_the_committed_plan(
         return real(job, names)
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(quantize, "_quantize_group", failing)
+    monkeypatch.setattr(quantize, "quantize_group", failing)
     with pytest.raises(RuntimeError, match="killed"):
         compress_tiny(out, "b3.5-e", overrides=overrides)
     plan = json.loads((out / WORK_NAME / PLAN_NAME).read_text())["modules"]
     assert set(EMBEDDINGS) <= set(plan)  # kept or not, the embeddings are in the committed plan
     assert sorted(plan[name]["bits"] for name in EMBEDDINGS)[0] == 0  # one kept: the run drops it on resume too
-    monkeypatch.setattr(quantize, "_quantize_group", real)
+    monkeypatch.setattr(quantize, "quantize_group", real)
 
     def no_estimate(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the committed plan must be reused, not estimated again")

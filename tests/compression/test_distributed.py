@@ -141,12 +141,10 @@ def test_a_rank_that_cannot_see_the_work_area_is_refused(tmp_path: Path) -> None
 
 def test_what_is_not_split_yet_is_refused_under_torchrun() -> None:
     two = World(rank=0, size=2)
-    check_world_options(SINGLE, error_compensation=True, max_memory=10**9)
-    check_world_options(two, error_compensation=False, max_memory=None)
+    check_world_options(SINGLE, error_compensation=True)
+    check_world_options(two, error_compensation=False)
     with pytest.raises(ConfigError, match="error compensation"):
-        check_world_options(two, error_compensation=True, max_memory=None)
-    with pytest.raises(ConfigError, match="--max-memory"):
-        check_world_options(two, error_compensation=False, max_memory=10**9)
+        check_world_options(two, error_compensation=True)
 
 
 # -- real torchrun worlds (gloo)
@@ -258,3 +256,17 @@ def test_two_gloo_ranks_killed_mid_run_resume_to_the_bytes_one_process_writes(
     assert len(results) == 1  # rank 0 speaks for the world: one JSON summary, not one per rank
     root = json.loads((out / MANIFEST_NAME).read_text())["root_digest"]
     assert results[0]["root_digest"] == root
+
+
+def test_two_gloo_ranks_streaming_within_max_memory_write_the_bytes_one_process_writes(
+    one_process, tmp_path, stories_dir, tinystories_file
+) -> None:
+    out = tmp_path / "bounded"
+    run = torchrun(stories_dir, tinystories_file, out, "--max-memory", "64GB")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not (out / WORK_NAME).exists()
+    # each rank streamed its windows (2 and 3) block by block, each group's sums added in rank order inside the
+    # pass, the groups dealt round robin: every byte as one unbounded process writes them (and a bounded one)
+    assert files(out) == files(one_process)
+    (result,) = json_results(run.stdout)
+    assert result["max_memory"] > 0 and result["peak_estimate_bytes"] > 0

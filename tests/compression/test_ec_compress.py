@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import squeeze.compression.pipeline as pipeline
+import squeeze.compression.pipelines.plain as plain
+import squeeze.compression.sensitivity as sensitivity
 from squeeze import api
+from squeeze.compression.job import needs_calibration
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.config import load_recipe
 from squeeze.errors import ConfigError, Interrupted
@@ -98,7 +100,7 @@ def test_resume_with_a_committed_hessian_gives_identical_bytes(
     def no_second_pass(*_args, **_kwargs):
         raise AssertionError("the committed Fisher and Hessians must be reused")
 
-    monkeypatch.setattr(pipeline, "fisher_information", no_second_pass)
+    monkeypatch.setattr(sensitivity, "fisher_information", no_second_pass)
     compress(stories_dir, tinystories_file, out)
     assert not (out / WORK_NAME).exists()
     assert files(out) == files(ec_artifact)
@@ -138,8 +140,8 @@ def test_recipe_validation():
 
 def test_ec_needs_calibration_even_with_uniform_sensitivity(tmp_path, stories_dir):
     recipe = load_recipe("w3-ec", **{"weights.sensitivity": "uniform"})
-    assert pipeline.needs_calibration(recipe)
-    assert not pipeline.needs_calibration(load_recipe("w3", **{"weights.sensitivity": "uniform"}))
+    assert needs_calibration(recipe)
+    assert not needs_calibration(load_recipe("w3", **{"weights.sensitivity": "uniform"}))
     with pytest.raises(ConfigError, match="no calibration text"):
         api.compress(str(stories_dir), tmp_path / "x", recipe, None)
 
@@ -156,7 +158,7 @@ def test_generated_samples_join_the_hessians(ec_artifact, tmp_path, stories_dir,
         calls.append((num_samples, seq_len, kwargs["seed"]))
         return sample(model, num_samples, seq_len, **kwargs)
 
-    monkeypatch.setattr(pipeline, "sample_windows_from_model", spy)
+    monkeypatch.setattr(sensitivity, "sample_windows_from_model", spy)
     steps: list[tuple[int, int]] = []
 
     def progress(stage, done, total):
@@ -189,7 +191,7 @@ def test_generated_samples_need_error_compensation():
 def test_a_tokenizer_with_no_start_token_is_refused_before_the_model_loads(
     tmp_path, stories_dir, tinystories_file, monkeypatch
 ):
-    real = pipeline.load_tokenizer
+    real = sensitivity.load_tokenizer
 
     def no_bos_or_eos(source):
         tokenizer = real(source)
@@ -199,8 +201,8 @@ def test_a_tokenizer_with_no_start_token_is_refused_before_the_model_loads(
     def must_not_load(*_args, **_kwargs):
         raise AssertionError("the model must not load before the start token is checked")
 
-    monkeypatch.setattr(pipeline, "load_tokenizer", no_bos_or_eos)
-    monkeypatch.setattr(pipeline, "load_model", must_not_load)
+    monkeypatch.setattr(sensitivity, "load_tokenizer", no_bos_or_eos)
+    monkeypatch.setattr(plain, "load_model", must_not_load)
     with pytest.raises(ConfigError, match="no BOS or EOS token"):
         compress(stories_dir, tinystories_file, tmp_path / "x", overrides={"weights.generated_samples": 2})
     assert not (tmp_path / "x" / MANIFEST_NAME).exists()

@@ -15,7 +15,7 @@ from torch import nn
 import squeeze
 from squeeze import api
 from squeeze.compression import pipeline, preflight
-from squeeze.compression.job import STAGES
+from squeeze.compression.pipelines import STAGES
 from squeeze.compression.writer import quantization_header, state_bytes, unique_tensors
 
 #: Timing keys that break a stage down (included in that stage's seconds).

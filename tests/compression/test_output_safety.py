@@ -23,8 +23,9 @@ from squeeze import api
 from squeeze.cli.app import app
 from squeeze.cli.compress import resume_command
 from squeeze.compression import calibrate_kv as calibrate_kv_module
-from squeeze.compression import pipeline
+from squeeze.compression import sensitivity
 from squeeze.compression.output import check_output_dir, foreign_entries, remove_owned
+from squeeze.compression.pipelines import plain
 from squeeze.compression.workarea import WORK_NAME
 from squeeze.errors import ConfigError, Interrupted
 from squeeze.format import swap
@@ -380,7 +381,7 @@ def test_unwritable_output_is_refused_before_any_work(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     monkeypatch.setattr(output_module, "_probe", read_only)
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(plain, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     result = compress(stories_dir, tmp_path / "out")
     assert result.exit_code == 2 and "read-only file system" in result.stderr and not (tmp_path / "out").exists()
     monkeypatch.setattr(calibrate_kv_module, "calibrate_kv", lambda *a, **k: pytest.fail("calibrated"))
@@ -443,7 +444,7 @@ def test_symlinked_artifact_is_updated_at_its_target(tmp_path, rtn_artifact, tin
 def test_seq_len_beyond_the_context_is_refused_before_any_work(
     tmp_path, stories_dir, rtn_artifact, tinystories_file, monkeypatch, seq_len
 ):
-    monkeypatch.setattr(pipeline, "fisher_information", lambda *a, **k: pytest.fail("computed the Fisher"))
+    monkeypatch.setattr(sensitivity, "fisher_information", lambda *a, **k: pytest.fail("computed the Fisher"))
     result = runner.invoke(
         app,
         [

@@ -249,9 +249,9 @@ def test_failed_overwrite_keeps_the_old_artifact(tmp_path, stories_dir, tinystor
 def test_not_enough_disk_is_checked_before_any_work(tmp_path, stories_dir, tinystories_file, monkeypatch):
     monkeypatch.setattr(preflight, "free_disk_bytes", lambda path: 1000)
     calls = []
-    import squeeze.compression.pipeline as pipeline
+    import squeeze.compression.pipelines.plain as plain
 
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(plain, "load_model", lambda *a, **k: calls.append(1))
     out = tmp_path / "out"
     assert_clean_refusal(compress_cli(stories_dir, out, calibration=tinystories_file), out, "not enough free disk")
     assert calls == []

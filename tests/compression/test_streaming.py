@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from squeeze import api
-from squeeze.compression import streaming
+from squeeze.compression import quantize, streaming
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.manifest import MANIFEST_NAME
@@ -101,7 +101,7 @@ def test_interrupted_bounded_run_resumes_to_identical_bytes(
     work = WorkArea(out)
     assert len(list((work.root / "fisher-groups").iterdir())) == 1 and not work.activations.exists()
     # ... then during quantization, after one group is committed
-    real_group = streaming._quantize_group
+    real_group = quantize.quantize_group
     calls: list[int] = []
 
     def die_on_second(job: Any, names: list[str]) -> Any:
@@ -110,10 +110,10 @@ def test_interrupted_bounded_run_resumes_to_identical_bytes(
             raise KeyboardInterrupt
         return real_group(job, names)
 
-    monkeypatch.setattr(streaming, "_quantize_group", die_on_second)
+    monkeypatch.setattr(quantize, "quantize_group", die_on_second)
     with pytest.raises(KeyboardInterrupt):
         compress_tiny(out, source=bf16_llama, max_memory=BUDGET)
-    monkeypatch.setattr(streaming, "_quantize_group", real_group)
+    monkeypatch.setattr(quantize, "quantize_group", real_group)
     assert work.committed_groups() == 1
     compress_tiny(out, source=bf16_llama, max_memory=BUDGET)
     _assert_same_artifact(out, reference)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-import squeeze.compression.pipeline as pipeline
+import squeeze.compression.pipelines.plain as plain
 import squeeze.compression.quantize as quantize
 from squeeze.cli.app import main
 from squeeze.errors import ModelError
@@ -21,7 +21,7 @@ from squeeze.errors import ModelError
 rank = os.environ.get("RANK", "0")
 if os.environ.get("SQUEEZE_TEST_DIE_RANK") == rank:
     after = int(os.environ.get("SQUEEZE_TEST_DIE_AFTER", "0"))
-    original = quantize._quantize_group
+    original = quantize.quantize_group
     started = []
 
     def dying(job, names):  # type: ignore[no-untyped-def]
@@ -30,14 +30,14 @@ if os.environ.get("SQUEEZE_TEST_DIE_RANK") == rank:
         started.append(names)
         return original(job, names)
 
-    quantize._quantize_group = dying  # type: ignore[assignment]
+    quantize.quantize_group = dying  # type: ignore[assignment]
 
 if os.environ.get("SQUEEZE_TEST_FAIL_LOAD_RANK") == rank:
 
     def failing(*_args, **_kwargs):  # type: ignore[no-untyped-def]
         raise ModelError(f"test: rank {rank} cannot load the model")
 
-    pipeline.load_model = failing  # type: ignore[assignment]
+    plain.load_model = failing  # type: ignore[assignment]
 
 sys.argv = [sys.argv[0], *(arg.replace("{rank}", rank) for arg in sys.argv[1:])]
 main()

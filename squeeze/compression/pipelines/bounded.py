@@ -1,0 +1,235 @@
+"""The bounded compress mode (``--max-memory``): one decoder block resident at a time.
+
+The model is built on the meta device and each block's weights are read from the source safetensors only
+while that block is in use (squeeze.models.lazy); the Fisher is computed block by block from the end
+backwards (squeeze.calibrate.blockwise) and committed per layer group; the quantize stage reads each group's
+weights and Fisher back, and the write stage takes every unquantized tensor straight from the source. Each
+number is computed by the same code as in the plain run, so the artifact is byte-identical to it. What a
+bounded run refuses and the peak it reaches are checked in preflight (squeeze.compression.streaming); a
+bits-per-weight plan is refused there, so this mode has no plan stage.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.calibrate.blockwise import Combine, blockwise_fisher
+from squeeze.calibrate.windows import calibration_windows
+from squeeze.compression import quantize
+from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact
+from squeeze.compression.distributed import owns_group
+from squeeze.compression.embeddings import embedding_targets
+from squeeze.compression.job import CompressJob, timed
+from squeeze.compression.pipelines.registry import Pipeline, register
+from squeeze.compression.publish import publish_stage
+from squeeze.compression.sensitivity import calibrate_stage
+from squeeze.errors import ResumeError
+from squeeze.models.experts import ExpertWeight
+from squeeze.models.lazy import LazyModel
+from squeeze.models.source import keep_dtype, load_tokenizer, source_dtype
+from squeeze.models.targets import target_at
+
+
+def load_stage(job: CompressJob) -> None:
+    """The model on the meta device (weights stay in the source), its tokenizer, targets and embeddings."""
+    lazy = LazyModel(job.source)
+    job.lazy, job.model = lazy, lazy.model
+    job.tokenizer = load_tokenizer(job.source)
+    job.targets = {name: target_at(lazy.model, name) for name in job.target_names}
+    job.embeddings = embedding_targets(lazy.model, job.embedding_names)
+    job.groups = quantize.layer_groups(lazy.model, {**job.targets, **job.embeddings})
+
+
+def sensitivity_stage(job: CompressJob) -> None:
+    """The Fisher of every group not yet quantized, block by block, each group committed as it is done;
+    skipped when every such group's Fisher (or quantized checkpoint) is already in the work area."""
+    if job.calibration is None:
+        return
+    if missing_fisher(job):
+        fisher_pass(job, window_share=(0, None), spill_dir=job.work.activations)
+    job.windows = None
+
+
+def missing_fisher(job: CompressJob) -> bool:
+    """Whether a group neither quantized nor with a committed Fisher is left (then the Fisher pass runs)."""
+    with timed(job.timings, "checkpoint"):
+        return any(
+            not job.work.has_group(index, names) and not job.work.has_fisher_group(index, names)
+            for index, names in enumerate(job.groups)
+        )
+
+
+def windows_of(job: CompressJob) -> torch.Tensor:
+    """The calibration windows (n, T): the calibrate stage's, or tokenized again (it skips them when a Fisher
+    checkpoint exists, which may since have proved unreadable)."""
+    calibration = job.calibration
+    assert calibration is not None  # the stages return first without one
+    return job.windows if job.windows is not None else calibration_windows(calibration, load_tokenizer(job.source))
+
+
+def fisher_pass(
+    job: CompressJob,
+    *,
+    window_share: tuple[int, int | None],
+    spill_dir: Path,
+    combine: Combine | None = None,
+    commit: bool = True,
+) -> None:
+    """blockwise_fisher over the calibration windows ``[start:stop)`` of ``window_share``, spilling into
+    ``spill_dir`` (removed after); each group's Fisher committed as it is done when ``commit`` (a torchrun
+    rank other than 0 only adds its share: ``combine``, see squeeze.calibrate.blockwise)."""
+    windows = windows_of(job)
+    start, stop = window_share
+    group_of = {name: index for index, names in enumerate(job.groups) for name in names}
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_group(part: dict[str, torch.Tensor]) -> None:
+        for name, tensor in part.items():
+            pending.setdefault(group_of[name], {})[name] = tensor
+        for index in [i for i, got in pending.items() if len(got) == len(job.groups[i])]:
+            group = pending.pop(index)
+            if commit:
+                with timed(job.timings, "checkpoint"):
+                    job.work.save_fisher_group(index, group)
+
+    progress = job.progress
+    report = (lambda done, total: progress("fisher", done, total)) if progress else None
+    lazy: LazyModel = job.lazy
+    try:
+        # linears, embeddings and expert parameters (an ExpertWeight's ``.weight`` is its 3-D parameter)
+        modules: dict[str, Any] = {**job.targets, **job.embeddings}
+        blockwise_fisher(
+            lazy.model,
+            windows[start:stop],
+            modules,
+            materialized=lazy.materialized,
+            spill_dir=spill_dir,
+            on_group=on_group,
+            progress=report,
+            combine=combine,
+        )
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    if pending:  # pragma: no cover - every group's targets are in one block (or are one embedding)
+        raise ValueError(f"the Fisher of group(s) {sorted(pending)} came back incomplete")
+
+
+def quantize_stage(job: CompressJob) -> None:
+    """Each group without a committed checkpoint: its weights read from the source, its Fisher from the work
+    area, quantized by quantize.py's own group function and committed."""
+    lazy: LazyModel = job.lazy
+    done = 0
+    for index, names in enumerate(job.groups):
+        if not owns_group(index, job.world):  # under torchrun another rank quantizes it (distributed.py)
+            continue
+        with timed(job.timings, "checkpoint"):
+            committed = job.work.has_group(index, names)
+        if not committed:
+            job.fisher = _group_fisher(job, index, names) if job.calibration is not None else {}
+            modules = [_module(job.targets[name] if name in job.targets else job.embeddings[name]) for name in names]
+            with lazy.materialized(*modules):
+                tensors, meta = quantize.quantize_group(job, names)
+            with timed(job.timings, "checkpoint"):
+                job.work.save_group(index, tensors, meta)
+            del tensors
+        done += len(names)
+        if job.progress:
+            job.progress("quantize", done, len(job.targets))
+    job.fisher = {}
+
+
+def _module(target: Any) -> nn.Module:
+    """The module whose parameters hold ``target``'s weight: itself, or an expert parameter's experts module
+    (materialized whole: its gpt-oss biases come with it)."""
+    return target.module if isinstance(target, ExpertWeight) else target
+
+
+def _group_fisher(job: CompressJob, index: int, names: list[str]) -> dict[str, torch.Tensor]:
+    with timed(job.timings, "checkpoint"):
+        fisher = job.work.load_fisher_group(index, names)
+    if fisher is None:  # removed or corrupted since the sensitivity stage: that stage must run again
+        raise ResumeError(
+            f"the Fisher checkpoint of layer group {index} in {job.work.root} is missing or unreadable",
+            hint="rerun the same command: the Fisher of the groups not yet quantized is computed again",
+        )
+    return fisher
+
+
+def write_stage(job: CompressJob) -> None:
+    """The artifact as the unbounded write stage builds it, with every unquantized tensor read from the source."""
+    staging = job.work.staging
+    if staging.exists():
+        shutil.rmtree(staging)
+    lazy: LazyModel = job.lazy
+    kept = keep_dtype(job.source, job.recipe.output.keep_dtype)
+    state = lazy.state()
+    job.original_bytes = sum(_state_numel(lazy, name, buf) * _itemsize(lazy, name, buf) for name, buf in state)
+    source = source_dtype(job.source)
+    job.source_bytes = sum(
+        _state_numel(lazy, name, buf) * (source.itemsize if _floating(lazy, name, buf) else _itemsize(lazy, name, buf))
+        for name, buf in state
+    )
+    write_artifact(job, staging, lazy.model, _tensors(job, state, kept), kept)
+
+
+def _tensors(
+    job: CompressJob, state: list[tuple[str, torch.Tensor | None]], kept: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """assemble.artifact_tensors over the source: every tensor not quantized read from the source (a buffer
+    the meta build made real, as it is) and cast to ``kept``."""
+    lazy: LazyModel = job.lazy
+    readers = (
+        (key, functools.partial(lazy.read_state, key) if buffer is None else tensor_reader(buffer))
+        for key, buffer in state
+    )
+    return artifact_tensors(job, readers, kept)
+
+
+def _param(lazy: LazyModel, name: str) -> torch.Tensor:
+    return lazy.model.get_parameter(name)
+
+
+def _state_numel(lazy: LazyModel, name: str, buffer: torch.Tensor | None) -> int:
+    return (_param(lazy, name) if buffer is None else buffer).numel()
+
+
+def _itemsize(lazy: LazyModel, name: str, buffer: torch.Tensor | None) -> int:
+    return (_param(lazy, name) if buffer is None else buffer).element_size()
+
+
+def _floating(lazy: LazyModel, name: str, buffer: torch.Tensor | None) -> bool:
+    return (_param(lazy, name) if buffer is None else buffer).is_floating_point()
+
+
+BOUNDED = register(
+    Pipeline(
+        "bounded",
+        (
+            ("calibrate", calibrate_stage),
+            ("load", load_stage),
+            ("sensitivity", sensitivity_stage),
+            ("quantize", quantize_stage),
+            ("write", write_stage),
+            ("seal", seal_stage),
+            ("publish", publish_stage),
+        ),
+    )
+)
+
+__all__ = [
+    "BOUNDED",
+    "fisher_pass",
+    "load_stage",
+    "missing_fisher",
+    "quantize_stage",
+    "sensitivity_stage",
+    "windows_of",
+    "write_stage",
+]

@@ -1,0 +1,97 @@
+"""The stages that read calibration text: ``calibrate`` (token windows) and ``sensitivity`` (the Fisher
+information of every target weight, and with error compensation the input Hessians, from one pass).
+
+Both run in the plain pipeline and, placed on every rank, in the data-parallel one (whose sensitivity stage
+splits the windows: pipelines/data_parallel.py); a bounded run has its own block-by-block sensitivity stage
+(pipelines/bounded.py). What the recipe needs is read from ``job.needs`` (job.py), never from the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from squeeze.calibrate.fisher import fisher_information
+from squeeze.calibrate.generated import sample_windows_from_model, start_token
+from squeeze.calibrate.hessian import input_hessians
+from squeeze.calibrate.windows import calibration_windows
+from squeeze.compression.job import CompressJob, timed
+from squeeze.models.source import load_tokenizer
+from squeeze.models.targets import linear_targets
+
+
+def calibrate_stage(job: CompressJob) -> None:
+    """Token windows (n, T) of the calibration text, unless the Fisher is already committed; before the
+    model loads, so a text too short fails fast."""
+    calibration = job.calibration
+    if calibration is not None and not job.work.has_fisher():
+        tokenizer = load_tokenizer(job.source)
+        job.windows = calibration_windows(calibration, tokenizer)
+        if job.recipe.weights.generated_samples and job.needs.hessians:
+            start_token(tokenizer)  # a tokenizer with nothing to start a sample from fails before the model loads
+
+
+def sensitivity_stage(job: CompressJob) -> None:
+    """The Fisher information of every target weight: read back from its checkpoint, or computed and committed."""
+    calibration = job.calibration
+    if calibration is None:
+        return
+    ec = job.needs.hessians
+    with timed(job.timings, "checkpoint"):
+        loaded = job.work.load_fisher([*job.targets, *job.embeddings])
+        hessians = job.work.load_hessians(list(linear_targets(job.targets))) if ec and loaded is not None else None
+    if loaded is not None and (hessians is not None or not ec):
+        job.fisher = loaded
+        job.hessians = hessians or {}
+    else:
+        if job.windows is None:  # the saved Fisher (or Hessians) was unreadable
+            job.windows = calibration_windows(calibration, load_tokenizer(job.source))
+        progress = job.progress
+        report = (lambda done, total: progress("fisher", done, total)) if progress else None
+        # the input Hessians (error compensation) accumulate by forward hooks during the Fisher pass itself
+        # (expert parameters have no input of their own: no Hessian, they are quantized without compensation)
+        with input_hessians(linear_targets(job.targets) if ec else {}) as accumulated:
+            job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
+                job.loaded_model(), job.windows, fisher_modules(job), progress=report
+            )
+            if _samples_for_hessians(job):
+                _sample_for_hessians(job, calibration.seq_len)  # the same hooks add the sampled tokens' inputs
+        job.hessians = accumulated.result() if ec else {}
+        with timed(job.timings, "checkpoint"):
+            if ec:  # first: a committed Fisher without its Hessians is recomputed, never half trusted
+                job.work.save_hessians(job.hessians)
+            job.work.save_fisher(job.fisher)
+    job.windows = None
+
+
+def fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:
+    """Every weight whose Fisher is accumulated: targets and embeddings. An ExpertWeight exposes its 3-D
+    parameter as ``.weight``, all fisher_information reads, so its Fisher comes shaped like the parameter."""
+    modules: dict[str, Any] = {**job.targets, **job.embeddings}
+    return modules
+
+
+def _samples_for_hessians(job: CompressJob) -> bool:
+    """Whether the model samples text for the Hessians: weights.generated_samples with error compensation and
+    at least one linear to compensate (expert parameters have no Hessian)."""
+    return bool(job.recipe.weights.generated_samples and job.needs.hessians and linear_targets(job.targets))
+
+
+def _sample_for_hessians(job: CompressJob, seq_len: int) -> None:
+    """Run the model on ``weights.generated_samples`` sequences it samples itself (seeded by the job's seed),
+    inside the caller's input_hessians context: their tokens' inputs join the calibration text's."""
+    progress = job.progress
+    report = (lambda done, total: progress("generate", done, total)) if progress else None
+    with timed(job.timings, "generate"):
+        sample_windows_from_model(
+            job.loaded_model(),
+            job.recipe.weights.generated_samples,
+            seq_len,
+            start=start_token(job.tokenizer),
+            seed=job.seed,
+            progress=report,
+        )
+
+
+__all__ = ["calibrate_stage", "fisher_modules", "sensitivity_stage"]
