@@ -198,6 +198,7 @@ def compress(
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     max_memory: int | str | None = None,
+    device: str | None = None,
 ) -> CompressResult:
     """Compress a causal LM with SqueezeLLM (or RTN) into a sealed artifact directory.
 
@@ -229,6 +230,13 @@ def compress(
     streaming the model block by block from the source safetensors; the shards are byte-identical to an
     unbounded run. A budget that cannot hold one block and its activations is refused in preflight
     (ResourceError naming the minimum).
+
+    ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``): the model stays on the host (or is read lazily, with
+    ``max_memory``) and each decoder block is moved there for its Fisher forward and backward and its k-means,
+    then comes back quantized. Checked before any work (ConfigError: no CUDA, an index past the last GPU, an
+    error-compensation recipe, torchrun). ``"cpu"`` gives the bytes of a run without ``device``; on a GPU the
+    Fisher and the k-means agree with the CPU run within float tolerance (GPU reductions), while everything
+    computed on the host (unquantized tensors, calibration windows, rotary tables) is the same bits.
     """
     from squeeze.compression.pipeline import needs_calibration, run_compress
 
@@ -254,6 +262,7 @@ def compress(
         force=force,
         progress=progress,
         max_memory=None if max_memory is None else parse_size(max_memory),
+        device=device,
     )
 
 

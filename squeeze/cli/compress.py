@@ -31,7 +31,7 @@ RECIPE_KEYS = {
 #: The options that override the calibration spec.
 CALIBRATION_KEYS = ("num_samples", "seq_len")
 #: The options a resumed run repeats (everything that shapes the artifact), in the order its command lists them.
-RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory")
+RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory", "device")
 STAGE_LABELS = {
     "fisher": "Fisher sensitivity (windows)",
     "generate": "Sampling text for the Hessians (steps)",
@@ -146,6 +146,14 @@ Restart = Annotated[
 Force = Annotated[
     bool, typer.Option("--force", help="Run even when the estimated peak memory or disk exceeds what is available.")
 ]
+Device = Annotated[
+    Optional[str],
+    typer.Option(
+        "--device",
+        help="Compute on cuda, cuda:N or cpu: the model stays on the host and each block moves there for its Fisher "
+        "and k-means (no error-compensation recipes yet).",
+    ),
+]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary to stdout.")]
 MaxMemory = Annotated[
     Optional[str],
@@ -182,6 +190,7 @@ def compress(
     restart: Restart = False,
     force: Force = False,
     max_memory: MaxMemory = None,
+    device: Device = None,
     json_out: JsonOut = False,
 ) -> None:
     """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact.
@@ -209,6 +218,7 @@ def compress(
                     calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
                     progress=progress,
                     max_memory=max_memory,
+                    device=device,
                 )
         except Interrupted as exc:
             flags = {f"--{name.replace('_', '-')}": options[name] for name in RESUME_OPTIONS}

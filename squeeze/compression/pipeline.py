@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from squeeze.calibrate.blockwise import blockwise_fisher, model_parts
 from squeeze.calibrate.fisher import finish_sums, fisher_information, fisher_sums, new_sums
 from squeeze.calibrate.generated import sample_windows_from_model, start_token
 from squeeze.calibrate.hessian import hessian_bytes_bound, input_hessians
@@ -55,6 +56,8 @@ from squeeze.compression.preflight import (
     SizeEstimate,
     check_budget,
     check_context_length,
+    check_device,
+    check_device_options,
     check_disk,
     check_memory,
     estimate_peak_memory,
@@ -98,9 +101,11 @@ def run_compress(
     force: bool = False,
     progress: StageProgress | None = None,
     max_memory: int | None = None,
+    device: str | torch.device | None = None,
 ) -> CompressResult:
     """Compress ``model`` with ``recipe`` into the artifact directory ``output``. See squeeze.api.compress."""
     started = time.perf_counter()
+    compute = check_device(device)  # --device: a malformed spec, no CUDA, an index past the last GPU
     output = output_path(output)  # absolute; `current -> v3` means v3; a path too long for the work area is refused
     if resume and restart:
         raise ConfigError("--resume and --restart contradict each other", hint="pass at most one of them")
@@ -109,6 +114,7 @@ def run_compress(
     work = WorkArea(output)
     world = world_from_env()  # one process, or this rank of a torchrun world (distributed.py)
     check_world_options(world, error_compensation=uses_hessians(recipe), max_memory=max_memory)
+    check_device_options(compute, error_compensation=uses_hessians(recipe), ranks=world.size)
     job = CompressJob(
         source=source,
         recipe=recipe,
@@ -122,6 +128,7 @@ def run_compress(
         started=started,
         max_memory=max_memory,
         world=world,
+        device=compute,
     )
     created_output = not output.exists()
     created_work = False
@@ -223,6 +230,8 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
         check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
+        if job.device is not None:  # the Fisher runs block by block on the device (blockwise.py)
+            model_parts(skeleton, option="--device")
     job.target_names = tuple(targets)
     job.embedding_names = embedding_names(skeleton, job.recipe, targets)  # weights.embedding_bits
     return estimate
@@ -340,9 +349,7 @@ def sensitivity_stage(job: CompressJob) -> None:
         # the input Hessians (error compensation) accumulate by forward hooks during the Fisher pass itself
         # (expert parameters have no input of their own: no Hessian, they are quantized without compensation)
         with input_hessians(linear_targets(job.targets) if ec else {}) as accumulated:
-            job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
-                job.loaded_model(), job.windows, _fisher_modules(job), progress=report
-            )
+            job.fisher = _fisher(job, job.windows, report)  # the embeddings' gradients too, when quantized
             if _samples_for_hessians(job):
                 _sample_for_hessians(job, calibration.seq_len)  # the same hooks add the sampled tokens' inputs
         job.hessians = accumulated.result() if ec else {}
@@ -351,6 +358,14 @@ def sensitivity_stage(job: CompressJob) -> None:
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
+
+
+def _fisher(job: CompressJob, windows: torch.Tensor, report: Any) -> dict[str, torch.Tensor]:
+    """The Fisher of every target and quantized embedding: on the whole model at once on the host, or with
+    ``--device`` block by block on the device (the same windows, each block moved there and back)."""
+    if job.device is None:
+        return fisher_information(job.loaded_model(), windows, _fisher_modules(job), progress=report)
+    return blockwise_fisher(job.loaded_model(), windows, _fisher_modules(job), progress=report, device=job.device)
 
 
 def _samples_for_hessians(job: CompressJob) -> bool:

@@ -181,6 +181,7 @@ def sensitivity_stage(job: CompressJob) -> None:
             spill_dir=job.work.activations,
             on_group=commit,
             progress=report,
+            device=job.device,  # --device: each block moved there for its recomputation and backward
         )
     finally:
         shutil.rmtree(job.work.activations, ignore_errors=True)
