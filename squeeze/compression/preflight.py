@@ -217,10 +217,9 @@ def _size(n: int) -> str:
     return f"{n}B"
 
 
-def check_device(spec: str | torch.device | None) -> torch.device | None:
-    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` as a torch.device (None: no device, the host run), checked
-    against this machine before any work: ConfigError for another spelling, CUDA absent, or an index past the
-    last GPU. ``cuda`` alone means the current CUDA device (index included in the result)."""
+def parse_device(spec: str | torch.device | None) -> torch.device | None:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch.device, by its spelling alone (a plan is made away from the
+    GPUs); None for None. ConfigError for anything else."""
     if spec is None:
         return None
     text = str(spec).strip().lower()
@@ -232,6 +231,17 @@ def check_device(spec: str | torch.device | None) -> torch.device | None:
         )
     if kind == "cpu":
         return torch.device("cpu")
+    return torch.device("cuda", int(index)) if colon else torch.device("cuda")
+
+
+def check_device(spec: str | torch.device | None) -> torch.device | None:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` as a torch.device (None: no device, the host run), checked
+    against this machine before any work: ConfigError for another spelling, CUDA absent, or an index past the
+    last GPU. ``cuda`` alone means the current CUDA device (index included in the result)."""
+    parsed = parse_device(spec)
+    if parsed is None or parsed.type == "cpu":
+        return parsed
+    text = str(spec).strip().lower()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise ConfigError(
@@ -239,7 +249,7 @@ def check_device(spec: str | torch.device | None) -> torch.device | None:
             f"CUDA build {torch.version.cuda or 'none'})",
             hint="drop --device to compress on the CPU, or install a CUDA build of torch on a machine with a GPU",
         )
-    number = int(index) if index else torch.cuda.current_device()
+    number = parsed.index if parsed.index is not None else torch.cuda.current_device()
     if number >= count:
         raise ConfigError(
             f"--device {text}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}",
@@ -292,4 +302,5 @@ __all__ = [
     "check_budget",
     "check_device",
     "check_device_options",
+    "parse_device",
 ]
