@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
 
     from squeeze.compression.calibrate_kv import CalibrateKVResult
     from squeeze.compression.pipeline import CompressResult as CompressResult
+    from squeeze.compression.plan import CompressPlan as CompressPlan
     from squeeze.distribution.pull import PullResult
     from squeeze.distribution.push import PushResult
     from squeeze.eval.compare import EvalResult
@@ -209,6 +210,7 @@ def compress(
     calibration_overrides: Mapping[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     max_memory: int | str | None = None,
+    device: str | None = None,
 ) -> CompressResult:
     """Compress a causal LM with SqueezeLLM (or RTN) into a sealed artifact directory.
 
@@ -240,6 +242,13 @@ def compress(
     streaming the model block by block from the source safetensors; the shards are byte-identical to an
     unbounded run. A budget that cannot hold one block and its activations is refused in preflight
     (ResourceError naming the minimum).
+
+    ``device`` (``"cuda"``, ``"cuda:N"``, ``"cpu"``): the model stays on the host (or is read lazily, with
+    ``max_memory``) and each decoder block is moved there for its Fisher forward and backward and its k-means,
+    then comes back quantized. Checked before any work (ConfigError: no CUDA, an index past the last GPU, an
+    error-compensation recipe, torchrun). ``"cpu"`` gives the bytes of a run without ``device``; on a GPU the
+    Fisher and the k-means agree with the CPU run within float tolerance (GPU reductions), while everything
+    computed on the host (unquantized tensors, calibration windows, rotary tables) is the same bits.
     """
     from squeeze.compression.job import needs_calibration
     from squeeze.compression.pipeline import run_compress
@@ -266,6 +275,51 @@ def compress(
         force=force,
         progress=progress,
         max_memory=None if max_memory is None else parse_size(max_memory),
+        device=device,
+    )
+
+
+def plan_compress(
+    model: str,
+    recipe: str | os.PathLike[str] | Recipe = "w4",
+    calibration: str | os.PathLike[str] | CalibrationSpec | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    calibration_overrides: Mapping[str, Any] | None = None,
+    max_memory: int | str | None = None,
+    device: str | None = None,
+    ranks: int | None = None,
+) -> CompressPlan:
+    """What :func:`compress` with these arguments will need, from the model's config.json alone (no weights are
+    read; a directory holding only config.json will do): per rank, peak host memory (and GPU memory with
+    ``device="cuda"``), the work area's disk, and seconds per stage from the per-unit rates measured on the
+    machine plan_rates.json names (None where no rate was measured, e.g. on a GPU). ``ranks``: torchrun
+    processes (default: this world's size). Calibration windows: the spec's (``calibration`` and its overrides),
+    else ``num_samples`` / ``seq_len`` from ``calibration_overrides``, else 32 x 512. Raises what the run would
+    raise for a model it cannot compress (ModelError / ConfigError naming what is missing)."""
+    from squeeze.compression.pipeline import needs_calibration
+    from squeeze.compression.plan import plan_compress as plan
+
+    resolved = recipe if isinstance(recipe, Recipe) else load_recipe(os.fspath(recipe), **dict(overrides or {}))
+    given = {key: value for key, value in dict(calibration_overrides or {}).items() if value is not None}
+    num_samples: int | None = None
+    seq_len: int | None = None
+    if needs_calibration(resolved):
+        if isinstance(calibration, CalibrationSpec):
+            spec = calibration
+        elif calibration is not None:
+            spec = load_calibration_spec(os.fspath(calibration), **given)
+        else:
+            spec = CalibrationSpec(name="plan", source="text", path="plan.txt", **given)
+        num_samples, seq_len = spec.num_samples, spec.seq_len
+    return plan(
+        model,
+        resolved,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        max_memory=None if max_memory is None else parse_size(max_memory),
+        device=device,
+        ranks=ranks if ranks is not None else compress_world()[1],
     )
 
 
@@ -735,6 +789,7 @@ __all__ = [
     "check_signing_options",
     "inspect",
     "compress",
+    "plan_compress",
     "calibrate_kv",
     "evaluate",
     "load",

@@ -14,7 +14,11 @@ triton and transformers; run from the repo root with PYTHONPATH=. or through scr
    and the speed-up over the bfloat16 dense F.linear of the same shape (timed the same way).
 5. decode: greedy decode tokens/s of a random-weight ~1B Llama (built from a config) in bfloat16, then with
    every linear of its blocks replaced by a random 4-bit SqueezeLinear on the Triton path.
-6. sweeps (while time is left): GEMV and GEMM tilings, to tune squeeze/runtime/kernels/configs.py.
+6. compress (scripts/device/gpu_check_compress.py): ``squeeze compress --device cuda`` vs the CPU run of the same w4
+   and rtn-w4 jobs on a SmolLM2-shaped model: wall and stage seconds, which stages are the same bytes (RTN and
+   every unquantized tensor: promised) and how far the Fisher and the LUT codes are (float tolerance), and the
+   per-unit rates for squeeze/compression/plan_rates.json.
+7. sweeps (while time is left): GEMV and GEMM tilings, to tune squeeze/runtime/kernels/configs.py.
 
 Prints a table last and writes gpu_check.json + gpu_check.md to $OUT (if set) or --out.
 
@@ -51,6 +55,9 @@ from squeeze.quant.schemes import LutWeight  # noqa: E402
 from squeeze.quant.sparse import SparseCSR  # noqa: E402
 from squeeze.runtime.kernels import GemmConfig, GemvConfig, lut_linear, prepare, triton_available  # noqa: E402
 from squeeze.runtime.kernels.layout import PreparedLut  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_compress import section_compress  # noqa: E402
 
 SPARSE = 0.0045
 
@@ -845,14 +852,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU tensors under TRITON_INTERPRET=1")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel variant for sm_90; no GPU")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip what no longer fits after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=460.0, help="skip what no longer fits after this many seconds")
     ap.add_argument(
         "--workers",
         type=int,
         default=min(8, os.cpu_count() or 1),
         help="processes that compile the run's kernels ahead (0: compile on first use)",
     )
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: timing,decode,sweeps")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: timing,decode,compress,sweeps")
+    ap.add_argument("--compress-model", default=None, help="compress section: a real checkpoint dir to use")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_check.json/.md (default $OUT)")
     args = ap.parse_args()
     rep = Report(args.budget_s)
@@ -880,6 +888,9 @@ def main() -> int:
             rep.run("timing", lambda: section_timing(rep, device, plan, state["copy"], l2), min_left_s=120)
         if "decode" not in skip:
             rep.run("decode", lambda: section_decode(rep, device, plan, args.dry_run), min_left_s=90)
+        if "compress" not in skip:
+            run_compress = lambda: section_compress(rep, device, args.dry_run, args.compress_model)  # noqa: E731
+            rep.run("compress", run_compress, min_left_s=150)
         if "sweeps" not in skip:
             rep.run("sweeps", lambda: section_sweeps(rep, device, plan, state["copy"], l2), min_left_s=60)
     md = rep.markdown()

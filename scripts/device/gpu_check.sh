@@ -3,7 +3,7 @@
 # kernel time vs the copy-bandwidth floor and vs bf16, decode tokens/s of a random ~1B Llama.
 # For a machine with one CUDA GPU and no network: installs nothing (needs torch, triton, transformers).
 # Prints a table last; writes gpu_check.json and gpu_check.md to $OUT when it is set.
-#   bash scripts/device/gpu_check.sh                  # the full check (budget --budget-s, default 420 s)
+#   bash scripts/device/gpu_check.sh                  # the full check (budget --budget-s, default 460 s)
 #   bash scripts/device/gpu_check.sh --dry-run        # tiny shapes on CPU tensors under TRITON_INTERPRET=1
 #   bash scripts/device/gpu_check.sh --compile-only   # compile every kernel variant for sm_90, no GPU needed
 # Exit status: 0 all checks passed, 1 a check failed or a section broke, 2 nothing could run.

@@ -19,7 +19,14 @@ weights and one block's autograd graph are alive at a time:
    autograd sums them on the whole model).
 
 Each group's Fisher (one block's targets, or an embedding) is handed to ``on_group`` as soon as its windows are
-done, so a caller can commit it and free its accumulators. Supported: models whose ``get_decoder()`` has
+done, so a caller can commit it and free its accumulators.
+
+``device`` (``--device cuda``): the model stays where it is (host memory, or the meta device of a lazily read
+model); each step moves only the modules it runs to the device (squeeze.models.placement) and back, the
+block-boundary tensors are kept on the host between steps, the accumulators live on the device and each
+group's finished Fisher comes back to the host. The prologue (embedding, rotary tables, masks) runs on the host,
+so every block gets the same keyword inputs as a host run. With ``device="cpu"`` nothing moves: the same bits as
+no device. Supported: models whose ``get_decoder()`` has
 ``layers`` (the blocks) and ``norm`` (the final norm), and whose logits are ``lm_head(norm(h))``.
 """
 
@@ -45,6 +52,7 @@ from squeeze.calibrate.fisher import (
 from squeeze.errors import ConfigError
 from squeeze.models.experts import ExpertWeight
 from squeeze.models.modes import eval_mode
+from squeeze.models.placement import on_device, to_device
 
 #: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
 Materializer = Callable[..., contextlib.AbstractContextManager[None]]
@@ -64,9 +72,25 @@ def _resident(*_modules: nn.Module) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-def model_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
+def _placed(materialize: Materializer, device: torch.device | None) -> Materializer:
+    """``materialize`` followed by a move of the same modules to ``device`` (None: no move)."""
+    if device is None:
+        return materialize
+
+    @contextlib.contextmanager
+    def place(*modules: nn.Module) -> Iterator[None]:
+        with materialize(*modules), on_device(device, *modules):
+            yield
+
+    return place
+
+
+def model_parts(
+    model: nn.Module, option: str = "--max-memory"
+) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
     """``(input embedding, decoder blocks, final norm, LM head)`` of a causal LM; ConfigError if it has
-    another shape (or post-processes its logits), which the block-by-block Fisher cannot reproduce."""
+    another shape (or post-processes its logits), which the block-by-block Fisher cannot reproduce. ``option``:
+    the command-line option the message names (``--max-memory`` or ``--device``)."""
     arch = type(model).__name__
     get_decoder = getattr(model, "get_decoder", None)
     base = get_decoder() if callable(get_decoder) else None
@@ -79,43 +103,46 @@ def model_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, 
     scaled = any(getattr(config, key, None) not in (None, 1, 1.0) for key in ("final_logit_softcapping", "logit_scale"))
     if not isinstance(blocks, nn.ModuleList) or not isinstance(norm, nn.Module) or not isinstance(head, nn.Linear):
         raise ConfigError(
-            f"--max-memory streams decoder blocks of models shaped like Llama (model.layers, model.norm, lm_head); "
+            f"{option} streams decoder blocks of models shaped like Llama (model.layers, model.norm, lm_head); "
             f"{arch} is not",
-            hint="drop --max-memory for this model",
+            hint=f"drop {option} for this model",
         )
     if scaled or not isinstance(embed, nn.Module):
         raise ConfigError(
-            f"--max-memory cannot stream {arch}: its logits are not lm_head(norm(hidden))",
-            hint="drop --max-memory for this model",
+            f"{option} cannot stream {arch}: its logits are not lm_head(norm(hidden))",
+            hint=f"drop {option} for this model",
         )
     return embed, blocks, norm, head
 
 
 class _Store:
-    """Per-window tensors at block boundaries (hidden states, carried gradients), by key: in memory, or
-    spilled to ``directory`` as one fp32 safetensors file each, so one window's worth is resident at a time."""
+    """Per-window tensors at block boundaries (hidden states, carried gradients), by key: in host memory, or
+    spilled to ``directory`` as one fp32 safetensors file each, so one window's worth is resident at a time.
+    ``device``: where :meth:`get` / :meth:`take` return them (None: where they were put)."""
 
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path | None, device: torch.device | None = None) -> None:
         self.directory = directory
+        self.device = device
         self.memory: dict[str, torch.Tensor] = {}
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
+        if self.device is not None:  # off the device between steps: its memory holds one block's work
+            tensor = tensor.cpu()
         if self.directory is None:
             self.memory[key] = tensor
         else:
             save_file({"t": tensor.contiguous()}, str(self._path(key)))
 
     def get(self, key: str) -> torch.Tensor:
-        if self.directory is None:
-            return self.memory[key]
-        return load_file(str(self._path(key)))["t"]
+        tensor = self.memory[key] if self.directory is None else load_file(str(self._path(key)))["t"]
+        return to_device(tensor, self.device)
 
     def take(self, key: str) -> torch.Tensor:
         """The tensor under ``key``, forgotten here (a spilled file is removed)."""
         if self.directory is None:
-            return self.memory.pop(key)
+            return to_device(self.memory.pop(key), self.device)
         tensor = self.get(key)
         self._path(key).unlink()
         return tensor
@@ -134,6 +161,7 @@ def blockwise_fisher(
     on_group: GroupSink | None = None,
     progress: Progress | None = None,
     combine: Combine | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """The Fisher of ``modules``' weights (an ExpertWeight's: its 3-D parameter) over int64 ``windows (n, T)``,
     block by block (batch 1, as fisher_information's default). ``model`` may live on the meta device:
@@ -144,31 +172,41 @@ def blockwise_fisher(
     Fisher as it is done. ``spill_dir``: keep the per-window hidden states and carried gradients (T x hidden
     fp32 each; all blocks' inputs are kept until their backward) in files there instead of in memory, each
     removed once read for the last time. ``progress(done, total)`` counts blocks. ``combine``: see
-    :data:`Combine`. Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
+    :data:`Combine`. ``device``: run each step there (see the module docstring); the returned (or sunk)
+    Fisher is on the host either way. Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
     """
-    materialize = materialized or _resident
+    host_materialize = materialized or _resident
+    materialize = _placed(host_materialize, device)
     embed, blocks, norm, head = model_parts(model)
     n_blocks, n_windows = len(blocks), windows.shape[0]
     owners = _owners(model, modules, embed, blocks, head)
-    store = _Store(spill_dir)
+    store = _Store(spill_dir, device)
     done: dict[str, torch.Tensor] = {}
-    sink = _rounding_sink(on_group or done.update, combine)
+    host_sink = on_group or done.update
+
+    def on_host(part: dict[str, torch.Tensor]) -> None:
+        host_sink({name: tensor.cpu() for name, tensor in part.items()})  # cpu(): the same tensor on the host
+
+    sink = _rounding_sink(on_host, combine)
     total = n_blocks + 2
     tied = _tied(embed, head)
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
     head_targets = [name for name, owner in owners.items() if owner == "head"]
     with torch.inference_mode(False), eval_mode(model), _frozen(model):
-        kwargs = _prologue(model, windows, embed, blocks, norm, materialize, store, bool(embed_targets))
+        # on the host: the keyword inputs (rotary tables, masks) are the host run's, moved per block below
+        kwargs = _prologue(model, windows, embed, blocks, norm, host_materialize, store, bool(embed_targets))
+        ids = to_device(windows, device)
         # -- forward, block by block: block i's input per window (h{i}-{w}) kept for its recomputation
         for i, block in enumerate(blocks):
             with materialize(block), torch.no_grad():
                 for w in range(n_windows):
-                    store.put(f"h{i + 1}-{w}", _block_out(block(store.get(f"h{i}-{w}"), **kwargs[i][w])))
+                    kw = to_device(kwargs[i][w], device)
+                    store.put(f"h{i + 1}-{w}", _block_out(block(store.get(f"h{i}-{w}"), **kw)))
         # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher); with a quantized tied
         # embedding the last outputs stay: the head's share of that weight is recomputed with the embedding's
         with materialize(norm, head):
             head_weights = {n: modules[n] for n in head_targets}
-            _head_grads(windows, store, n_blocks, norm, head, head_weights, sink, keep=tied and bool(embed_targets))
+            _head_grads(ids, store, n_blocks, norm, head, head_weights, sink, keep=tied and bool(embed_targets))
         if progress:
             progress(1, total)
         # -- blocks from the end backwards
@@ -176,7 +214,8 @@ def blockwise_fisher(
             names = [name for name, owner in owners.items() if owner == i]
             need_input = i > 0 or bool(embed_targets)
             with materialize(blocks[i]):
-                _block_backward(blocks[i], i, store, kwargs[i], {n: modules[n] for n in names}, need_input, sink)
+                kw = to_device(kwargs[i], device)
+                _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
             kwargs[i] = []
             if progress:
                 progress(n_blocks - i + 1, total)
@@ -184,7 +223,7 @@ def blockwise_fisher(
         if embed_targets:
             with materialize(embed, norm, head):
                 embed_weights = {n: modules[n] for n in embed_targets}
-                _embedding_backward(windows, store, n_blocks, embed, norm, head, tied, embed_weights, sink)
+                _embedding_backward(ids, store, n_blocks, embed, norm, head, tied, embed_weights, sink)
         if progress:
             progress(total, total)
     return done
@@ -383,7 +422,7 @@ def _embedding_backward(
             outputs, seeds = [embed(ids)], [store.take(f"g0-{w}")]
             if tied:  # the LM head uses the same weight: one backward sums both gradients, as on the whole model
                 outputs.append(_loss(norm, head, store.take(f"h{n_blocks}-{w}"), ids))
-                seeds.append(torch.ones(()))
+                seeds.append(torch.ones((), device=outputs[-1].device))
             torch.autograd.backward(outputs, seeds, inputs=list(weights.values()))
     sink(sums)
 

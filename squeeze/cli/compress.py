@@ -31,7 +31,7 @@ RECIPE_KEYS = {
 #: The options that override the calibration spec.
 CALIBRATION_KEYS = ("num_samples", "seq_len")
 #: The options a resumed run repeats (everything that shapes the artifact), in the order its command lists them.
-RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory")
+RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory", "device")
 STAGE_LABELS = {
     "fisher": "Fisher sensitivity (windows)",
     "generate": "Sampling text for the Hessians (steps)",
@@ -146,6 +146,26 @@ Restart = Annotated[
 Force = Annotated[
     bool, typer.Option("--force", help="Run even when the estimated peak memory or disk exceeds what is available.")
 ]
+Device = Annotated[
+    Optional[str],
+    typer.Option(
+        "--device",
+        help="Compute on cuda, cuda:N or cpu: the model stays on the host and each block moves there for its Fisher "
+        "and k-means (no error-compensation recipes yet).",
+    ),
+]
+PlanOpt = Annotated[
+    bool,
+    typer.Option(
+        "--plan",
+        help="Print what the run will need (peak host / GPU memory and work-area disk per rank, seconds per stage) "
+        "from config.json alone, and exit: no weights are read, nothing is written.",
+    ),
+]
+Ranks = Annotated[
+    Optional[int],
+    typer.Option("--ranks", min=1, help="With --plan: torchrun processes to plan for (default: this world's size)."),
+]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print only a JSON summary to stdout.")]
 MaxMemory = Annotated[
     Optional[str],
@@ -182,6 +202,9 @@ def compress(
     restart: Restart = False,
     force: Force = False,
     max_memory: MaxMemory = None,
+    device: Device = None,
+    plan: PlanOpt = False,
+    ranks: Ranks = None,
     json_out: JsonOut = False,
 ) -> None:
     """Compress a causal LM: calibrate, weigh by Fisher sensitivity, quantize, write a sealed artifact.
@@ -191,6 +214,9 @@ def compress(
     """
     options = ctx.params  # every parameter by name, as parsed
     overrides = {key: options[name] for name, key in RECIPE_KEYS.items()}
+    if plan:
+        _plan(model, recipe, calibration, options, overrides, json_out=json_out)
+        return
     with cli_errors():
         target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
         try:
@@ -209,6 +235,7 @@ def compress(
                     calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
                     progress=progress,
                     max_memory=max_memory,
+                    device=device,
                 )
         except Interrupted as exc:
             flags = {f"--{name.replace('_', '-')}": options[name] for name in RESUME_OPTIONS}
@@ -221,6 +248,61 @@ def compress(
         print_json(result.to_dict())
         return
     _print_summary(result)
+
+
+def _plan(
+    model: str, recipe: str, calibration: str | None, options: dict[str, Any], overrides: dict[str, Any], json_out: bool
+) -> None:
+    """``--plan``: the run's needs from the config alone, as a table (or JSON); nothing is read or written."""
+    with cli_errors():
+        result = api.plan_compress(
+            model,
+            recipe,
+            calibration,
+            overrides=overrides,
+            calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
+            max_memory=options["max_memory"],
+            device=options["device"],
+            ranks=options["ranks"],
+        )
+    if json_out:
+        print_json(result.to_dict())
+        return
+    _print_plan(result)
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:,.2f} GB"
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s:,.0f} s"
+
+
+def _print_plan(plan: api.CompressPlan) -> None:
+    """The plan as a header, one line per rank (memory, work, seconds per stage) and the notes (stdout)."""
+    windows = f"{plan.num_samples} x {plan.seq_len} tokens" if plan.seq_len else "no calibration"
+    out_console.print(
+        f"plan for {plan.model}, recipe {plan.recipe}: {plan.parameters / 1e9:,.3f} B parameters "
+        f"({plan.active_parameters / 1e9:,.3f} B per token), {plan.quantized_weights / 1e9:,.3f} B quantized; "
+        f"artifact {_gb(plan.artifact_bytes)}, work area {_gb(plan.work_disk_bytes)} at its peak; {windows}; "
+        f"device {plan.device or 'host'}; --max-memory {_gb(plan.max_memory)}"
+    )
+    for rank in plan.ranks:
+        gpu = f", GPU {_gb(rank.gpu_peak_bytes)}" if rank.gpu_peak_bytes is not None else ""
+        stages = ", ".join(f"{name} {_seconds(seconds)}" for name, seconds in rank.seconds.items())
+        out_console.print(
+            f"rank {rank.rank}: peak host {_gb(rank.host_peak_bytes)}{gpu}; {rank.windows} windows, "
+            f"{rank.layer_groups} layer groups; {stages}; total {_seconds(rank.total_seconds)}"
+        )
+    rates = plan.rates
+    out_console.print(
+        f"rates: {rates.machine} ({rates.measured})" if rates else "rates: none measured for this device: no times"
+    )
+    for note in plan.notes:
+        out_console.print(f"[yellow]note:[/] {note}")
 
 
 def _resume_hint(model: str, flags: dict[str, Any], *, overwrite: bool, resumable: bool) -> str:

@@ -100,6 +100,8 @@ class CompressResult:
     #: --max-memory: the budget and preflight's estimate of the bounded run's peak resident bytes (0: unbounded)
     max_memory: int = 0
     peak_estimate_bytes: int = 0
+    #: --device: where the blocks were computed ("cuda:0", "cpu"); "" for the host run without a device
+    device: str = ""
     #: a MoE model: the (layer, expert) pairs quantized, and those the calibration never routed to (zero
     #: Fisher; quantized with uniform weights); both 0 for a dense model, unrouted 0 without calibration
     experts: int = 0
@@ -125,6 +127,7 @@ class CompressResult:
                 if self.max_memory
                 else {}
             ),
+            **({"device": self.device} if self.device else {}),
             **({"experts": self.experts, "unrouted_experts": self.unrouted_experts} if self.experts else {}),
         }
 
@@ -152,6 +155,9 @@ class CompressJob:
     max_memory: int | None = None
     #: preflight (--max-memory): the estimated peak resident bytes of the bounded run
     peak_estimate: int = 0
+    #: ``--device``: the device each block is moved to for its Fisher and its quantization (the model stays on
+    #: the host, or is read lazily); None: everything on the host, as before. Checked in preflight.check_device.
+    device: torch.device | None = None
     #: this process's rank under torchrun (distributed.py); one process: rank 0 of 1
     world: World = SINGLE
     #: what the recipe's format needs (Fisher, Hessians, calibration): from ``recipe`` when the job is built
@@ -207,6 +213,7 @@ class CompressJob:
             plan=plan,
             max_memory=self.max_memory or 0,
             peak_estimate_bytes=self.peak_estimate,
+            device=str(self.device) if self.device is not None else "",
         )
 
 

@@ -17,6 +17,9 @@ import contextlib
 import os
 import time
 
+import torch
+
+from squeeze.calibrate.blockwise import model_parts
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression import streaming
 from squeeze.compression.distributed import (
@@ -40,6 +43,8 @@ from squeeze.compression.preflight import (
     SizeEstimate,
     check_budget,
     check_context_length,
+    check_device,
+    check_device_options,
     check_disk,
     check_memory,
     estimate_peak_memory,
@@ -68,9 +73,11 @@ def run_compress(
     force: bool = False,
     progress: StageProgress | None = None,
     max_memory: int | None = None,
+    device: str | torch.device | None = None,
 ) -> CompressResult:
     """Compress ``model`` with ``recipe`` into the artifact directory ``output``. See squeeze.api.compress."""
     started = time.perf_counter()
+    compute = check_device(device)  # --device: a malformed spec, no CUDA, an index past the last GPU
     output = output_path(output)  # absolute; `current -> v3` means v3; a path too long for the work area is refused
     if resume and restart:
         raise ConfigError("--resume and --restart contradict each other", hint="pass at most one of them")
@@ -79,6 +86,7 @@ def run_compress(
     world = world_from_env()  # one process, or this rank of a torchrun world (distributed.py)
     needs = RecipeNeeds.of(recipe)
     check_world_options(world, error_compensation=needs.hessians)
+    check_device_options(compute, error_compensation=needs.hessians, ranks=world.size)
     job = CompressJob(
         source=source,
         recipe=recipe,
@@ -92,6 +100,7 @@ def run_compress(
         started=started,
         max_memory=max_memory,
         world=world,
+        device=compute,
     )
     return _run(job, resume=resume, force=force)
 
@@ -202,6 +211,8 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
         check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
+        if job.device is not None:  # the Fisher runs block by block on the device (blockwise.py)
+            model_parts(skeleton, option="--device")
     job.target_names = tuple(targets)
     job.embedding_names = embedding_names(skeleton, job.recipe, targets)  # weights.embedding_bits
     return estimate

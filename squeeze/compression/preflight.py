@@ -217,6 +217,66 @@ def _size(n: int) -> str:
     return f"{n}B"
 
 
+def parse_device(spec: str | torch.device | None) -> torch.device | None:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch.device, by its spelling alone (a plan is made away from the
+    GPUs); None for None. ConfigError for anything else."""
+    if spec is None:
+        return None
+    text = str(spec).strip().lower()
+    kind, colon, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and not index.isdigit()) or (kind == "cpu" and colon):
+        raise ConfigError(
+            f"--device {spec!r} is not a device squeeze compresses on: expected cpu, cuda or cuda:N",
+            hint="pass --device cuda (the current GPU), --device cuda:1, or --device cpu",
+        )
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(index)) if colon else torch.device("cuda")
+
+
+def check_device(spec: str | torch.device | None) -> torch.device | None:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` as a torch.device (None: no device, the host run), checked
+    against this machine before any work: ConfigError for another spelling, CUDA absent, or an index past the
+    last GPU. ``cuda`` alone means the current CUDA device (index included in the result)."""
+    parsed = parse_device(spec)
+    if parsed is None or parsed.type == "cpu":
+        return parsed
+    text = str(spec).strip().lower()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(
+            f"--device {text}: no CUDA GPU is available here (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda or 'none'})",
+            hint="drop --device to compress on the CPU, or install a CUDA build of torch on a machine with a GPU",
+        )
+    number = parsed.index if parsed.index is not None else torch.cuda.current_device()
+    if number >= count:
+        raise ConfigError(
+            f"--device {text}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}",
+            hint=f"pass --device cuda:N with N below {count}, or check CUDA_VISIBLE_DEVICES",
+        )
+    return torch.device("cuda", number)
+
+
+def check_device_options(device: torch.device | None, *, error_compensation: bool, ranks: int) -> None:
+    """Refuse (ConfigError) what ``--device`` does not run yet: error compensation (its input Hessians are
+    taken by hooks on a whole-model pass, not block by block) and a torchrun world (one device per process
+    is not dealt out yet)."""
+    if device is None:
+        return
+    if error_compensation:
+        raise ConfigError(
+            f"--device {device} does not run error compensation recipes yet (their input Hessians need the "
+            "whole-model pass)",
+            hint="drop --device for this recipe, or choose a recipe without error compensation",
+        )
+    if ranks > 1:
+        raise ConfigError(
+            f"--device runs in one process, found a torchrun world of {ranks} ranks",
+            hint="drop --device under torchrun, or run one process with --device",
+        )
+
+
 def check_memory(needed: int, force: bool = False) -> int | None:
     """Raise ResourceError (unless ``force``) when ``needed`` bytes exceed the available memory; returns it."""
     available = available_memory_bytes()
@@ -240,4 +300,7 @@ __all__ = [
     "available_memory_bytes",
     "check_memory",
     "check_budget",
+    "check_device",
+    "check_device_options",
+    "parse_device",
 ]

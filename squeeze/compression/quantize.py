@@ -19,6 +19,7 @@ from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.config import Recipe
 from squeeze.models.experts import ExpertWeight, expert_modules, unrouted_experts
+from squeeze.models.placement import to_device
 from squeeze.models.targets import matrix_fisher
 from squeeze.quant.schemes import WeightFormat
 
@@ -113,8 +114,12 @@ def quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.
             spec_extra = {"experts": module.experts, "transposed": module.transposed}
         else:
             weight = module.weight.detach().float()
+        if job.device is not None:  # --device: k-means / sparse selection there; the parts come back to the host
+            weight, fisher = to_device((weight, fisher), job.device)
         qweight = quantize_module(weight, fisher, recipe, job.timings, hessian)
         parts = qweight.to_tensors(name)
+        if job.device is not None:
+            parts = {key: tensor.cpu() for key, tensor in parts.items()}
         tensors.update(parts)
         meta["tensors"][name] = list(parts)
         meta["storage_bits"][name] = qweight.storage_bits()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from squeeze.calibrate.blockwise import blockwise_fisher
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.generated import sample_windows_from_model, start_token
 from squeeze.calibrate.hessian import input_hessians
@@ -52,9 +54,7 @@ def sensitivity_stage(job: CompressJob) -> None:
         # the input Hessians (error compensation) accumulate by forward hooks during the Fisher pass itself
         # (expert parameters have no input of their own: no Hessian, they are quantized without compensation)
         with input_hessians(linear_targets(job.targets) if ec else {}) as accumulated:
-            job.fisher = fisher_information(  # the embeddings' gradients too, when they are quantized
-                job.loaded_model(), job.windows, fisher_modules(job), progress=report
-            )
+            job.fisher = _fisher(job, job.windows, report)  # the embeddings' gradients too, when quantized
             if _samples_for_hessians(job):
                 _sample_for_hessians(job, calibration.seq_len)  # the same hooks add the sampled tokens' inputs
         job.hessians = accumulated.result() if ec else {}
@@ -63,6 +63,14 @@ def sensitivity_stage(job: CompressJob) -> None:
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
+
+
+def _fisher(job: CompressJob, windows: torch.Tensor, report: Any) -> dict[str, torch.Tensor]:
+    """The Fisher of every target and quantized embedding: on the whole model at once on the host, or with
+    ``--device`` block by block on the device (the same windows, each block moved there and back)."""
+    if job.device is None:
+        return fisher_information(job.loaded_model(), windows, fisher_modules(job), progress=report)
+    return blockwise_fisher(job.loaded_model(), windows, fisher_modules(job), progress=report, device=job.device)
 
 
 def fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:

@@ -114,6 +114,7 @@ def fisher_pass(
             on_group=on_group,
             progress=report,
             combine=combine,
+            device=job.device,  # --device: each block moved there for its recomputation and backward
         )
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)

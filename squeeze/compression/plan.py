@@ -1,0 +1,345 @@
+"""``squeeze compress --plan``: what a run will need, per rank, from the model's config.json alone (no weights).
+
+The model is built on the meta device (preflight.meta_model), which gives every tensor's shape, the targets the
+recipe quantizes, the exact artifact size and the layer groups. From those, per rank of a torchrun world:
+
+* host memory at the peak: the preflight estimates the run itself checks (unbounded:
+  preflight.estimate_peak_memory; ``--max-memory``: streaming.streaming_peak_bytes), and with ``--device`` the
+  GPU's: one block's fp32 weights, their float64 Fisher sums and one gradient, one window's activations, or the
+  LM head with one window's logits, or one target's k-means scratch, whichever is largest;
+* the work area's disk at the peak (the Fisher checkpoint, the group checkpoints, the spilled activations of a
+  bounded run, the staged artifact);
+* seconds per stage, from per-unit rates measured on a named machine (plan_rates.json, data: the machine, the
+  command and the date come with the numbers). Work that ranks share is divided as the run divides it: windows
+  split evenly, layer groups dealt round robin, writing and sealing on rank 0. A device with no measured rates
+  gets no time (None), never a guess.
+
+A config squeeze cannot compress raises the error the run would raise (ModelError / ConfigError naming what is
+missing); what the plan finds over budget (a ``--max-memory`` below the minimum, a block larger than one GPU)
+is listed in ``notes``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import torch
+from torch import nn
+
+from squeeze.calibrate.blockwise import model_parts
+from squeeze.calibrate.hessian import hessian_bytes_bound
+from squeeze.compression import streaming
+from squeeze.compression.preflight import (
+    BASE_PROCESS_BYTES,
+    check_context_length,
+    check_device_options,
+    estimate_peak_memory,
+    estimate_size,
+    meta_model,
+    parse_device,
+)
+from squeeze.compression.quantize import layer_groups
+from squeeze.config import Recipe
+from squeeze.errors import ConfigError
+from squeeze.models.experts import ExpertWeight
+from squeeze.models.source import ModelSource, resolve_model
+from squeeze.models.targets import find_targets, linear_targets
+
+#: CUDA context, cuBLAS workspace and the caching allocator's slack on a device, before any tensor of the run.
+DEVICE_BASE_BYTES = 1 * 2**30
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-unit costs of the stages on one machine (seconds), read from plan_rates.json."""
+
+    machine: str
+    measured: str
+    command: str
+    startup_s: float  # the process (python, torch, transformers), the tokenizer and the calibration windows
+    load_s_per_source_byte: float
+    fisher_s_per_param_token: float
+    streaming_fisher_factor: float
+    kmeans_s_per_weight: float
+    write_s_per_artifact_byte: float
+    seal_s_per_artifact_byte: float
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share: memory at its peak, what it computes, and its seconds per stage (None: no rate)."""
+
+    rank: int
+    host_peak_bytes: int
+    gpu_peak_bytes: int | None
+    windows: int
+    layer_groups: int
+    quantized_weights: int
+    seconds: dict[str, float | None]
+
+    @property
+    def total_seconds(self) -> float | None:
+        values = list(self.seconds.values())
+        return None if any(v is None for v in values) else float(sum(v for v in values if v is not None))
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """A compress run's needs, from the config alone: sizes, the work area's disk, and every rank's plan."""
+
+    model: str
+    recipe: str
+    parameters: int
+    active_parameters: int  # per token: a MoE model's routed experts counted at top-k of E
+    quantized_weights: int
+    artifact_bytes: int
+    work_disk_bytes: int
+    num_samples: int | None
+    seq_len: int | None
+    max_memory: int | None
+    device: str | None
+    rates: Rates | None
+    ranks: tuple[RankPlan, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ranks"] = [{**asdict(r), "total_seconds": r.total_seconds} for r in self.ranks]
+        return data
+
+
+@cache
+def load_rates(device_type: str) -> Rates | None:
+    """The measured rates for ``device_type`` ("cpu", "cuda") from plan_rates.json; None when none were measured."""
+    text = resources.files("squeeze.compression").joinpath("plan_rates.json").read_text()
+    entry = json.loads(text).get(device_type)
+    return None if entry is None else Rates(**{k: v for k, v in entry.items() if not k.startswith("_")})
+
+
+def plan_compress(
+    model: str | ModelSource,
+    recipe: Recipe,
+    *,
+    num_samples: int | None,
+    seq_len: int | None,
+    max_memory: int | None = None,
+    device: str | None = None,
+    ranks: int = 1,
+) -> CompressPlan:
+    """The plan of ``squeeze compress model`` with ``recipe`` (``num_samples`` x ``seq_len`` calibration tokens,
+    None: a recipe without Fisher), ``max_memory`` bytes, ``device`` ("cuda", "cuda:N", "cpu"; its spelling is
+    checked, not its presence: a plan is often made away from the GPUs) and ``ranks`` torchrun processes."""
+    if ranks < 1:
+        raise ConfigError(f"--ranks must be at least 1, found {ranks}", hint="pass --ranks 1 or more")
+    compute = parse_device(device)
+    check_device_options(compute, error_compensation=_uses_hessians(recipe), ranks=1)
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    skeleton = meta_model(source)  # ModelError naming what transformers could not build
+    weights = recipe.weights
+    targets = find_targets(skeleton, weights.targets, weights.ignore)  # ModelError when nothing is quantizable
+    if seq_len is not None:
+        check_context_length(skeleton, seq_len)
+    if max_memory is not None:
+        streaming.check_streamable(source, recipe, skeleton, targets)
+    elif compute is not None and seq_len is not None:
+        model_parts(skeleton, option="--device")
+    size = estimate_size(skeleton, recipe, targets=targets)
+    notes: list[str] = []
+    params = _numel(skeleton)
+    active = _active_parameters(skeleton, targets)
+    host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, size.total_bytes, max_memory, compute)
+    gpu = _gpu_peak(skeleton, targets, seq_len) if compute is not None and compute.type == "cuda" else None
+    if max_memory is not None and max_memory < host:
+        notes.append(f"--max-memory {max_memory / 1e9:.2f} GB is below this run's minimum of {host / 1e9:.2f} GB")
+    if max_memory is not None and ranks > 1:
+        notes.append("--max-memory under torchrun is refused by this version (issue 40 item 2): one process only")
+    if gpu is not None and gpu > 80 * 10**9:
+        notes.append(f"one block needs {gpu / 1e9:.0f} GB on the GPU: more than an 80 GB H100 holds")
+    groups = layer_groups(skeleton, targets)
+    sizes = [sum(targets[name].weight.numel() for name in names if name in targets) for names in groups]
+    rates = load_rates(compute.type if compute is not None else "cpu")
+    work = _Work(
+        host=host,
+        gpu=gpu,
+        group_sizes=tuple(sizes),
+        num_samples=num_samples,
+        seq_len=seq_len,
+        active=active,
+        source_bytes=_source_bytes(source, params),
+        artifact_bytes=size.total_bytes,
+        streamed=max_memory is not None,
+    )
+    plans = tuple(_rank_plan(rank, ranks, work, rates) for rank in range(ranks))
+    return CompressPlan(
+        model=source.model_id,
+        recipe=recipe.name,
+        parameters=params,
+        active_parameters=active,
+        quantized_weights=size.n_quantized_weights,
+        artifact_bytes=size.total_bytes,
+        work_disk_bytes=_work_disk(
+            skeleton, recipe, targets, (size.total_bytes, size.quantized_bytes), num_samples, seq_len, max_memory
+        ),
+        num_samples=num_samples,
+        seq_len=seq_len,
+        max_memory=max_memory,
+        device=str(compute) if compute is not None else None,
+        rates=rates,
+        ranks=plans,
+        notes=tuple(notes),
+    )
+
+
+def _uses_hessians(recipe: Recipe) -> bool:
+    from squeeze.compression.quantize import weight_format
+
+    return bool(weight_format(recipe).uses_hessian and recipe.weights.error_compensation)
+
+
+def _numel(module: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in module.parameters():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel()
+    return total
+
+
+def _active_parameters(skeleton: nn.Module, targets: dict[str, Any]) -> int:
+    """Parameters a token runs through: all of them, but a routed expert parameter only at top-k of E."""
+    config = getattr(skeleton, "config", None)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    inactive = 0
+    for target in targets.values():
+        if isinstance(target, ExpertWeight) and top_k and target.experts > top_k:
+            inactive += target.weight.numel() * (target.experts - top_k) // target.experts
+    return _numel(skeleton) - inactive
+
+
+def _host_peak(
+    skeleton: nn.Module,
+    recipe: Recipe,
+    targets: dict[str, Any],
+    seq_len: int | None,
+    num_samples: int | None,
+    artifact_bytes: int,
+    max_memory: int | None,
+    device: torch.device | None,
+) -> int:
+    """Host bytes at the peak: the bounded or unbounded preflight estimate; with a GPU and no budget the fp32
+    model, the fp32 Fisher coming back block by block and every block boundary's hidden states (in memory)."""
+    if max_memory is not None:
+        return streaming.streaming_peak_bytes(skeleton, recipe, targets, seq_len, artifact_bytes)
+    if device is None or device.type == "cpu" or seq_len is None:
+        return estimate_peak_memory(skeleton, recipe, seq_len, targets=targets)
+    params = _numel(skeleton) * 4
+    fisher = sum(t.weight.numel() for t in targets.values()) * 4
+    boundaries = streaming.spill_bytes(skeleton, num_samples or 1, seq_len)
+    return BASE_PROCESS_BYTES + params + max(params, fisher + boundaries)
+
+
+def _gpu_peak(skeleton: nn.Module, targets: dict[str, Any], seq_len: int | None) -> int:
+    """Device bytes at the peak of a ``--device cuda`` run: the largest of the Fisher's block step (fp32 weights,
+    float64 sums, one gradient, one window's activations and two boundaries), its head step (the LM head and
+    final norm, one window's logits with log-probabilities and two gradients), and the k-means of the largest
+    target (weight, Fisher and about eight scratch copies)."""
+    embed, blocks, _norm, head = model_parts(skeleton, option="--device")
+    config = getattr(skeleton, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    inter = max(inter, top_k * int(getattr(config, "moe_intermediate_size", 0) or inter))
+    largest = max((t.weight.numel() for t in targets.values()), default=0)
+    quantize = largest * 4 * (1 + 1 + 8)
+    if seq_len is None:
+        return DEVICE_BASE_BYTES + quantize
+    block = max((_numel(b) for b in blocks), default=0)
+    one_window = seq_len * 4 * (12 * hidden + 4 * inter)
+    boundaries = 2 * seq_len * hidden * 4
+    fisher_block = block * (4 + 8 + 4) + one_window + boundaries
+    fisher_head = (_numel(head) + _numel(embed)) * 4 + seq_len * vocab * 4 * 4 + boundaries
+    return DEVICE_BASE_BYTES + max(quantize, fisher_block, fisher_head)
+
+
+def _work_disk(
+    skeleton: nn.Module,
+    recipe: Recipe,
+    targets: dict[str, Any],
+    sizes: tuple[int, int],
+    num_samples: int | None,
+    seq_len: int | None,
+    max_memory: int | None,
+) -> int:
+    """The work area at its peak: the staged artifact, the group checkpoints, the fp32 Fisher checkpoint, the
+    input Hessians (error compensation) and a bounded run's spilled block boundaries."""
+    artifact_bytes, quantized_bytes = sizes
+    total = artifact_bytes + quantized_bytes
+    if seq_len is not None:
+        total += sum(t.weight.numel() for t in targets.values()) * 4
+        if _uses_hessians(recipe):
+            total += hessian_bytes_bound(linear_targets(targets))
+        if max_memory is not None:
+            total += streaming.spill_bytes(skeleton, num_samples or 1, seq_len)
+    return total
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What every rank's share is cut from: the memory peaks, the layer groups' weights, the windows, sizes."""
+
+    host: int
+    gpu: int | None
+    group_sizes: tuple[int, ...]
+    num_samples: int | None
+    seq_len: int | None
+    active: int
+    source_bytes: int
+    artifact_bytes: int
+    streamed: bool
+
+
+def _rank_plan(rank: int, ranks: int, work: _Work, rates: Rates | None) -> RankPlan:
+    """Rank ``rank``'s windows (an even contiguous share), layer groups (round robin) and seconds per stage."""
+    windows = 0
+    if work.num_samples is not None:
+        windows = work.num_samples * (rank + 1) // ranks - work.num_samples * rank // ranks
+    owned = work.group_sizes[rank::ranks]
+    weights = sum(owned)
+    seconds: dict[str, float | None]
+    if rates is None:
+        seconds = dict.fromkeys(("startup", "load", "sensitivity", "quantize", "write", "seal"))
+    else:
+        fisher = work.active * windows * (work.seq_len or 0) * rates.fisher_s_per_param_token
+        if work.streamed:
+            fisher *= rates.streaming_fisher_factor
+        writes = rank == 0
+        seconds = {
+            "startup": rates.startup_s,
+            "load": work.source_bytes * rates.load_s_per_source_byte,
+            "sensitivity": fisher,
+            "quantize": weights * rates.kmeans_s_per_weight,
+            "write": work.artifact_bytes * rates.write_s_per_artifact_byte if writes else 0.0,
+            "seal": work.artifact_bytes * rates.seal_s_per_artifact_byte if writes else 0.0,
+        }
+    return RankPlan(rank, work.host, work.gpu, windows, len(owned), weights, seconds)
+
+
+def _source_bytes(source: ModelSource, params: int) -> int:
+    """Bytes of the source's weight files; for a config without weights (a plan made away from the checkpoint),
+    the ``params`` the config describes at the size of its ``torch_dtype`` (bfloat16 when it names none)."""
+    files = list(source.directory.glob("*.safetensors")) if source.gguf_file is None else [source.path]
+    found = sum(f.stat().st_size for f in files if f.is_file())
+    if found:
+        return found
+    config = json.loads((source.directory / "config.json").read_text())
+    dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), None)
+    return params * (dtype.itemsize if isinstance(dtype, torch.dtype) else 2)
+
+
+__all__ = ["CompressPlan", "RankPlan", "Rates", "load_rates", "plan_compress"]
