@@ -297,7 +297,7 @@ def plan_compress(
     processes (default: this world's size). Calibration windows: the spec's (``calibration`` and its overrides),
     else ``num_samples`` / ``seq_len`` from ``calibration_overrides``, else 32 x 512. Raises what the run would
     raise for a model it cannot compress (ModelError / ConfigError naming what is missing)."""
-    from squeeze.compression.pipeline import needs_calibration
+    from squeeze.compression.job import needs_calibration
     from squeeze.compression.plan import plan_compress as plan
 
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(os.fspath(recipe), **dict(overrides or {}))
