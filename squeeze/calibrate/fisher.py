@@ -100,11 +100,23 @@ def new_sums(weights: Mapping[str, torch.Tensor], device: torch.device | str | N
     }
 
 
+#: Elements of a gradient widened to the accumulator's dtype at a time in :func:`add_square` (8 MB of float64).
+SQUARE_CHUNK_ELEMENTS = 2**20
+
+
 def add_square(acc: torch.Tensor, grad: torch.Tensor) -> None:
     """``acc += grad**2`` in ``acc``'s dtype (float64 from :func:`new_sums`: the square of an fp32 gradient is
-    exact there)."""
-    g = grad.to(device=acc.device, dtype=acc.dtype)
-    acc.addcmul_(g, g)  # without allocating grad**2
+    exact there), a slice of dim 0 at a time: the float64 copy of the gradient is one slice, not a second
+    accumulator (a MoE block's 3-D expert gradient is as large as all its experts). Elementwise, so the same
+    bits whatever the slicing."""
+    if acc.ndim == 0 or acc.shape != grad.shape:
+        g = grad.to(device=acc.device, dtype=acc.dtype)
+        acc.addcmul_(g, g)  # without allocating grad**2
+        return
+    step = max(1, SQUARE_CHUNK_ELEMENTS // max(1, acc[0].numel()))
+    for start in range(0, acc.shape[0], step):
+        g = grad[start : start + step].to(device=acc.device, dtype=acc.dtype)
+        acc[start : start + step].addcmul_(g, g)
 
 
 def finish_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

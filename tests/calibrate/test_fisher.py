@@ -152,3 +152,25 @@ def test_shared_weight_feeds_every_name(model) -> None:
     twice = {"a": targets["model.layers.1.mlp.up_proj"], "b": targets["model.layers.1.mlp.up_proj"]}
     got = fisher_information(model, _windows(2, 8), twice)
     assert torch.equal(got["a"], got["b"]) and bool(got["a"].any())
+
+
+def test_add_square_in_slices_matches_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """add_square widens a slice of dim 0 at a time (a MoE expert gradient is as large as all its experts):
+    the float64 sums are bit-identical to squaring the whole gradient at once, for any slice size."""
+    from squeeze.calibrate import fisher as fisher_module
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(7, 5, 3, generator=g) * 10 ** torch.randint(-6, 6, (7, 5, 3), generator=g) for _ in range(3)]
+    whole = torch.zeros(7, 5, 3, dtype=torch.float64)
+    for grad in grads:
+        gd = grad.double()
+        whole.addcmul_(gd, gd)
+    for chunk in (1, 15, 16, 40, 10**6):
+        monkeypatch.setattr(fisher_module, "SQUARE_CHUNK_ELEMENTS", chunk)
+        acc = torch.zeros(7, 5, 3, dtype=torch.float64)
+        for grad in grads:
+            fisher_module.add_square(acc, grad)
+        assert torch.equal(acc, whole), chunk
+    vector = torch.zeros(4, dtype=torch.float64)  # 1-D (a bias-like or embedding row): sliced too
+    fisher_module.add_square(vector, torch.tensor([1.5, -2.0, 3.0, 0.25]))
+    assert vector.tolist() == [2.25, 4.0, 9.0, 0.0625]

@@ -5,6 +5,7 @@ stream."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -268,3 +269,16 @@ def test_the_peak_estimate_counts_a_moe_block_with_its_experts(tmp_path: Path, t
     assert experts > block / 2  # the experts are most of the block
     peak = streaming.streaming_peak_bytes(skeleton, load_recipe("w4"), targets, 32, 10**6)
     assert peak - streaming.STREAMING_BASE_BYTES >= block * (4 + 8 + 4)
+
+
+def test_a_moe_budget_below_the_minimum_is_refused_naming_it(tmp_path: Path, tiny_tokenizer: Any) -> None:
+    """A MoE budget below the bounded minimum (today one whole block with every expert resident) is refused
+    before any work, naming the minimum preflight estimated, which passes."""
+    source = _save_moe(tmp_path / "model", "qwen3_moe", tiny_tokenizer)
+    with pytest.raises(ResourceError, match=r"--max-memory 100MB is below the minimum of (\d+)MB") as info:
+        api.compress(str(source), tmp_path / "out", recipe="rtn-w4", max_memory="100MB")
+    assert "pass --max-memory" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists()
+    minimum = re.search(r"minimum of (\d+)MB", str(info.value))
+    assert minimum is not None
+    api.compress(str(source), tmp_path / "out", recipe="rtn-w4", max_memory=f"{int(minimum.group(1)) + 1}MB")
