@@ -239,15 +239,17 @@ class SqueezeFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         state = _EXPERTS[layer.__dict__[STATE]]
-        if state.gate_up is None:
-            for proj, name in self.modules.items():
-                found = state.staged.get(proj, {})
-                missing = sorted(frozenset(self.specs.roles[name]) - found.keys())
-                if missing:
-                    raise FormatError(
-                        f"the artifact lacks tensor {name}.{missing[0]}",
-                        hint="the artifact is incomplete; re-create it with squeeze compress",
-                    )
+        if state.gate_up is not None:
+            return
+        for proj, name in self.modules.items():
+            found = state.staged.get(proj, {})
+            missing = sorted(frozenset(self.specs.roles[name]) - found.keys())
+            if missing:
+                raise FormatError(
+                    f"the artifact lacks tensor {name}.{missing[0]}",
+                    hint="the artifact is incomplete; re-create it with squeeze compress",
+                )
+        raise AssertionError(f"{state.prefix}: every expert tensor arrived, yet the experts were not built")
 
     def get_fused_moe_quant_config(self, layer: nn.Module) -> None:
         return None  # no vLLM kernel runs these experts: nothing to describe to one
