@@ -78,7 +78,7 @@ class SqueezeEmbeddingMethod(QuantizeMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        indices = layer.shard_indices
+        indices: Any = layer.shard_indices  # vLLM's VocabParallelEmbeddingShardIndices
         state = EmbeddingState(
             module=self.module,
             start=int(indices.org_vocab_start_index),

@@ -175,7 +175,8 @@ class SqueezeFusedMoEMethod(FusedMoEMethodBase):
         _EXPERTS.append(state)
         layer.__dict__[STATE] = len(_EXPERTS) - 1  # plain state, not a parameter or submodule
         # vLLM's RoutedExperts.load_weights maps names to its w13 / w2 tensors: squeeze's go through this one
-        layer.load_weights = self._loader(state)
+        routed: Any = layer  # vLLM's RoutedExperts
+        routed.load_weights = self._loader(state)
 
     def _check_layer(self, layer: nn.Module) -> None:
         """FormatError for an MoE layer this method cannot run as vLLM configured it."""
