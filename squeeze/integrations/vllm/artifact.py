@@ -54,6 +54,7 @@ def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if not isinstance(modules, dict) or not all(isinstance(spec, dict) for spec in modules.values()):
         raise FormatError("quantization_config.modules must map module names to objects")
     tied_heads(config)  # quantization_config.embeddings, if any, well formed (FormatError otherwise)
+    embedding_modules(config)
     for name, spec in modules.items():
         where = f"quantization_config.modules[{name!r}]"
         method = spec.get("method")
@@ -68,6 +69,18 @@ def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         check_weight_bits(spec["bits"], f"{where}.bits", FormatError, hint=None)
         experts_layout(spec, name)  # an expert parameter's "experts" / "transposed", when present
     return modules
+
+
+def embedding_modules(config: Mapping[str, Any]) -> list[str]:
+    """``quantization_config.embeddings.modules``: the quantized embeddings and untied LM heads (empty when the
+    artifact keeps them); FormatError when malformed."""
+    embeddings = config.get("embeddings")
+    if embeddings is None:
+        return []
+    names = embeddings.get("modules") if isinstance(embeddings, dict) else None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise FormatError("quantization_config.embeddings.modules must be a list of module names")
+    return list(names)
 
 
 def checkpoint_renames(model_type: object) -> tuple[tuple[str, str], ...]:
@@ -173,5 +186,6 @@ __all__ = [
     "fp8_kv_scales",
     "checkpoint_modules",
     "checkpoint_renames",
+    "embedding_modules",
     "renamed",
 ]

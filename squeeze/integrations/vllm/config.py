@@ -24,7 +24,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 from squeeze.errors import FormatError
 from squeeze.format.quant_config import QUANT_METHOD
@@ -34,6 +34,7 @@ from squeeze.integrations.vllm.artifact import (
     check_quant_config,
     checkpoint_modules,
     checkpoint_renames,
+    embedding_modules,
     fp8_kv_scales,
     module_specs,
     renamed,
@@ -59,6 +60,8 @@ class SqueezeVllmConfig(QuantizationConfig):
         self.kv_cache = kv_cache  # quantization_config.kv_cache, if calibrated
         #: LM head -> the quantized embedding it reads (quantization_config.embeddings.tied)
         self.tied = dict(tied or {})
+        #: the quantized embeddings and LM heads (quantization_config.embeddings.modules)
+        self.embeddings: list[str] = []
         self.specs: ModuleSpecs | None = None
         #: (squeeze's, vLLM's) module name parts where transformers renamed the checkpoint's modules
         self.renames: tuple[tuple[str, str], ...] = ()
@@ -82,7 +85,9 @@ class SqueezeVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SqueezeVllmConfig:
-        return cls(check_quant_config(config), config.get("kv_cache"), tied_heads(config))
+        made = cls(check_quant_config(config), config.get("kv_cache"), tied_heads(config))
+        made.embeddings = embedding_modules(config)
+        return made
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         self.attach(model_name, getattr(hf_config, "model_type", None))
@@ -114,6 +119,7 @@ class SqueezeVllmConfig(QuantizationConfig):
         self.modules = {rename(name): spec for name, spec in self.modules.items()}
         self.kv_scales = {rename(name): scales for name, scales in self.kv_scales.items()}
         self.tied = {rename(head): rename(source) for head, source in self.tied.items()}
+        self.embeddings = [rename(name) for name in self.embeddings]
         if self.specs is not None:
             self.specs = ModuleSpecs(
                 modules=self.modules, roles={rename(name): r for name, r in self.specs.roles.items()}
@@ -153,11 +159,7 @@ class SqueezeVllmConfig(QuantizationConfig):
             experts = expert_modules(specs, prefix)
             return SqueezeFusedMoEMethod(layer.moe_config, specs, experts, prefix) if experts else None
         if isinstance(layer, VocabParallelEmbedding):  # an embedding or LM head (weights.embedding_bits)
-            if prefix in specs.modules:
-                return SqueezeEmbeddingMethod(specs, prefix)
-            if prefix in self.tied:
-                return SqueezeEmbeddingMethod(specs, self.tied[prefix], tied=True)
-            return None
+            return self._embedding_method(layer, prefix, specs)
         if not isinstance(layer, LinearBase):
             inside = [name for name in self.modules if name == prefix or name.startswith(prefix + ".")]
             if inside and prefix:  # e.g. a fused MoE layer whose experts the artifact quantized
@@ -178,6 +180,25 @@ class SqueezeVllmConfig(QuantizationConfig):
                 hint="re-compress with a recipe that quantizes all of them, or none",
             )
         return SqueezeLinearMethod(specs, modules)
+
+    def _embedding_method(self, layer: torch.nn.Module, prefix: str, specs: ModuleSpecs) -> QuantizeMethodBase | None:
+        """The method of vLLM's embedding / LM head ``prefix``: squeeze's over the artifact's quantized table,
+        or None (vLLM's own) when the artifact keeps it. Some vLLM models (Llama's) build the token embedding
+        without a prefix: it is then the one input embedding the artifact quantized."""
+        if not prefix and not isinstance(layer, ParallelLMHead):
+            heads = {*self.tied, *(name for name in self.embeddings if name.rpartition(".")[2] == "lm_head")}
+            inputs = [name for name in self.embeddings if name not in heads]
+            if len(inputs) > 1:
+                raise FormatError(
+                    f"vLLM builds a token embedding without a name, and the artifact quantizes {len(inputs)} "
+                    f"embeddings ({', '.join(inputs)}): which one it is cannot be told"
+                )
+            prefix = inputs[0] if inputs else prefix
+        if prefix in specs.modules:
+            return SqueezeEmbeddingMethod(specs, prefix)
+        if prefix in self.tied:
+            return SqueezeEmbeddingMethod(specs, self.tied[prefix], tied=True)
+        return None
 
     def _kv_method(self, prefix: str) -> QuantizeMethodBase | None:
         """The fp8 KV scales of attention layer ``prefix`` (``...self_attn.attn``: its module is the parent)."""
