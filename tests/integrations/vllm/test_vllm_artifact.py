@@ -78,6 +78,10 @@ def tiny_w3(
             {"embeddings": {"bits": 4, "modules": ["m.embed_tokens"], "tied": ["lm_head"]}},
             "quantization_config.embeddings.tied must map module names to module names",
         ),
+        (
+            {"embeddings": {"bits": 4, "modules": "m.embed_tokens", "tied": {}}},
+            "quantization_config.embeddings.modules must be a list of module names",
+        ),
     ],
 )
 def test_bad_quantization_configs_name_what_is_wrong(change: dict, message: str) -> None:
@@ -89,7 +93,8 @@ def test_a_good_config_gives_its_modules() -> None:
     assert check_quant_config(GOOD) == GOOD["modules"]
     # MoE experts and quantized embeddings are served (tests/integrations/vllm/test_vllm_moe.py)
     experts = {"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 32, "experts": 4}
-    moe = {**GOOD, "modules": {"m.experts.down_proj": experts}, "embeddings": {"tied": {"lm_head": "m.embed"}}}
+    embeddings = {"bits": 4, "modules": ["m.embed"], "tied": {"lm_head": "m.embed"}}
+    moe = {**GOOD, "modules": {"m.experts.down_proj": experts}, "embeddings": embeddings}
     assert check_quant_config(moe) == moe["modules"]
 
 
