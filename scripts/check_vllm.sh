@@ -3,6 +3,7 @@
 # it) and runs the vLLM plugin's tests there. Arguments go to pytest; CHECK_ALL=1 runs the whole suite in that
 # environment instead (squeeze must work with vLLM's pinned transformers too).
 #   bash scripts/check_vllm.sh            # tests/integrations/vllm (about 3.5 minutes on 2 cores, after set-up)
+#   bash scripts/check_vllm.sh tests/integrations/vllm/test_vllm_moe.py -x   # one file
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -31,4 +32,8 @@ fi
 if [ "${CHECK_ALL:-0}" = 1 ]; then
     exec "$VENV/bin/python" -m pytest -q "$@"
 fi
+# test files named on the command line run alone; otherwise the whole vLLM folder (with any pytest options)
+for arg in "$@"; do
+    case "$arg" in tests/*) exec "$VENV/bin/python" -m pytest -q "$@" ;; esac
+done
 exec "$VENV/bin/python" -m pytest -q tests/integrations/vllm "$@"

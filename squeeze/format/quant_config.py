@@ -134,6 +134,12 @@ class EmbeddingsEntry:
                 raise FormatError(f"config.json: {SECTION}.embeddings.tied must map module names to module names")
             tied = {}
         modules = value.get("modules")
+        if (
+            strict
+            and modules is not None
+            and not (isinstance(modules, list) and all(isinstance(name, str) for name in modules))
+        ):
+            raise FormatError(f"config.json: {SECTION}.embeddings.modules must be a list of module names")
         names = tuple(str(m) for m in modules) if isinstance(modules, list) else ()
         bits = value.get("bits")
         return cls(

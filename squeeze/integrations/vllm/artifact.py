@@ -7,6 +7,7 @@ files only, sizes capped before reading, nothing built from a byte before its fi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from squeeze.limits import check_weight_bits, is_int
 from squeeze.models import resolve_model
 from squeeze.quant.kv_spec import KV_FILE, KV_FP8_E4M3, KVSpec, LayerFP8
 from squeeze.quant.schemes import formats_of, methods, stored_roles
+from squeeze.runtime.experts import experts_layout
 from squeeze.runtime.loader import tensors_from_captured, verified_report
 from squeeze.runtime.options import LoadOptions
 
@@ -38,23 +40,10 @@ class ModuleSpecs:
 
 def parse_quant_config(config: Mapping[str, Any]) -> QuantizationConfig:
     """A squeeze ``quantization_config`` checked for vLLM: the checks every loader makes (squeeze's section, a
-    format version this squeeze reads: :class:`QuantizationConfig`), then every module entry's method
-    registered and its sizes integers. FormatError naming the module otherwise."""
+    format version this squeeze reads, well-formed embeddings: :class:`QuantizationConfig`), then every module
+    entry's method registered, its sizes integers and an expert parameter's layout readable. FormatError naming
+    the module otherwise."""
     quant = QuantizationConfig.from_dict(dict(config))
-    if quant.embeddings is not None:  # vLLM's (vocab-parallel) embedding and LM head read plain weights only
-        shown = ", ".join(quant.embeddings.modules) or "its token embedding"
-        raise FormatError(
-            f"the squeeze vLLM plugin cannot serve a quantized token embedding / LM head ({short_repr(shown, 80)}); "
-            "this artifact was compressed with weights.embedding_bits",
-            hint="serve it with `squeeze serve`, or re-compress without --embedding-bits for vLLM",
-        )
-    experts = [name for name, entry in quant.modules.items() if entry.is_experts]
-    if experts:  # vLLM's fused-MoE layers read their own weight formats; serving squeeze experts is future work
-        raise FormatError(
-            f"the squeeze vLLM plugin cannot serve quantized MoE experts ({len(experts)} expert parameters, e.g. "
-            f"{short_repr(experts[0], 80)}); MoE serving on vLLM is future work",
-            hint="serve it with `squeeze serve` (or squeeze.load / from_pretrained)",
-        )
     for name, entry in quant.modules.items():
         where = f"quantization_config.modules[{name!r}]"
         spec = entry.spec
@@ -67,6 +56,7 @@ def parse_quant_config(config: Mapping[str, Any]) -> QuantizationConfig:
             if not is_int(spec.get(key)) or spec[key] < 0:
                 raise FormatError(f"{where}.{key} must be an integer >= 0, found {short_repr(spec.get(key))}")
         check_weight_bits(spec["bits"], f"{where}.bits", FormatError, hint=None)
+        experts_layout(spec, name)  # an expert parameter's "experts" / "transposed", when present
     return quant
 
 
@@ -74,6 +64,46 @@ def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The ``modules`` of a squeeze ``quantization_config`` (module name -> entry), checked by
     :func:`parse_quant_config`."""
     return parse_quant_config(config).module_specs()
+
+
+def embedding_modules(quant: QuantizationConfig) -> list[str]:
+    """``quantization_config.embeddings.modules``: the quantized embeddings and untied LM heads (empty when the
+    artifact keeps them); :class:`QuantizationConfig` checked their form when it was built."""
+    return list(quant.embeddings.modules) if quant.embeddings is not None else []
+
+
+def checkpoint_renames(model_type: object) -> tuple[tuple[str, str], ...]:
+    """(part of an artifact's tensor name, what vLLM's model calls it) pairs for ``model_type``.
+
+    transformers >= 5 renames some modules of a checkpoint as it loads it (Mixtral's ``.block_sparse_moe.``
+    becomes ``.mlp.``) and squeeze's artifacts name tensors as the loaded model does, while vLLM's models
+    read the names checkpoints have on disk: these pairs are transformers' plain renamings reversed (none
+    without transformers' conversion table, or for a model it does not rename)."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+    except ImportError:  # pragma: no cover - transformers < 5 loads checkpoints under their own names
+        return ()
+    if not isinstance(model_type, str):
+        return ()
+    pairs = []
+    for transform in get_checkpoint_conversion_mapping(model_type) or ():
+        if not isinstance(transform, WeightRenaming):
+            continue
+        sources, targets = list(transform.source_patterns), list(transform.target_patterns)
+        plain = len(sources) == len(targets) == 1 and all(_PLAIN.fullmatch(p) for p in (*sources, *targets))
+        if plain:  # patterns are regular expressions: only literal ones are reversed
+            pairs.append((targets[0], sources[0]))
+    return tuple(pairs)
+
+
+_PLAIN = re.compile(r"\.[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*\.")
+
+
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with each (squeeze's, vLLM's) part of :func:`checkpoint_renames` replaced."""
+    for ours, theirs in renames:
+        name = name.replace(ours, theirs)
+    return name
 
 
 def artifact_directory(model: str) -> Path:
@@ -154,4 +184,7 @@ __all__ = [
     "verified_tensors",
     "fp8_kv_scales",
     "checkpoint_modules",
+    "checkpoint_renames",
+    "embedding_modules",
+    "renamed",
 ]

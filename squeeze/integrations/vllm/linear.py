@@ -66,6 +66,12 @@ def squeeze_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     return _LINEARS[handle](x)
 
 
+def register_linear(module: SqueezeLinear) -> int:
+    """Keep ``module`` for :func:`squeeze_linear`; returns its handle."""
+    _LINEARS.append(module)
+    return len(_LINEARS) - 1
+
+
 @squeeze_linear.register_fake
 def _squeeze_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _LINEARS[handle].out_features)
@@ -148,8 +154,8 @@ class SqueezeLinearMethod(LinearMethodBase):
         # parameters and modules (weight digests, reloading) see only what it created
         for group in fusable([state.parts[shard_id] for shard_id in state.plans]):
             weight = group[0] if len(group) == 1 else type(group[0]).cat_rows(group)
-            _LINEARS.append(SqueezeLinear(weight))  # on the layer's device already: its layout is prepared once
-            state.handles.append(len(_LINEARS) - 1)
+            # on the layer's device already: its layout is prepared once
+            state.handles.append(register_linear(SqueezeLinear(weight)))
         state.parts.clear()  # the placeholders stay empty: the weights live in the runtime modules
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,4 +204,4 @@ def layer_geometry(layer: nn.Module, input_size: int, output_partition_sizes: li
     )
 
 
-__all__ = ["SqueezeLinearMethod", "LayerState", "layer_geometry", "squeeze_linear", "fusable"]
+__all__ = ["SqueezeLinearMethod", "LayerState", "layer_geometry", "squeeze_linear", "register_linear", "fusable"]

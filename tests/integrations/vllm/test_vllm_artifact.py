@@ -19,8 +19,10 @@ from squeeze.format.quant_config import QuantizationConfig
 from squeeze.integrations.vllm.artifact import (
     check_quant_config,
     checkpoint_modules,
+    checkpoint_renames,
     fp8_kv_scales,
     module_specs,
+    renamed,
     verified_tensors,
     verify,
 )
@@ -61,17 +63,24 @@ def tiny_w3(
             {"modules": {"m.o_proj": {"method": "squeeze", "bits": 4, "in_features": "8", "out_features": 8}}},
             r"modules\['m.o_proj'\].in_features must be an integer >= 0, found '8'",
         ),
-        (  # a MoE artifact's expert parameters: refused at start, one line
+        (  # an expert parameter's layout, checked from the config alone
             {
                 "modules": {
                     "m.experts.gate_up_proj": {
                         **{"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 32},
-                        **{"experts": 4, "transposed": False},
+                        **{"experts": 0, "transposed": False},
                     }
                 }
             },
-            r"cannot serve quantized MoE experts \(1 expert parameters, e.g. 'm.experts.gate_up_proj'\); MoE serving "
-            "on vLLM is future work",
+            r"modules\['m.experts.gate_up_proj'\].experts must be an integer >= 1, found 0",
+        ),
+        (
+            {"embeddings": {"bits": 4, "modules": ["m.embed_tokens"], "tied": ["lm_head"]}},
+            "quantization_config.embeddings.tied must map module names to module names",
+        ),
+        (
+            {"embeddings": {"bits": 4, "modules": "m.embed_tokens", "tied": {}}},
+            "quantization_config.embeddings.modules must be a list of module names",
         ),
     ],
 )
@@ -82,6 +91,20 @@ def test_bad_quantization_configs_name_what_is_wrong(change: dict, message: str)
 
 def test_a_good_config_gives_its_modules() -> None:
     assert check_quant_config(GOOD) == GOOD["modules"]
+    # MoE experts and quantized embeddings are served (tests/integrations/vllm/test_vllm_moe.py)
+    experts = {"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 32, "experts": 4}
+    embeddings = {"bits": 4, "modules": ["m.embed"], "tied": {"lm_head": "m.embed"}}
+    moe = {**GOOD, "modules": {"m.experts.down_proj": experts}, "embeddings": embeddings}
+    assert check_quant_config(moe) == moe["modules"]
+
+
+def test_transformers_renamed_modules_get_vllms_names_back() -> None:
+    # transformers 5 loads Mixtral's block_sparse_moe as mlp; vLLM's Mixtral reads the checkpoint's names
+    renames = checkpoint_renames("mixtral")
+    assert renames == ((".mlp.", ".block_sparse_moe."),)
+    name = "model.layers.3.mlp.experts.gate_up_proj.weight_packed"
+    assert renamed(name, renames) == "model.layers.3.block_sparse_moe.experts.gate_up_proj.weight_packed"
+    assert checkpoint_renames("qwen3_moe") == checkpoint_renames("llama") == checkpoint_renames(None) == ()
 
 
 def test_fused_layers_expand_by_the_models_mapping() -> None:

@@ -62,3 +62,44 @@ def test_module_names_follow_the_models_renames() -> None:
 def test_without_the_models_path_the_artifact_cannot_be_verified_and_nothing_is_built() -> None:
     with pytest.raises(FormatError, match="needs the model's path to verify the artifact"):
         config({"m.q_proj": ENTRY}).get_quant_method(nn.Module(), "m.q_proj")
+
+
+def test_a_moe_layers_expert_parameters_are_found_and_odd_layouts_refused() -> None:
+    from squeeze.integrations.vllm.moe import expert_modules
+
+    experts = {**ENTRY, "out_features": 32, "experts": 4}
+    prefix = "model.layers.0.mlp.experts"
+    both = {f"{prefix}.gate_up_proj": experts, f"{prefix}.down_proj": experts}
+
+    def specs(modules: dict) -> ModuleSpecs:
+        return ModuleSpecs(modules=modules, roles={name: {"weight_packed": "U8"} for name in modules})
+
+    assert expert_modules(specs(both), prefix) == {
+        "gate_up_proj": f"{prefix}.gate_up_proj",
+        "down_proj": f"{prefix}.down_proj",
+    }
+    assert expert_modules(specs(both), "model.layers.1.mlp.experts") == {}  # a layer the artifact keeps: vLLM's own
+    with pytest.raises(
+        FormatError, match=r"experts of model.layers.0.mlp.experts as one fused layer, but the artifact "
+    ):
+        expert_modules(specs({f"{prefix}.gate_up_proj": experts}), prefix)
+    with pytest.raises(FormatError, match="down_proj: the artifact's experts are transposed"):
+        expert_modules(specs({**both, f"{prefix}.down_proj": {**experts, "transposed": True}}), prefix)
+    with pytest.raises(FormatError, match="is not an expert parameter"):
+        expert_modules(specs({**both, f"{prefix}.down_proj": ENTRY}), prefix)
+
+
+def test_tied_heads_follow_the_renames() -> None:
+    cfg = SqueezeVllmConfig.from_config(
+        {
+            "quant_method": "squeeze",
+            "format_version": 1,
+            "modules": {"model.embed_tokens": ENTRY},
+            "embeddings": {"bits": 4, "modules": ["model.embed_tokens"], "tied": {"lm_head": "model.embed_tokens"}},
+        }
+    )
+    assert cfg.tied == {"lm_head": "model.embed_tokens"}
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."}))
+    assert cfg.tied == {"lm_head": "language_model.model.embed_tokens"}

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,16 +19,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/check_vllm.sh builds an environment with it)")
 
+from vllm_runs import assert_squeeze_run_text, run_vllm  # noqa: E402
+
 from squeeze import api  # noqa: E402
-from squeeze.eval.greedy import first_divergence  # noqa: E402
 from squeeze.format.manifest import MANIFEST_NAME  # noqa: E402
 from squeeze.format.verify import seal_artifact  # noqa: E402
 from squeeze.quant.packing import unpack_codes  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[3]
-PROMPTS = ["Once upon a time", "The little dog", "She looked at the", "One day, a"]
-TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +48,6 @@ def vllm_tiny(
     return compress_tiny(source.parent / "w3", "w3-s045", source=source)
 
 
-def run_vllm(model: Path, **options: Any) -> tuple[dict[str, Any] | None, str]:
-    """(result, log) of scripts/bench/vllm_generate.py on ``model``; result None when vLLM failed to start."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "vllm_generate.py"), str(model)]
-    cmd += ["--prompts-json", json.dumps(PROMPTS), "--max-tokens", str(TOKENS), "--max-model-len", "128"]
-    for key, value in options.items():
-        cmd += ["--" + key.replace("_", "-"), str(value)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    log = proc.stderr + proc.stdout  # vLLM logs to stdout
-    for line in proc.stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            return json.loads(line[len("VLLM_RESULT ") :]), log
-    return None, log
-
-
 @pytest.fixture(scope="module")
 def tp1(vllm_tiny: Path) -> dict[str, Any]:
     result, log = run_vllm(vllm_tiny)
@@ -74,14 +56,7 @@ def tp1(vllm_tiny: Path) -> dict[str, Any]:
 
 
 def test_vllm_generates_what_squeeze_run_generates(vllm_tiny: Path, tp1: dict[str, Any]) -> None:
-    loaded = api.load(vllm_tiny)
-    for i, prompt in enumerate(PROMPTS):
-        ours = api.generate(loaded, [prompt], max_new_tokens=TOKENS).texts[0]
-        if tp1["texts"][i] == ours:
-            continue
-        # a difference is allowed only where the two choices were a near-tie for squeeze's own model
-        found = first_divergence(loaded.model, tp1["prompt_tokens"][i], tp1["tokens"][i])
-        assert found is not None and found[1] < 1e-3, (prompt, ours, tp1["texts"][i], found)
+    assert_squeeze_run_text(vllm_tiny, tp1)
 
 
 def test_tensor_parallel_3_equals_tensor_parallel_1(vllm_tiny: Path, tp1: dict[str, Any]) -> None:

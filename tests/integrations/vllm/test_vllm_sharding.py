@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from squeeze.errors import FormatError
-from squeeze.integrations.vllm.sharding import LayerGeometry, ShardPlan, plan_shards, take_shard
+from squeeze.integrations.vllm.sharding import (
+    ExpertGeometry,
+    LayerGeometry,
+    ShardPlan,
+    plan_shards,
+    take_expert_shards,
+    take_shard,
+    vocab_rows,
+)
 from squeeze.quant.schemes import LutWeight
 from squeeze.quant.schemes.lut import quantize_lut
 from toy_format import ToyAbsmaxWeight
@@ -100,3 +108,71 @@ def test_a_format_without_column_slices_names_the_module_and_the_way_out() -> No
     with pytest.raises(FormatError, match="m.o_proj: weight format 'toy-absmax' cannot be split by input columns") as e:
         take_shard(toy, plan, geometry)
     assert "tensor_parallel_size 1" in (e.value.hint or "")
+
+
+# -- MoE experts and vocab-parallel tables -------------------------------------------------------------------
+
+E, H, INTER = 4, 12, 10  # 10 channels at tp 2: 5 per rank, so 3-bit down_proj codes are cut mid-byte (15 bits)
+
+
+def experts_pair(seed: int = 3) -> tuple[LutWeight, LutWeight]:
+    """A MoE layer's gate_up_proj (E*2I, H) and down_proj (E*H, I) as squeeze stores them, with sparse parts."""
+    return lut(E * 2 * INTER, H, seed=seed), lut(E * H, INTER, seed=seed + 1)
+
+
+def expert_output(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU MLP from its dense matrices: gate_up (2i, H), down (H, i), x (T, H) -> (T, H)."""
+    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.T
+
+
+@pytest.mark.parametrize(("tp", "experts"), [(1, (0, 1, 2, 3)), (2, (0, 1, 2, 3)), (1, (2, 3)), (2, (3, 1))])
+def test_expert_shards_hold_the_ranks_channels_of_its_experts(tp: int, experts: tuple[int, ...]) -> None:
+    gate_up, down = experts_pair()
+    full_gu = gate_up.dequantize().view(E, 2 * INTER, H)
+    full_down = down.dequantize().view(E, H, INTER)
+    x = torch.randn(3, H)
+    for local_index, e in enumerate(experts):
+        total = torch.zeros(3, H)
+        for rank in range(tp):
+            geometry = ExpertGeometry(experts, rank, tp, H, INTER)
+            gu, dn = take_expert_shards(gate_up, down, E, geometry, "m.experts")
+            i = INTER // tp
+            assert (gu.out_features, gu.in_features) == (len(experts) * 2 * i, H)
+            assert (dn.out_features, dn.in_features) == (len(experts) * H, i)
+            mine_gu = gu.dequantize().view(len(experts), 2 * i, H)[local_index]
+            mine_down = dn.dequantize().view(len(experts), H, i)[local_index]
+            # exactly the stored values of the rank's gate channels, its up channels, its down columns
+            assert torch.equal(mine_gu[:i], full_gu[e, rank * i : (rank + 1) * i])
+            assert torch.equal(mine_gu[i:], full_gu[e, INTER + rank * i : INTER + (rank + 1) * i])
+            assert torch.equal(mine_down, full_down[e][:, rank * i : (rank + 1) * i])
+            total += expert_output(mine_gu, mine_down, x)
+        # the partial sums vLLM's all-reduce adds give the whole expert's output
+        torch.testing.assert_close(total, expert_output(full_gu[e], full_down[e], x), rtol=1e-5, atol=1e-5)
+
+
+def test_one_rank_holding_every_expert_keeps_the_stored_weights() -> None:
+    gate_up, down = experts_pair()
+    assert take_expert_shards(gate_up, down, E, ExpertGeometry((0, 1, 2, 3), 0, 1, H, INTER), "m") == (gate_up, down)
+
+
+def test_expert_weights_that_do_not_fit_the_layer_are_refused() -> None:
+    gate_up, down = experts_pair()
+    with pytest.raises(
+        FormatError, match=r"m\.experts\.gate_up_proj: the artifact's weight is 80 x 12, but vLLM's MoE"
+    ):
+        take_expert_shards(gate_up, down, E, ExpertGeometry((0,), 0, 1, H, 2 * INTER), "m.experts")
+    with pytest.raises(FormatError, match="10 intermediate channels per expert cannot be split over tensor parallel"):
+        take_expert_shards(gate_up, down, E, ExpertGeometry((0,), 0, 3, H, INTER), "m.experts")
+    with pytest.raises(FormatError, match="vLLM places expert 7 on this rank, but the layer has 4"):
+        take_expert_shards(gate_up, down, E, ExpertGeometry((7,), 0, 1, H, INTER), "m.experts")
+
+
+def test_vocab_rows_are_the_ranks_block_of_the_table() -> None:
+    table = lut(10, seed=5)
+    assert vocab_rows(table, 0, 10, "e") is table
+    assert torch.equal(vocab_rows(table, 5, 10, "e").dequantize(), table.dequantize()[5:])
+    with pytest.raises(
+        FormatError, match=r"e: vLLM's vocab-parallel shard is rows \[5, 12\), but the artifact's table"
+    ):
+        vocab_rows(table, 5, 12, "e")
