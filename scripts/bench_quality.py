@@ -9,7 +9,8 @@ replaces the target weights by their exact dequantization (the artifact's refere
 on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
 Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
 the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
-in descending diag(H) order; a trailing -dampX sets the dampening, default 0.01). --generated-samples N adds
+in descending diag(H) order; a trailing -rrR alternates R rounds of LUT refit and compensation,
+weights.refit_rounds; a trailing -dampX sets the dampening, default 0.01). --generated-samples N adds
 the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
 Writes JSON (--out) and prints a table.
 """
@@ -86,16 +87,26 @@ def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tu
     return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
 
 
+#: The option suffixes an -ec variant may end with, in this order: -rrR (R rounds of LUT refit and compensation,
+#: weights.refit_rounds), -gqG (output-weighted Hessians, G row groups), -dampX (the dampening).
+_OPTIONS_RE = re.compile(r"(-rr[0-9]+)?(-gq[0-9]+)?(-damp[0-9.]+)?$")
+
+
 def _base_method(method: str) -> str:
-    """The method without a trailing -gqG (output-weighted Hessians, G row groups) or -dampX (the dampening of
-    an -ec variant, e.g. w3-ec-gq4-damp0.1)."""
-    return re.sub(r"(-gq[0-9]+)?(-damp[0-9.]+)?$", "", method)
+    """The method without its option suffixes (e.g. w3-ec-act-rr3-gq4-damp0.1 -> w3-ec-act)."""
+    return _OPTIONS_RE.sub("", method)
 
 
 def _guided_groups(method: str) -> int | None:
     """G of an -ec variant's -gqG suffix: compensate against GuidedQuant's output-weighted Hessians."""
-    match = re.search(r"-gq([0-9]+)(-damp[0-9.]+)?$", method)
-    return int(match.group(1)) if match else None
+    match = _OPTIONS_RE.search(method)
+    return int(match.group(2)[3:]) if match and match.group(2) else None
+
+
+def _refit_rounds(method: str) -> int:
+    """R of an -ec variant's -rrR suffix (0 without one)."""
+    match = _OPTIONS_RE.search(method)
+    return int(match.group(1)[3:]) if match and match.group(1) else 0
 
 
 def _damp(method: str) -> float:
@@ -267,7 +278,16 @@ def main() -> None:
                         hessian, damp = hessians[name], _damp(method)
                         if _guided_groups(method) is not None:
                             hessian = guided[name]
-                        q = compensate_lut(q, weight, hessian, mask=mask, refit=refit, act_order=act, damp=damp)
+                        q = compensate_lut(
+                            q,
+                            weight,
+                            hessian,
+                            mask=mask,
+                            refit=refit,
+                            act_order=act,
+                            damp=damp,
+                            refit_rounds=_refit_rounds(method),
+                        )
                     w, b = q.dequantize(), q.storage_bits()
                 elif method in RTN:
                     q = rtn_quantize(weight, *RTN[method])
