@@ -119,14 +119,6 @@ def test_a_recipe_with_the_old_kv_cache_section_is_refused_with_the_way_forward(
     assert "calibrate-kv" in info.value.hint
 
 
-def test_ec_refit_recipes_are_their_ec_twins_plus_refit_rounds():
-    for name in ("w4", "w3", "w3-s045"):
-        ec, refit = load_recipe(f"{name}-ec").to_dict(), load_recipe(f"{name}-ec-refit").to_dict()
-        assert refit["weights"].pop("refit_rounds") == 3 and ec["weights"].pop("refit_rounds") == 0
-        assert refit.pop("name") == f"{name}-ec-refit" and ec.pop("name") == f"{name}-ec"
-        assert refit == ec
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -84,7 +84,7 @@ def test_refit_rounds_write_an_ordinary_artifact_whose_layers_fit_no_worse(
     ec_artifact, tmp_path, stories_dir, tinystories_file
 ):
     refit = tmp_path / "w3-ec-refit"
-    compress(stories_dir, tinystories_file, refit, recipe="w3-ec-refit")
+    compress(stories_dir, tinystories_file, refit, overrides={"weights.refit_rounds": 3})
     assert api.verify_model_integrity(refit).ok
     assert "refit_rounds: 3" in (refit / "recipe.yaml").read_text()
     ec_files, refit_files = files(ec_artifact), files(refit)
