@@ -9,8 +9,10 @@ replaces the target weights by their exact dequantization (the artifact's refere
 on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
 Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
 the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
-in descending diag(H) order; a trailing -rrR alternates R rounds of LUT refit and compensation,
-weights.refit_rounds; a trailing -dampX sets the dampening, default 0.01). --generated-samples N adds
+in descending diag(H) order; -seq takes block i's Hessians from the outputs of the blocks above as already
+quantized (squeeze.calibrate.hessian.sequential_hessians; the calibration windows plus the sampled ones); a
+trailing -rrR alternates R rounds of LUT refit and compensation, weights.refit_rounds; a trailing -dampX sets
+the dampening, default 0.01). --eval-text2 scores every method on a second held-out text too. --generated-samples N adds
 the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
 Writes JSON (--out) and prints a table.
 """
