@@ -51,7 +51,9 @@ EMBEDDING_BITS = (4, 6, 8)
 EmbeddingAuto = Literal["auto"]
 EMBEDDING_AUTO: EmbeddingAuto = "auto"
 #: The WeightsConfig options that only error compensation reads (each must keep its default without it).
-ERROR_COMPENSATION_OPTIONS = ("damp", "refit_lut", "act_order", "generated_samples")
+ERROR_COMPENSATION_OPTIONS = ("damp", "refit_lut", "refit_rounds", "act_order", "generated_samples")
+#: The most rounds ``weights.refit_rounds`` may ask for (each is one more compensation pass per linear).
+MAX_REFIT_ROUNDS = 8
 #: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
 #: squeeze.models.experts), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
 DEFAULT_TARGETS = (
@@ -107,6 +109,10 @@ class WeightsConfig:
     damp: float = 0.01
     #: squeeze only, with error_compensation: refit each row's LUT once to the compensated codes (least squares).
     refit_lut: bool = False
+    #: squeeze only, with error_compensation: rounds of LNQ's alternation after the compensation (squeeze.quant.ec.
+    #: refitted_codes): each row's LUT refitted by least squares under H, then the codes re-chosen with
+    #: compensation against it; each row keeps its best pair by output error (never worse than 0 rounds).
+    refit_rounds: int = 0
     #: squeeze only, with error_compensation: quantize the columns by descending diag(H), GPTQ's act-order
     #: (measured on SmolLM2 w3: 55.1 vs 57.2 WikiText-2 perplexity in the original column order).
     act_order: bool = False
@@ -173,12 +179,26 @@ class WeightsConfig:
                 hint=f"add error_compensation: true, or remove {' / '.join(changed)}",
             )
         check_at_least(self.generated_samples, 0, "weights.generated_samples")
+        self._check_refit_rounds()
         if self.generated_samples > MAX_GENERATED_SAMPLES:
             raise ConfigError(
                 f"weights.generated_samples (--generated-samples) must be at most {MAX_GENERATED_SAMPLES}, found "
                 f"{self.generated_samples}",
                 hint="8 to 64 sampled sequences is the useful range (docs/guide.md); each costs a model run of "
                 "seq_len tokens",
+            )
+
+    def _check_refit_rounds(self) -> None:
+        rounds = check_at_least(self.refit_rounds, 0, "weights.refit_rounds")
+        if not 0 <= rounds <= MAX_REFIT_ROUNDS:
+            raise ConfigError(
+                f"weights.refit_rounds must be an integer from 0 to {MAX_REFIT_ROUNDS}, found {rounds!r}",
+                hint="2 to 4 rounds take most of the gain; each adds one compensation pass per linear",
+            )
+        if rounds and self.refit_lut:
+            raise ConfigError(
+                f"weights.refit_lut and weights.refit_rounds ({rounds}) both refit the LUT: give one of them",
+                hint="refit_rounds alternates refit and compensation and keeps the best; remove refit_lut",
             )
 
     def _check_options_of_format(self) -> None:

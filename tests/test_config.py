@@ -119,6 +119,29 @@ def test_a_recipe_with_the_old_kv_cache_section_is_refused_with_the_way_forward(
     assert "calibrate-kv" in info.value.hint
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"weights.refit_rounds": -1}, "refit_rounds must be >= 0"),
+        ({"weights.refit_rounds": 9}, "refit_rounds must be an integer from 0 to 8"),
+        ({"weights.refit_rounds": 2.5}, "must be of type int"),
+        ({"weights.refit_rounds": True}, "must be of type int"),
+        ({"weights.refit_rounds": 2, "weights.refit_lut": True}, "give one of them"),
+    ],
+)
+def test_refit_rounds_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe("w3-ec", **overrides)
+
+
+def test_refit_rounds_need_error_compensation_and_the_lut_format():
+    assert load_recipe("w3-ec", **{"weights.refit_rounds": 8}).weights.refit_rounds == 8
+    with pytest.raises(ConfigError, match="refit_rounds: used only with weights.error_compensation"):
+        load_recipe("w3", **{"weights.refit_rounds": 2})
+    with pytest.raises(ConfigError, match="applies to method squeeze"):
+        load_recipe("rtn-w3", **{"weights.refit_rounds": 2})
+
+
 def test_wrong_types_and_literals():
     with pytest.raises(ConfigError, match="must be one of"):
         load_recipe("w4", **{"weights.method": "gptq"})

@@ -9,7 +9,10 @@ replaces the target weights by their exact dequantization (the artifact's refere
 on the same token windows. Bits per weight are counted exactly (codes, LUTs/scales, sparse entries).
 Variants ending in -ec use error compensation (squeeze.quant.ec) against the layer inputs' Hessians, which
 the same calibration pass accumulates (-ec-refit: the LUT refitted once after compensation; -ec-act: columns
-in descending diag(H) order; a trailing -dampX sets the dampening, default 0.01). --generated-samples N adds
+in descending diag(H) order; -seq takes block i's Hessians from the outputs of the blocks above as already
+quantized (squeeze.calibrate.hessian.sequential_hessians; the calibration windows plus the sampled ones); a
+trailing -rrR alternates R rounds of LUT refit and compensation, weights.refit_rounds; a trailing -dampX sets
+the dampening, default 0.01). --eval-text2 scores every method on a second held-out text too. --generated-samples N adds
 the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
 Writes JSON (--out) and prints a table.
 """
@@ -32,7 +35,12 @@ sys.path.insert(0, str(REPO))
 
 from squeeze.calibrate.fisher import fisher_information  # noqa: E402
 from squeeze.calibrate.generated import sample_windows_from_model, start_token  # noqa: E402
-from squeeze.calibrate.hessian import dedupe_hessians, input_hessians, output_weighted_hessians  # noqa: E402
+from squeeze.calibrate.hessian import (  # noqa: E402
+    dedupe_hessians,
+    input_hessians,
+    output_weighted_hessians,
+    sequential_hessians,
+)
 from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
@@ -86,16 +94,33 @@ def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tu
     return w, weight.numel() * bits + groups * 2 * 16  # codes + fp16 scale and zero per group
 
 
+#: The option suffixes an -ec variant may end with, in this order: -seq (sequential Hessians: block i's from the
+#: outputs of the blocks above as already quantized, squeeze.calibrate.hessian.sequential_hessians), -rrR (R rounds
+#: of LUT refit and compensation, weights.refit_rounds), -gqG (output-weighted Hessians, G row groups), -dampX
+#: (the dampening).
+_OPTIONS_RE = re.compile(r"(-seq)?(-rr[0-9]+)?(-gq[0-9]+)?(-damp[0-9.]+)?$")
+
+
 def _base_method(method: str) -> str:
-    """The method without a trailing -gqG (output-weighted Hessians, G row groups) or -dampX (the dampening of
-    an -ec variant, e.g. w3-ec-gq4-damp0.1)."""
-    return re.sub(r"(-gq[0-9]+)?(-damp[0-9.]+)?$", "", method)
+    """The method without its option suffixes (e.g. w3-ec-act-rr3-gq4-damp0.1 -> w3-ec-act)."""
+    return _OPTIONS_RE.sub("", method)
 
 
 def _guided_groups(method: str) -> int | None:
     """G of an -ec variant's -gqG suffix: compensate against GuidedQuant's output-weighted Hessians."""
-    match = re.search(r"-gq([0-9]+)(-damp[0-9.]+)?$", method)
-    return int(match.group(1)) if match else None
+    match = _OPTIONS_RE.search(method)
+    return int(match.group(3)[3:]) if match and match.group(3) else None
+
+
+def _refit_rounds(method: str) -> int:
+    """R of an -ec variant's -rrR suffix (0 without one)."""
+    match = _OPTIONS_RE.search(method)
+    return int(match.group(2)[3:]) if match and match.group(2) else 0
+
+
+def _sequential(method: str) -> bool:
+    match = _OPTIONS_RE.search(method)
+    return bool(match and match.group(1))
 
 
 def _damp(method: str) -> float:
@@ -147,6 +172,12 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument(
+        "--eval-text2",
+        default=None,
+        help="a second held-out text (never used for calibration) every method is also scored on",
+    )
+    parser.add_argument("--eval2-windows", type=int, default=20)
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="bench-out/quality.json")
@@ -187,6 +218,9 @@ def main() -> None:
     # the model's other tensors as the artifact keeps them: in the source's 16-bit dtype, tied weights once
     other_bytes = 2 * (sum(p.numel() for p in model.parameters()) - n_weights)
     eval_ids = tokenize_text(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer)[None, :]
+    eval2_ids = None
+    if args.eval_text2:
+        eval2_ids = tokenize_text(Path(args.eval_text2).read_text(encoding="utf-8"), tokenizer)[None, :]
 
     fisher: dict[str, torch.Tensor] = {}
     hessians: dict[str, torch.Tensor] = {}
@@ -248,32 +282,66 @@ def main() -> None:
             model, tokenizer, targets, hessians, args.generated_samples, args.seq_len, cache, args.generated_weight
         )
 
+    def quantize(method: str, name: str, hessian: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """(dequantized weight, its exact bits) of target ``name`` by ``method``."""
+        weight = originals[name]
+        if _base_method(method) in SQUEEZE:
+            bits, s, o = SQUEEZE[_base_method(method)]
+            f = None if method.endswith("uniform") else fisher[name]
+            mask = select_sparse(weight, f, s, o) if (s or o) else None
+            lut_dtype = "int8" if "lut8" in method else "float16"
+            q = quantize_lut(weight, f, bits, mask=mask, lut_dtype=lut_dtype)
+            if "-ec" in method:
+                assert hessian is not None
+                q = compensate_lut(
+                    q,
+                    weight,
+                    guided[name] if _guided_groups(method) is not None else hessian,
+                    mask=mask,
+                    refit=_base_method(method).endswith("refit"),
+                    act_order="-act" in method,
+                    damp=_damp(method),
+                    refit_rounds=_refit_rounds(method),
+                )
+            return q.dequantize(), q.storage_bits()
+        if method in RTN:
+            r = rtn_quantize(weight, *RTN[method])
+            return r.dequantize(), r.storage_bits()
+        return hqq_dequantize(weight, *HQQ[method])
+
+    seq_windows = None
+    if any(_sequential(m) for m in methods):
+        # the Fisher pass's windows, then the sampled sequences (sampled by the original model, seed 0)
+        calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
+        seq_windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
+        if args.generated_samples:
+            sampled = sample_windows_from_model(
+                model, args.generated_samples, args.seq_len, start=start_token(tokenizer), seed=0
+            )
+            seq_windows = torch.cat([seq_windows, sampled])
+
     rows = []
     for method in methods:
         t0 = time.perf_counter()
         bits_total = n_weights * 32
-        if method != "fp32":
+        if method != "fp32" and _sequential(method):
+            assert seq_windows is not None
+            spent: list[int] = []
+
+            def on_block(
+                _index: int, block_hessians: dict[str, torch.Tensor], method: str = method, spent: list[int] = spent
+            ) -> None:
+                for name, h in block_hessians.items():
+                    w, b = quantize(method, name, h)
+                    targets[name].weight.data.copy_(w)
+                    spent.append(b)
+
+            sequential_hessians(model, seq_windows, targets, on_block)
+            bits_total = sum(spent)
+        elif method != "fp32":
             bits_total = 0
             for name, module in targets.items():
-                weight = originals[name]
-                if _base_method(method) in SQUEEZE:
-                    bits, s, o = SQUEEZE[_base_method(method)]
-                    f = None if method.endswith("uniform") else fisher[name]
-                    mask = select_sparse(weight, f, s, o) if (s or o) else None
-                    lut_dtype = "int8" if "lut8" in method else "float16"
-                    q = quantize_lut(weight, f, bits, mask=mask, lut_dtype=lut_dtype)
-                    if "-ec" in method:
-                        refit, act = _base_method(method).endswith("refit"), "-act" in method
-                        hessian, damp = hessians[name], _damp(method)
-                        if _guided_groups(method) is not None:
-                            hessian = guided[name]
-                        q = compensate_lut(q, weight, hessian, mask=mask, refit=refit, act_order=act, damp=damp)
-                    w, b = q.dequantize(), q.storage_bits()
-                elif method in RTN:
-                    q = rtn_quantize(weight, *RTN[method])
-                    w, b = q.dequantize(), q.storage_bits()
-                else:
-                    w, b = hqq_dequantize(weight, *HQQ[method])
+                w, b = quantize(method, name, hessians.get(name))
                 module.weight.data.copy_(w)
                 bits_total += b
         quant_seconds = time.perf_counter() - t0
@@ -281,12 +349,18 @@ def main() -> None:
         result = perplexity_from_ids(
             model, eval_ids, seq_len=args.seq_len, max_windows=args.eval_windows, tokenizer=tokenizer
         )
+        second = None
+        if eval2_ids is not None:
+            second = perplexity_from_ids(
+                model, eval2_ids, seq_len=args.seq_len, max_windows=args.eval2_windows, tokenizer=tokenizer
+            ).perplexity
         eval_seconds = time.perf_counter() - t0
         for name, module in targets.items():
             module.weight.data.copy_(originals[name])
         row = {
             "method": method,
             "perplexity": result.perplexity,
+            "perplexity2": second,
             "word_perplexity": result.word_perplexity,
             "bits_per_weight": bits_total / n_weights,
             # what the artifact would weigh: the quantized linears' exact bits + every other tensor in 16 bits
@@ -297,7 +371,9 @@ def main() -> None:
         }
         rows.append(row)
         print(
-            f"{method:14s} ppl {result.perplexity:9.3f}  bpw {row['bits_per_weight']:.3f}  "
+            f"{method:14s} ppl {result.perplexity:9.3f}  "
+            + (f"text2 {second:9.3f}  " if second is not None else "")
+            + f"bpw {row['bits_per_weight']:.3f}  "
             f"quantize {quant_seconds:6.1f} s  eval {eval_seconds:5.1f} s",
             flush=True,
         )
@@ -307,10 +383,12 @@ def main() -> None:
         f"eval {Path(args.eval_text).name} ({args.eval_windows} x {args.seq_len}); load {load_seconds:.1f} s, "
         f"Fisher {fisher_seconds:.1f} s; {torch.get_num_threads()} threads"
     )
-    print("| method | perplexity | bits/weight | quantize s |\n|---|---|---|---|")
+    text2 = f" | {Path(args.eval_text2).name} ({args.eval2_windows} x {args.seq_len})" if args.eval_text2 else ""
+    print(f"| method | perplexity{text2} | bits/weight | quantize s |\n|---|---|{'---|' if text2 else ''}---|---|")
     for row in rows:
+        cell = f" | {row['perplexity2']:.2f}" if row["perplexity2"] is not None else ""
         print(
-            f"| {row['method']} | {row['perplexity']:.2f} | {row['bits_per_weight']:.3f} "
+            f"| {row['method']} | {row['perplexity']:.2f}{cell} | {row['bits_per_weight']:.3f} "
             f"| {row['quantize_seconds']:.1f} |"
         )
     out = Path(args.out)

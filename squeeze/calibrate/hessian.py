@@ -29,12 +29,16 @@ its Hessians; less for wider models, whose Hessians grow with the square of the 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from squeeze.calibrate.blockwise import _block_out, _prologue, _resident, _Store, model_parts
+from squeeze.models.modes import eval_mode
 
 #: Token rows an update takes at least (smaller calls are buffered): at 64 rows a (1536, 1536) update runs at
 #: the matrix product's full speed on one CPU core, 2.4x the per-row speed of 8-row updates.
@@ -239,6 +243,54 @@ def output_weighted_hessians(
             handle.remove()
 
 
+#: ``on_block(index, hessians)``: quantize block ``index``'s targets in place, given their input Hessians
+BlockQuantizer = Callable[[int, dict[str, torch.Tensor]], None]
+
+
+def sequential_hessians(
+    model: nn.Module,
+    windows: torch.Tensor,
+    targets: Mapping[str, nn.Linear],
+    on_block: BlockQuantizer,
+    *,
+    spill_dir: Path | None = None,
+) -> None:
+    """GPTQ's sequential order: block i's input Hessians taken from the outputs of blocks 0..i-1 as quantized.
+
+    ``windows`` int64 (n, T). For each decoder block in model order: its input per window (block 0's: what the
+    model feeds it) runs through it under :func:`input_hessians` hooks on the block's targets; then
+    ``on_block(i, {name: float32 (in, in) H})`` is called, which is to quantize those targets in place (their
+    weights replaced by what the artifact will hold); then the block runs again on the same inputs, and its
+    outputs, through the quantized weights, are block i+1's inputs. So each layer's compensation sees the
+    inputs the quantized model will give it, as GPTQ and llm-compressor do, instead of the original model's.
+
+    Memory: one float32 (T, hidden) state per window (in memory, or in ``spill_dir`` as safetensors files,
+    one resident at a time) and one block's Hessians. Cost: two block forwards per window and block, no
+    backward. Models shaped like Llama only (``model.layers``, ``model.norm``: ConfigError otherwise); a
+    target outside every block is refused (ValueError).
+    """
+    _embed, blocks, norm, _head = model_parts(model)
+    block_of = {id(module): i for i, block in enumerate(blocks) for module in block.modules()}
+    outside = [name for name, module in targets.items() if id(module) not in block_of]
+    if outside:
+        raise ValueError(f"sequential Hessians cover decoder blocks only; {outside[:3]} are outside every block")
+    store = _Store(spill_dir)
+    n_windows = int(windows.shape[0])
+    with torch.inference_mode(False), eval_mode(model), torch.no_grad():
+        kwargs = _prologue(model, windows, _embed, blocks, norm, _resident, store, False)
+        for i, block in enumerate(blocks):
+            mine = {name: module for name, module in targets.items() if block_of[id(module)] == i}
+            with input_hessians(mine) as acc:
+                for w in range(n_windows):
+                    block(store.get(f"h{i}-{w}"), **kwargs[i][w])
+            on_block(i, acc.result())
+            for w in range(n_windows):  # the quantized block's outputs: the next block's inputs
+                store.put(f"h{i + 1}-{w}", _block_out(block(store.take(f"h{i}-{w}"), **kwargs[i][w])))
+            kwargs[i] = []
+        for w in range(n_windows):
+            store.take(f"h{len(blocks)}-{w}")
+
+
 def hessian_bytes_bound(modules: Mapping[str, nn.Module]) -> int:
     """Upper bound of the bytes the Hessians of ``modules`` take: 4 * in_features**2 each, as if no two shared
     an input (for a Llama block the true figure is about 0.77x of this: q/k/v and gate/up share)."""
@@ -266,6 +318,8 @@ __all__ = [
     "OutputWeightedHessians",
     "input_hessians",
     "output_weighted_hessians",
+    "sequential_hessians",
+    "BlockQuantizer",
     "dedupe_hessians",
     "hessian_bytes_bound",
 ]

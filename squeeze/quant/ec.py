@@ -31,7 +31,8 @@ causes, to a block-diagonal Fisher approximation.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -214,8 +215,9 @@ def refit_lut(
     q = lut[codes] (sparse positions in ``mask`` hold their exact value and are not part of the fit). Solved
     per row as a K x K least-squares system ``(E H E^T) lut = E H r`` (E the one-hot code matrix, r the
     target with the sparse contribution removed), dampened like the compensation; an unused entry keeps 0
-    contribution and is filled by the caller. ``hessian`` (G, N, N): each group of rows (:func:`row_groups`)
-    against its own.
+    contribution and is filled by the caller. A row whose system is singular or whose levels overflow float32
+    comes back all NaN (never an exception): the caller keeps its previous levels. ``hessian`` (G, N, N): each
+    group of rows (:func:`row_groups`) against its own.
     """
     rows, cols = weight.shape
     if hessian.dim() == 3:
@@ -249,7 +251,113 @@ def refit_lut(
     used = onehot.sum(dim=1) > 0  # (R, K)
     a = torch.where(used[:, :, None] & used[:, None, :], a, torch.eye(k, dtype=torch.float64).expand(rows, k, k))
     b = torch.where(used, b, torch.zeros_like(b))
-    return torch.linalg.solve(a, b).to(torch.float32)
+    solution, info = torch.linalg.solve_ex(a, b)  # (R, K); info != 0: a singular row (never raises)
+    solution = solution.to(torch.float32)
+    bad = (info != 0) | ~torch.isfinite(solution).all(dim=1)  # (R,): a singular or overflowing row
+    return solution.masked_fill(bad[:, None], float("nan"))  # NaN: the caller keeps that row's previous levels
 
 
-__all__ = ["DEFAULT_DAMP", "DEFAULT_BLOCK", "inverse_hessian_factor", "compensated_codes", "refit_lut", "row_groups"]
+def row_errors(weight: Tensor, values: Tensor, hessian: Tensor) -> Tensor:
+    """float64 (R,): each row's output error ``(w - q) H (w - q)^T`` (the layer objective), float (R, N)
+    ``weight`` and ``values`` (the dequantized row, sparse positions exact, so their error is 0); ``hessian``
+    (N, N), or (G, N, N) with each group of rows (:func:`row_groups`) against its own."""
+    rows = weight.shape[0]
+    e = weight.detach().to(torch.float64) - values.detach().to(torch.float64)  # (R, N)
+    if hessian.dim() == 3:
+        return torch.cat(
+            [
+                (e[r] @ hessian[g].to(torch.float64) * e[r]).sum(dim=1)
+                for g, r in enumerate(row_groups(rows, len(hessian)))
+            ]
+        )
+    return (e @ hessian.detach().to(torch.float64) * e).sum(dim=1)
+
+
+class Refit(NamedTuple):
+    """:func:`refitted_codes`' result, per row the best pair met. levels float32 (R, K): the refitted levels
+    before the format stores them (ascending; a row of round 0 has ``grid`` itself); stored float32 (R, K): as
+    ``store`` gave them (what ``codes`` index); codes int64 (R, N); round int64 (R,): 0 for a row that kept
+    the compensated codes against ``grid``, else the round its levels come from; error float64 (R,): its
+    :func:`row_errors`."""
+
+    levels: Tensor
+    stored: Tensor
+    codes: Tensor
+    round: Tensor
+    error: Tensor
+
+
+def refitted_codes(
+    weight: Tensor,
+    grid: Tensor,
+    hessian: Tensor,
+    store: Callable[[Tensor], Tensor],
+    *,
+    rounds: int,
+    mask: Tensor | None = None,
+    damp: float = DEFAULT_DAMP,
+    act_order: bool = False,
+) -> Refit:
+    """LNQ's alternation of code assignment and LUT refit, the best per row kept (:class:`Refit`).
+
+    Round 0 is :func:`compensated_codes` against ``grid`` (float (R, K), the stored LUT values). Each later
+    round refits every row's levels to the last codes by least squares under H (:func:`refit_lut`), sorts them
+    ascending, rounds them as the format stores them (``store``: float32 (R, K) ascending -> float32 (R, K)
+    stored values, row by row, deterministic) and re-chooses the codes with compensation against them. Every
+    (levels, codes) pair met, the refitted levels with the codes they were fitted to as well, is scored per
+    row by :func:`row_errors`; each row keeps its best, so the result is never worse under H than round 0
+    alone. A refit that is singular or not finite once stored (levels beyond float16) keeps the row's
+    previous levels for that round.
+    """
+    if rounds < 0:
+        raise ValueError(f"rounds must be >= 0, found {rounds}")
+    w32 = weight.detach().to(torch.float32)
+    k = grid.shape[1]
+    exact = None if mask is None or not bool(mask.any()) else mask
+    raw = levels = grid.detach().to(torch.float32)
+    codes = compensated_codes(w32, levels, hessian, mask=mask, damp=damp, act_order=act_order)
+    error = row_errors(w32, _dequantized(levels, codes, w32, exact), hessian)
+    best = Refit(raw, levels, codes, torch.zeros(w32.shape[0], dtype=torch.int64), error)
+    for round_ in range(1, rounds + 1):
+        fitted = refit_lut(w32, codes, hessian, k, mask=mask, damp=damp)
+        used = torch.nn.functional.one_hot(codes, k).sum(dim=1) > 0  # (R, K): an unused entry keeps its level
+        candidate = torch.where(used & torch.isfinite(fitted), fitted, raw)
+        candidate, order = candidate.sort(dim=1, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(k).expand_as(order))  # old index -> new
+        stored = store(candidate)
+        finite = torch.isfinite(stored).all(dim=1)  # (R,): a row that is not keeps its previous levels
+        raw = torch.where(finite[:, None], candidate, raw)
+        stored = torch.where(finite[:, None], stored, levels)
+        fitted_codes = torch.where(finite[:, None], rank.gather(1, codes), codes)
+        new_codes = compensated_codes(w32, stored, hessian, mask=mask, damp=damp, act_order=act_order)
+        for option in (fitted_codes, new_codes):
+            error = row_errors(w32, _dequantized(stored, option, w32, exact), hessian)
+            better = (error < best.error) & finite
+            best = Refit(
+                torch.where(better[:, None], raw, best.levels),
+                torch.where(better[:, None], stored, best.stored),
+                torch.where(better[:, None], option, best.codes),
+                torch.where(better, round_, best.round),
+                torch.where(better, error, best.error),
+            )
+        levels, codes = stored, new_codes
+    return best
+
+
+def _dequantized(levels: Tensor, codes: Tensor, weight: Tensor, exact: Tensor | None) -> Tensor:
+    """float32 (R, N): levels[codes], the ``exact`` (sparse) positions holding their weight."""
+    values = levels.gather(1, codes)
+    return values if exact is None else torch.where(exact, weight, values)
+
+
+__all__ = [
+    "DEFAULT_DAMP",
+    "DEFAULT_BLOCK",
+    "inverse_hessian_factor",
+    "compensated_codes",
+    "refit_lut",
+    "Refit",
+    "refitted_codes",
+    "row_errors",
+    "row_groups",
+]

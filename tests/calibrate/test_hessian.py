@@ -157,3 +157,87 @@ def test_output_weighted_hessians_without_a_backward_are_zero():
     assert torch.equal(acc.result()["a"], torch.zeros(3, 6, 6))
     with pytest.raises(ValueError, match="groups must be >= 1"):
         output_weighted_hessians({"a": block.a}, 0).__enter__()
+
+
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _tiny_copy(tiny_llama):
+    import copy
+
+    model, _tokenizer = tiny_llama
+    return copy.deepcopy(model)
+
+
+def _windows(n: int = 3, length: int = 24) -> torch.Tensor:
+    return torch.randint(3, 300, (n, length), generator=torch.Generator().manual_seed(5))
+
+
+def test_sequential_hessians_without_quantization_are_the_whole_model_pass(tiny_llama):
+    from squeeze.calibrate.hessian import sequential_hessians
+
+    model = _tiny_copy(tiny_llama)
+    targets = find_target_linears(model, LLAMA_TARGETS)
+    windows = _windows()
+    with input_hessians(targets) as acc, torch.no_grad():
+        for row in windows:
+            model(input_ids=row[None], use_cache=False)
+    expected = acc.result()
+    seen: dict[str, torch.Tensor] = {}
+    order: list[int] = []
+
+    def record(index: int, hessians: dict[str, torch.Tensor]) -> None:
+        order.append(index)
+        assert all(f"layers.{index}." in name for name in hessians)  # only this block's targets
+        seen.update(hessians)
+
+    sequential_hessians(model, windows, targets, record)
+    assert order == [0, 1] and sorted(seen) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(seen[name], expected[name], rtol=1e-5, atol=1e-4)
+    assert seen["model.layers.0.self_attn.k_proj"] is seen["model.layers.0.self_attn.q_proj"]  # shared input
+
+
+def test_sequential_hessians_see_the_blocks_above_as_quantized(tiny_llama, tmp_path):
+    from squeeze.calibrate.hessian import sequential_hessians
+
+    model = _tiny_copy(tiny_llama)
+    targets = find_target_linears(model, LLAMA_TARGETS)
+    windows = _windows()
+    original = {name: m.weight.detach().clone() for name, m in targets.items()}
+    seen: dict[str, torch.Tensor] = {}
+
+    def coarsen(index: int, hessians: dict[str, torch.Tensor]) -> None:  # a stand-in quantizer: round to 0.05
+        seen.update(hessians)
+        for name in hessians:
+            targets[name].weight.data = (targets[name].weight.data / 0.05).round() * 0.05
+
+    sequential_hessians(model, windows, targets, coarsen, spill_dir=tmp_path / "spill")
+    assert not any((tmp_path / "spill").iterdir())  # every spilled state read and removed
+    # block 1's Hessians are those of the model whose block 0 is already coarsened, block 1 not yet (within a
+    # block every Hessian comes from the block's weights before it is quantized)
+    reference = _tiny_copy((model, None))
+    for name, module in find_target_linears(reference, LLAMA_TARGETS).items():
+        if ".layers.1." in name:
+            module.weight.data = original[name].clone()
+    ref_targets = {n: m for n, m in find_target_linears(reference, LLAMA_TARGETS).items() if ".layers.1." in n}
+    with input_hessians(ref_targets) as acc, torch.no_grad():
+        for row in windows:
+            reference(input_ids=row[None], use_cache=False)
+    for name, h in acc.result().items():
+        torch.testing.assert_close(seen[name], h, rtol=1e-5, atol=1e-4)
+    # and they differ from the original model's: the inputs moved
+    name = "model.layers.1.mlp.down_proj"
+    base = _tiny_copy(tiny_llama)
+    with input_hessians({name: base.get_submodule(name)}) as acc, torch.no_grad():
+        for row in windows:
+            base(input_ids=row[None], use_cache=False)
+    assert not torch.allclose(acc.result()[name], seen[name], rtol=1e-3, atol=1e-3)
+
+
+def test_sequential_hessians_refuse_a_target_outside_the_blocks(tiny_llama):
+    from squeeze.calibrate.hessian import sequential_hessians
+
+    model = _tiny_copy(tiny_llama)
+    with pytest.raises(ValueError, match="outside every block"):
+        sequential_hessians(model, _windows(), {"lm_head": model.lm_head}, lambda i, h: None)

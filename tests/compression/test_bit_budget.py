@@ -130,12 +130,16 @@ def test_a_target_outside_the_models_range_names_the_range() -> None:
 def test_without_error_compensation_resets_every_option_of_it():
     """What an expert parameter and the plan's estimates are quantized with: a valid recipe with each
     error-compensation option at its default, whatever the recipe set."""
-    options = {"damp": 0.1, "refit_lut": True, "act_order": True, "generated_samples": 8}
-    assert set(options) == set(ERROR_COMPENSATION_OPTIONS)
-    recipe = load_recipe("w3-ec", **{f"weights.{k}": v for k, v in options.items()})
-    plain = without_error_compensation(recipe).weights
-    base = WeightsConfig()
-    assert not plain.error_compensation
-    assert all(getattr(plain, name) == getattr(base, name) for name in ERROR_COMPENSATION_OPTIONS)
-    assert (plain.bits, plain.sensitivity) == (recipe.weights.bits, recipe.weights.sensitivity)
+    common = {"damp": 0.1, "act_order": True, "generated_samples": 8}
+    # refit_lut and refit_rounds exclude each other: each is set in one of the two recipes
+    for refit in ({"refit_lut": True}, {"refit_rounds": 2}):
+        options = common | refit
+        assert set(options) | {"refit_lut", "refit_rounds"} == set(ERROR_COMPENSATION_OPTIONS)
+        recipe = load_recipe("w3-ec", **{f"weights.{k}": v for k, v in options.items()})
+        assert all(getattr(recipe.weights, k) == v for k, v in options.items())
+        plain = without_error_compensation(recipe).weights
+        base = WeightsConfig()
+        assert not plain.error_compensation
+        assert all(getattr(plain, name) == getattr(base, name) for name in ERROR_COMPENSATION_OPTIONS)
+        assert (plain.bits, plain.sensitivity) == (recipe.weights.bits, recipe.weights.sensitivity)
     assert without_error_compensation(load_recipe("w3")) == load_recipe("w3")

@@ -82,6 +82,24 @@ def test_ec_artifact_is_an_ordinary_squeeze_artifact_and_beats_plain(
     assert abs(scores["ec"] - reference) < abs(scores["plain"] - reference), (scores, reference)
 
 
+def test_refit_rounds_write_an_ordinary_artifact_whose_layers_fit_no_worse(
+    ec_artifact, tmp_path, stories_dir, tinystories_file
+):
+    refit = tmp_path / "w3-ec-refit"
+    compress(stories_dir, tinystories_file, refit, overrides={"weights.refit_rounds": 3})
+    assert api.verify_model_integrity(refit).ok
+    assert "refit_rounds: 3" in (refit / "recipe.yaml").read_text()
+    ec_files, refit_files = files(ec_artifact), files(refit)
+    assert sorted(ec_files) == sorted(refit_files) and ec_files != refit_files
+    # same codes width and tensor layout; the runtime reads it as any LUT artifact
+    text = str(tinystories_file)
+    score = api.evaluate(str(refit), text, seq_len=64, max_windows=8).result.perplexity
+    assert (
+        math.isfinite(score)
+        and score < 2 * api.evaluate(str(ec_artifact), text, seq_len=64, max_windows=8).result.perplexity
+    )
+
+
 def test_resume_with_a_committed_hessian_gives_identical_bytes(
     ec_artifact, tmp_path, stories_dir, tinystories_file, monkeypatch
 ):

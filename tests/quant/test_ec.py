@@ -12,6 +12,8 @@ from squeeze.quant.ec import (
     compensated_codes,
     inverse_hessian_factor,
     refit_lut,
+    refitted_codes,
+    row_errors,
     row_groups,
 )
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight, compensate_lut, quantize_lut
@@ -252,3 +254,108 @@ def test_grouped_refit_equals_the_per_group_refits():
     torch.testing.assert_close(fitted, expected)
     out = compensate_lut(plain, w, hs, refit=True)  # the LutWeight path takes the grouped Hessians too
     assert out.dequantize().shape == w.shape
+
+
+def _fp16(levels: torch.Tensor) -> torch.Tensor:
+    return levels.to(torch.float16).to(torch.float32)
+
+
+@pytest.mark.parametrize("lut_dtype", ["float16", "int8"])
+def test_refit_rounds_are_never_worse_per_row_and_better_in_all(lut_dtype):
+    x = correlated_inputs(1024, 96)
+    w = weight(40, 96)
+    h = x.T @ x
+    plain = quantize_lut(w, None, 3, lut_dtype=lut_dtype)
+    base = compensate_lut(plain, w, h, act_order=True, damp=0.1)
+    before = row_errors(w, base.dequantize(), h)
+    errors = [before]
+    for rounds in (1, 2, 4):
+        out = compensate_lut(plain, w, h, act_order=True, damp=0.1, refit_rounds=rounds)
+        assert type(out) is type(plain)
+        lut = out.lut_values()
+        assert bool((lut[:, 1:] >= lut[:, :-1]).all())  # still ascending, as the format stores it
+        errors.append(row_errors(w, out.dequantize(), h))
+        assert bool((errors[-1] <= before).all())  # the invariant: every row no worse than compensation alone
+        assert bool((errors[-1] <= errors[-2] * (1 + 1e-9)).all())  # more rounds: each row keeps its best
+    assert float(errors[-1].sum()) < 0.7 * float(before.sum())  # and the alternation pays: 0.37x measured
+
+
+def test_refit_rounds_zero_is_the_compensation_bit_for_bit_and_rows_of_round_zero_keep_their_lut():
+    x = correlated_inputs(512, 48)
+    w = weight(16, 48)
+    h = x.T @ x
+    plain = quantize_lut(w, None, 3)
+    base = compensate_lut(plain, w, h)
+    assert torch.equal(compensate_lut(plain, w, h, refit_rounds=0).packed, base.packed)
+    best = refitted_codes(w, plain.lut_values(), h, _fp16, rounds=2)
+    assert torch.equal(best.codes[best.round == 0], compensated_codes(w, plain.lut_values(), h)[best.round == 0])
+    out = compensate_lut(plain, w, h, refit_rounds=2)
+    kept = best.round == 0
+    assert torch.equal(out.lut[kept], plain.lut[kept]) and bool((best.round > 0).any())
+    torch.testing.assert_close(row_errors(w, out.dequantize(), h), best.error)
+
+
+def test_refit_rounds_keep_sparse_positions_exact_and_take_grouped_hessians():
+    x = correlated_inputs(512, 64)
+    w = weight(30, 64)
+    w[3, 5] = 0.9
+    fisher = torch.rand(30, 64, generator=torch.Generator().manual_seed(2))
+    mask = select_sparse(w, fisher, 0.02, 0.03)
+    plain = quantize_lut(w, fisher, 3, mask=mask)
+    h = x.T @ x
+    out = compensate_lut(plain, w, h, mask=mask, refit_rounds=3)
+    assert torch.equal(out.dequantize()[mask], w[mask]) and out.sparse is plain.sparse
+    assert bool(
+        (
+            row_errors(w, out.dequantize(), h) <= row_errors(w, compensate_lut(plain, w, h, mask=mask).dequantize(), h)
+        ).all()
+    )
+    hs = torch.stack([h, 2 * h + torch.diag(torch.linspace(0, 5, 64)), h * 0.5])
+    grouped = compensate_lut(plain, w, hs, mask=mask, refit_rounds=2)
+    parts = [
+        compensate_lut(quantize_lut(w[r], fisher[r], 3, mask=mask[r]), w[r], hs[g], mask=mask[r], refit_rounds=2)
+        for g, r in enumerate(row_groups(30, 3))
+    ]
+    assert torch.equal(grouped.packed, torch.cat([p.packed for p in parts]))
+    assert torch.equal(grouped.lut, torch.cat([p.lut for p in parts]))
+
+
+def test_refit_of_a_row_with_one_distinct_value_and_a_singular_hessian_stays_finite():
+    x = correlated_inputs(64, 32)
+    x[:, 4] = 0.0  # a dead input
+    x[:, 6] = x[:, 5]  # and a singular H beyond it
+    h = x.T @ x
+    w = weight(6, 32)
+    w[2] = 0.25  # one distinct value: a single used level
+    plain = quantize_lut(w, None, 3)
+    base = compensate_lut(plain, w, h)
+    out = compensate_lut(plain, w, h, refit_rounds=3)
+    assert torch.isfinite(out.lut_values()).all() and torch.isfinite(out.dequantize()).all()
+    assert bool((row_errors(w, out.dequantize(), h) <= row_errors(w, base.dequantize(), h)).all())
+    assert float(row_errors(w, out.dequantize(), h)[2]) <= 1e-6  # the constant row: represented exactly
+
+
+def test_a_refit_that_is_not_finite_as_stored_keeps_the_rows_levels():
+    x = correlated_inputs(512, 40)
+    w, h = weight(8, 40), x.T @ x
+    grid = quantize_lut(w, None, 3).lut_values()
+
+    def overflow_row_1(levels: torch.Tensor) -> torch.Tensor:  # a format that cannot store row 1's refit
+        stored = _fp16(levels)
+        stored[1, 0] = float("inf")
+        return stored
+
+    best = refitted_codes(w, grid, h, overflow_row_1, rounds=3)
+    assert int(best.round[1]) == 0 and torch.equal(best.stored[1], grid[1])
+    assert torch.isfinite(best.stored).all() and bool((best.round > 0).any())
+    with pytest.raises(ValueError, match="rounds"):
+        refitted_codes(w, grid, h, _fp16, rounds=-1)
+
+
+def test_refit_lut_marks_a_level_that_is_not_finite_in_float32_as_nan():
+    # row 0: one level for two nearly collinear inputs; its least-squares value (-2.7e39) overflows float32
+    h = torch.tensor([[1.0, -0.9], [-0.9, 0.82]])
+    w = torch.tensor([[-3e38, 3e38], [0.1, 0.3]])
+    fitted = refit_lut(w, torch.tensor([[0, 0], [0, 1]]), h, 2, damp=0.0)
+    assert bool(torch.isnan(fitted[0]).all())  # the caller keeps that row's levels
+    torch.testing.assert_close(fitted[1], torch.tensor([0.1, 0.3]))  # exactly representable: fitted exactly

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from squeeze.errors import FormatError
 from squeeze.limits import LUT_DTYPES
-from squeeze.quant.ec import DEFAULT_DAMP, compensated_codes, refit_lut
+from squeeze.quant.ec import DEFAULT_DAMP, compensated_codes, refit_lut, refitted_codes
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import check_bits, pack_codes
 from squeeze.quant.schemes.base import ANY_FLOAT, COLUMN_INDEX, HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
@@ -52,6 +52,7 @@ class LutWeight(WeightFormat):
             "error_compensation",
             "damp",
             "refit_lut",
+            "refit_rounds",
             "generated_samples",
         }
     )
@@ -153,6 +154,7 @@ class LutWeight(WeightFormat):
                 damp=getattr(options, "damp", DEFAULT_DAMP),
                 refit=getattr(options, "refit_lut", False),
                 act_order=getattr(options, "act_order", False),
+                refit_rounds=getattr(options, "refit_rounds", 0),
             )
 
 
@@ -317,22 +319,27 @@ def compensate_lut(
     damp: float = DEFAULT_DAMP,
     refit: bool = False,
     act_order: bool = False,
+    refit_rounds: int = 0,
 ) -> LutWeight:
     """``plain`` (the k-means LUT weight of float (R, N) ``weight``) with its codes re-chosen column by column
     with GPTQ error compensation against float (N, N) ``hessian`` (squeeze.quant.ec). Same LUT, sparse part
     and format; with ``refit`` the LUT is refitted once to the compensated codes (least squares under H),
-    rounded as stored and re-sorted ascending (the codes follow their entries). ``mask``: the sparse
-    positions ``plain`` was built with (exact, never updated). ``act_order``: columns in descending diag(H)
-    order (GPTQ's act-order)."""
+    rounded as stored and re-sorted ascending (the codes follow their entries). ``refit_rounds`` > 0 instead
+    alternates refit and compensation that many rounds (squeeze.quant.ec.refitted_codes), each row keeping its
+    best pair under H. ``mask``: the sparse positions ``plain`` was built with (exact, never updated).
+    ``act_order``: columns in descending diag(H) order (GPTQ's act-order)."""
     w32 = weight.detach().to(torch.float32)
     k = 1 << plain.bits
+    if refit_rounds > 0:
+        return _refitted(plain, w32, hessian, mask=mask, damp=damp, act_order=act_order, rounds=refit_rounds)
     codes = compensated_codes(w32, plain.lut_values(), hessian, mask=mask, damp=damp, act_order=act_order)
     result = replace(plain, packed=pack_codes(codes.to(torch.uint8), plain.bits))
     if not refit:
         return result
     fitted = refit_lut(w32, codes, hessian, k, mask=mask, damp=damp)
-    used = torch.nn.functional.one_hot(codes, k).sum(dim=1) > 0  # (R, K): entries no weight uses keep theirs
-    centroids = torch.where(used, fitted, plain.lut_values()).to(LUT_DTYPE).to(torch.float32)
+    # entries no weight uses keep theirs, and so does a row whose system was singular (NaN)
+    used = torch.nn.functional.one_hot(codes, k).sum(dim=1) > 0  # (R, K)
+    centroids = torch.where(used & torch.isfinite(fitted), fitted, plain.lut_values()).to(LUT_DTYPE).to(torch.float32)
     # keep the codes the LUT was fitted to (least squares: no worse than before), re-sorted ascending
     centroids, order = centroids.sort(dim=1, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(k).expand_as(order))  # old index -> new
@@ -343,6 +350,39 @@ def compensate_lut(
             plain, lut=levels, lut_scale=scale, lut_zero=zero, packed=pack_codes(codes.to(torch.uint8), plain.bits)
         )
     return replace(plain, lut=centroids.to(LUT_DTYPE), packed=pack_codes(codes.to(torch.uint8), plain.bits))
+
+
+def _refitted(
+    plain: LutWeight, w32: Tensor, hessian: Tensor, *, mask: Tensor | None, damp: float, act_order: bool, rounds: int
+) -> LutWeight:
+    """compensate_lut with ``refit_rounds``: the levels rounded as this format stores them at every round (the
+    codes are chosen against the stored values), rows that kept round 0 keep ``plain``'s LUT bit for bit."""
+    if isinstance(plain, Lut8Weight):
+
+        def store(levels: Tensor) -> Tensor:
+            q, scale, zero = affine_lut8(levels)
+            return q.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)
+
+    else:
+
+        def store(levels: Tensor) -> Tensor:
+            return levels.to(LUT_DTYPE).to(torch.float32)
+
+    best = refitted_codes(
+        w32, plain.lut_values(), hessian, store, rounds=rounds, mask=mask, damp=damp, act_order=act_order
+    )
+    packed = pack_codes(best.codes.to(torch.uint8), plain.bits)
+    new = (best.round > 0)[:, None]  # (R, 1): rows whose levels changed
+    if isinstance(plain, Lut8Weight):
+        q, scale, zero = affine_lut8(best.levels)
+        return replace(
+            plain,
+            packed=packed,
+            lut=torch.where(new, q, plain.lut),
+            lut_scale=torch.where(new, scale, plain.lut_scale),
+            lut_zero=torch.where(new, zero, plain.lut_zero),
+        )
+    return replace(plain, packed=packed, lut=torch.where(new, best.levels.to(LUT_DTYPE), plain.lut))
 
 
 def _check_inputs(weight: Tensor, fisher: Tensor | None, mask: Tensor | None, lut_dtype: str) -> None:
