@@ -63,6 +63,7 @@ from squeeze.compression.preflight import (
 )
 from squeeze.compression.publish import finish_publish, publish_stage
 from squeeze.compression.quantize import layer_groups, quantize_module, quantize_stage, weight_format
+from squeeze.compression.tuning import tune_stage
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.config import CalibrationSpec, Recipe
 from squeeze.errors import ConfigError, Interrupted, ResourceError, ResumeError
@@ -256,7 +257,7 @@ def _placed(job: CompressJob, name: str, stage: Stage) -> Stage:
         return world_sensitivity_stage  # its windows split across ranks, the partial sums combined
     if name == "plan":
         return main_first(stage)  # rank 0 commits the plan, the others read it back
-    if name in ("write", "seal", "publish"):
+    if name in ("tune", "write", "seal", "publish"):  # tune: every group's checkpoint, then rank 0's write
         return main_rank(stage)
     return every_rank(stage)  # calibrate, load, quantize (each rank its own layer groups)
 
@@ -427,7 +428,7 @@ def world_sensitivity_stage(job: CompressJob) -> None:
 
 
 #: Stages a job without calibration (uniform sensitivity, RTN) skips.
-_CALIBRATION_STAGES = ("calibrate", "sensitivity")
+_CALIBRATION_STAGES = ("calibrate", "sensitivity", "tune")
 #: The stages after the fingerprint, in order (job.STAGES names them all).
 STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
     ("calibrate", calibrate_stage),
@@ -435,6 +436,7 @@ STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
     ("sensitivity", sensitivity_stage),
     ("plan", plan_stage),
     ("quantize", quantize_stage),
+    ("tune", tune_stage),
     ("write", write_stage),
     ("seal", seal_stage),
     ("publish", publish_stage),
@@ -446,6 +448,7 @@ STREAMING_STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
     ("load", streaming.load_stage),
     ("sensitivity", streaming.sensitivity_stage),
     ("quantize", streaming.quantize_stage),
+    ("tune", tune_stage),
     ("write", streaming.write_stage),
     ("seal", seal_stage),
     ("publish", publish_stage),
