@@ -37,9 +37,12 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=40)
     parser.add_argument("--work", default="/tmp/squeeze-bench-tuning")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-original", action="store_true", help="skip scoring the uncompressed model")
     args = parser.parse_args()
     rows = []
-    original = api.evaluate(args.model, args.text, seq_len=512, max_windows=args.eval_windows).result.perplexity
+    original = float("nan")
+    if not args.no_original:
+        original = api.evaluate(args.model, args.text, seq_len=512, max_windows=args.eval_windows).result.perplexity
     print(f"original {original:.3f}", flush=True)
     for recipe in args.recipes.split(","):
         out = Path(args.work) / recipe

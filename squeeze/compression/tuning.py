@@ -68,8 +68,8 @@ def _block_groups(job: CompressJob, blocks: nn.ModuleList) -> list[tuple[int, in
     block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
     plan: list[tuple[int, int]] = []
     for g, names in enumerate(job.groups):
-        owners = {block_of.get(id(job.targets[n])) for n in names if n in job.targets}
-        if not owners or None in owners:
+        owners = {block_of.get(id(job.targets[n]), -1) for n in names if n in job.targets}
+        if not owners or -1 in owners:
             continue  # an embedding's group: not in a block, not tuned
         for name in names:
             if not isinstance(job.targets[name], nn.Linear):
@@ -256,7 +256,10 @@ def _rebuilt(job: CompressJob, block: nn.Module, group: int, tensors: dict[str, 
     for name in list(weights):
         if f"{name}.weight_packed" in tensors:
             spec = weights[name].module_spec()
-            merged = {**weights[name].to_tensors(name), **{k: v for k, v in tensors.items() if k.startswith(name + ".")}}
+            merged = {
+                **weights[name].to_tensors(name),
+                **{k: v for k, v in tensors.items() if k.startswith(name + ".")},
+            }
             weights[name] = type(weights[name]).from_spec(merged, name, spec)
     candidate, _levels = _levels_block(job, block, weights)
     prefix = _block_prefix(job, block)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from squeeze.config import TuningConfig
 from squeeze.quant.schemes import WeightFormat
 
 #: Steps between two scores of the held-out windows (fewer when the run is shorter).
@@ -39,6 +38,15 @@ Status = Literal["tuned", "unchanged", "refused"]
 Reader = Callable[[int], Any]
 
 
+class TuningOptions(Protocol):
+    """What the loop reads of a recipe's ``weights.tuning`` (squeeze.config.TuningConfig has these)."""
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+
+
 class TuningDivergedWarning(UserWarning):
     """A block's tuning loss became non-finite: the block keeps its quantized (compensated) values."""
 
@@ -46,6 +54,11 @@ class TuningDivergedWarning(UserWarning):
 class LevelsLinear(nn.Module):
     """A linear whose weight is ``levels`` (R, K) gathered by fixed codes (R, N), the sparse values (fixed)
     replacing theirs: the differentiable form of a tunable format's dequantize."""
+
+    codes: Tensor
+    mask: Tensor | None
+    sparse_values: Tensor | None
+    bias: Tensor | None
 
     def __init__(self, weight: WeightFormat, bias: Tensor | None, device: torch.device) -> None:
         super().__init__()
@@ -64,7 +77,7 @@ class LevelsLinear(nn.Module):
     def weight(self) -> Tensor:
         """float32 (R, N): levels[r, codes[r, c]], the sparse values at their positions."""
         dense = self.levels.gather(1, self.codes)
-        if self.mask is not None:
+        if self.mask is not None and self.sparse_values is not None:
             dense = torch.where(self.mask, self.sparse_values, dense)
         return dense
 
@@ -122,7 +135,7 @@ def tune_block(
     targets: Reader,
     kwargs: Reader,
     n_windows: int,
-    options: TuningConfig,
+    options: TuningOptions,
     seed: int,
 ) -> Outcome:
     """Adam on ``params`` (the levels of ``block``'s LevelsLinear modules and its norm gains, updated in place)
@@ -188,6 +201,7 @@ __all__ = [
     "Outcome",
     "PATIENCE",
     "TuningDivergedWarning",
+    "TuningOptions",
     "norm_gains",
     "split_windows",
     "tune_block",
