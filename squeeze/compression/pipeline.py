@@ -428,7 +428,7 @@ def world_sensitivity_stage(job: CompressJob) -> None:
 
 
 #: Stages a job without calibration (uniform sensitivity, RTN) skips.
-_CALIBRATION_STAGES = ("calibrate", "sensitivity", "tune")
+_CALIBRATION_STAGES = ("calibrate", "sensitivity")
 #: The stages after the fingerprint, in order (job.STAGES names them all).
 STAGE_FUNCTIONS: tuple[tuple[str, Stage], ...] = (
     ("calibrate", calibrate_stage),
