@@ -77,6 +77,40 @@ RECIPES_DIR = _PACKAGE_DIR / "recipes"
 CALIBRATION_DIR = _PACKAGE_DIR / "calibration"
 
 T = TypeVar("T")
+#: A dataclass field left out of ``to_plain`` (recipe.yaml, hashes, fingerprints) while it holds its default: a
+#: key added later then leaves every older recipe's hash, and the artifacts built from it, byte-identical.
+OMIT_DEFAULT = {"omit_default": True}
+#: Upper bounds of ``weights.tuning``: beyond them a run costs hours on one block and gains nothing measured.
+MAX_TUNING_STEPS = 100_000
+MAX_TUNING_LR = 1.0
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """``weights.tuning``: block-wise tuning of the LUT values and norm gains after quantization
+    (squeeze.quant.tuning; the stage is squeeze.compression.tuning). Codes and format never change."""
+
+    #: Adam steps per decoder block, one calibration window each (early stop on a held-out slice may end sooner).
+    steps: int = 64
+    #: Adam learning rate of the LUT values and the norm gains.
+    lr: float = 1e-4
+    #: Calibration tokens the tuning uses at most (whole windows of the calibration's seq_len; 1/8 of them, at
+    #: least one window, are held out for the early stop).
+    tokens: int = 16384
+    #: Seeds the order in which each block's windows are visited.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_at_least(self.steps, 1, "weights.tuning.steps")
+        if self.steps > MAX_TUNING_STEPS:
+            raise ConfigError(f"weights.tuning.steps must be at most {MAX_TUNING_STEPS}, found {self.steps}")
+        if not (math.isfinite(self.lr) and 0.0 < self.lr <= MAX_TUNING_LR):
+            raise ConfigError(
+                f"weights.tuning.lr must be a number in (0, {MAX_TUNING_LR}], found {self.lr!r}",
+                hint="1e-4 moves a 3-bit LUT level by about 1% of its spacing per step on SmolLM2",
+            )
+        check_at_least(self.tokens, 1, "weights.tuning.tokens")
+        check_at_least(self.seed, 0, "weights.tuning.seed")
 
 
 @dataclass(frozen=True)
@@ -130,6 +164,9 @@ class WeightsConfig:
     #: once. ``auto`` (with ``target_bpw`` only): the budget plans each embedding like a linear, kept in the
     #: source dtype or at 8, 6 or 4 bits, and its weights then count in the average ``target_bpw`` asks for.
     embedding_bits: int | EmbeddingAuto | None = None
+    #: Block-wise tuning of the LUT values and norm gains against the original blocks' outputs (TuningConfig);
+    #: None: the quantized values are written as the quantizer left them.
+    tuning: TuningConfig | None = field(default=None, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         # squeeze.limits is the one table; a recipe read from YAML passes its Literal checks in from_dict too,
@@ -146,6 +183,7 @@ class WeightsConfig:
         self._check_options_of_format()
         self._check_error_compensation()
         self._check_embedding_bits()
+        self._check_tuning()
         if not self.targets:
             raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
 
@@ -162,6 +200,24 @@ class WeightsConfig:
                 "weights.embedding_bits auto needs weights.target_bpw: the width is chosen by the bits budget",
                 hint="pass a budget (--target-bpw 3.5, or a recipe such as b3.5-e), or a fixed width "
                 "(--embedding-bits 4, 6 or 8)",
+            )
+
+    def _check_tuning(self) -> None:
+        """Tuning trains LUT values on calibration windows: a format without tunable levels (RTN) and a run
+        without calibration (``sensitivity: uniform``) are refused here, before any work."""
+        if self.tuning is None:
+            return
+        fmt = format_for_recipe(self)
+        if fmt is None or not fmt.tunable:
+            raise ConfigError(
+                f"weights.tuning tunes LUT values, and method {self.method} has none to tune",
+                hint="use method: squeeze (e.g. recipe w3-tuned), or remove weights.tuning",
+            )
+        if self.sensitivity != "fisher":
+            raise ConfigError(
+                f"weights.tuning needs calibration windows, and sensitivity {self.sensitivity} compresses without "
+                "calibration",
+                hint="use --sensitivity fisher with a calibration text, or remove weights.tuning",
             )
 
     def _check_error_compensation(self) -> None:
@@ -528,7 +584,11 @@ def _type_name(tp: Any) -> str:
 def to_plain(obj: Any) -> Any:
     """A dataclass tree as plain dicts/lists (for YAML, JSON and hashing)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+        return {
+            f.name: to_plain(getattr(obj, f.name))
+            for f in fields(obj)
+            if not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)
+        }
     if isinstance(obj, (list, tuple)):
         return [to_plain(v) for v in obj]
     return obj
@@ -579,6 +639,7 @@ __all__ = [
     "DEFAULT_SINK_TOKENS",
     "SUPPORTED_BITS",
     "WeightsConfig",
+    "TuningConfig",
     "OutputConfig",
     "Recipe",
     "CalibrationSpec",

@@ -37,6 +37,7 @@ STAGE_LABELS = {
     "generate": "Sampling text for the Hessians (steps)",
     "plan": "Planning bits per linear (units)",
     "quantize": "Quantizing (layers)",
+    "tune": "Tuning LUT values and norms (blocks)",
 }
 
 

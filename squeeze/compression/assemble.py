@@ -135,8 +135,8 @@ def artifact_tensors(
     for key, read in state:
         # a linear's weight is ``{name}.weight``; an expert parameter's key is its name (``...experts.down_proj``)
         module_name = key.removesuffix(".weight") if key.endswith(".weight") else key
-        if module_name not in group_of:
-            yield key, _kept(read(), kept)
+        if module_name not in group_of:  # a norm gain weights.tuning tuned comes from the tune stage
+            yield key, _kept(job.tuned[key] if key in job.tuned else read(), kept)
             continue
         index = group_of[module_name]
         if index not in loaded:
@@ -144,7 +144,7 @@ def artifact_tensors(
             count_experts(job, loaded[index][1])
         parts, meta = loaded[index]
         for name in meta["tensors"][module_name]:
-            yield name, parts[name]
+            yield name, job.tuned.get(name, parts[name])
         remaining[index] -= 1
         if not remaining[index]:
             del loaded[index]

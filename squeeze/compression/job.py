@@ -181,6 +181,8 @@ class CompressJob:
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity (EC): name -> (in, in) fp32
     bit_plan: dict[str, Setting] = field(default_factory=dict)  # plan (weights.target_bpw): name -> its setting
     groups: list[list[str]] = field(default_factory=list)  # quantize: target names by decoder block
+    #: tune (weights.tuning): artifact tensor name -> the tuned tensor replacing the quantized (or kept) one
+    tuned: dict[str, torch.Tensor] = field(default_factory=dict)
     #: write (from the group checkpoints): experts the calibration never reached ({experts module: [expert ids]})
     #: and the (layer, expert) pairs quantized
     unrouted: dict[str, list[int]] = field(default_factory=dict)

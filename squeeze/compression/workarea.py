@@ -33,6 +33,7 @@ _FINGERPRINT = "fingerprint.json"
 _FISHER = "fisher.safetensors"
 _HESSIAN = "hessian.safetensors"
 _GROUPS = "groups"
+_TUNED = "tuned"  # weights.tuning: each layer group's tuned LUTs and norm gains, committed as its block is done
 _FISHER_GROUPS = "fisher-groups"  # --max-memory: the Fisher of each layer group, committed as its block is done
 _ACTIVATIONS = "activations"  # --max-memory: per-block hidden states spilled during the Fisher pass (scratch)
 _STAGING = "artifact"
@@ -61,7 +62,7 @@ class WorkArea:
 
     def clean_temps(self) -> None:
         """Remove temp files a killed run left behind (never a committed checkpoint)."""
-        for directory in (self.root, self.root / _GROUPS, self.root / _FISHER_GROUPS):
+        for directory in (self.root, self.root / _GROUPS, self.root / _FISHER_GROUPS, self.root / _TUNED):
             if directory.is_dir():
                 for path in directory.iterdir():
                     # ours (.NAME.*.partial), and the .tmpXXXXXX safetensors >= 0.8 writes before its rename
@@ -275,6 +276,38 @@ class WorkArea:
                 tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
             if sorted(meta["modules"]) != sorted(modules):
                 raise ValueError("the group covers other modules")
+        except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
+            path.unlink(missing_ok=True)
+            return None
+        return tensors, meta
+
+    # -- tuned layer groups (weights.tuning)
+
+    def tuned_path(self, index: int) -> Path:
+        return self.root / _TUNED / f"{index:05d}.safetensors"
+
+    def save_tuned(self, index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Commit one layer group's tuning: the tensors replacing the quantized ones (none when the tuning was
+        refused or gained nothing) and its record (JSON in the header)."""
+        (self.root / _TUNED).mkdir(exist_ok=True)
+        _save_atomic(self.tuned_path(index), tensors, {_META_KEY: json.dumps(meta, sort_keys=True)})
+
+    def has_tuned(self, index: int, modules: list[str]) -> bool:
+        """True if group ``index``'s tuning is committed for exactly ``modules``; a bad one is removed."""
+        return self.load_tuned(index, modules) is not None
+
+    def load_tuned(self, index: int, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """A committed tuning of group ``index`` covering exactly ``modules``, or None (absent, or unreadable:
+        it is removed)."""
+        path = self.tuned_path(index)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = json.loads((handle.metadata() or {})[_META_KEY])
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+            if sorted(meta["modules"]) != sorted(modules):
+                raise ValueError("the tuning covers other modules")
         except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
             path.unlink(missing_ok=True)
             return None

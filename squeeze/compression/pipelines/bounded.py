@@ -30,6 +30,7 @@ from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
 from squeeze.compression.sensitivity import calibrate_stage
+from squeeze.compression.tuning import tune_stage
 from squeeze.errors import ResumeError
 from squeeze.models.experts import ExpertWeight
 from squeeze.models.lazy import LazyModel
@@ -217,6 +218,7 @@ BOUNDED = register(
             ("load", load_stage),
             ("sensitivity", sensitivity_stage),
             ("quantize", quantize_stage),
+            ("tune", tune_stage),
             ("write", write_stage),
             ("seal", seal_stage),
             ("publish", publish_stage),

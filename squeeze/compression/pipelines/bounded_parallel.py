@@ -22,6 +22,7 @@ from squeeze.compression.pipelines import bounded
 from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
 from squeeze.compression.sensitivity import calibrate_stage
+from squeeze.compression.tuning import tune_stage
 
 
 def world_sensitivity_stage(job: CompressJob) -> None:
@@ -52,6 +53,7 @@ BOUNDED_DATA_PARALLEL = register(
             ("load", every_rank(bounded.load_stage)),
             ("sensitivity", world_sensitivity_stage),  # windows split, each group's sums combined in the pass
             ("quantize", every_rank(bounded.quantize_stage)),  # each rank its own layer groups
+            ("tune", main_rank(tune_stage)),  # every group committed, then rank 0 tunes block by block
             ("write", main_rank(bounded.write_stage)),
             ("seal", main_rank(seal_stage)),
             ("publish", main_rank(publish_stage)),

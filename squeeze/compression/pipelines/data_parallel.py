@@ -28,6 +28,7 @@ from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
 from squeeze.compression.quantize import quantize_stage
 from squeeze.compression.sensitivity import calibrate_stage, fisher_modules
+from squeeze.compression.tuning import tune_stage
 from squeeze.models.source import load_tokenizer
 
 
@@ -84,6 +85,7 @@ DATA_PARALLEL = register(
             ("sensitivity", world_sensitivity_stage),  # its windows split across ranks, the partial sums combined
             ("plan", main_first(plan_stage)),  # rank 0 commits the plan, the others read it back
             ("quantize", every_rank(quantize_stage)),  # each rank its own layer groups
+            ("tune", main_rank(tune_stage)),  # every group committed, then rank 0 tunes block by block
             ("write", main_rank(write_stage)),
             ("seal", main_rank(seal_stage)),
             ("publish", main_rank(publish_stage)),

@@ -97,6 +97,9 @@ class WeightFormat:
     uses_hessian: ClassVar[bool] = False
     #: Kernel family that may run this format instead of the reference path ("lut"), or None.
     kernel: ClassVar[str | None] = None
+    #: Whether the weight is levels gathered by fixed codes (``lut_values()``, ``codes()``, ``sparse``) whose
+    #: levels ``with_levels`` can replace: what ``weights.tuning`` trains (squeeze.quant.tuning).
+    tunable: ClassVar[bool] = False
     #: Per-module parameters beyond bits / in_features that the artifact's module entry carries; each is also
     #: the recipe option (``weights.<name>``) it is quantized with.
     module_params: ClassVar[tuple[str, ...]] = ()
@@ -144,6 +147,11 @@ class WeightFormat:
 
     def check_values(self, prefix: str) -> None:
         """FormatError when stored values break the format (non-finite scales...); shapes are checked already."""
+
+    def with_levels(self: W, values: Tensor) -> W:
+        """A tunable format (``tunable``): this weight with each row's levels replaced by float (R, 2**bits)
+        ``values`` as the format stores them; same code assignment and sparse part."""
+        raise NotImplementedError(f"the {self.name!r} weight format has no levels to replace")
 
     @classmethod
     def extra_dims(cls, in_features: int, params: Mapping[str, Any]) -> dict[str, int]:

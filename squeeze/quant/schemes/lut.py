@@ -59,6 +59,7 @@ class LutWeight(WeightFormat):
     uses_fisher: ClassVar[bool] = True
     uses_hessian: ClassVar[bool] = True
     kernel: ClassVar[str | None] = "lut"
+    tunable: ClassVar[bool] = True
     roles: ClassVar[tuple[Role, ...]] = (
         Role("weight_packed", torch.uint8, ("rows", "packed")),
         Role("weight_lut", LUT_DTYPE, ("rows", "levels")),
@@ -81,6 +82,22 @@ class LutWeight(WeightFormat):
 
     def tensors_by_role(self) -> dict[str, Tensor]:
         return {"weight_packed": self.packed, "weight_lut": self.lut} | _sparse_tensors(self.sparse)
+
+    def with_levels(self, values: Tensor) -> LutWeight:
+        """``values`` float (R, 2**bits) as this format stores them (float16; the 8-bit LUT: its affine grid),
+        re-sorted ascending with the codes following their levels (every weight keeps its value's slot). A
+        level that would not be finite as stored (NaN, or past float16's range) keeps its current value."""
+        current = self.lut_values()
+        stored = _stored_levels(type(self), values.detach().to(torch.float32).cpu())
+        stored = torch.where(torch.isfinite(stored), stored, current)
+        levels, order = stored.sort(dim=1, stable=True)
+        k = levels.shape[1]
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(k).expand_as(order))  # old index -> new
+        packed = pack_codes(rank.gather(1, self.codes().to(torch.int64)).to(torch.uint8), self.bits)
+        if isinstance(self, Lut8Weight):
+            lut, scale, zero = affine_lut8(levels)
+            return replace(self, lut=lut, lut_scale=scale, lut_zero=zero, packed=packed)
+        return replace(self, lut=levels.to(LUT_DTYPE), packed=packed)
 
     @classmethod
     def from_roles(
@@ -219,6 +236,17 @@ class Lut8Weight(LutWeight):
             lut_zero=self.lut_zero[start:stop],
             sparse=_sparse_rows(self.sparse, start, stop),
         )
+
+
+def _stored_levels(cls: type[LutWeight], values: Tensor) -> Tensor:
+    """float32 (R, K) ``values`` rounded as ``cls`` stores them (an 8-bit LUT's grid spans the finite ones)."""
+    if issubclass(cls, Lut8Weight):
+        finite = torch.isfinite(values)
+        safe = torch.where(finite, values, values.masked_fill(~finite, 0.0).mean(dim=1, keepdim=True))
+        lut, scale, zero = affine_lut8(safe)
+        grid = lut.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)
+        return torch.where(finite, grid, values)
+    return values.to(LUT_DTYPE).to(torch.float32)
 
 
 def _sparse_tensors(sparse: SparseCSR | None) -> dict[str, Tensor]:

@@ -1,0 +1,208 @@
+"""Block-wise tuning of LUT values and norm gains: the math (OmniQuant / EfficientQAT's block stage).
+
+A quantized decoder block is rebuilt with each tunable linear as :class:`LevelsLinear`: its weight is the
+row's levels gathered by the fixed codes, with the exact sparse values in their positions, so the gradient
+of a level is the sum of the gradients of the weights that use it and the sparse part never moves. Adam
+then trains those levels and the block's norm gains to minimise the mean squared error between the block's
+output and a target (the original model's hidden state after this block) over calibration windows, one
+window a step; a held-out slice of the windows is scored every few steps, the best state kept, and the
+run stops early when that score stops improving. The codes, and so the artifact's format and the runtime,
+never change: only the levels and norm gains do.
+
+Everything here is device-agnostic (the block's and the windows' device); the caller
+(squeeze.compression.tuning) walks the blocks, keeps the hidden states and commits each block's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from squeeze.quant.schemes import WeightFormat
+
+#: Steps between two scores of the held-out windows (fewer when the run is shorter).
+EVAL_EVERY = 8
+#: Held-out scores without improvement after which a block's tuning stops.
+PATIENCE = 4
+#: The share of a block's windows held out for the early stop (at least one; with one window, that one).
+HOLDOUT_SHARE = 8
+
+#: ``tuned``: the best held-out state is kept; ``unchanged``: no step beat the quantized values;
+#: ``refused``: the loss diverged (non-finite), the block keeps its quantized values.
+Status = Literal["tuned", "unchanged", "refused"]
+#: window index -> a tensor of that window (hidden states (1, T, hidden) fp32, or the block's keyword inputs)
+Reader = Callable[[int], Any]
+
+
+class TuningOptions(Protocol):
+    """What the loop reads of a recipe's ``weights.tuning`` (squeeze.config.TuningConfig has these)."""
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+
+
+class TuningDivergedWarning(UserWarning):
+    """A block's tuning loss became non-finite: the block keeps its quantized (compensated) values."""
+
+
+class LevelsLinear(nn.Module):
+    """A linear whose weight is ``levels`` (R, K) gathered by fixed codes (R, N), the sparse values (fixed)
+    replacing theirs: the differentiable form of a tunable format's dequantize."""
+
+    codes: Tensor
+    mask: Tensor | None
+    sparse_values: Tensor | None
+    bias: Tensor | None
+
+    def __init__(self, weight: WeightFormat, bias: Tensor | None, device: torch.device) -> None:
+        super().__init__()
+        if not weight.tunable:
+            raise ValueError(f"the {weight.name!r} weight format has no levels to tune")
+        lut: Tensor = weight.lut_values()  # type: ignore[attr-defined]  # tunable formats have LUT levels
+        self.levels = nn.Parameter(lut.to(device=device, dtype=torch.float32))
+        self.register_buffer("codes", weight.codes().to(device=device, dtype=torch.int64))
+        sparse = weight.sparse  # type: ignore[attr-defined]
+        mask, values = sparse.to_dense_mask_and_values() if sparse is not None else (None, None)
+        self.register_buffer("mask", None if mask is None else mask.to(device))
+        self.register_buffer("sparse_values", None if values is None else values.to(device, torch.float32))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device, torch.float32).clone())
+
+    @property
+    def weight(self) -> Tensor:
+        """float32 (R, N): levels[r, codes[r, c]], the sparse values at their positions."""
+        dense = self.levels.gather(1, self.codes)
+        if self.mask is not None and self.sparse_values is not None:
+            dense = torch.where(self.mask, self.sparse_values, dense)
+        return dense
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+def norm_gains(block: nn.Module, skip: Mapping[str, nn.Module]) -> dict[str, nn.Parameter]:
+    """The norm gains of ``block`` (relative name -> 1-D parameter): the ``weight`` of every module whose class
+    is a norm (RMSNorm, LayerNorm, ...), outside the modules in ``skip``."""
+    skipped = {id(m) for m in skip.values()}
+    found: dict[str, nn.Parameter] = {}
+    for name, module in block.named_modules():
+        weight = getattr(module, "weight", None)
+        is_norm = "norm" in type(module).__name__.lower()
+        if is_norm and id(module) not in skipped and isinstance(weight, nn.Parameter) and weight.dim() == 1:
+            found[f"{name}.weight" if name else "weight"] = weight
+    return found
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One block's tuning: its status, the held-out loss before and at the kept state, the steps run."""
+
+    status: Status
+    initial_loss: float
+    best_loss: float
+    steps: int
+
+
+def _block_out(output: Any) -> Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _mse(block: nn.Module, x: Tensor, kwargs: dict[str, Any], target: Tensor) -> Tensor:
+    out = _block_out(block(x, **kwargs)).to(torch.float32)
+    return (out - target.to(torch.float32)).pow(2).mean()
+
+
+def split_windows(n: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) window indices of ``n``: the last n // HOLDOUT_SHARE (at least 1) held out; a single
+    window is both."""
+    if n < 1:
+        raise ValueError("tuning needs at least one window")
+    held = max(1, n // HOLDOUT_SHARE)
+    if n == 1:
+        return [0], [0]
+    return list(range(n - held)), list(range(n - held, n))
+
+
+def tune_block(
+    block: nn.Module,
+    params: list[nn.Parameter],
+    inputs: Reader,
+    targets: Reader,
+    kwargs: Reader,
+    n_windows: int,
+    options: TuningOptions,
+    seed: int,
+) -> Outcome:
+    """Adam on ``params`` (the levels of ``block``'s LevelsLinear modules and its norm gains, updated in place)
+    minimising the MSE of ``block(inputs(w), **kwargs(w))`` against ``targets(w)`` (float (1, T, hidden)).
+
+    One window a step, in an order drawn from ``seed``; every EVAL_EVERY steps the held-out windows are
+    scored and the best state kept; PATIENCE scores without improvement stop the run. At the end ``params``
+    hold the best state; a non-finite loss restores the initial values (status ``refused``)."""
+    train, held = split_windows(n_windows)
+    initial = [p.detach().clone() for p in params]
+
+    def held_out() -> float:
+        with torch.no_grad():
+            return sum(float(_mse(block, inputs(w), kwargs(w), targets(w))) for w in held) / len(held)
+
+    def restore(state: list[Tensor]) -> None:
+        with torch.no_grad():
+            for p, value in zip(params, state, strict=True):
+                p.copy_(value)
+
+    start = held_out()
+    best, best_state, stale, step = start, initial, 0, 0
+    if not _finite(start):
+        return Outcome("refused", start, start, 0)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(params, lr=options.lr)
+    order: list[int] = []
+    every = min(EVAL_EVERY, options.steps)
+    for step in range(1, options.steps + 1):
+        if not order:
+            order = [train[i] for i in torch.randperm(len(train), generator=generator).tolist()]
+        w = order.pop()
+        optimizer.zero_grad(set_to_none=True)
+        loss = _mse(block, inputs(w), kwargs(w), targets(w))
+        if not _finite(float(loss.detach())):
+            restore(initial)
+            return Outcome("refused", start, float(loss.detach()), step)
+        loss.backward()
+        optimizer.step()
+        if step % every and step != options.steps:
+            continue
+        score = held_out()
+        if not _finite(score):
+            restore(initial)
+            return Outcome("refused", start, score, step)
+        if score < best:
+            best, best_state, stale = score, [p.detach().clone() for p in params], 0
+        else:
+            stale += 1
+            if stale >= PATIENCE:
+                break
+    restore(best_state)
+    return Outcome("tuned" if best < start else "unchanged", start, best, step)
+
+
+def _finite(value: float) -> bool:
+    return value == value and value not in (float("inf"), float("-inf"))
+
+
+__all__ = [
+    "EVAL_EVERY",
+    "LevelsLinear",
+    "Outcome",
+    "PATIENCE",
+    "TuningDivergedWarning",
+    "TuningOptions",
+    "norm_gains",
+    "split_windows",
+    "tune_block",
+]
