@@ -24,9 +24,9 @@ from squeeze.calibrate.fisher import fisher_information
 from squeeze.cli.app import app
 from squeeze.compression.embeddings import embedding_names, embedding_recipe
 from squeeze.config import load_recipe
-from squeeze.errors import ConfigError, FormatError, ModelError
+from squeeze.errors import ConfigError, ModelError
 from squeeze.format.inspect import inspect_artifact
-from squeeze.integrations.vllm.artifact import check_quant_config
+from squeeze.integrations.vllm.artifact import check_quant_config, embedding_modules, parse_quant_config
 from squeeze.models.source import ModelSource, source_dtype
 from squeeze.runtime.embedding import SqueezeEmbedding
 from squeeze.runtime.linear import SqueezeLinear
@@ -193,10 +193,11 @@ def test_tied_six_bit_rows_load_in_both_loaders_as_the_dense_reference(
     torch.testing.assert_close(hf_logits, logits, rtol=1e-4, atol=1e-4)
 
 
-def test_the_vllm_plugin_refuses_a_quantized_embedding_at_start(untied_e8: Path) -> None:
-    with pytest.raises(FormatError, match="cannot serve a quantized token embedding") as caught:
-        check_quant_config(_quant(untied_e8))
-    assert "squeeze serve" in (caught.value.hint or "")
+def test_the_vllm_plugin_reads_a_quantized_embedding_and_head(untied_e8: Path) -> None:
+    # vLLM serves them (vocab-parallel, tests/integrations/vllm/test_vllm_moe.py); the config names both
+    quant = parse_quant_config(_quant(untied_e8))
+    assert sorted(embedding_modules(quant)) == sorted(quant.embeddings.modules) != []
+    assert check_quant_config(_quant(untied_e8)) == _quant(untied_e8)["modules"]
 
 
 def test_the_fisher_covers_a_tied_embedding_from_both_of_its_uses(tiny_llama: tuple[Any, Any]) -> None:
