@@ -146,7 +146,7 @@ class WeightsConfig:
     #: squeeze only, with error_compensation: rounds of LNQ's alternation after the compensation (squeeze.quant.ec.
     #: refitted_codes): each row's LUT refitted by least squares under H, then the codes re-chosen with
     #: compensation against it; each row keeps its best pair by output error (never worse than 0 rounds).
-    refit_rounds: int = 0
+    refit_rounds: int = field(default=0, metadata=OMIT_DEFAULT)  # left out of the plain form while 0: hashes unchanged
     #: squeeze only, with error_compensation: quantize the columns by descending diag(H), GPTQ's act-order
     #: (measured on SmolLM2 w3: 55.1 vs 57.2 WikiText-2 perplexity in the original column order).
     act_order: bool = False
