@@ -127,7 +127,8 @@ def tied_e4(
 def test_a_quantized_tied_embedding_gives_squeeze_runs_text_at_tensor_parallel_1_and_2(tied_e4: Path) -> None:
     loaded = api.load(tied_e4)
     assert isinstance(loaded.model.model.embed_tokens, SqueezeEmbedding)
-    assert loaded.quantization["embeddings"]["tied"] == {"lm_head": "model.embed_tokens"}
+    assert loaded.quantization is not None
+    assert loaded.quantization.tied_heads == {"lm_head": "model.embed_tokens"}
     tp1, log = run_vllm(tied_e4)
     assert tp1 is not None, log[-4000:]
     assert_squeeze_run_text(tied_e4, tp1)
