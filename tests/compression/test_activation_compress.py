@@ -97,3 +97,10 @@ def test_an_interrupted_run_resumes_to_identical_bytes_and_refuses_another_sensi
         compress_tiny(out, overrides={"weights.sensitivity": "fisher"}, **memory)
     compress_tiny(out, overrides=ACTIVATION, **memory)
     assert _same_artifact(out, reference)
+
+
+def test_a_device_run_gives_the_host_bytes(tmp_path: Path, compress_tiny: Callable[..., Path]) -> None:
+    # --device cpu takes the block-by-block path of the plain pipeline and moves nothing: the same bits
+    plain = compress_tiny(tmp_path / "plain", overrides=ACTIVATION)
+    device = compress_tiny(tmp_path / "device", overrides=ACTIVATION, device="cpu")
+    assert _shards(device) == _shards(plain)
