@@ -104,3 +104,44 @@ def test_a_device_run_gives_the_host_bytes(tmp_path: Path, compress_tiny: Callab
     plain = compress_tiny(tmp_path / "plain", overrides=ACTIVATION)
     device = compress_tiny(tmp_path / "device", overrides=ACTIVATION, device="cpu")
     assert _shards(device) == _shards(plain)
+
+
+def test_expert_parameters_get_uniform_weights_and_stream_to_the_same_bytes(
+    tmp_path: Path, tiny_tokenizer: Any, tiny_text_file: Path, compress_tiny: Callable[..., Path]
+) -> None:
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from squeeze.compression.quantize import quantize_module
+    from squeeze.models.experts import stack_experts
+
+    dims = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = tf.Qwen3MoeConfig(
+        **dims,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=len(tiny_tokenizer),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    source = tmp_path / "moe"
+    model.save_pretrained(source)
+    tiny_tokenizer.save_pretrained(source)
+    plain = compress_tiny(tmp_path / "plain", source=source, overrides=ACTIVATION)
+    bounded = compress_tiny(tmp_path / "bounded", source=source, overrides=ACTIVATION, max_memory=BUDGET)
+    assert _same_artifact(bounded, plain)
+    spec = json.loads((plain / "config.json").read_text())["quantization_config"]["modules"]
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert spec[name]["experts"] == 4
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(plain.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    param = model.model.layers[1].mlp.experts.down_proj.detach().float()
+    matrix = stack_experts(param, bool(spec[name].get("transposed", False)))  # (E*out, in), as quantized
+    want = quantize_module(matrix, None, load_recipe("w4"))  # plain k-means: the uniform rule
+    for key, tensor in want.to_tensors(name).items():
+        assert torch.equal(tensors[key], tensor), key
