@@ -145,3 +145,11 @@ def test_expert_parameters_get_uniform_weights_and_stream_to_the_same_bytes(
     want = quantize_module(matrix, None, load_recipe("w4"))  # plain k-means: the uniform rule
     for key, tensor in want.to_tensors(name).items():
         assert torch.equal(tensors[key], tensor), key
+
+
+def test_a_torchrun_world_is_refused_in_one_line() -> None:
+    from squeeze.compression.distributed import World, check_world_options
+
+    check_world_options(World(rank=0, size=1), error_compensation=False, activation=True)  # one process: fine
+    with pytest.raises(ConfigError, match="activation runs in one process, found a torchrun world of 2 ranks"):
+        check_world_options(World(rank=1, size=2), error_compensation=False, activation=True)
