@@ -128,7 +128,9 @@ class WeightsConfig:
     sensitive_fraction: float = 0.0
     #: Fraction kept exactly in the sparse part, chosen by magnitude (outliers). squeeze only.
     outlier_fraction: float = 0.0
-    #: ``fisher``: weight k-means by the diagonal Fisher; ``uniform``: plain k-means (ablation).
+    #: ``fisher``: weight k-means by the diagonal Fisher; ``activation``: by each input column's mean square
+    #: over the calibration tokens, forward passes only (squeeze.calibrate.activation: for models whose
+    #: backward is out of reach); ``uniform``: plain k-means (ablation).
     sensitivity: Sensitivity = "fisher"
     #: RTN only: columns per quantization group; ``None`` = one group per output channel.
     group_size: int | None = None

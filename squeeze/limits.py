@@ -31,7 +31,7 @@ EMBEDDING_ONLY_BITS = (6,)
 CODE_BITS = tuple(sorted(WEIGHT_BITS + EMBEDDING_ONLY_BITS))
 
 #: How the k-means weighs each weight: by its diagonal Fisher, or uniformly (ablation).
-Sensitivity = Literal["fisher", "uniform"]
+Sensitivity = Literal["fisher", "activation", "uniform"]
 SENSITIVITIES: tuple[str, ...] = get_args(Sensitivity)
 
 #: How a LUT row is stored: float16 centroids (SqueezeLLM), or uint8 levels on a per-row fp16 affine grid.

@@ -161,7 +161,7 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--recipe", "rtn-w4", "--group-size", "0"], "weights.group_size must be an integer >= 1"),
         (["--lut-dtype", "int4"], "weights.lut_dtype must be one of ['float16', 'int8'], found 'int4'"),
         (["--method", "gptq"], "weights.method must be one of ['squeeze', 'rtn']"),
-        (["--sensitivity", "hessian"], "weights.sensitivity must be one of ['fisher', 'uniform']"),
+        (["--sensitivity", "hessian"], "weights.sensitivity must be one of ['fisher', 'activation', 'uniform']"),
     ],
 )
 def test_bad_compress_options_are_one_clean_usage_error(

@@ -14,6 +14,8 @@ quantized (squeeze.calibrate.hessian.sequential_hessians; the calibration window
 trailing -rrR alternates R rounds of LUT refit and compensation, weights.refit_rounds; a trailing -dampX sets
 the dampening, default 0.01). --eval-text2 scores every method on a second held-out text too. --generated-samples N adds
 the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
+Variants ending in -activation weight the k-means by each input column's mean square over the same calibration
+windows instead of the Fisher (weights.sensitivity: activation; forward passes only, timed on its own).
 Writes JSON (--out) and prints a table.
 """
 
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
+from squeeze.calibrate.activation import activation_sensitivity  # noqa: E402
 from squeeze.calibrate.fisher import fisher_information  # noqa: E402
 from squeeze.calibrate.generated import sample_windows_from_model, start_token  # noqa: E402
 from squeeze.calibrate.hessian import (  # noqa: E402
@@ -57,6 +60,7 @@ SQUEEZE = {
     "w3-uniform": (3, 0.0, 0.0),
 }
 SQUEEZE.update({f"{name}-lut8": spec for name, spec in list(SQUEEZE.items()) if not name.endswith("uniform")})
+SQUEEZE.update({f"{name}-activation": SQUEEZE[name] for name in ("w4", "w3", "w4-s045", "w3-s045")})
 SQUEEZE["w2"] = (2, 0.0, 0.0)
 SQUEEZE["w2-s045"] = (2, 0.0005, 0.004)
 # error compensation: -ec, plus -act (columns by descending diag H) and / or -refit (LUT refitted once)
@@ -258,7 +262,13 @@ def main() -> None:
             calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
             windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
             t0 = time.perf_counter()
-            with input_hessians(targets) as acc, output_weighted_hessians(targets, want_guided or 1) as gacc:
+            # the Hessians only when a variant uses them, so the Fisher's seconds are its own otherwise
+            ec_targets = targets if want_ec else {}
+            guided_targets = targets if want_guided is not None else {}
+            with (
+                input_hessians(ec_targets) as acc,
+                output_weighted_hessians(guided_targets, want_guided or 1) as gacc,
+            ):
                 fisher = fisher_information(model, windows, targets)
             hessians = acc.result()
             if want_guided is not None:
@@ -272,10 +282,21 @@ def main() -> None:
 
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 save_file({k: v.contiguous() for k, v in fisher.items()}, str(cache))
-                stored, alias = dedupe_hessians(hessians)
-                save_file(stored, str(hcache), metadata={"alias": json.dumps(alias)})
+                if want_ec:
+                    stored, alias = dedupe_hessians(hessians)
+                    save_file(stored, str(hcache), metadata={"alias": json.dumps(alias)})
                 if want_guided is not None and gcache is not None:
                     save_file(guided, str(gcache))
+
+    activation: dict[str, torch.Tensor] = {}
+    activation_seconds = 0.0
+    if any(m.endswith("-activation") for m in methods):
+        calib_ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
+        windows = sample_windows(calib_ids, args.num_samples, args.seq_len, seed=0)
+        t0 = time.perf_counter()
+        activation = activation_sensitivity(model, windows, targets)
+        activation_seconds = time.perf_counter() - t0
+        print(f"activation: {args.num_samples} x {args.seq_len} tokens in {activation_seconds:.1f} s", flush=True)
 
     if want_ec and args.generated_samples:
         hessians = _with_generated(
@@ -287,7 +308,13 @@ def main() -> None:
         weight = originals[name]
         if _base_method(method) in SQUEEZE:
             bits, s, o = SQUEEZE[_base_method(method)]
-            f = None if method.endswith("uniform") else fisher[name]
+            f = (
+                None
+                if method.endswith("uniform")
+                else activation.get(name)
+                if "-activation" in method
+                else fisher[name]
+            )
             mask = select_sparse(weight, f, s, o) if (s or o) else None
             lut_dtype = "int8" if "lut8" in method else "float16"
             q = quantize_lut(weight, f, bits, mask=mask, lut_dtype=lut_dtype)
@@ -381,7 +408,7 @@ def main() -> None:
     print(
         f"\n{args.model}: calibration {Path(args.calibration).name} ({args.num_samples} x {args.seq_len}), "
         f"eval {Path(args.eval_text).name} ({args.eval_windows} x {args.seq_len}); load {load_seconds:.1f} s, "
-        f"Fisher {fisher_seconds:.1f} s; {torch.get_num_threads()} threads"
+        f"Fisher {fisher_seconds:.1f} s; activation {activation_seconds:.1f} s; {torch.get_num_threads()} threads"
     )
     text2 = f" | {Path(args.eval_text2).name} ({args.eval2_windows} x {args.seq_len})" if args.eval_text2 else ""
     print(f"| method | perplexity{text2} | bits/weight | quantize s |\n|---|---|{'---|' if text2 else ''}---|---|")

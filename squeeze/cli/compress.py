@@ -79,7 +79,10 @@ TargetBpw = Annotated[
         "Not with --bits.",
     ),
 ]
-Sensitivity = Annotated[Optional[str], typer.Option("--sensitivity", help="fisher or uniform (ablation).")]
+Sensitivity = Annotated[
+    Optional[str],
+    typer.Option("--sensitivity", help="fisher, activation (forward passes only: no backward) or uniform (ablation)."),
+]
 SensitiveFraction = Annotated[
     Optional[float], typer.Option("--sensitive-fraction", help="Share of weights kept exact by Fisher, e.g. 0.0005.")
 ]

@@ -195,7 +195,7 @@ def plan_stage(job: CompressJob) -> None:
     report = (lambda done, total: progress("plan", done, total)) if progress else None
     weights = {name: target_matrix(job.targets[name]) for name in names}  # (out, in); experts (E*out, in)
     fisher = {name: matrix_fisher(job.targets[name], f) for name, f in job.fisher.items() if name in job.targets}
-    if job.recipe.weights.sensitivity != "fisher":
+    if job.recipe.weights.sensitivity == "uniform":
         fisher = {}
     timings: dict[str, float] = {}  # the candidates' k-means is the plan's time, not the quantize stage's
 
@@ -203,7 +203,7 @@ def plan_stage(job: CompressJob) -> None:
         return quantize_module(weight, f, _estimate_recipe(uniform), timings)
 
     embeddings = {name: job.embeddings[name].weight.detach().float() for name in embedding_names}
-    if job.recipe.weights.sensitivity == "fisher":  # (rows, dim), as the weight: the sensitivity stage's own
+    if job.recipe.weights.sensitivity != "uniform":  # (rows, dim), as the weight: the sensitivity stage's own
         fisher.update({name: job.fisher[name] for name in embedding_names if name in job.fisher})
     kept_bytes = keep_dtype(job.source, job.recipe.output.keep_dtype).itemsize
     table = error_table(

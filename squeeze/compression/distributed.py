@@ -209,9 +209,15 @@ def _name(stage: Callable[..., Any]) -> str:
     return getattr(stage, "__name__", "a stage").removesuffix("_stage").replace("_", " ")
 
 
-def check_world_options(world: World, *, error_compensation: bool) -> None:
+def check_world_options(world: World, *, error_compensation: bool, activation: bool = False) -> None:
     """Refuse (ConfigError) what data-parallel compress does not split yet: error compensation (its input
-    Hessians are summed in fp32 by a GEMM, whose bits depend on how the windows are split)."""
+    Hessians are summed in fp32 by a GEMM, whose bits depend on how the windows are split) and the activation
+    sensitivity (a forward-only pass in one process: its per-window sums are not combined across ranks)."""
+    if world.active and activation:
+        raise ConfigError(
+            f"weights.sensitivity: activation runs in one process, found a torchrun world of {world.size} ranks",
+            hint="run it without torchrun (--max-memory bounds its memory), or use --sensitivity fisher",
+        )
     if world.active and error_compensation:
         raise ConfigError(
             f"error compensation recipes run in one process, found a torchrun world of {world.size} ranks",

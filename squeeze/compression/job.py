@@ -49,15 +49,18 @@ class RecipeNeeds:
     """What a recipe's weight format asks of a compress run, worked out once (:meth:`of`) and kept on the job,
     so no stage re-derives it from the recipe.
 
-    ``fisher``: k-means weighted by the Fisher information (the format uses it and ``weights.sensitivity`` is
-    "fisher"); ``hessians``: error compensation (the format uses an input Hessian and the recipe turns
-    ``weights.error_compensation`` on), whose Hessians come from the same calibration pass; ``calibration``:
-    either of them, so the run reads calibration text.
+    ``fisher``: k-means weighted by a sensitivity, stored and passed as "the Fisher" (the format uses it and
+    ``weights.sensitivity`` is not "uniform"); ``activation``: that sensitivity is the activation one
+    (squeeze.calibrate.activation: forward passes only) rather than the Fisher's backward; ``hessians``: error
+    compensation (the format uses an input Hessian and the recipe turns ``weights.error_compensation`` on),
+    whose Hessians come from the same calibration pass; ``calibration``: either of them, so the run reads
+    calibration text.
     """
 
     format: type[WeightFormat]
     fisher: bool
     hessians: bool
+    activation: bool = False
 
     @property
     def calibration(self) -> bool:
@@ -69,8 +72,9 @@ class RecipeNeeds:
         weights = recipe.weights
         return cls(
             format=fmt,
-            fisher=fmt.uses_fisher and weights.sensitivity == "fisher",
+            fisher=fmt.uses_fisher and weights.sensitivity != "uniform",
             hessians=fmt.uses_hessian and weights.error_compensation,
+            activation=fmt.uses_fisher and weights.sensitivity == "activation",
         )
 
 

@@ -85,7 +85,7 @@ def run_compress(
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     world = world_from_env()  # one process, or this rank of a torchrun world (distributed.py)
     needs = RecipeNeeds.of(recipe)
-    check_world_options(world, error_compensation=needs.hessians)
+    check_world_options(world, error_compensation=needs.hessians, activation=needs.activation)
     check_device_options(compute, error_compensation=needs.hessians, ranks=world.size)
     job = CompressJob(
         source=source,

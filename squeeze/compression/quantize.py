@@ -38,7 +38,7 @@ def quantize_module(
     ``weights.error_compensation`` is on.
     """
     timings = {} if timings is None else timings
-    fisher = fisher if recipe.weights.sensitivity == "fisher" else None
+    fisher = fisher if recipe.weights.sensitivity != "uniform" else None
     fmt = weight_format(recipe)
     timer = lambda part: timed(timings, part)  # noqa: E731
     if fmt.uses_hessian and recipe.weights.error_compensation:

@@ -1,5 +1,6 @@
 """The stages that read calibration text: ``calibrate`` (token windows) and ``sensitivity`` (the Fisher
-information of every target weight, and with error compensation the input Hessians, from one pass).
+information of every target weight, or the activation weights of ``weights.sensitivity: activation``, and with
+error compensation the input Hessians, from one pass).
 
 Both run in the plain pipeline and, placed on every rank, in the data-parallel one (whose sensitivity stage
 splits the windows: pipelines/data_parallel.py); a bounded run has its own block-by-block sensitivity stage
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from squeeze.calibrate.activation import activation_sensitivity, blockwise_activation_sensitivity
 from squeeze.calibrate.blockwise import blockwise_fisher
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.generated import sample_windows_from_model, start_token
@@ -66,8 +68,15 @@ def sensitivity_stage(job: CompressJob) -> None:
 
 
 def _fisher(job: CompressJob, windows: torch.Tensor, report: Any) -> dict[str, torch.Tensor]:
-    """The Fisher of every target and quantized embedding: on the whole model at once on the host, or with
-    ``--device`` block by block on the device (the same windows, each block moved there and back)."""
+    """The Fisher of every target and quantized embedding (or, with ``weights.sensitivity: activation``, the
+    activation weights that stand in for it: squeeze.calibrate.activation): on the whole model at once on the
+    host, or with ``--device`` block by block on the device (the same windows, each block moved there and back)."""
+    if job.needs.activation:
+        if job.device is None:
+            return activation_sensitivity(job.loaded_model(), windows, job.targets, job.embeddings, progress=report)
+        return blockwise_activation_sensitivity(
+            job.loaded_model(), windows, job.targets, job.embeddings, progress=report, device=job.device
+        )
     if job.device is None:
         return fisher_information(job.loaded_model(), windows, fisher_modules(job), progress=report)
     return blockwise_fisher(job.loaded_model(), windows, fisher_modules(job), progress=report, device=job.device)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from squeeze.calibrate.activation import blockwise_activation_sensitivity
 from squeeze.calibrate.blockwise import Combine, blockwise_fisher
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
@@ -83,7 +84,8 @@ def fisher_pass(
     combine: Combine | None = None,
     commit: bool = True,
 ) -> None:
-    """blockwise_fisher over the calibration windows ``[start:stop)`` of ``window_share``, spilling into
+    """blockwise_fisher (or, for ``weights.sensitivity: activation``, its forward-only counterpart
+    squeeze.calibrate.activation) over the calibration windows ``[start:stop)`` of ``window_share``, spilling into
     ``spill_dir`` (removed after); each group's Fisher committed as it is done when ``commit`` (a torchrun
     rank other than 0 only adds its share: ``combine``, see squeeze.calibrate.blockwise)."""
     windows = windows_of(job)
@@ -105,18 +107,31 @@ def fisher_pass(
     lazy: LazyModel = job.lazy
     try:
         # linears, embeddings and expert parameters (an ExpertWeight's ``.weight`` is its 3-D parameter)
-        modules: dict[str, Any] = {**job.targets, **job.embeddings}
-        blockwise_fisher(
-            lazy.model,
-            windows[start:stop],
-            modules,
-            materialized=lazy.materialized,
-            spill_dir=spill_dir,
-            on_group=on_group,
-            progress=report,
-            combine=combine,
-            device=job.device,  # --device: each block moved there for its recomputation and backward
-        )
+        if job.needs.activation:  # forwards only, block by block: squeeze.calibrate.activation
+            blockwise_activation_sensitivity(
+                lazy.model,
+                windows[start:stop],
+                job.targets,
+                job.embeddings,
+                materialized=lazy.materialized,
+                spill_dir=spill_dir,
+                on_group=on_group,
+                progress=report,
+                device=job.device,
+            )
+        else:
+            modules: dict[str, Any] = {**job.targets, **job.embeddings}
+            blockwise_fisher(
+                lazy.model,
+                windows[start:stop],
+                modules,
+                materialized=lazy.materialized,
+                spill_dir=spill_dir,
+                on_group=on_group,
+                progress=report,
+                combine=combine,
+                device=job.device,  # --device: each block moved there for its recomputation and backward
+            )
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
     if pending:  # pragma: no cover - every group's targets are in one block (or are one embedding)
