@@ -32,7 +32,7 @@ from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
 from squeeze.runtime.sampling_params import SamplingParams
-from squeeze.serve.limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
+from squeeze.serve.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
@@ -516,7 +516,7 @@ def set_activations(model: Any, activations: Activations) -> int:
     """Switch a loaded model's LUT kernels to ``activations`` ("int8" or "float32"; ConfigError else): for
     models from ``AutoModelForCausalLM.from_pretrained`` (:func:`load` takes the option directly). Returns
     how many quantized modules were switched."""
-    from squeeze.runtime.paths import set_activations as _set
+    from squeeze.runtime.weight_paths import set_activations as _set
 
     return _set(model, activations)  # checks it
 
@@ -610,7 +610,7 @@ def serve_engine(
     # a URL or repo id names the model by its last part, not by its directory in the cache
     name = model_name or Path(os.fspath(path).rstrip("/")).resolve().name
     loaded, _ = _loaded_on(path, load)
-    from squeeze.runtime.kvcache import kv_spec_for
+    from squeeze.runtime.quantized_cache import kv_spec_for
 
     # the KV options were checked when the EngineConfig was built
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic, checked=True)
@@ -649,7 +649,7 @@ def create_serve_app(
 ) -> FastAPI:
     """The OpenAI-compatible HTTP app over ``engine`` (:func:`squeeze.serve.http.create_app`; needs the
     ``serve`` extra: fastapi, uvicorn, prometheus-client). ``max_request_bytes``: the body cap (default: from
-    the engine's context, squeeze.serve.limits.default_max_request_bytes)."""
+    the engine's context, squeeze.serve.connection_limits.default_max_request_bytes)."""
     from squeeze.serve.http import create_app
 
     return create_app(
@@ -668,10 +668,10 @@ def serve_uvicorn_config(
     max_connections: int | None = None,
     idle_timeout: float = SERVE_IDLE_TIMEOUT,
 ) -> Any:
-    """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.limits.uvicorn_config`):
+    """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.connection_limits.uvicorn_config`):
     a connection that sends no whole request head within ``idle_timeout`` seconds is closed, connections past
     ``max_connections`` (default: the open-file limit less 64) are answered 503."""
-    from squeeze.serve.limits import uvicorn_config
+    from squeeze.serve.connection_limits import uvicorn_config
 
     return uvicorn_config(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
@@ -739,7 +739,7 @@ def local_artifact(
     (or :func:`pull`) downloads from the Hub, and never while ``HF_HUB_OFFLINE`` is set. What :func:`load` and
     ``squeeze run -m`` do with such a source; the loader then verifies the directory as always."""
     from squeeze.distribution.pull import existing_artifact_dir, resolve_source
-    from squeeze.distribution.source import is_remote
+    from squeeze.distribution.remote import is_remote
 
     text = os.fspath(source)
     if not is_remote(text):

@@ -55,7 +55,7 @@ ERROR_COMPENSATION_OPTIONS = ("damp", "refit_lut", "refit_rounds", "act_order", 
 #: The most rounds ``weights.refit_rounds`` may ask for (each is one more compensation pass per linear).
 MAX_REFIT_ROUNDS = 8
 #: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
-#: squeeze.models.experts), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
+#: squeeze.models.expert_params), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
 DEFAULT_TARGETS = (
     "q_proj",
     "k_proj",
@@ -88,7 +88,7 @@ MAX_TUNING_LR = 1.0
 @dataclass(frozen=True)
 class TuningConfig:
     """``weights.tuning``: block-wise tuning of the LUT values and norm gains after quantization
-    (squeeze.quant.tuning; the stage is squeeze.compression.tuning). Codes and format never change."""
+    (squeeze.quant.tuning; the stage is squeeze.compression.tuning_stage). Codes and format never change."""
 
     #: Adam steps per decoder block, one calibration window each (early stop on a held-out slice may end sooner).
     steps: int = 64

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench/ablate_kv.py                      # SmolLM2-135M, sotu -> wikitext2, 10 x 512
 
-Keys and values are captured once on the calibration text (squeeze.calibrate.kv.capture_kv, as
+Keys and values are captured once on the calibration text (squeeze.calibrate.kv_capture.capture_kv, as
 ``squeeze calibrate-kv`` does); every variant fits its quantizers with squeeze.calibrate.kv_fit and is scored
 through a cache that fake-quantizes with the same reference functions the runtime cache is tested to match
 bit for bit (tests/runtime/test_kvcache.py). "keys only" / "values only" leave the other half in full
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from bench_kv import add_data_arguments, load_data  # noqa: E402  (scripts/bench/ is on sys.path when run as a script)
 from transformers import DynamicCache  # noqa: E402
 
-from squeeze.calibrate.kv import capture_kv  # noqa: E402
+from squeeze.calibrate.kv_capture import capture_kv  # noqa: E402
 from squeeze.calibrate.kv_fit import fit_keys, fit_value_codebook, fit_values  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.quant.kmeans import weighted_kmeans_1d  # noqa: E402

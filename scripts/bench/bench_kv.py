@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench/bench_kv.py                       # SmolLM2-135M, sotu -> wikitext2 40 x 512
     .venv/bin/python scripts/bench/bench_kv.py --eval-windows 10 --skip-decode
 
-Calibration (``squeeze.calibrate.kv.calibrate_kv``, what ``squeeze calibrate-kv`` runs) on
+Calibration (``squeeze.calibrate.kv_capture.calibrate_kv``, what ``squeeze calibrate-kv`` runs) on
 ../shared/corpora/sotu.txt; evaluation on ../shared/corpora/wikitext2_raw_test.txt (512-token windows, the
 first 40), every window scored through a fresh cache: full precision, int8 and int4 calibrated, and the
 uncalibrated baselines (per-token absmax keys and values). Bytes per token count codes and per-token fp16
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from transformers import DynamicCache  # noqa: E402
 
-from squeeze.calibrate.kv import calibrate_kv  # noqa: E402
+from squeeze.calibrate.kv_capture import calibrate_kv  # noqa: E402
 from squeeze.calibrate.windows import read_text_file, sample_windows, tokenize_text  # noqa: E402
 from squeeze.errors import ConfigError  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
@@ -37,7 +37,7 @@ from squeeze.limits import DEFAULT_SINK_TOKENS  # noqa: E402
 from squeeze.models.modes import cache_kwarg  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
 from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token, kv_geometry  # noqa: E402
-from squeeze.runtime.kvcache import SqueezeKVCache  # noqa: E402
+from squeeze.runtime.quantized_cache import SqueezeKVCache  # noqa: E402
 
 
 def decode_seconds(model, prompt: torch.Tensor, new_tokens: int, make_cache) -> float:  # noqa: ANN001

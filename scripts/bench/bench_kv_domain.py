@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench/bench_kv_domain.py --calib-windows 16 --max-eval-windows 40   # SmolLM2, wikitext2
 
 ``--model``: a squeeze artifact (loaded verified, dense cache) or a model squeeze can open (fp32). The
-model is loaded once; every calibration (texts x variants) runs ``squeeze.calibrate.kv.calibrate_kv``, the
+model is loaded once; every calibration (texts x variants) runs ``squeeze.calibrate.kv_capture.calibrate_kv``, the
 function ``squeeze calibrate-kv`` calls, and every score goes through the runtime's SqueezeKVCache, as
 ``squeeze eval`` does. One row per calibration text and variant: perplexity against full precision. The
 point of the table: calibrating on the evaluated domain must never be worse than on sotu.txt.
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 sys.path.insert(0, str(REPO))
 
-from squeeze.calibrate.kv import calibrate_kv  # noqa: E402
+from squeeze.calibrate.kv_capture import calibrate_kv  # noqa: E402
 from squeeze.calibrate.windows import sample_windows, tokenize_text  # noqa: E402
 from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.kvcache import SqueezeKVCache  # noqa: E402

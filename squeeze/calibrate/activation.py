@@ -7,7 +7,7 @@ use): the expected squared output error of row ``r`` from an error ``e`` in ``W[
 the stack is out of reach; the price against the Fisher is measured in docs/benchmarks/quality.md.
 
 The rule for what has no input of its own in a linear's sense (stated here, the one place):
-- expert parameters (3-D, squeeze.models.experts): uniform (ones). Each expert's inputs are the tokens its
+- expert parameters (3-D, squeeze.models.expert_params): uniform (ones). Each expert's inputs are the tokens its
   router dispatches to it, which the fused experts module does not expose to a hook; ones make each
   (expert, row) LUT a plain k-means, as the Fisher does for an expert no token reached.
 - quantized embeddings / LM heads (the ``embeddings`` role): uniform (ones). Each row is its own LUT, and a
@@ -42,7 +42,7 @@ from squeeze.calibrate.blockwise import (
     _Store,
     model_parts,
 )
-from squeeze.models.experts import ExpertWeight
+from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.modes import eval_mode
 from squeeze.models.placement import to_device
 

@@ -50,7 +50,7 @@ from squeeze.calibrate.fisher import (
     window_loss,
 )
 from squeeze.errors import ConfigError
-from squeeze.models.experts import ExpertWeight
+from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.modes import eval_mode
 from squeeze.models.placement import on_device, to_device
 
@@ -251,7 +251,7 @@ def _owners(
     block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
     owners: dict[str, int | str] = {}
     for name, target in modules.items():
-        # an expert parameter (squeeze.models.experts.ExpertWeight) belongs where its experts module is
+        # an expert parameter (squeeze.models.expert_params.ExpertWeight) belongs where its experts module is
         module = target.module if isinstance(target, ExpertWeight) else target
         if module is embed:
             owners[name] = "embed"

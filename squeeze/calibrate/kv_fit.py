@@ -1,7 +1,7 @@
 """KV-cache calibration fits: key normalisers, value clipping ratios, value codebooks and fp8 scales.
 
 Each fit takes one layer's calibration keys or values, ``(N, H, D)`` fp32 (N tokens, the sink excluded; see
-squeeze.calibrate.kv for how they are captured), and returns the quantizer parameters a
+squeeze.calibrate.kv_capture for how they are captured), and returns the quantizer parameters a
 squeeze.quant.kv_spec.LayerKV holds plus the squared error they leave on those samples. The quantizers
 themselves are squeeze.quant.kv's.
 """

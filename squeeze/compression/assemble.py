@@ -32,7 +32,7 @@ from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
 from squeeze.format.quant_config import EmbeddingsEntry, QuantizationConfig, RecipeSummary, module_entries
-from squeeze.models.experts import UnroutedExpertsWarning, unrouted_message
+from squeeze.models.expert_params import UnroutedExpertsWarning, unrouted_message
 from squeeze.models.source import keep_dtype, source_dtype
 from squeeze.models.targets import embedding_modules
 from squeeze.version import __version__

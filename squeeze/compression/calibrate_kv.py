@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from squeeze.calibrate.kv import KVCalibration, calibrate_kv
+from squeeze.calibrate.kv_capture import KVCalibration, calibrate_kv
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.job import StageProgress, timed  # progress stage "kv": calibration windows
 from squeeze.compression.lock import OutputLock

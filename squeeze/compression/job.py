@@ -177,7 +177,7 @@ class CompressJob:
     #: load (--max-memory): the squeeze.models.lazy.LazyModel that reads ``model``'s weights one block at a time
     lazy: Any = None
     tokenizer: Any = None  # load
-    #: load: target_names -> the linears and expert parameters (squeeze.models.experts) of ``model``
+    #: load: target_names -> the linears and expert parameters (squeeze.models.expert_params) of ``model``
     targets: dict[str, Target] = field(default_factory=dict)
     #: load: embedding_names -> modules of ``model`` (the nn.Embedding; an untied LM head's nn.Linear)
     embeddings: dict[str, nn.Linear | nn.Embedding] = field(default_factory=dict)

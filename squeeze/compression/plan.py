@@ -45,7 +45,7 @@ from squeeze.compression.preflight import (
 from squeeze.compression.quantize import layer_groups
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError
-from squeeze.models.experts import ExpertWeight
+from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.source import ModelSource, resolve_model
 from squeeze.models.targets import find_targets, linear_targets
 

@@ -18,7 +18,7 @@ from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_recipe
 from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.config import Recipe
-from squeeze.models.experts import ExpertWeight, expert_modules, unrouted_experts
+from squeeze.models.expert_params import ExpertWeight, expert_modules, unrouted_experts
 from squeeze.models.placement import to_device
 from squeeze.models.targets import matrix_fisher
 from squeeze.quant.schemes import WeightFormat

@@ -33,7 +33,7 @@ def check_source(source: ModelSource) -> None:
 def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, targets: dict[str, Any]) -> None:
     """ConfigError for what ``--max-memory`` cannot stream: a GGUF source, error compensation, a
     ``target_bpw`` budget (both need every layer at once), a model not shaped like Llama. Linears and MoE
-    expert parameters (squeeze.models.experts) both stream with their decoder block."""
+    expert parameters (squeeze.models.expert_params) both stream with their decoder block."""
     weights = recipe.weights
     option = "--max-memory"
     check_source(source)

@@ -13,7 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from squeeze.distribution.source import Source
+from squeeze.distribution.remote import Source
 from squeeze.format.manifest import MANIFEST_NAME
 
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from squeeze.distribution.http import HttpClient, NotFound, show_url
-from squeeze.distribution.source import Source
+from squeeze.distribution.http_client import HttpClient, NotFound, show_url
+from squeeze.distribution.remote import Source
 from squeeze.distribution.staging import Staging
 from squeeze.errors import ConfigError, IntegrityError, SqueezeError, TransferError
 from squeeze.format.hashing import ByteCounter

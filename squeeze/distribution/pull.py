@@ -19,8 +19,8 @@ from typing import Any
 
 from squeeze.distribution.cache import artifact_cache_dir, latest_cached
 from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
-from squeeze.distribution.http import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
-from squeeze.distribution.source import (
+from squeeze.distribution.http_client import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
+from squeeze.distribution.remote import (
     Source,
     check_hub_allowed,
     hub_offline,
@@ -333,7 +333,7 @@ def resolve_source(
 ) -> Path:
     """A local artifact directory for ``source``: a local path as it is; an http(s) URL or ``hf://org/name``
     (``[@revision]``) pulled into the cache first (reused when the cache already holds a complete pull of the
-    version the source serves now). A bare ``org/name`` is a local path (see squeeze.distribution.source).
+    version the source serves now). A bare ``org/name`` is a local path (see squeeze.distribution.remote).
 
     When the source cannot be reached (TransferError: offline, server down) and the cache holds a complete
     earlier pull from it, the most recent one is returned (without a ``public_key``: a signature is only

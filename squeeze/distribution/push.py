@@ -62,7 +62,7 @@ def push_artifact(
     IntegrityError (the artifact does not verify: nothing is uploaded), FormatError (no manifest),
     ConfigError (a malformed repo id); huggingface_hub's errors (auth, network) pass through.
     """
-    from squeeze.distribution.source import parse_source
+    from squeeze.distribution.remote import parse_source
     from squeeze.format.verify import verify_artifact
 
     if "://" in repo_id or parse_source(repo_id).revision is not None:

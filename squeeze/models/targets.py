@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from squeeze.errors import ModelError
-from squeeze.models.experts import EXPERT_PARAM_NAMES, ExpertWeight, is_experts_module
+from squeeze.models.expert_params import EXPERT_PARAM_NAMES, ExpertWeight, is_experts_module
 
 
 def _matches_suffix(name: str, suffix: str) -> bool:

@@ -1,7 +1,7 @@
 """The spec of a quantized KV cache: per-layer calibrated quantizers, their artifact form, and byte accounting.
 
 A :class:`KVSpec` is what ``squeeze calibrate-kv`` writes (``quantization_config.kv_cache`` in config.json
-plus the tensors of :data:`KV_FILE`) and what the runtime cache (squeeze.runtime.kvcache) reads. Its layout
+plus the tensors of :data:`KV_FILE`) and what the runtime cache (squeeze.runtime.quantized_cache) reads. Its layout
 (grid sizes, symmetric or not, codebook or clipping ratio) also fixes the cache's bytes per token, counted
 here for reports and memory estimates. The math on the codes is squeeze.quant.kv.
 

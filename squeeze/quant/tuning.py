@@ -10,7 +10,7 @@ run stops early when that score stops improving. The codes, and so the artifact'
 never change: only the levels and norm gains do.
 
 Everything here is device-agnostic (the block's and the windows' device); the caller
-(squeeze.compression.tuning) walks the blocks, keeps the hidden states and commits each block's result.
+(squeeze.compression.tuning_stage) walks the blocks, keeps the hidden states and commits each block's result.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend, attention_kernels
-from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer
+from squeeze.runtime.quantized_cache import SqueezeKVCache, SqueezeKVLayer
 
 #: "0" turns the native attention off (squeeze run and squeeze serve alike).
 ENV = "SQUEEZE_NATIVE_ATTENTION"

@@ -26,10 +26,10 @@ from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
 from squeeze.runtime.attention import native_run
 from squeeze.runtime.checks import check_context, check_prompts, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
-from squeeze.runtime.kvcache import SqueezeKVCache
-from squeeze.runtime.paths import describe_weight_paths, weight_paths
+from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.text_stream import TextState
+from squeeze.runtime.weight_paths import describe_weight_paths, weight_paths
 
 StreamFn = Callable[[str], None]
 
@@ -47,7 +47,7 @@ class GenerationResult:
     None when only one step ran. peak_rss_bytes: the process's peak resident set size so far (getrusage;
     it cannot be reset, so it includes loading). peak_cuda_bytes: torch.cuda.max_memory_allocated during
     this run, or None off CUDA. weights_path / weight_paths: the path the quantized linears ran
-    (``native-avx512 (210 linears)``) and its counts per path (:mod:`squeeze.runtime.paths`).
+    (``native-avx512 (210 linears)``) and its counts per path (:mod:`squeeze.runtime.weight_paths`).
     """
 
     texts: list[str]

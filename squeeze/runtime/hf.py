@@ -70,8 +70,8 @@ from squeeze.runtime.loader import (
     verified_report,
 )
 from squeeze.runtime.options import LoadOptions
-from squeeze.runtime.paths import set_activations
 from squeeze.runtime.stored_dtype import restore_stored_dtype, stored_dtype_names
+from squeeze.runtime.weight_paths import set_activations
 
 
 class SqueezeQuantConfig(QuantizationConfigMixin):

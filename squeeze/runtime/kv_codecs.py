@@ -3,7 +3,7 @@
 :class:`TokenCodec` (int8 / int4 grids, key normalisation with an optional rotating centre, the int4 value
 codebook) and :class:`FP8Codec` (vLLM's fp8 cache), built per layer from a calibrated spec by
 :func:`layer_codecs`; and the RoPE tables the rotating centre reads. Shared by squeeze run's cache
-(squeeze.runtime.kvcache), squeeze serve's paged pool and the native attention kernel's view of both
+(squeeze.runtime.quantized_cache), squeeze serve's paged pool and the native attention kernel's view of both
 (squeeze.runtime.kernels.cpu_attention), which is why it stands apart from the cache itself.
 """
 

@@ -14,7 +14,7 @@ a non-streamed handler waits for the result and the disconnect together. Request
 server cut at shutdown are cancelled before the engine shuts down. Handlers are coroutines, so the engine's
 methods are called on the event loop's thread (its contract), except tokenization, which runs on one worker
 thread so that a long prompt does not hold up /health and the other requests. A body over
-``max_request_bytes`` is refused with 413 before it is read (squeeze.serve.limits).
+``max_request_bytes`` is refused with 413 before it is read (squeeze.serve.connection_limits).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from squeeze.serve import protocol, tokenization
 from squeeze.serve.choices import Choices, chat_body, chat_events, check_n, completion_body, completion_events
-from squeeze.serve.limits import BodyLimit, default_max_request_bytes
+from squeeze.serve.connection_limits import BodyLimit, default_max_request_bytes
 from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.protocol import ChatRequest, CompletionRequest
 from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
@@ -190,7 +190,7 @@ def create_app(
     engine's). The app's lifespan starts the engine and, at shutdown, calls ``engine.shutdown`` with
     ``shutdown_grace_seconds``; /health answers 503 from then on. Sets ``engine.observer`` to the app's
     :class:`ServeMetrics`. max_request_bytes: bodies over it are refused with 413 before they are read (default:
-    squeeze.serve.limits.default_max_request_bytes of the engine's context). Prompts are tokenized on one
+    squeeze.serve.connection_limits.default_max_request_bytes of the engine's context). Prompts are tokenized on one
     worker thread, not on the event loop: /health and the streams keep answering while a long one is.
     """
     model_name = served_model_name or engine.model_name

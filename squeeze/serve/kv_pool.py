@@ -25,7 +25,7 @@ from torch import Tensor
 from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token
 from squeeze.runtime.kernels.cpu_attention import KVStore, full_store, quantized_store
-from squeeze.runtime.kvcache import TokenCodec, layer_codecs
+from squeeze.runtime.quantized_cache import TokenCodec, layer_codecs
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as in squeeze run's cache
 

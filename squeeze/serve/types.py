@@ -94,7 +94,7 @@ class EngineConfig:
 def _check_engine_config(config: EngineConfig) -> None:
     """ConfigError for engine options that are wrong whatever the model: what :class:`EngineConfig` checks when
     built (before anything loads), naming the ``squeeze serve`` flag."""
-    from squeeze.runtime.kvcache import check_kv_options
+    from squeeze.runtime.quantized_cache import check_kv_options
 
     check_kv_options(config.kv_bits, config.kv_dynamic)
     for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batch_tokens", "max_queue"):

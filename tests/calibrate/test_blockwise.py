@@ -139,7 +139,7 @@ def _tiny_moe(family: str) -> Any:
 def test_expert_parameters_match(family: str, tmp_path: Path) -> None:
     """MoE expert parameters (3-D, the gradient routed through the router) get the whole model's Fisher bit for
     bit, resident and read lazily from the checkpoint (Qwen3-MoE's saved one tensor per expert, fused on read)."""
-    from squeeze.models.experts import ExpertWeight
+    from squeeze.models.expert_params import ExpertWeight
     from squeeze.models.targets import find_targets, target_at
 
     model = _tiny_moe(family)

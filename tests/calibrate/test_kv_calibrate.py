@@ -1,4 +1,4 @@
-"""KV calibration (squeeze.calibrate.kv) for vLLM's fp8 cache: the scales are the absmax of every token / 448."""
+"""KV calibration (squeeze.calibrate.kv_capture) for vLLM's fp8 cache: scales are the absmax of every token / 448."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from squeeze.calibrate.kv import calibrate_kv
+from squeeze.calibrate.kv_capture import calibrate_kv
 from squeeze.calibrate.windows import sample_windows, tokenize_text
 from squeeze.errors import CalibrationError
 from squeeze.models.modes import cache_kwarg

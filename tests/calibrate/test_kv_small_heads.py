@@ -3,7 +3,7 @@ query-weighted key-scale search by default, each pays off, and calibrating on th
 
 from __future__ import annotations
 
-from squeeze.calibrate.kv import calibrate_kv, rope_frequencies
+from squeeze.calibrate.kv_capture import calibrate_kv, rope_frequencies
 from squeeze.calibrate.windows import sample_windows, tokenize_text
 from squeeze.eval.perplexity import perplexity_from_ids
 from squeeze.kvcache import SqueezeKVCache

@@ -113,7 +113,7 @@ def test_expert_parameters_get_uniform_weights_and_stream_to_the_same_bytes(
     from safetensors.torch import load_file
 
     from squeeze.compression.quantize import quantize_module
-    from squeeze.models.experts import stack_experts
+    from squeeze.models.expert_params import stack_experts
 
     dims = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
     config = tf.Qwen3MoeConfig(

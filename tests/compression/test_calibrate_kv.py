@@ -17,7 +17,7 @@ from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_module
 from squeeze.config import DEFAULT_SINK_TOKENS
 from squeeze.quant.kv_spec import KV_FILE, LayerFP8
-from squeeze.runtime.kvcache import SqueezeKVCache
+from squeeze.runtime.quantized_cache import SqueezeKVCache
 
 runner = CliRunner()
 CALIB = ["--num-samples", "4", "--seq-len", "64"]
@@ -325,7 +325,7 @@ def test_fp8_writes_vllms_per_layer_scalars(fp8_artifact, rtn_artifact: Path) ->
 
 
 def test_fp8_scales_are_those_of_a_direct_calibration(fp8_artifact, tinystories_file: Path) -> None:
-    from squeeze.calibrate.kv import calibrate_fp8
+    from squeeze.calibrate.kv_capture import calibrate_fp8
     from squeeze.calibrate.windows import calibration_windows
     from squeeze.config import load_calibration_spec
     from squeeze.runtime.loader import load_artifact

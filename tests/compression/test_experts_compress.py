@@ -20,7 +20,7 @@ from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.quantize import quantize_module
 from squeeze.config import load_calibration_spec, load_recipe
-from squeeze.models.experts import ExpertWeight, stack_experts, unstack_experts
+from squeeze.models.expert_params import ExpertWeight, stack_experts, unstack_experts
 from squeeze.models.source import load_model, resolve_model
 from squeeze.models.targets import find_targets
 from squeeze.quant.schemes import format_for_module

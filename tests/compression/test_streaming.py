@@ -19,7 +19,7 @@ from squeeze.compression import quantize, streaming
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.manifest import MANIFEST_NAME
-from squeeze.models.experts import UnroutedExpertsWarning
+from squeeze.models.expert_params import UnroutedExpertsWarning
 
 BUDGET = "64GB"  # above any estimate here: the run streams, preflight lets it through
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import squeeze.compression.tuning as tuning_stage
+import squeeze.compression.tuning_stage as tuning_stage
 import squeeze.quant.tuning as tuning_math
 from squeeze import api
 from squeeze.compression.workarea import WORK_NAME

@@ -306,8 +306,8 @@ def test_signed_artifact_checked_before_weights(server, served, tmp_path):
 
 
 def test_downloader_plans_one_piece_per_chunk_largest_first(server, served, tmp_path):
-    from squeeze.distribution.http import HttpClient
-    from squeeze.distribution.source import parse_source
+    from squeeze.distribution.http_client import HttpClient
+    from squeeze.distribution.remote import parse_source
 
     manifest = parse_manifest((served / MANIFEST_NAME).read_bytes())
     with Staging(tmp_path / "out") as staging:

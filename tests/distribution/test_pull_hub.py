@@ -15,7 +15,7 @@ from pull_server import SHARD, ArtifactServer, HubRepo, build_artifact
 
 from squeeze import api
 from squeeze.distribution.pull import pull_artifact
-from squeeze.distribution.source import parse_source
+from squeeze.distribution.remote import parse_source
 from squeeze.errors import ConfigError, FormatError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.verify import verify_artifact

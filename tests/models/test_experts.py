@@ -12,7 +12,7 @@ from torch import nn
 
 from squeeze.config import DEFAULT_TARGETS
 from squeeze.errors import ModelError
-from squeeze.models.experts import (
+from squeeze.models.expert_params import (
     ExpertWeight,
     expert_modules,
     expert_parameters,

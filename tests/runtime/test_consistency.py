@@ -20,7 +20,7 @@ from squeeze.eval.compare import evaluate
 from squeeze.eval.perplexity import perplexity
 from squeeze.runtime.kernels.cpu_build import cpu_kernels
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.paths import set_activations
+from squeeze.runtime.weight_paths import set_activations
 
 SEQ_LEN, WINDOWS = 128, 4
 RTOL = 1e-3

@@ -24,7 +24,7 @@ from squeeze.runtime.kernels.cpu_attention import (
     reference_attention,
 )
 from squeeze.runtime.kernels.cpu_build import KernelWarning
-from squeeze.runtime.kvcache import SqueezeKVCache
+from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots
 

@@ -35,7 +35,7 @@ from squeeze.runtime.experts import (
 )
 from squeeze.runtime.experts_forward import experts_implementation, use_squeeze_experts
 from squeeze.runtime.memory import SPARSE_ENTRY_BYTES, W8_BITS, W8_ROW_BYTES, estimate_load
-from squeeze.runtime.paths import set_activations
+from squeeze.runtime.weight_paths import set_activations
 
 E, OUT, IN = 4, 6, 10
 IDS = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128, 5, 77, 300]])

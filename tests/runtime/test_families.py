@@ -25,7 +25,7 @@ from family_checks import check_squeeze_eval, check_squeeze_run, compress_tiny_m
 from squeeze import api
 from squeeze.cli.app import app
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.paths import set_activations
+from squeeze.runtime.weight_paths import set_activations
 
 runner = CliRunner()
 ATOL = 1e-4

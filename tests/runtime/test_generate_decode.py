@@ -23,7 +23,7 @@ from transformers import (
 from squeeze.models.modes import cache_kwarg
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.generate import generate
-from squeeze.runtime.kvcache import SqueezeKVCache, kv_spec_for
+from squeeze.runtime.quantized_cache import SqueezeKVCache, kv_spec_for
 from squeeze.runtime.sampling_params import SamplingParams
 
 PAD = 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from squeeze.calibrate.kv import calibrate_kv
+from squeeze.calibrate.kv_capture import calibrate_kv
 from squeeze.calibrate.windows import sample_windows, tokenize_text
 from squeeze.errors import ConfigError, ModelError
 from squeeze.eval.perplexity import perplexity
@@ -24,7 +24,7 @@ from squeeze.quant.kv import (
     token_grid,
 )
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
-from squeeze.runtime.kvcache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
+from squeeze.runtime.quantized_cache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
 
 H, D = 2, 8
 

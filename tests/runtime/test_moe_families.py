@@ -29,7 +29,7 @@ from squeeze import api
 from squeeze.cli.app import app
 from squeeze.runtime.experts import SqueezeExperts
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.paths import set_activations
+from squeeze.runtime.weight_paths import set_activations
 
 runner = CliRunner()
 ATOL = 1e-4

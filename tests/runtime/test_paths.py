@@ -9,7 +9,7 @@ from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.quant.schemes.rtn import rtn_quantize
 from squeeze.runtime.kernels.cpu_build import cpu_kernels
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.paths import describe_weight_paths, weight_paths
+from squeeze.runtime.weight_paths import describe_weight_paths, weight_paths
 
 
 def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, serving
 
+from squeeze.serve.connection_limits import default_max_connections, default_max_request_bytes, uvicorn_config
 from squeeze.serve.http import create_app
-from squeeze.serve.limits import default_max_connections, default_max_request_bytes, uvicorn_config
 
 TIMEOUT = 20.0
 PROMPT = "the cat sat"

@@ -8,7 +8,7 @@ import torch
 from squeeze.errors import ConfigError
 from squeeze.quant.kv import KeyRotation
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
-from squeeze.runtime.kvcache import SqueezeKVLayer
+from squeeze.runtime.quantized_cache import SqueezeKVLayer
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots, block_bytes
 

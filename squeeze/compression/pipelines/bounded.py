@@ -31,9 +31,9 @@ from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
 from squeeze.compression.sensitivity import calibrate_stage
-from squeeze.compression.tuning import tune_stage
+from squeeze.compression.tuning_stage import tune_stage
 from squeeze.errors import ResumeError
-from squeeze.models.experts import ExpertWeight
+from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.lazy import LazyModel
 from squeeze.models.source import keep_dtype, load_tokenizer, source_dtype
 from squeeze.models.targets import target_at

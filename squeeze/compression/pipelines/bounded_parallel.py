@@ -22,7 +22,7 @@ from squeeze.compression.pipelines import bounded
 from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
 from squeeze.compression.sensitivity import calibrate_stage
-from squeeze.compression.tuning import tune_stage
+from squeeze.compression.tuning_stage import tune_stage
 
 
 def world_sensitivity_stage(job: CompressJob) -> None:

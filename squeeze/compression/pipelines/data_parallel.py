@@ -28,7 +28,7 @@ from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
 from squeeze.compression.quantize import quantize_stage
 from squeeze.compression.sensitivity import calibrate_stage, fisher_modules
-from squeeze.compression.tuning import tune_stage
+from squeeze.compression.tuning_stage import tune_stage
 from squeeze.models.source import load_tokenizer
 
 

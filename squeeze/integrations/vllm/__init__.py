@@ -22,8 +22,8 @@ def register() -> None:
     from vllm.model_executor.model_loader import register_model_loader
 
     from squeeze.format.quant_config import QUANT_METHOD
-    from squeeze.integrations.vllm.config import SqueezeVllmConfig
-    from squeeze.integrations.vllm.loader import LOAD_FORMAT, SqueezeModelLoader
+    from squeeze.integrations.vllm.load_format import LOAD_FORMAT, SqueezeModelLoader
+    from squeeze.integrations.vllm.quant_method import SqueezeVllmConfig
 
     register_quantization_config(QUANT_METHOD)(SqueezeVllmConfig)
     register_model_loader(LOAD_FORMAT)(SqueezeModelLoader)

@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/check_vllm.sh
 from squeeze.errors import FormatError  # noqa: E402
 from squeeze.integrations.vllm import register  # noqa: E402
 from squeeze.integrations.vllm.artifact import ModuleSpecs  # noqa: E402
-from squeeze.integrations.vllm.config import SqueezeVllmConfig  # noqa: E402
+from squeeze.integrations.vllm.quant_method import SqueezeVllmConfig  # noqa: E402
 
 ENTRY = {"method": "squeeze", "bits": 4, "in_features": 8, "out_features": 8}
 

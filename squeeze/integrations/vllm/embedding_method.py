@@ -32,7 +32,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from squeeze.errors import FormatError
 from squeeze.integrations.vllm.artifact import ModuleSpecs
-from squeeze.integrations.vllm.linear import register_linear, squeeze_linear
+from squeeze.integrations.vllm.linear_method import register_linear, squeeze_linear
 from squeeze.integrations.vllm.sharding import vocab_rows
 from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.embedding import check_embedding_weight, gather_rows

@@ -40,9 +40,9 @@ from squeeze.integrations.vllm.artifact import (
     renamed,
     verify,
 )
-from squeeze.integrations.vllm.embedding import SqueezeEmbeddingMethod
-from squeeze.integrations.vllm.linear import SqueezeLinearMethod
-from squeeze.integrations.vllm.loader import LOAD_FORMAT
+from squeeze.integrations.vllm.embedding_method import SqueezeEmbeddingMethod
+from squeeze.integrations.vllm.linear_method import SqueezeLinearMethod
+from squeeze.integrations.vllm.load_format import LOAD_FORMAT
 from squeeze.integrations.vllm.moe import SqueezeFusedMoEMethod, expert_modules
 
 logger = init_logger("vllm.squeeze")
