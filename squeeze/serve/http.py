@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -175,6 +176,69 @@ def _shutdown_error() -> EngineStoppedError:
     )
 
 
+@dataclass
+class _AppState:
+    """What the routes and the lifespan of one app share: the engine, the served name, the requests whose
+    response has not ended, and the shutdown's state."""
+
+    engine: EngineClient
+    model_name: str
+    metrics: ServeMetrics
+    shutdown_grace_seconds: float
+    started_at: int = field(default_factory=protocol.now)
+    shutting_down: bool = False
+    #: requests submitted whose response has not ended
+    in_flight: set[RequestStream] = field(default_factory=set)
+    # set when the shutdown's grace has ended: every open response then ends (an error event and [DONE] for a
+    # stream, 503 otherwise) before uvicorn would cancel its task, which ended streams mid-air with a traceback
+    cut: asyncio.Event = field(default_factory=asyncio.Event)
+    shutdown_timer: list[asyncio.TimerHandle] = field(default_factory=list)
+    running_loop: list[asyncio.AbstractEventLoop] = field(default_factory=list)
+    # one thread: tokenizers are not safe to call from several at once, and the loop must stay free
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-tokenize")
+    )
+
+    def cut_open_requests(self) -> None:
+        for stream in list(self.in_flight):
+            logger.warning(
+                "request %s cancelled: still open %g s after the shutdown began (--shutdown-grace)",
+                stream.request_id,
+                self.shutdown_grace_seconds,
+            )
+        self.cut.set()
+
+    def arm_cut(self) -> None:
+        if not self.shutdown_timer:
+            timer = self.running_loop[0].call_later(self.shutdown_grace_seconds, self.cut_open_requests)
+            self.shutdown_timer.append(timer)
+
+    def begin_shutdown(self) -> None:
+        """The server stopped accepting: open requests get ``shutdown_grace_seconds`` more (any thread)."""
+        if self.running_loop:
+            self.running_loop[0].call_soon_threadsafe(self.arm_cut)
+
+    async def off_loop(self, fn: Callable[..., _T], *arguments: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *arguments)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise protocol.ModelNotFoundError(
+                f"the model {name!r} does not exist on this server",
+                hint=f"it serves {self.model_name!r}",
+                param="model",
+            )
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "squeeze",
+            "max_model_len": self.engine.max_model_len,
+        }
+
+
 def create_app(
     engine: EngineClient,
     *,
@@ -196,67 +260,49 @@ def create_app(
     model_name = served_model_name or engine.model_name
     metrics = ServeMetrics(engine.stats)
     engine.observer = metrics
-    started_at = protocol.now()
-    shutting_down = False
-    #: requests submitted whose response has not ended
-    in_flight: set[RequestStream] = set()
-    # set when the shutdown's grace has ended: every open response then ends (an error event and [DONE] for a
-    # stream, 503 otherwise) before uvicorn would cancel its task, which ended streams mid-air with a traceback
-    cut = asyncio.Event()
-    shutdown_timer: list[asyncio.TimerHandle] = []
-    running_loop: list[asyncio.AbstractEventLoop] = []
+    state = _AppState(engine, model_name, metrics, shutdown_grace_seconds)
 
-    def cut_open_requests() -> None:
-        for stream in list(in_flight):
-            logger.warning(
-                "request %s cancelled: still open %g s after the shutdown began (--shutdown-grace)",
-                stream.request_id,
-                shutdown_grace_seconds,
-            )
-        cut.set()
-
-    def arm_cut() -> None:
-        if not shutdown_timer:
-            shutdown_timer.append(running_loop[0].call_later(shutdown_grace_seconds, cut_open_requests))
-
-    def begin_shutdown() -> None:
-        """The server stopped accepting: open requests get ``shutdown_grace_seconds`` more (any thread)."""
-        if running_loop:
-            running_loop[0].call_soon_threadsafe(arm_cut)
-
-    # one thread: tokenizers are not safe to call from several at once, and the loop must stay free
-    tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-tokenize")
-
-    async def off_loop(fn: Callable[..., _T], *arguments: Any) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, fn, *arguments)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal shutting_down
-        running_loop.append(asyncio.get_running_loop())
-        engine.start()
-        try:
-            yield
-        finally:
-            shutting_down = True
-            for timer in shutdown_timer:
-                timer.cancel()
-            # uvicorn has stopped taking connections and waited up to its graceful timeout for the open ones;
-            # those it cancelled have not run their cleanup yet (engine.shutdown blocks the loop, as the
-            # engine's methods run on its thread): their requests are cancelled here, not left to the grace
-            for stream in list(in_flight):
-                _release(stream, in_flight)
-            engine.shutdown(shutdown_grace_seconds)
-            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="squeeze serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="squeeze serve", lifespan=_lifespan(state), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
-    app.state.shutdown_cut = cut
-    app.state.begin_shutdown = begin_shutdown
+    app.state.shutdown_cut = state.cut
+    app.state.begin_shutdown = state.begin_shutdown
     _install_error_handlers(app)
     limit = max_request_bytes if max_request_bytes is not None else default_max_request_bytes(engine.max_model_len)
     app.add_middleware(BodyLimit, max_bytes=limit)
 
+    guarded = [Depends(_authorizer(api_key))]
+    _add_info_routes(app, state, guarded)
+    _add_generation_routes(app, state, guarded)
+    _add_tokenizer_routes(app, state, guarded)
+    return app
+
+
+def _lifespan(state: _AppState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: starts the engine; at shutdown cancels what is still open and stops the engine."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.running_loop.append(asyncio.get_running_loop())
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            for timer in state.shutdown_timer:
+                timer.cancel()
+            # uvicorn has stopped taking connections and waited up to its graceful timeout for the open ones;
+            # those it cancelled have not run their cleanup yet (engine.shutdown blocks the loop, as the
+            # engine's methods run on its thread): their requests are cancelled here, not left to the grace
+            for stream in list(state.in_flight):
+                _release(stream, state.in_flight)
+            state.engine.shutdown(state.shutdown_grace_seconds)
+            state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
+
+
+def _authorizer(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that checks ``Authorization: Bearer <api_key>`` (lets everything through without a key)."""
     key = api_key.encode() if api_key is not None else None
 
     async def authorize(request: Request) -> None:
@@ -269,47 +315,41 @@ def create_app(
                 hint="send the header 'Authorization: Bearer <key>' with the server's --api-key",
             )
 
-    guarded = [Depends(authorize)]
+    return authorize
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise protocol.ModelNotFoundError(
-                f"the model {name!r} does not exist on this server", hint=f"it serves {model_name!r}", param="model"
-            )
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": started_at,
-            "owned_by": "squeeze",
-            "max_model_len": engine.max_model_len,
-        }
+def _add_info_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None:
+    """GET /health (open), /metrics and /v1/models[/{id}]."""
 
     @app.get("/health")
     async def health() -> Response:
-        if shutting_down:
+        if state.shutting_down:
             body = protocol.error_body("the server is shutting down", "service_unavailable")
             return _error_response(503, body)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", dependencies=guarded)
     async def prometheus_metrics() -> Response:
-        content, content_type = metrics.render()
+        content, content_type = state.metrics.render()
         return Response(content, headers={"Content-Type": content_type})
 
     @app.get("/v1/models", dependencies=guarded)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [state.model_card()]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=guarded)
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return model_card()
+        state.check_model(model_id)
+        return state.model_card()
+
+
+def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
+    engine, model_name, in_flight, off_loop = state.engine, state.model_name, state.in_flight, state.off_loop
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        state.check_model(body.model)
         check_n(engine, body.choices_per_prompt)
         prompts = [await off_loop(engine.tokenize, p) for p in body.prompt]
         echoes = None
@@ -330,7 +370,7 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        check_model(body.model)
+        state.check_model(body.model)
         check_n(engine, body.choices_per_prompt)
         prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages())
         params = body.sampling_params(len(prompt_ids), engine.max_model_len)
@@ -346,21 +386,24 @@ def create_app(
             lambda: chat_body(engine, choices, model_name, created),
         )
 
+
+def _add_tokenizer_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None:
+    """vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (squeeze.serve.tokenization)."""
+    engine = state.engine
+
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
-        return await off_loop(tokenization.tokenize, engine, body)
+        state.check_model(body.model)
+        return await state.off_loop(tokenization.tokenize, engine, body)
 
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        check_model(body.model)
-        return await off_loop(tokenization.detokenize, engine, body)
+        state.check_model(body.model)
+        return await state.off_loop(tokenization.detokenize, engine, body)
 
     @app.get("/tokenizer_info", dependencies=guarded)
     async def tokenizer_info() -> dict[str, Any]:
         return engine.tokenizer_info()
-
-    return app
 
 
 async def _respond(
