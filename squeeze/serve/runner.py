@@ -289,14 +289,7 @@ class ModelRunner:
                 kept = min(end, sink_tokens)
                 sink_positions += range(k0, k0 + kept)
                 sink_entries += range(base, base + kept)
-            # a chunk that runs past the prompt recomputes generated tokens (after a preemption): those attend alone
-            in_prompt = max(0, min(end, len(seq.prompt_ids)) - start)
-            if in_prompt == chunk.tokens:
-                row = RowSpan(q0, q1, k0, k1, self._row_mask(chunk.tokens, end))
-            else:
-                mask = self._row_mask(in_prompt, start + in_prompt) if in_prompt else None
-                row = RowSpan(q0, q1, k0, k1, mask, in_prompt)
-            rows.append(row)
+            rows.append(self._row_span(chunk, q0, k0))
             last.append(q1 - 1)
             q0, k0 = q1, k1
         device = self.device
@@ -319,6 +312,18 @@ class ModelRunner:
         )
         paths = RowPlan(len(tokens), torch.tensor(tiled, dtype=torch.long), torch.tensor(gemv, dtype=torch.long))
         return _StepInputs(as_tensor(tokens)[None], new_positions[None], as_tensor(last), slots, tuple(rows), paths)
+
+    def _row_span(self, chunk: ScheduledChunk, q0: int, k0: int) -> RowSpan:
+        """The row of ``chunk`` whose queries start at ``q0`` and whose keys start at ``k0`` in the step."""
+        seq = chunk.seq
+        start, end = seq.computed, seq.computed + chunk.tokens
+        q1, k1 = q0 + chunk.tokens, k0 + end
+        # a chunk that runs past the prompt recomputes generated tokens (after a preemption): those attend alone
+        in_prompt = max(0, min(end, len(seq.prompt_ids)) - start)
+        if in_prompt == chunk.tokens:
+            return RowSpan(q0, q1, k0, k1, self._row_mask(chunk.tokens, end))
+        mask = self._row_mask(in_prompt, start + in_prompt) if in_prompt else None
+        return RowSpan(q0, q1, k0, k1, mask, in_prompt)
 
     def _native(self, inputs: _StepInputs) -> NativeStep | None:
         """The step's rows as the native kernel reads them (None: this runner attends with SDPA)."""
