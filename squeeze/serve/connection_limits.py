@@ -138,6 +138,18 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+def _busy_response(max_connections: int) -> bytes:
+    """The whole HTTP/1.1 response (503, Retry-After, a JSON error) to a connection over ``max_connections``."""
+    busy = (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\nretry-after: 1\r\n"
+    )
+    busy_body = _error_json(
+        f"the server has {max_connections} connections open, its limit (--max-connections): try again shortly",
+        "service_unavailable",
+    )
+    return busy + b"content-length: %d\r\n\r\n" % len(busy_body) + busy_body
+
+
 def guarded_protocol(
     *, max_connections: int, idle_timeout: float, on_shutdown: Callable[[], None] | None = None
 ) -> type[Any]:
@@ -147,14 +159,7 @@ def guarded_protocol(
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    busy = (
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\nretry-after: 1\r\n"
-    )
-    busy_body = _error_json(
-        f"the server has {max_connections} connections open, its limit (--max-connections): try again shortly",
-        "service_unavailable",
-    )
-    busy += b"content-length: %d\r\n\r\n" % len(busy_body) + busy_body
+    busy = _busy_response(max_connections)
 
     class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
         """H11Protocol, closing a connection that sends no whole request head in time, and over the cap."""
