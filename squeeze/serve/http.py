@@ -4,11 +4,12 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1
 GET /metrics, and vLLM's tokenizer endpoints POST /tokenize, POST /detokenize, GET /tokenizer_info
 (squeeze.serve.tokenization). A request's choices (prompts x ``n``) are engine requests held as one stream
 (squeeze.serve.choices). Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), schema
-violations and malformed JSON included (400, not FastAPI's 422).
+violations and malformed JSON included (400, not FastAPI's 422; squeeze.serve.error_handlers).
 
 A request is tokenized and submitted before its response starts, so a refusal (400, 429 + Retry-After, 503)
 comes back as a JSON error even for ``stream: true``; an engine failure in the middle of a stream becomes an
-``error`` event before ``[DONE]``. A client that goes away cancels its request (its KV blocks are freed):
+``error`` event before ``[DONE]`` (squeeze.serve.responses). A client that goes away cancels its request (its KV
+blocks are freed):
 Starlette's disconnect watch cancels a streamed body, whose response cancels the request in ``finally``;
 a non-streamed handler waits for the result and the disconnect together. Requests whose responses the
 server cut at shutdown are cancelled before the engine shuts down. Handlers are coroutines, so the engine's
@@ -29,151 +30,21 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from squeeze.serve import protocol, tokenization
 from squeeze.serve.choices import Choices, chat_body, chat_events, check_n, completion_body, completion_events
 from squeeze.serve.connection_limits import BodyLimit, default_max_request_bytes
+from squeeze.serve.error_handlers import error_response, install_error_handlers
 from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.protocol import ChatRequest, CompletionRequest
+from squeeze.serve.responses import release, respond
 from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
-from squeeze.serve.types import EngineClient, EngineStoppedError, QueueFullError, RequestError, RequestStream
+from squeeze.serve.types import EngineClient, RequestStream
 
 logger = logging.getLogger("squeeze.serve")
 
 _T = TypeVar("_T")
-
-#: nginx's "client closed request": the status of a response nobody is left to read.
-CLIENT_CLOSED = 499
-
-
-class _EventStream(StreamingResponse):
-    """A server-sent event stream that cancels its engine request however the response ends: finished,
-    client gone (Starlette cancels the body), or the server cancelling the task at shutdown."""
-
-    def __init__(self, events: AsyncIterator[bytes], stream: RequestStream, in_flight: set[RequestStream]) -> None:
-        # no-cache / no buffering: proxies must pass each event on as it comes
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, media_type="text/event-stream", headers=headers)
-        self._stream = stream
-        self._in_flight = in_flight
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            _release(self._stream, self._in_flight)
-
-
-def _release(stream: RequestStream, in_flight: set[RequestStream]) -> None:
-    """Cancel ``stream`` (a no-op once it finished) and forget it."""
-    stream.cancel()
-    in_flight.discard(stream)
-
-
-def _error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
-    """One line naming the first offending field (``temperature: Input should be less than or equal to 2``)
-    and that field as OpenAI's ``param``."""
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        reason = first.get("ctx", {}).get("error", "")
-        return f"the request body is not valid JSON: {reason}".rstrip(": "), None
-    if not loc:
-        if kind == "missing":
-            return "the request body is missing: send a JSON object", None
-        return "the request body must be a JSON object (with Content-Type: application/json)", None
-    param = ".".join(loc)
-    if kind == "value_error":
-        message = str(first.get("ctx", {}).get("error", first.get("msg", "")))
-    else:
-        message = str(first.get("msg", "invalid value"))
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    return f"{param}: {message}{more}", param
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def on_request_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestError)  # registered for RequestError only
-        headers = {}
-        if isinstance(exc, QueueFullError):
-            headers["Retry-After"] = str(exc.retry_after)
-        if isinstance(exc, protocol.AuthenticationError):
-            headers["WWW-Authenticate"] = "Bearer"
-        return _error_response(exc.status, protocol.request_error_body(exc), headers)
-
-    async def on_validation_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        message, param = _validation_message(list(exc.errors()))
-        return _error_response(400, protocol.error_body(message, "invalid_request_error", param))
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        where = f"{request.method} {request.url.path}"
-        if exc.status_code == 404:
-            message = f"Invalid URL ({where})"
-        elif exc.status_code == 405:
-            message = f"method not allowed: {where}"
-        else:
-            message = str(exc.detail)
-        body = protocol.error_body(message, "invalid_request_error")
-        return _error_response(exc.status_code, body, dict(exc.headers or {}))
-
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        # Starlette re-raises the exception once this response is sent, and the server logs its traceback
-        body = protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
-        return _error_response(500, body)
-
-    app.add_exception_handler(RequestError, on_request_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    """Return once the client has gone (the body has been read already, so only http.disconnect is left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect_unless_gone(
-    request: Request, choices: Choices, in_flight: set[RequestStream], cut: asyncio.Event
-) -> bool:
-    """Collect every choice (:meth:`Choices.collect`); False as soon as the client disconnects. The requests
-    are cancelled either way unless they finished (and on cancellation of this task). EngineStoppedError (503)
-    when the shutdown's grace ends first (``cut``)."""
-    result = asyncio.ensure_future(choices.collect())
-    gone = asyncio.ensure_future(_wait_for_disconnect(request))
-    stop = asyncio.ensure_future(cut.wait())
-    try:
-        await asyncio.wait((result, gone, stop), return_when=asyncio.FIRST_COMPLETED)
-        if result.done():
-            result.result()
-            return True
-        if stop.done():
-            raise _shutdown_error()
-        return False
-    finally:
-        gone.cancel()
-        result.cancel()
-        stop.cancel()
-        _release(choices, in_flight)
-
-
-def _shutdown_error() -> EngineStoppedError:
-    return EngineStoppedError(
-        "the request was cancelled: the server is shutting down and its --shutdown-grace period has ended"
-    )
 
 
 @dataclass
@@ -266,7 +137,7 @@ def create_app(
     app.state.metrics = metrics
     app.state.shutdown_cut = state.cut
     app.state.begin_shutdown = state.begin_shutdown
-    _install_error_handlers(app)
+    install_error_handlers(app)
     limit = max_request_bytes if max_request_bytes is not None else default_max_request_bytes(engine.max_model_len)
     app.add_middleware(BodyLimit, max_bytes=limit)
 
@@ -294,7 +165,7 @@ def _lifespan(state: _AppState) -> Callable[[FastAPI], AbstractAsyncContextManag
             # those it cancelled have not run their cleanup yet (engine.shutdown blocks the loop, as the
             # engine's methods run on its thread): their requests are cancelled here, not left to the grace
             for stream in list(state.in_flight):
-                _release(stream, state.in_flight)
+                release(stream, state.in_flight)
             state.engine.shutdown(state.shutdown_grace_seconds)
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -325,7 +196,7 @@ def _add_info_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None
     async def health() -> Response:
         if state.shutting_down:
             body = protocol.error_body("the server is shutting down", "service_unavailable")
-            return _error_response(503, body)
+            return error_response(503, body)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", dependencies=guarded)
@@ -359,7 +230,7 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
         params = body.sampling_params()
         choices = Choices.submit(engine, request_id, prompts, params, body.choices_per_prompt, echoes)
         in_flight.add(choices)
-        return await _respond(
+        return await respond(
             request,
             choices,
             in_flight,
@@ -377,7 +248,7 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
         request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()
         choices = Choices.submit(engine, request_id, [prompt_ids], params, body.choices_per_prompt)
         in_flight.add(choices)
-        return await _respond(
+        return await respond(
             request,
             choices,
             in_flight,
@@ -404,54 +275,6 @@ def _add_tokenizer_routes(app: FastAPI, state: _AppState, guarded: list[Any]) ->
     @app.get("/tokenizer_info", dependencies=guarded)
     async def tokenizer_info() -> dict[str, Any]:
         return engine.tokenizer_info()
-
-
-async def _respond(
-    request: Request,
-    choices: Choices,
-    in_flight: set[RequestStream],
-    streaming: bool,
-    events: Callable[[], AsyncIterator[bytes]],
-    build: Callable[[], dict[str, Any]],
-) -> Response:
-    """The response to submitted choices: an event stream, or the whole result as one JSON object."""
-    cut: asyncio.Event = request.app.state.shutdown_cut
-    if streaming:
-        return _EventStream(_guarded(events(), choices.request_id, cut), choices, in_flight)
-    if not await _collect_unless_gone(request, choices, in_flight, cut):
-        return Response(status_code=CLIENT_CLOSED)
-    choices.raise_for_failure()
-    return JSONResponse(build())
-
-
-async def _guarded(events: AsyncIterator[bytes], request_id: str, cut: asyncio.Event) -> AsyncIterator[bytes]:
-    """``events``, ending in an error event and [DONE] should they fail, or once the shutdown's grace has
-    ended (``cut``): once the response has started, an event is all the client can still be told."""
-    iterator = events.__aiter__()
-    stop = asyncio.ensure_future(cut.wait())
-    step: asyncio.Future[bytes] | None = None
-    try:
-        while True:
-            step = asyncio.ensure_future(iterator.__anext__())
-            await asyncio.wait((step, stop), return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():  # the grace has ended (cut_open_requests logged it)
-                step.cancel()
-                yield protocol.sse(protocol.request_error_body(_shutdown_error()))
-                yield protocol.DONE_EVENT
-                return
-            try:
-                event = step.result()
-            except StopAsyncIteration:
-                return
-            yield event
-    except Exception as exc:  # noqa: BLE001 - reported to the client and logged with its traceback
-        logger.exception("request %s failed while streaming", request_id)
-        yield protocol.sse(protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"))
-        yield protocol.DONE_EVENT
-    finally:
-        stop.cancel()
-        if step is not None and not step.done():  # the client went away (Starlette cancelled this body)
-            step.cancel()
 
 
 __all__ = ["create_app"]
