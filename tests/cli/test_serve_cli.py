@@ -272,7 +272,7 @@ def test_a_signal_stops_the_server_gracefully_with_exit_0(
 
 
 def test_the_startup_line_names_an_fp8_cache_as_fp8() -> None:
-    from squeeze.cli.serve import startup_line
+    from squeeze.cli.server import startup_line
 
     info = {
         "model": "m", "url": "http://127.0.0.1:1/v1", "kv_bits": 8, "kv_cache": "fp8", "kv_dynamic": False,
