@@ -37,7 +37,7 @@ from squeeze.serve.choices import Choices, chat_body, chat_events, check_n, comp
 from squeeze.serve.connection_limits import BodyLimit, default_max_request_bytes
 from squeeze.serve.error_handlers import error_response, install_error_handlers
 from squeeze.serve.metrics import ServeMetrics
-from squeeze.serve.protocol import ChatRequest, CompletionRequest
+from squeeze.serve.request_schema import ChatRequest, CompletionRequest
 from squeeze.serve.responses import release, respond
 from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
 from squeeze.serve.types import EngineClient, RequestStream

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from squeeze.serve.protocol import ChatMessage
+from squeeze.serve.request_schema import ChatMessage
 from squeeze.serve.types import EngineClient, RequestError
 
 #: A text of more characters than this many per token of context is refused before it is tokenized.

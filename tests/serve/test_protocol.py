@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from squeeze.serve import protocol
-from squeeze.serve.protocol import ChatRequest, CompletionRequest
+from squeeze.serve.request_schema import ChatRequest, CompletionRequest
 from squeeze.serve.types import EngineStoppedError, QueueFullError, RequestError, RequestOutput, SamplingParams
 
 
