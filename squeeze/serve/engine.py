@@ -15,20 +15,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 from torch import nn
 
-from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec, kv_geometry
 from squeeze.runtime.generate import eos_token_ids
 from squeeze.serve.blocks import BlockManager
+from squeeze.serve.context_length import model_context
+from squeeze.serve.engine_tokenizer import EngineTokenizer
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
 from squeeze.serve.logprobs import token_logprobs
 from squeeze.serve.prefix_cache import PrefixCache
+from squeeze.serve.request_handle import RequestHandle
 from squeeze.serve.runner import ModelRunner
 from squeeze.serve.sampling import choose_token
 from squeeze.serve.scheduler import ScheduledChunk, Scheduler
@@ -50,36 +52,7 @@ from squeeze.serve.types import (
 log = logging.getLogger(__name__)
 
 
-class RequestHandle:
-    """One submitted request on the event loop's side: ``async for`` its updates; ``cancel()`` stops it."""
-
-    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._done = False
-
-    def deliver(self, output: RequestOutput) -> None:
-        """Called from the engine's thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self._done:
-            output = await self._queue.get()
-            self._done = output.finished
-            yield output
-
-    def cancel(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.cancel(self.request_id)
-
-
-class Engine:
+class Engine(EngineTokenizer):
     """Continuous batching over a paged KV cache for one loaded causal LM (see the module docstring).
 
     ``kv_spec``: the quantized cache (int8 / int4, calibrated or dynamic), or None for full precision.
@@ -153,68 +126,6 @@ class Engine:
     def max_num_seqs(self) -> int:
         """Sequences one step may batch (requests with ``n`` > this are refused)."""
         return self.config.max_num_seqs
-
-    def tokenize(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-        return self._check_ids(prompt, "prompt")
-
-    def _check_ids(self, ids: Seq[int], param: str) -> list[int]:
-        checked = [int(t) for t in ids]
-        bad = [t for t in checked if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"{param} token ids must lie in [0, {self.vocab_size}), found {bad[0]}", param=param)
-        return checked
-
-    def detokenize(self, ids: Seq[int]) -> str:
-        return str(self.tokenizer.decode(self._check_ids(ids, "tokens"), skip_special_tokens=False))
-
-    def token_strings(self, ids: Seq[int], *, in_context: bool = True) -> list[str]:
-        ids = [int(i) for i in ids]
-        decode = self.tokenizer.decode
-        if not in_context:
-            return [str(decode([i], skip_special_tokens=False)) for i in ids]
-        strings = []
-        for at, token in enumerate(ids):
-            # the text a token adds after the few before it: word-piece and byte tokenizers write a token's
-            # leading space (or the rest of a character) only in context
-            window = ids[max(0, at - 4) : at]
-            before = str(decode(window, skip_special_tokens=False)) if window else ""
-            after = str(decode([*window, token], skip_special_tokens=False))
-            common = 0
-            for a, b in zip(before, after, strict=False):
-                if a != b:
-                    break
-                common += 1
-            strings.append(after[common:])
-        return strings
-
-    def tokenizer_info(self) -> dict[str, Any]:
-        tok = self.tokenizer
-        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
-        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
-            value = getattr(tok, name, None)
-            info[name] = value if isinstance(value, str) else None
-        template = getattr(tok, "chat_template", None)
-        info["chat_template"] = template if isinstance(template, str) else None
-        info["model_max_length"] = self.max_model_len
-        info["vocab_size"] = self.vocab_size
-        return info
-
-    def tokenize_chat(self, messages: Seq[dict[str, Any]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError(
-                "this model's tokenizer has no chat template, so /v1/chat/completions cannot format messages",
-                hint="use /v1/completions with a plain prompt",
-                param="messages",
-            )
-        text = self.tokenizer.apply_chat_template(
-            [{**m, "content": _text_content(m.get("content"))} for m in messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        # the template already wrote any BOS: adding special tokens again would double it (as squeeze run --chat)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> RequestHandle:
         if not self._accepting:
@@ -477,36 +388,6 @@ def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None
     if stop > first:
         top = seq.params.prompt_logprobs or 0
         recorded += token_logprobs(logits[first - start : stop - start], prompt[first + 1 : stop + 1], top)
-
-
-def _text_content(content: Any) -> str:
-    """A chat message's content as text: a string, or OpenAI's list of parts (their text parts joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))  # as the HTTP layer
-    return "" if content is None else str(content)
-
-
-def model_context(model_config: Any, max_model_len: int | None) -> int:
-    """The context requests may use: ``max_model_len``, at most the model's (and its sliding window, which the
-    engine's full-attention mask does not apply); ConfigError when it asks for more."""
-    context = getattr(model_config, "max_position_embeddings", None)
-    window = getattr(model_config, "sliding_window", None)
-    if isinstance(window, int) and getattr(model_config, "use_sliding_window", True) is not False:
-        context = min(context, window) if isinstance(context, int) else window
-    if not isinstance(context, int):
-        if max_model_len is None:
-            raise ConfigError("the model's config gives no context length", hint="pass --max-model-len")
-        return max_model_len
-    if max_model_len is None:
-        return context
-    if max_model_len > context:
-        raise ConfigError(
-            f"--max-model-len {max_model_len} is more than the model's context of {context} tokens",
-            hint=f"pass --max-model-len {context} or less",
-        )
-    return max_model_len
 
 
 __all__ = ["Engine", "RequestHandle", "model_context"]

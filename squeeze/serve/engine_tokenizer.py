@@ -1,0 +1,93 @@
+"""The serving engine's tokenizer side (squeeze.serve.engine): prompts and chat messages to token ids, ids back
+to text (whole, or each token's own text in context for log-probabilities), and what /tokenizer_info reports.
+These run on the event loop's side (tokenization on the HTTP layer's worker thread), never on the engine's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from squeeze.serve.types import RequestError
+
+
+class EngineTokenizer:
+    """The tokenizer methods of :class:`~squeeze.serve.engine.Engine` (its base): they read the engine's
+    ``tokenizer``, ``vocab_size`` and ``max_model_len``."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+
+    def tokenize(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return self._check_ids(prompt, "prompt")
+
+    def _check_ids(self, ids: Seq[int], param: str) -> list[int]:
+        checked = [int(t) for t in ids]
+        bad = [t for t in checked if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{param} token ids must lie in [0, {self.vocab_size}), found {bad[0]}", param=param)
+        return checked
+
+    def detokenize(self, ids: Seq[int]) -> str:
+        return str(self.tokenizer.decode(self._check_ids(ids, "tokens"), skip_special_tokens=False))
+
+    def token_strings(self, ids: Seq[int], *, in_context: bool = True) -> list[str]:
+        ids = [int(i) for i in ids]
+        decode = self.tokenizer.decode
+        if not in_context:
+            return [str(decode([i], skip_special_tokens=False)) for i in ids]
+        strings = []
+        for at, token in enumerate(ids):
+            # the text a token adds after the few before it: word-piece and byte tokenizers write a token's
+            # leading space (or the rest of a character) only in context
+            window = ids[max(0, at - 4) : at]
+            before = str(decode(window, skip_special_tokens=False)) if window else ""
+            after = str(decode([*window, token], skip_special_tokens=False))
+            common = 0
+            for a, b in zip(before, after, strict=False):
+                if a != b:
+                    break
+                common += 1
+            strings.append(after[common:])
+        return strings
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            value = getattr(tok, name, None)
+            info[name] = value if isinstance(value, str) else None
+        template = getattr(tok, "chat_template", None)
+        info["chat_template"] = template if isinstance(template, str) else None
+        info["model_max_length"] = self.max_model_len
+        info["vocab_size"] = self.vocab_size
+        return info
+
+    def tokenize_chat(self, messages: Seq[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(
+                "this model's tokenizer has no chat template, so /v1/chat/completions cannot format messages",
+                hint="use /v1/completions with a plain prompt",
+                param="messages",
+            )
+        text = self.tokenizer.apply_chat_template(
+            [{**m, "content": _text_content(m.get("content"))} for m in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        # the template already wrote any BOS: adding special tokens again would double it (as squeeze run --chat)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _text_content(content: Any) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of parts (their text parts joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict))  # as the HTTP layer
+    return "" if content is None else str(content)
+
+
+__all__ = ["EngineTokenizer"]
