@@ -15,9 +15,10 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from squeeze.errors import FormatError, IntegrityError
-from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, strict_json_loads
+from squeeze.format.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest
 from squeeze.format.paths import short_path
 from squeeze.format.signing_keys import ModelSigning, key_sha256, one_line, public_pem
+from squeeze.format.strict_json import strict_json_loads
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
