@@ -273,56 +273,9 @@ class KVSpec:
             raise FormatError(f"{where}: kv_cache.layers must be a non-empty list")
         names, layers = [], []
         for entry in entries:
-            if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
-                raise FormatError(f"{where}: every kv_cache.layers entry needs a 'module' name")
-            name = entry["module"]
-            codebook, rotating = entry.get("v_codebook", False), entry.get("k_rotation", False)
-            for key, flag in (("v_codebook", codebook), ("k_rotation", rotating)):
-                if not isinstance(flag, bool):
-                    raise FormatError(f"{where}: kv_cache {key} of {name} must be true or false, found {flag!r}")
-            if rotating and version != INT_ROTATION_VERSION:
-                raise FormatError(f"{where}: kv_cache k_rotation of {name} needs kv_cache.version 2")
-            value_role = "v_levels" if codebook else "v_clip"
-            parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
-            if any(p is None for p in parts):
-                raise FormatError(
-                    f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
-                    hint="re-run squeeze calibrate-kv on the artifact",
-                )
-            k_scale, k_zero, v_part = (p.float() for p in parts if p is not None)
-            v_shape = (1 << int(bits),) if codebook else k_scale.shape[:1]
-            if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_part.shape != v_shape:
-                raise FormatError(
-                    f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
-                    f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}"
-                )
-            if codebook and not (bool(torch.isfinite(v_part).all()) and bool((v_part[1:] >= v_part[:-1]).all())):
-                raise FormatError(
-                    f"KV value codebook {name}.v_levels must be finite and ascending",
-                    hint="re-run squeeze calibrate-kv on the artifact",
-                )
-            head_dim = int(k_scale.shape[-1])
-            groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
-            for key, group in zip(("k_group", "v_group"), groups, strict=True):
-                if not is_kv_group(group, head_dim):
-                    raise FormatError(
-                        f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, found {group!r}"
-                    )
-            rotation = _rotation(tensors, name, tuple(k_scale.shape)) if rotating else None
+            name, layer = _int_layer(entry, tensors, int(bits), version, where)
             names.append(name)
-            layers.append(
-                LayerKV(
-                    k_scale,
-                    k_zero,
-                    torch.ones(k_scale.shape[0]) if codebook else v_part,
-                    bool(entry.get("k_symmetric")),
-                    bool(entry.get("v_symmetric")) or codebook,
-                    groups[1],
-                    groups[0],
-                    v_part if codebook else None,
-                    rotation,
-                )
-            )
+            layers.append(layer)
         return cls(int(bits), sink, tuple(names), tuple(layers))
 
     @classmethod
@@ -374,6 +327,60 @@ class KVSpec:
             )
             for layer in self.layers
         )
+
+
+def _int_layer(
+    entry: object, tensors: dict[str, Tensor], bits: int, version: object, where: str
+) -> tuple[str, LayerKV]:
+    """(module name, its calibrated int grids) of one ``kv_cache.layers`` entry of an int section, with its tensors
+    from the KV file (FormatError if bad)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
+        raise FormatError(f"{where}: every kv_cache.layers entry needs a 'module' name")
+    name = entry["module"]
+    codebook, rotating = entry.get("v_codebook", False), entry.get("k_rotation", False)
+    for key, flag in (("v_codebook", codebook), ("k_rotation", rotating)):
+        if not isinstance(flag, bool):
+            raise FormatError(f"{where}: kv_cache {key} of {name} must be true or false, found {flag!r}")
+    if rotating and version != INT_ROTATION_VERSION:
+        raise FormatError(f"{where}: kv_cache k_rotation of {name} needs kv_cache.version 2")
+    value_role = "v_levels" if codebook else "v_clip"
+    parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
+    if any(p is None for p in parts):
+        raise FormatError(
+            f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
+            hint="re-run squeeze calibrate-kv on the artifact",
+        )
+    k_scale, k_zero, v_part = (p.float() for p in parts if p is not None)
+    v_shape = (1 << bits,) if codebook else k_scale.shape[:1]
+    if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_part.shape != v_shape:
+        raise FormatError(
+            f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
+            f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}"
+        )
+    if codebook and not (bool(torch.isfinite(v_part).all()) and bool((v_part[1:] >= v_part[:-1]).all())):
+        raise FormatError(
+            f"KV value codebook {name}.v_levels must be finite and ascending",
+            hint="re-run squeeze calibrate-kv on the artifact",
+        )
+    head_dim = int(k_scale.shape[-1])
+    groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
+    for key, group in zip(("k_group", "v_group"), groups, strict=True):
+        if not is_kv_group(group, head_dim):
+            raise FormatError(
+                f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, found {group!r}"
+            )
+    rotation = _rotation(tensors, name, tuple(k_scale.shape)) if rotating else None
+    return name, LayerKV(
+        k_scale,
+        k_zero,
+        torch.ones(k_scale.shape[0]) if codebook else v_part,
+        bool(entry.get("k_symmetric")),
+        bool(entry.get("v_symmetric")) or codebook,
+        groups[1],
+        groups[0],
+        v_part if codebook else None,
+        rotation,
+    )
 
 
 def _rotation(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> KeyRotation:
