@@ -45,7 +45,8 @@ from squeeze.format.signature import SignatureInfo, check_signature
 from squeeze.format.strict_json import strict_json_loads
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.models.remote_code import is_remote_code_refusal
-from squeeze.quant.kv_spec import KV_FILE, KVSpec
+from squeeze.quant.kv_file import KV_FILE
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from squeeze.errors import ConfigError
-from squeeze.quant.kv_spec import KVSpec, kv_geometry
+from squeeze.quant.kv_bytes import kv_geometry
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.generate import eos_token_ids
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
