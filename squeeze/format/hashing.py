@@ -163,20 +163,14 @@ def hash_file(
 
 
 def _head_wanted(relative: str, keep_all: bool) -> int:
-    """How many leading bytes of the file to keep: all of a small file (``keep_all``), a safetensors file's
-    header (at most; trimmed by ``_grow_head`` once the real header length is known), else none."""
-    if keep_all:
-        return KEEP_BYTES
-    if relative.endswith(".safetensors"):
-        return 8 + MAX_HEADER_BYTES
-    return 0
+    """Leading bytes to keep: a small file's all, a safetensors header's most (``_grow_head`` trims), else none."""
+    return KEEP_BYTES if keep_all else 8 + MAX_HEADER_BYTES if relative.endswith(".safetensors") else 0
 
 
 def _read_chunk(
     handle: io.FileIO, view: memoryview, buffer: bytearray, capture: bool, size: int, file_size: int
 ) -> tuple[memoryview, int]:
-    """(the next piece read, its byte count; 0 at the end). With ``capture`` it is read straight into the
-    private copy ``view`` at offset ``size``, else into ``buffer`` (whose view is ``view``)."""
+    """(next piece, its byte count: 0 at the end), read into the private copy ``view`` (capture) or ``buffer``."""
     if capture:
         if size >= file_size:
             return view[:0], 0  # a file that grew since fstat reads as its fstat size; the size check catches it
@@ -188,8 +182,7 @@ def _read_chunk(
 
 
 def _grow_head(head: bytearray, chunk: memoryview, want_head: int, keep_all: bool) -> int:
-    """Append to ``head`` (in place) what it still wants of ``chunk``; the bytes wanted from now on (a
-    safetensors header's real length once its first 8 bytes are in)."""
+    """Append to ``head`` what it still wants of ``chunk``; the bytes wanted now (a header's real length)."""
     if len(head) < want_head:
         head += chunk[: want_head - len(head)]
         if not keep_all and len(head) >= 8:
