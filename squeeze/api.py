@@ -126,7 +126,7 @@ def inspect(path: str | os.PathLike[str]) -> ArtifactInfo:
 
     Reads headers and config.json only (config.json once, through the hardened size-capped read).
     """
-    from squeeze.quant.kv_spec import kv_bytes_table
+    from squeeze.quant.kv_bytes import kv_bytes_table
 
     info = inspect_artifact(path)
     try:

@@ -5,7 +5,8 @@ artifact's calibrated :class:`KVSpec` (``squeeze.load(path).kv_spec``) or ``KVSp
 The implementation lives in squeeze.runtime.quantized_cache and squeeze.quant.kv.
 """
 
-from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
+from squeeze.quant.kv_bytes import kv_bytes_table
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.quantized_cache import SqueezeKVCache, SqueezeKVLayer, select_kv_spec
 
 __all__ = ["SqueezeKVCache", "SqueezeKVLayer", "KVSpec", "select_kv_spec", "kv_bytes_table"]

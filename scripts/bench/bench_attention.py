@@ -176,7 +176,7 @@ def step_bench(artifact: Path, spec: KVSpec, rows: int, context: int, repeats: i
     from transformers import AttentionInterface
 
     from squeeze import api
-    from squeeze.quant.kv_spec import kv_geometry
+    from squeeze.quant.kv_bytes import kv_geometry
     from squeeze.serve import runner as runner_module
     from squeeze.serve.runner import ATTENTION, ModelRunner, PagedStepCache
     from squeeze.serve.scheduler import ScheduledChunk
@@ -271,7 +271,7 @@ def main() -> None:
     spec, hq, shape = _synthetic_spec(30, 3, 64), 9, AttentionShape(30, 3, 64)
     if args.artifact is not None:
         from squeeze import api
-        from squeeze.quant.kv_spec import kv_geometry
+        from squeeze.quant.kv_bytes import kv_geometry
 
         loaded = api.load(args.artifact)
         layers, kv_heads, d = kv_geometry(loaded.model.config)

@@ -36,7 +36,8 @@ from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.limits import DEFAULT_SINK_TOKENS  # noqa: E402
 from squeeze.models.modes import cache_kwarg  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
-from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token, kv_geometry  # noqa: E402
+from squeeze.quant.kv_bytes import fp_bytes_per_token, kv_geometry  # noqa: E402
+from squeeze.quant.kv_spec import KVSpec  # noqa: E402
 from squeeze.runtime.quantized_cache import SqueezeKVCache  # noqa: E402
 
 

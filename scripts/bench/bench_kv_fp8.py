@@ -33,7 +33,8 @@ from squeeze import api  # noqa: E402
 from squeeze.calibrate.windows import read_text_file  # noqa: E402
 from squeeze.errors import ConfigError  # noqa: E402
 from squeeze.eval.perplexity import perplexity  # noqa: E402
-from squeeze.quant.kv_spec import KVSpec, LayerFP8, fp_bytes_per_token, kv_geometry  # noqa: E402
+from squeeze.quant.kv_bytes import fp_bytes_per_token, kv_geometry  # noqa: E402
+from squeeze.quant.kv_spec import KVSpec, LayerFP8  # noqa: E402
 from squeeze.runtime.loader import load_artifact  # noqa: E402
 from squeeze.runtime.quantized_cache import SqueezeKVCache  # noqa: E402
 

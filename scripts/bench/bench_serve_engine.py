@@ -285,7 +285,7 @@ def capacity(loaded: Any, specs: dict[str, Any], args: argparse.Namespace) -> di
     import torch
 
     from squeeze.config import parse_size
-    from squeeze.quant.kv_spec import kv_geometry
+    from squeeze.quant.kv_bytes import kv_geometry
     from squeeze.serve.blocks import BlockManager
     from squeeze.serve.kv_pool import AttentionShape, block_bytes, sink_bytes
 

@@ -30,7 +30,8 @@ from squeeze.errors import CalibrationError, ModelError
 from squeeze.limits import KvChoice, check_kv_calibration, check_kv_group
 from squeeze.models.modes import cache_kwarg, eval_mode, input_device
 from squeeze.models.targets import attention_modules
-from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV, default_key_group, kv_geometry
+from squeeze.quant.kv_bytes import default_key_group, kv_geometry
+from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 
 Progress = Callable[[int, int], None]
 #: Called once per window with every layer's (keys, values), each fp32 (T, H, D) on the CPU.
@@ -178,7 +179,7 @@ def calibrate_kv(
 
     ``bits`` 8 / 4: int grids. ``sink_tokens`` (default squeeze.limits.DEFAULT_SINK_TOKENS) are kept exact;
     ``key_group`` / ``value_group``: channels per key / value grid (default:
-    squeeze.quant.kv_spec.default_key_group / default_value_group). At int4 values get a calibrated codebook
+    squeeze.quant.kv_bytes.default_key_group / default_value_group). At int4 values get a calibrated codebook
     (squeeze.calibrate.kv_fit.fit_value_codebook), at int8 uniform grids with a calibrated clipping ratio.
     ``key_rotation``: at int4, also try a rotating key centre per layer (squeeze.calibrate.kv_fit.fit_rotation;
     kept where it cuts the key error) when the model's RoPE is known (:func:`rope_frequencies`). ``key_search``:

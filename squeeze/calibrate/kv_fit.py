@@ -29,7 +29,7 @@ from squeeze.quant.kv import (
     rope_trig,
     token_grid,
 )
-from squeeze.quant.kv_spec import default_value_group
+from squeeze.quant.kv_bytes import default_value_group
 
 #: Multipliers tried on each channel's key scale by :func:`refine_key_scale` (1.0, the calibrated range, is the
 #: start).

@@ -49,7 +49,8 @@ from squeeze.format.signature import warn_signature_dropped
 from squeeze.format.swap import restore_aside
 from squeeze.format.verify import read_manifest
 from squeeze.limits import KvChoice, check_kv_calibration
-from squeeze.quant.kv_spec import KV_FILE, kv_bytes_table
+from squeeze.quant.kv_bytes import kv_bytes_table
+from squeeze.quant.kv_file import KV_FILE
 from squeeze.version import __version__
 
 #: The lock file beside the output (``.NAME.squeeze-kv.lock``) that a run holds from start to end.

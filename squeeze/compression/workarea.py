@@ -25,8 +25,8 @@ from squeeze.calibrate.hessian import dedupe_hessians
 from squeeze.compression.lock import LOCK_NAME
 from squeeze.errors import FormatError, ResumeError
 from squeeze.format.atomic import PARTIAL_SUFFIX, atomic_write_text, commit_file, temp_path_for
-from squeeze.format.manifest import strict_json_loads
 from squeeze.format.paths import WORK_AREA_NAME
+from squeeze.format.strict_json import strict_json_loads
 
 WORK_NAME = WORK_AREA_NAME  # the artifact format passes over it: see squeeze.format.paths
 _FINGERPRINT = "fingerprint.json"

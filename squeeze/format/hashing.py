@@ -127,7 +127,6 @@ def hash_file(
     digest = hashlib.sha256()
     head = bytearray()
     size = 0
-    want_head = KEEP_BYTES
     file_size = os.fstat(fd).st_size
     # only a file larger than one chunk has chunk digests (the whole-file digest covers a smaller one)
     pieces = ChunkDigests(chunk_bytes) if chunk_bytes is not None and file_size > chunk_bytes else None
@@ -138,20 +137,9 @@ def hash_file(
     view = data.numpy().data if data is not None else memoryview(buffer)
     with io.FileIO(fd, "rb", closefd=True) as handle, second_thread as helper:
         keep_all = file_size <= KEEP_BYTES
-        if not keep_all and relative.endswith(".safetensors"):
-            want_head = 8 + MAX_HEADER_BYTES  # trimmed below once the real header length is known
-        elif not keep_all:
-            want_head = 0
+        want_head = _head_wanted(relative, keep_all)
         while True:
-            if data is not None:  # read straight into the private copy, chunk by chunk
-                if size >= file_size:
-                    break  # a file that grew since fstat reads as its fstat size; the size check catches it
-                chunk = view[size : min(size + CHUNK_BYTES, file_size)]
-                count = handle.readinto(chunk)
-                chunk = chunk[:count]
-            else:
-                count = handle.readinto(buffer)
-                chunk = view[:count]
+            chunk, count = _read_chunk(handle, view, buffer, data is not None, size, file_size)
             if not count:
                 break
             # the chunk digests on the helper thread while this one updates the whole-file digest (hashlib
@@ -160,11 +148,7 @@ def hash_file(
             digest.update(chunk)
             if pending is not None:
                 pending.result()
-            if len(head) < want_head:
-                head += chunk[: want_head - len(head)]
-                if not keep_all and len(head) >= 8:
-                    want_head = min(want_head, 8 + int.from_bytes(head[:8], "little"))
-                    del head[want_head:]
+            want_head = _grow_head(head, chunk, want_head, keep_all)
             size += count
             if on_bytes is not None:
                 on_bytes(count)
@@ -176,6 +160,35 @@ def hash_file(
         )
     chunks = pieces.finish() if pieces is not None else ()
     return HashedFile(path=relative, size=size, sha256=digest.hexdigest(), head=bytes(head), data=data, chunks=chunks)
+
+
+def _head_wanted(relative: str, keep_all: bool) -> int:
+    """Leading bytes to keep: a small file's all, a safetensors header's most (``_grow_head`` trims), else none."""
+    return KEEP_BYTES if keep_all else 8 + MAX_HEADER_BYTES if relative.endswith(".safetensors") else 0
+
+
+def _read_chunk(
+    handle: io.FileIO, view: memoryview, buffer: bytearray, capture: bool, size: int, file_size: int
+) -> tuple[memoryview, int]:
+    """(next piece, its byte count: 0 at the end), read into the private copy ``view`` (capture) or ``buffer``."""
+    if capture:
+        if size >= file_size:
+            return view[:0], 0  # a file that grew since fstat reads as its fstat size; the size check catches it
+        chunk = view[size : min(size + CHUNK_BYTES, file_size)]
+        count = handle.readinto(chunk)
+        return chunk[:count], count
+    count = handle.readinto(buffer)
+    return view[:count], count
+
+
+def _grow_head(head: bytearray, chunk: memoryview, want_head: int, keep_all: bool) -> int:
+    """Append to ``head`` what it still wants of ``chunk``; the bytes wanted now (a header's real length)."""
+    if len(head) < want_head:
+        head += chunk[: want_head - len(head)]
+        if not keep_all and len(head) >= 8:
+            want_head = min(want_head, 8 + int.from_bytes(head[:8], "little"))
+            del head[want_head:]
+    return want_head
 
 
 class ByteCounter:

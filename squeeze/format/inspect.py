@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from squeeze.errors import FormatError
-from squeeze.format.manifest import MANIFEST_NAME, Manifest, strict_json_loads
+from squeeze.format.manifest import MANIFEST_NAME, Manifest
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
@@ -27,6 +27,7 @@ from squeeze.format.paths import (
 )
 from squeeze.format.quant_config import QuantizationConfig
 from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
+from squeeze.format.strict_json import strict_json_loads
 from squeeze.quant.schemes import stored_roles
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from squeeze.errors import ConfigError, FormatError
 from squeeze.format.atomic import atomic_write_text
 from squeeze.format.paths import check_relative_path, short_number, short_repr
+from squeeze.format.strict_json import strict_json_loads
 from squeeze.version import __version__
 
 MANIFEST_NAME = "squeeze.manifest.json"
@@ -43,11 +44,7 @@ MAX_MANIFEST_BYTES = 64 * 2**20
 #: Largest file a manifest may list (1 PiB): beyond any model, and it keeps every size a message echoes short.
 MAX_FILE_BYTES = 2**50
 
-#: Nesting depth of JSON squeeze reads (manifest, config.json, index, safetensors headers: 5 or less).
-MAX_JSON_DEPTH = 64
-
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _TOP_KEYS = {"format", "format_version", "tool", "created", "files", "root_digest", "provenance"}
 _TOP_KEYS_V2 = _TOP_KEYS | {"chunk_bytes"}
 _FILE_KEYS = {"path", "size", "sha256"}
@@ -266,62 +263,6 @@ def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
 # Strict parsing
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise FormatError(f"duplicate JSON key {key!r}")
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> Any:
-    raise FormatError(f"non-standard JSON constant {name}")
-
-
-def json_depth(data: bytes) -> int:
-    """Deepest nesting of arrays / objects in JSON ``data`` (brackets inside strings do not count).
-
-    Cheap when the document opens at most MAX_JSON_DEPTH brackets in all: their count is returned, an
-    upper bound. Else one vectorised pass in 4 MiB chunks (about 7 ns a byte, bounded memory).
-    """
-    opened = data.count(b"[") + data.count(b"{")
-    if opened <= MAX_JSON_DEPTH:
-        return opened
-    import numpy as np
-
-    step = np.zeros(256, dtype=np.int8)
-    step[list(b"[{")], step[list(b"]}")] = 1, -1
-    # drop escape pairs left to right as JSON reads them (a double backslash first, so that backslash,
-    # backslash, quote still ends a string); then a bracket counts where the quotes seen so far are even
-    codes = np.frombuffer(data.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
-    depth = deepest = quotes = 0
-    for start in range(0, len(codes), 1 << 22):
-        chunk = codes[start : start + (1 << 22)]
-        seen = np.cumsum(chunk == ord('"'), dtype=np.int64) + quotes
-        running = np.cumsum(np.where(seen & 1, 0, step[chunk]), dtype=np.int64) + depth
-        deepest, depth, quotes = max(deepest, int(running.max())), int(running[-1]), int(seen[-1])
-    return deepest
-
-
-def strict_json_loads(data: bytes | bytearray | str, what: str) -> Any:
-    """json.loads that rejects duplicate keys, NaN/Infinity, invalid UTF-8 and nesting deeper than
-    MAX_JSON_DEPTH (checked before parsing: the parser recurses per level), raising FormatError."""
-    raw = bytes(data) if not isinstance(data, str) else data.encode("utf-8", "surrogatepass")
-    depth = json_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise FormatError(f"{what} nests arrays/objects {depth} levels deep, more than the {MAX_JSON_DEPTH} allowed")
-    try:
-        text = raw.decode("utf-8") if not isinstance(data, str) else data
-        return json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
-    except FormatError as exc:
-        raise FormatError(f"{what}: {exc.message}") from None
-    except UnicodeDecodeError as exc:
-        raise FormatError(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        raise FormatError(f"{what} is not valid JSON: {exc}") from None
-
-
 def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in obj:
         raise FormatError(f"{where} lacks the field {key!r}")
@@ -369,21 +310,8 @@ def parse_manifest(data: bytes | str, name: str = MANIFEST_NAME) -> Manifest:
     files = [_file_entry(raw, f"{name} files[{i}]", seen, chunk_bytes) for i, raw in enumerate(raw_files)]
     prov_raw = _field(obj, "provenance", dict, name)
     if v2:
-        _check_exact_keys(tool, _TOOL_KEYS, f"{name} tool")
-        if tool["name"] != "squeeze":
-            raise FormatError(f"{name}: tool name must be 'squeeze', found {short_repr(tool['name'])}")
-        unknown = sorted(set(prov_raw) - _PROVENANCE_KEYS)
-        if unknown:
-            raise FormatError(f"{name} provenance: unknown field(s) {', '.join(map(repr, unknown))}")
-        if "extra" in prov_raw and (not isinstance(prov_raw["extra"], dict) or not prov_raw["extra"]):
-            raise FormatError(f"{name}: provenance field 'extra' must be a non-empty object when present")
-    provenance = Provenance(
-        source_model=_optional_str(prov_raw, "source_model", name),
-        source_digest=_optional_str(prov_raw, "source_digest", name),
-        recipe_hash=_optional_str(prov_raw, "recipe_hash", name),
-        calibration_hash=_optional_str(prov_raw, "calibration_hash", name),
-        extra=prov_raw.get("extra", {}) if isinstance(prov_raw.get("extra", {}), dict) else {},
-    )
+        _check_v2_tool_and_provenance(tool, prov_raw, name)
+    provenance = _provenance(prov_raw, name)
     manifest = Manifest(
         files=tuple(files),
         root_digest=digest,
@@ -400,6 +328,28 @@ def parse_manifest(data: bytes | str, name: str = MANIFEST_NAME) -> Manifest:
             hint="re-seal the artifact with squeeze",
         )
     return manifest
+
+
+def _check_v2_tool_and_provenance(tool: dict[str, Any], prov_raw: dict[str, Any], name: str) -> None:
+    """Version 2's stricter rules: exactly the tool fields, tool name squeeze, no unknown provenance field."""
+    _check_exact_keys(tool, _TOOL_KEYS, f"{name} tool")
+    if tool["name"] != "squeeze":
+        raise FormatError(f"{name}: tool name must be 'squeeze', found {short_repr(tool['name'])}")
+    unknown = sorted(set(prov_raw) - _PROVENANCE_KEYS)
+    if unknown:
+        raise FormatError(f"{name} provenance: unknown field(s) {', '.join(map(repr, unknown))}")
+    if "extra" in prov_raw and (not isinstance(prov_raw["extra"], dict) or not prov_raw["extra"]):
+        raise FormatError(f"{name}: provenance field 'extra' must be a non-empty object when present")
+
+
+def _provenance(prov_raw: dict[str, Any], name: str) -> Provenance:
+    return Provenance(
+        source_model=_optional_str(prov_raw, "source_model", name),
+        source_digest=_optional_str(prov_raw, "source_digest", name),
+        recipe_hash=_optional_str(prov_raw, "recipe_hash", name),
+        calibration_hash=_optional_str(prov_raw, "calibration_hash", name),
+        extra=prov_raw.get("extra", {}) if isinstance(prov_raw.get("extra", {}), dict) else {},
+    )
 
 
 def _check_exact_keys(obj: dict[str, Any], keys: set[str], where: str) -> None:

@@ -14,8 +14,8 @@ from typing import Any, BinaryIO
 
 from squeeze.errors import FormatError
 from squeeze.format.dtypes import SAFETENSORS_DTYPES
-from squeeze.format.manifest import strict_json_loads
 from squeeze.format.paths import short_repr
+from squeeze.format.strict_json import strict_json_loads
 
 #: safetensors' own limit on header size; a larger declared length is treated as corrupt.
 MAX_HEADER_BYTES = 100 * 2**20

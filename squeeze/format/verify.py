@@ -35,7 +35,6 @@ from squeeze.format.manifest import (
     build_manifest,
     check_chunk_bytes,
     parse_manifest,
-    strict_json_loads,
     write_manifest,
 )
 from squeeze.format.paths import (
@@ -50,6 +49,7 @@ from squeeze.format.paths import (
 )
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header
 from squeeze.format.shards import INDEX_NAME
+from squeeze.format.strict_json import strict_json_loads
 from squeeze.format.swap import missing_artifact_error
 
 

@@ -11,7 +11,7 @@ token): symmetric grids read back ``q * scale`` with int8 codes in [-qmax - 1, q
 - Keys: keys have a few channels far larger than the rest (KVQuant), so they are first normalised per
   channel with a calibrated ``k_scale`` and centre ``k_zero`` (H, D), ``(k - k_zero) / k_scale``, and the
   normalised vector gets symmetric per-token grids (one per ``k_group`` channels: at int4 32, or half the
-  head under 64 channels; squeeze.quant.kv_spec.default_key_group). A purely static per-channel grid
+  head under 64 channels; squeeze.quant.kv_bytes.default_key_group). A purely static per-channel grid
   (KVQuant without its sparse outliers) clamps every key outside the calibrated range: on stories260K,
   calibrated on 500 tokens, one key of another text came back off by 18 (its range is +-24). Normalising
   per channel and then scaling per token keeps the calibrated channel balance and adapts to every token.

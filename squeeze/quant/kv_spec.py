@@ -3,7 +3,7 @@
 A :class:`KVSpec` is what ``squeeze calibrate-kv`` writes (``quantization_config.kv_cache`` in config.json
 plus the tensors of :data:`KV_FILE`) and what the runtime cache (squeeze.runtime.quantized_cache) reads. Its layout
 (grid sizes, symmetric or not, codebook or clipping ratio) also fixes the cache's bytes per token, counted
-here for reports and memory estimates. The math on the codes is squeeze.quant.kv.
+in squeeze.quant.kv_bytes for reports and memory estimates. The math on the codes is squeeze.quant.kv.
 
 Two kinds (``KVSpec.kind``), one per layer type:
 
@@ -21,7 +21,6 @@ Two kinds (``KVSpec.kind``), one per layer type:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,11 +29,9 @@ from torch import Tensor
 
 from squeeze.errors import FormatError
 from squeeze.limits import DEFAULT_SINK_TOKENS, KV_BITS, KV_FP8, KvChoice, check_kv_bits, is_kv_group
-from squeeze.quant.kv import FP8_E4M3_MAX, PARAM_BYTES, KeyRotation
-
-#: The artifact file holding the calibrated scales beside the shards: {attn}.k_scale / .k_zero, and .v_clip or
-#: .v_levels (int grids), or {attn}.k_scale / .v_scale (fp8).
-KV_FILE = "kv_cache.safetensors"
+from squeeze.quant.kv import FP8_E4M3_MAX, KeyRotation
+from squeeze.quant.kv_bytes import fp_bytes_per_token, layer_bytes_per_token
+from squeeze.quant.kv_file import KV_FILE, ROTATION_ROLES, fp8_scale_tensor, rotation_tensors
 
 #: ``KVSpec.kind``, and config.json's ``kv_cache.format`` (absent: int grids).
 KVKind = Literal["int", "fp8_e4m3"]
@@ -46,45 +43,10 @@ KV_KINDS: tuple[KVKind, ...] = (KV_INT, KV_FP8_E4M3)
 #: key, so it is written only when some layer has one).
 INT_ROTATION_VERSION = 2
 INT_SECTION_VERSIONS = (1, INT_ROTATION_VERSION)
-#: The tensors of a layer's rotating key centre in :data:`KV_FILE`: ``{attn}.<role>``.
-ROTATION_ROLES = ("k_rot_freq", "k_rot_cos", "k_rot_sin")
 
 #: ``kv_cache.version`` of the fp8 section this squeeze writes and reads.
 FP8_SECTION_VERSION = 1
 _FP8_KEYS = {"format", "version", "keys", "values", "layers", "file", "calibration", "calibration_hash"}
-
-
-def default_value_group(bits: int, head_dim: int) -> int:
-    """Channels per value grid by default: the whole head, at both widths.
-
-    Measured on SmolLM2-135M (docs/benchmarks.md): grids of 32 channels at int4 helped symmetric-only
-    grids (+4.1% -> +3.1% perplexity on 10 windows) but not the calibrated layout, whose asymmetric
-    layers then no longer pay for their offsets (+3.81% per head vs +3.98% per 32 channels on 40
-    windows, at 0.270 vs 0.274 of fp16 bytes). ``--value-group-size 32`` keeps the option.
-    """
-    return head_dim
-
-
-def default_key_group(bits: int, head_dim: int) -> int:
-    """Channels per key grid by default: at int4 32 (heads of 64 channels or more) or half the head (smaller
-    heads); at int8 the whole head.
-
-    Measured on SmolLM2-135M (docs/benchmarks.md, 10 windows): int4 keys alone cost +2.37% perplexity with
-    one grid per head and +1.30% with grids of 32 channels; the second fp16 scale per head costs 1/64 of
-    fp16's bytes at head_dim 64 (0.273 of fp16 in all). Small heads: on stories260K w4 (head_dim 8, one
-    slowly rotating post-RoPE channel pair far larger than the rest, which sets every token's grid), int4
-    KV calibrated on sotu.txt cost +8.9% perplexity on tinystories_sample.txt with one key grid per head
-    and +4.7% with two (0.375 -> 0.4375 of fp16's bytes); re-weighting the per-channel normaliser by
-    queries, Fisher information or attention-output error moved it by less than the spread between
-    calibration texts. At int8 the error is already negligible and the bytes budget tight (0.52), so keys
-    keep one grid per head.
-    """
-    if bits != 4:
-        return head_dim
-    if head_dim >= 64:
-        return 32 if head_dim % 32 == 0 else head_dim
-    half = head_dim // 2
-    return half if half >= 2 and half % 2 == 0 else head_dim  # int4 packs channel pairs: grids span even counts
 
 
 @dataclass(frozen=True)
@@ -273,56 +235,9 @@ class KVSpec:
             raise FormatError(f"{where}: kv_cache.layers must be a non-empty list")
         names, layers = [], []
         for entry in entries:
-            if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
-                raise FormatError(f"{where}: every kv_cache.layers entry needs a 'module' name")
-            name = entry["module"]
-            codebook, rotating = entry.get("v_codebook", False), entry.get("k_rotation", False)
-            for key, flag in (("v_codebook", codebook), ("k_rotation", rotating)):
-                if not isinstance(flag, bool):
-                    raise FormatError(f"{where}: kv_cache {key} of {name} must be true or false, found {flag!r}")
-            if rotating and version != INT_ROTATION_VERSION:
-                raise FormatError(f"{where}: kv_cache k_rotation of {name} needs kv_cache.version 2")
-            value_role = "v_levels" if codebook else "v_clip"
-            parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
-            if any(p is None for p in parts):
-                raise FormatError(
-                    f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
-                    hint="re-run squeeze calibrate-kv on the artifact",
-                )
-            k_scale, k_zero, v_part = (p.float() for p in parts if p is not None)
-            v_shape = (1 << int(bits),) if codebook else k_scale.shape[:1]
-            if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_part.shape != v_shape:
-                raise FormatError(
-                    f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
-                    f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}"
-                )
-            if codebook and not (bool(torch.isfinite(v_part).all()) and bool((v_part[1:] >= v_part[:-1]).all())):
-                raise FormatError(
-                    f"KV value codebook {name}.v_levels must be finite and ascending",
-                    hint="re-run squeeze calibrate-kv on the artifact",
-                )
-            head_dim = int(k_scale.shape[-1])
-            groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
-            for key, group in zip(("k_group", "v_group"), groups, strict=True):
-                if not is_kv_group(group, head_dim):
-                    raise FormatError(
-                        f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, found {group!r}"
-                    )
-            rotation = _rotation(tensors, name, tuple(k_scale.shape)) if rotating else None
+            name, layer = _int_layer(entry, tensors, int(bits), version, where)
             names.append(name)
-            layers.append(
-                LayerKV(
-                    k_scale,
-                    k_zero,
-                    torch.ones(k_scale.shape[0]) if codebook else v_part,
-                    bool(entry.get("k_symmetric")),
-                    bool(entry.get("v_symmetric")) or codebook,
-                    groups[1],
-                    groups[0],
-                    v_part if codebook else None,
-                    rotation,
-                )
-            )
+            layers.append(layer)
         return cls(int(bits), sink, tuple(names), tuple(layers))
 
     @classmethod
@@ -352,7 +267,8 @@ class KVSpec:
                 raise FormatError(f"{where}: kv_cache.layers names {entry['module']} twice", hint=hint)
             names.append(entry["module"])
         layers = tuple(
-            LayerFP8(*(_fp8_scale(tensors, f"{name}.{role}") for role in ("k_scale", "v_scale"))) for name in names
+            LayerFP8(*(fp8_scale_tensor(tensors, f"{name}.{role}") for role in ("k_scale", "v_scale")))
+            for name in names
         )
         return cls.fp8(tuple(names), layers)
 
@@ -376,127 +292,58 @@ class KVSpec:
         )
 
 
-def _rotation(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> KeyRotation:
-    """The rotating key centre of layer ``name`` from the KV file, for keys of ``shape`` (H, D); FormatError
-    unless ``.k_rot_freq`` is float32 (D,), finite and >= 0 and ``.k_rot_cos`` / ``.k_rot_sin`` float32 (H, D),
-    finite."""
-    hint = "re-run squeeze calibrate-kv on the artifact"
-    parts = []
-    for role, want in zip(ROTATION_ROLES, (shape[-1:], shape, shape), strict=True):
-        tensor = tensors.get(f"{name}.{role}")
-        if tensor is None:
-            raise FormatError(f"KV rotating key centre {name}.{role} is missing from {KV_FILE}", hint=hint)
-        if tensor.dtype != torch.float32 or tuple(tensor.shape) != want:
+def _int_layer(
+    entry: object, tensors: dict[str, Tensor], bits: int, version: object, where: str
+) -> tuple[str, LayerKV]:
+    """(module name, its calibrated int grids) of one ``kv_cache.layers`` entry of an int section, with its tensors
+    from the KV file (FormatError if bad)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
+        raise FormatError(f"{where}: every kv_cache.layers entry needs a 'module' name")
+    name = entry["module"]
+    codebook, rotating = entry.get("v_codebook", False), entry.get("k_rotation", False)
+    for key, flag in (("v_codebook", codebook), ("k_rotation", rotating)):
+        if not isinstance(flag, bool):
+            raise FormatError(f"{where}: kv_cache {key} of {name} must be true or false, found {flag!r}")
+    if rotating and version != INT_ROTATION_VERSION:
+        raise FormatError(f"{where}: kv_cache k_rotation of {name} needs kv_cache.version 2")
+    value_role = "v_levels" if codebook else "v_clip"
+    parts = [tensors.get(f"{name}.{role}") for role in ("k_scale", "k_zero", value_role)]
+    if any(p is None for p in parts):
+        raise FormatError(
+            f"KV scales of {name} are missing (expected {name}.k_scale, .k_zero, .{value_role})",
+            hint="re-run squeeze calibrate-kv on the artifact",
+        )
+    k_scale, k_zero, v_part = (p.float() for p in parts if p is not None)
+    v_shape = (1 << bits,) if codebook else k_scale.shape[:1]
+    if k_scale.dim() != 2 or k_zero.shape != k_scale.shape or v_part.shape != v_shape:
+        raise FormatError(
+            f"KV scales of {name} have inconsistent shapes: k_scale {tuple(k_scale.shape)}, "
+            f"k_zero {tuple(k_zero.shape)}, {value_role} {tuple(v_part.shape)}"
+        )
+    if codebook and not (bool(torch.isfinite(v_part).all()) and bool((v_part[1:] >= v_part[:-1]).all())):
+        raise FormatError(
+            f"KV value codebook {name}.v_levels must be finite and ascending",
+            hint="re-run squeeze calibrate-kv on the artifact",
+        )
+    head_dim = int(k_scale.shape[-1])
+    groups = [entry.get(key, head_dim) for key in ("k_group", "v_group")]
+    for key, group in zip(("k_group", "v_group"), groups, strict=True):
+        if not is_kv_group(group, head_dim):
             raise FormatError(
-                f"KV rotating key centre {name}.{role} must be float32 of shape {want}, found "
-                f"{str(tensor.dtype).removeprefix('torch.')} of shape {tuple(tensor.shape)}",
-                hint=hint,
+                f"{where}: kv_cache {key} of {name} must be an even divisor of {head_dim}, found {group!r}"
             )
-        if not bool(torch.isfinite(tensor).all()):
-            raise FormatError(f"KV rotating key centre {name}.{role} must be finite", hint=hint)
-        parts.append(tensor)
-    if bool((parts[0] < 0).any()):
-        raise FormatError(f"KV rotating key centre {name}.k_rot_freq must be >= 0", hint=hint)
-    return KeyRotation(*parts)
-
-
-def _fp8_scale(tensors: dict[str, Tensor], key: str) -> Tensor:
-    """The fp8 scale ``key`` of the KV file as a float32 0-dim tensor (FormatError unless one finite float32 > 0)."""
-    scale = tensors.get(key)
-    if scale is None:
-        raise FormatError(
-            f"KV scale {key} is missing from {KV_FILE}", hint="re-run squeeze calibrate-kv --bits fp8 on the artifact"
-        )
-    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.dim() > 1:
-        raise FormatError(
-            f"KV scale {key} must be one float32 (shape () or (1,)), found {str(scale.dtype).removeprefix('torch.')} "
-            f"of shape {tuple(scale.shape)}",
-            hint="re-run squeeze calibrate-kv --bits fp8 on the artifact",
-        )
-    value = scale.reshape(())
-    if not (bool(torch.isfinite(value)) and float(value) > 0):
-        raise FormatError(
-            f"KV scale {key} must be finite and > 0, found {float(value)}",
-            hint="re-run squeeze calibrate-kv --bits fp8 on the artifact",
-        )
-    return value
-
-
-def layer_bytes_per_token(
-    kv_heads: int,
-    head_dim: int,
-    bits: int,
-    *,
-    asymmetric_values: bool = False,
-    value_groups: int = 1,
-    key_groups: int = 1,
-) -> int:
-    """Bytes one token adds to one quantized layer: key and value codes, an fp16 scale per key grid, and
-    an fp16 scale (plus an offset when asymmetric) per value grid. Key normalisers and value codebooks are
-    per layer."""
-    codes = 2 * kv_heads * head_dim * bits // 8
-    key_params = kv_heads * key_groups * PARAM_BYTES
-    value_params = kv_heads * value_groups * PARAM_BYTES * (2 if asymmetric_values else 1)
-    return codes + key_params + value_params
-
-
-def fp_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, element_bytes: int = 2) -> int:
-    """Bytes one token adds to an unquantized cache (fp16 by default) over all layers."""
-    return 2 * n_layers * kv_heads * head_dim * element_bytes
-
-
-def kv_bytes_table(model_config: object, kv: Mapping[str, Any] | None = None) -> dict[str, int]:
-    """KV bytes per token over all layers: fp16, fp8, int8 and int4 (codes plus per-token scales / offsets).
-
-    ``model_config``: a transformers config or its dict (its geometry). ``kv``: the artifact's calibrated
-    ``kv_cache`` entry (:meth:`KVSpec.to_config`), if any: the width it was calibrated for is counted with that
-    layout (asymmetric layers, grid sizes); other widths with the default one (symmetric values,
-    :func:`default_key_group`, :func:`default_value_group`).
-    """
-    layers, kv_heads, head_dim = kv_geometry(model_config)
-    entries = kv.get("layers") if isinstance(kv, dict) else None
-    table = {
-        "fp16": fp_bytes_per_token(layers, kv_heads, head_dim),
-        KV_FP8: fp_bytes_per_token(layers, kv_heads, head_dim, element_bytes=1),  # per-layer scales only
-    }
-    for bits in sorted(KV_BITS, reverse=True):
-        default = layer_bytes_per_token(
-            kv_heads,
-            head_dim,
-            bits,
-            value_groups=head_dim // default_value_group(bits, head_dim),
-            key_groups=head_dim // default_key_group(bits, head_dim),
-        )
-        if isinstance(kv, dict) and kv.get("bits") == bits and isinstance(entries, list) and len(entries) == layers:
-            table[f"int{bits}"] = sum(
-                layer_bytes_per_token(
-                    kv_heads,
-                    head_dim,
-                    bits,
-                    asymmetric_values=e.get("v_symmetric") is False,
-                    value_groups=head_dim // int(e.get("v_group") or head_dim),
-                    key_groups=head_dim // int(e.get("k_group") or head_dim),
-                )
-                if isinstance(e, dict)
-                else default
-                for e in entries
-            )
-        else:
-            table[f"int{bits}"] = layers * default
-    return table
-
-
-def kv_geometry(model_config: object) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a decoder config (object or dict)."""
-
-    def get(key: str) -> Any:
-        return model_config.get(key) if isinstance(model_config, dict) else getattr(model_config, key, None)
-
-    layers = int(get("num_hidden_layers"))
-    heads = int(get("num_attention_heads"))
-    kv_heads = int(get("num_key_value_heads") or heads)
-    head_dim = get("head_dim") or int(get("hidden_size")) // heads
-    return layers, kv_heads, int(head_dim)
+    rotation = rotation_tensors(tensors, name, tuple(k_scale.shape)) if rotating else None
+    return name, LayerKV(
+        k_scale,
+        k_zero,
+        torch.ones(k_scale.shape[0]) if codebook else v_part,
+        bool(entry.get("k_symmetric")),
+        bool(entry.get("v_symmetric")) or codebook,
+        groups[1],
+        groups[0],
+        v_part if codebook else None,
+        rotation,
+    )
 
 
 __all__ = [
@@ -511,13 +358,7 @@ __all__ = [
     "INT_SECTION_VERSIONS",
     "ROTATION_ROLES",
     "check_kv_bits",
-    "default_key_group",
-    "default_value_group",
     "LayerKV",
     "LayerFP8",
     "KVSpec",
-    "layer_bytes_per_token",
-    "fp_bytes_per_token",
-    "kv_bytes_table",
-    "kv_geometry",
 ]

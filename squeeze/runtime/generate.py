@@ -22,7 +22,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from squeeze.errors import ConfigError
-from squeeze.quant.kv_spec import KVSpec, kv_bytes_table
+from squeeze.quant.kv_bytes import kv_bytes_table
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.attention import native_run
 from squeeze.runtime.checks import check_context, check_prompts, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill

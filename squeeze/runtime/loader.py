@@ -24,7 +24,7 @@ from torch import nn
 
 from squeeze.errors import FormatError, IntegrityError, ModelError
 from squeeze.format.dtypes import torch_dtype
-from squeeze.format.manifest import MANIFEST_NAME, strict_json_loads
+from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
     check_relative_path,
@@ -42,9 +42,11 @@ from squeeze.format.quant_config import SECTION, QuantizationConfig
 from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
 from squeeze.format.shards import INDEX_NAME
 from squeeze.format.signature import SignatureInfo, check_signature
+from squeeze.format.strict_json import strict_json_loads
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.models.remote_code import is_remote_code_refusal
-from squeeze.quant.kv_spec import KV_FILE, KVSpec
+from squeeze.quant.kv_file import KV_FILE
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights

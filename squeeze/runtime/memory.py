@@ -32,7 +32,7 @@ from typing import Any
 
 from squeeze.errors import ResourceError, SqueezeError
 from squeeze.format.dtypes import float_itemsize
-from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest, strict_json_loads
+from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
 from squeeze.format.paths import (
     MAX_CONFIG_BYTES,
     open_inside,
@@ -44,6 +44,7 @@ from squeeze.format.paths import (
 )
 from squeeze.format.quant_config import QuantizationConfig
 from squeeze.format.safetensors_header import TensorInfo, parse_safetensors_header, read_header_prefix
+from squeeze.format.strict_json import strict_json_loads
 from squeeze.limits import is_weight_bits
 from squeeze.quant.schemes import formats_of
 from squeeze.system import available_memory_bytes

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.quant.kv_spec import KVSpec, kv_geometry
+from squeeze.quant.kv_bytes import kv_geometry
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.generate import eos_token_ids
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.context_length import model_context

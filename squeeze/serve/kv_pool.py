@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import ConfigError
-from squeeze.quant.kv_spec import KVSpec, fp_bytes_per_token
+from squeeze.quant.kv_bytes import fp_bytes_per_token
+from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.kernels.cpu_attention import KVStore, full_store, quantized_store
 from squeeze.runtime.quantized_cache import TokenCodec, layer_codecs
 

@@ -16,7 +16,8 @@ from squeeze import api
 from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_module
 from squeeze.config import DEFAULT_SINK_TOKENS
-from squeeze.quant.kv_spec import KV_FILE, LayerFP8
+from squeeze.quant.kv_file import KV_FILE
+from squeeze.quant.kv_spec import LayerFP8
 from squeeze.runtime.quantized_cache import SqueezeKVCache
 
 runner = CliRunner()

@@ -145,7 +145,7 @@ def test_a_digest_with_a_trailing_newline_is_rejected(where):
 
 @pytest.mark.parametrize("depth", [65, 900, 100_000])
 def test_deeply_nested_json_is_refused_before_parsing(depth):
-    from squeeze.format.manifest import MAX_JSON_DEPTH, strict_json_loads
+    from squeeze.format.strict_json import MAX_JSON_DEPTH, strict_json_loads
 
     data = json.dumps(valid_manifest())
     deep = data[:-1] + ', "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
@@ -156,7 +156,7 @@ def test_deeply_nested_json_is_refused_before_parsing(depth):
 
 
 def test_brackets_inside_strings_do_not_count_as_nesting():
-    from squeeze.format.manifest import MAX_JSON_DEPTH, json_depth, strict_json_loads
+    from squeeze.format.strict_json import MAX_JSON_DEPTH, json_depth, strict_json_loads
 
     inner = "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
     text = json.dumps({"s": '\\"[{' * 100, "t": "\\" * 3 + "[" * 100, "deep": json.loads(inner)})

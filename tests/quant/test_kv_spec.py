@@ -7,17 +7,19 @@ import torch
 
 from squeeze.errors import ConfigError, FormatError
 from squeeze.quant.kv import KeyRotation
+from squeeze.quant.kv_bytes import (
+    default_key_group,
+    default_value_group,
+    fp_bytes_per_token,
+    kv_bytes_table,
+    layer_bytes_per_token,
+)
 from squeeze.quant.kv_spec import (
     KV_FP8_E4M3,
     KVSpec,
     LayerFP8,
     LayerKV,
     check_kv_bits,
-    default_key_group,
-    default_value_group,
-    fp_bytes_per_token,
-    kv_bytes_table,
-    layer_bytes_per_token,
 )
 
 

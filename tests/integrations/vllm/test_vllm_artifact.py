@@ -26,7 +26,7 @@ from squeeze.integrations.vllm.artifact import (
     verified_tensors,
     verify,
 )
-from squeeze.quant.kv_spec import KV_FILE
+from squeeze.quant.kv_file import KV_FILE
 
 GOOD = {
     "quant_method": "squeeze",
