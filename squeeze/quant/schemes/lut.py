@@ -19,26 +19,22 @@ from squeeze.errors import FormatError
 from squeeze.quant.ec import DEFAULT_DAMP, compensated_codes, refit_lut, refitted_codes
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import check_bits, pack_codes
-from squeeze.quant.schemes.base import ANY_FLOAT, COLUMN_INDEX, HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.base import QuantOptions, Timer, WeightFormat, no_timer
 from squeeze.quant.schemes.lut_parts import (
+    SPARSE_ROLES,
     affine_lut8,
     check_quantize_inputs,
     sparse_from_roles,
     sparse_rows,
     sparse_tensors,
 )
+from squeeze.quant.schemes.roles import HALF, Role
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
 #: dtype of fp16 LUT entries (also the centroids' rounding before codes are assigned).
 LUT_DTYPE = HALF
 #: dtype of the 8-bit LUT's levels.
 LUT8_DTYPE = torch.uint8
-
-SPARSE_ROLES = (
-    Role("weight_sparse_rowptr", torch.int32, ("rows+1",), part="sparse"),
-    Role("weight_sparse_cols", COLUMN_INDEX, ("nnz",), part="sparse"),
-    Role("weight_sparse_vals", ANY_FLOAT, ("nnz",), part="sparse"),
-)
 
 
 @dataclass(frozen=True, kw_only=True)

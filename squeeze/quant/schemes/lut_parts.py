@@ -11,8 +11,15 @@ import torch
 from torch import Tensor
 
 from squeeze.limits import LUT_DTYPES
-from squeeze.quant.schemes.base import HALF
+from squeeze.quant.schemes.roles import ANY_FLOAT, COLUMN_INDEX, HALF, Role
 from squeeze.quant.sparse import SparseCSR
+
+#: The sparse part's stored tensors (a CSR of the weights kept exactly).
+SPARSE_ROLES = (
+    Role("weight_sparse_rowptr", torch.int32, ("rows+1",), part="sparse"),
+    Role("weight_sparse_cols", COLUMN_INDEX, ("nnz",), part="sparse"),
+    Role("weight_sparse_vals", ANY_FLOAT, ("nnz",), part="sparse"),
+)
 
 
 def sparse_tensors(sparse: SparseCSR | None) -> dict[str, Tensor]:
