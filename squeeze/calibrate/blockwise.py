@@ -98,12 +98,7 @@ def blockwise_fisher(
     owners = target_owners(model, modules, embed, blocks, head)
     store = Store(spill_dir, device)
     done: dict[str, torch.Tensor] = {}
-    host_sink = on_group or done.update
-
-    def on_host(part: dict[str, torch.Tensor]) -> None:
-        host_sink({name: tensor.cpu() for name, tensor in part.items()})  # cpu(): the same tensor on the host
-
-    sink = _rounding_sink(on_host, combine)
+    sink = _host_sink(on_group or done.update, combine)
     total = n_blocks + 2
     tied = is_tied(embed, head)
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
@@ -112,12 +107,7 @@ def blockwise_fisher(
         # on the host: the keyword inputs (rotary tables, masks) are the host run's, moved per block below
         kwargs = prologue(model, windows, embed, blocks, norm, host_materialize, store, bool(embed_targets))
         ids = to_device(windows, device)
-        # -- forward, block by block: block i's input per window (h{i}-{w}) kept for its recomputation
-        for i, block in enumerate(blocks):
-            with materialize(block), torch.no_grad():
-                for w in range(n_windows):
-                    kw = to_device(kwargs[i][w], device)
-                    store.put(f"h{i + 1}-{w}", block_out(block(store.get(f"h{i}-{w}"), **kw)))
+        _forward_blocks(blocks, kwargs, store, materialize, n_windows, device)
         # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher); with a quantized tied
         # embedding the last outputs stay: the head's share of that weight is recomputed with the embedding's
         with materialize(norm, head):
@@ -125,16 +115,9 @@ def blockwise_fisher(
             _head_grads(ids, store, n_blocks, norm, head, head_weights, sink, keep=tied and bool(embed_targets))
         if progress:
             progress(1, total)
-        # -- blocks from the end backwards
-        for i in range(n_blocks - 1, -1, -1):
-            names = [name for name, owner in owners.items() if owner == i]
-            need_input = i > 0 or bool(embed_targets)
-            with materialize(blocks[i]):
-                kw = to_device(kwargs[i], device)
-                _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
-            kwargs[i] = []
-            if progress:
-                progress(n_blocks - i + 1, total)
+        _backward_blocks(
+            blocks, kwargs, store, materialize, owners, modules, bool(embed_targets), sink, progress, device
+        )
         # -- the input embedding (and a tied LM head's share of its weight)
         if embed_targets:
             with materialize(embed, norm, head):
@@ -143,6 +126,57 @@ def blockwise_fisher(
         if progress:
             progress(total, total)
     return done
+
+
+def _forward_blocks(
+    blocks: Any,
+    kwargs: list[Any],
+    store: Store,
+    materialize: Materializer,
+    n_windows: int,
+    device: torch.device | None,
+) -> None:
+    """Forward, block by block (no grad): block i's input per window (h{i}-{w}) kept for its recomputation."""
+    for i, block in enumerate(blocks):
+        with materialize(block), torch.no_grad():
+            for w in range(n_windows):
+                kw = to_device(kwargs[i][w], device)
+                store.put(f"h{i + 1}-{w}", block_out(block(store.get(f"h{i}-{w}"), **kw)))
+
+
+def _backward_blocks(
+    blocks: Any,
+    kwargs: list[Any],
+    store: Store,
+    materialize: Materializer,
+    owners: Mapping[str, int | str],
+    modules: Mapping[str, Any],
+    has_embed_targets: bool,
+    sink: GroupSink,
+    progress: Progress | None,
+    device: torch.device | None,
+) -> None:
+    """The blocks from the end backwards, each block's targets' Fisher handed to ``sink`` (blockwise_fisher)."""
+    n_blocks = len(blocks)
+    total = n_blocks + 2
+    for i in range(n_blocks - 1, -1, -1):
+        names = [name for name, owner in owners.items() if owner == i]
+        need_input = i > 0 or has_embed_targets
+        with materialize(blocks[i]):
+            kw = to_device(kwargs[i], device)
+            _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
+        kwargs[i] = []
+        if progress:
+            progress(n_blocks - i + 1, total)
+
+
+def _host_sink(host_sink: GroupSink, combine: Combine | None) -> GroupSink:
+    """``host_sink`` fed each group's rounded Fisher on the host (see :func:`_rounding_sink`)."""
+
+    def on_host(part: dict[str, torch.Tensor]) -> None:
+        host_sink({name: tensor.cpu() for name, tensor in part.items()})  # cpu(): the same tensor on the host
+
+    return _rounding_sink(on_host, combine)
 
 
 def _rounding_sink(finished: GroupSink, combine: Combine | None) -> GroupSink:
