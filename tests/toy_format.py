@@ -16,7 +16,8 @@ from torch import Tensor
 
 from squeeze.errors import FormatError
 from squeeze.quant.packing import pack_codes
-from squeeze.quant.schemes.base import HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.base import QuantOptions, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.roles import HALF, Role
 
 
 @dataclass(frozen=True, kw_only=True)

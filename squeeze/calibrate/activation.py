@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.blockwise import (
+from squeeze.calibrate.block_walk import (
     GroupSink,
     Materializer,
     Progress,
-    _block_out,
-    _owners,
-    _placed,
-    _prologue,
-    _resident,
-    _Store,
+    Store,
+    block_out,
     model_parts,
+    placed,
+    prologue,
+    resident,
+    target_owners,
 )
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.modes import eval_mode
@@ -155,25 +155,25 @@ def blockwise_activation_sensitivity(
     targets' weights are finished. ``materialized`` / ``device``: as blockwise_fisher's. Each block's group
     (and the embeddings', and an untied LM head target's) goes to ``on_group`` as soon as it is done; returns
     everything when ``on_group`` is None, else ``{}``. ``progress(done, total)`` counts blocks."""
-    host_materialize = materialized or _resident
-    materialize = _placed(host_materialize, device)
+    host_materialize = materialized or resident
+    materialize = placed(host_materialize, device)
     embed, blocks, norm, head = model_parts(model)
-    owners = _owners(model, targets, embed, blocks, head)
-    store = _Store(spill_dir, device)
+    owners = target_owners(model, targets, embed, blocks, head)
+    store = Store(spill_dir, device)
     done: dict[str, torch.Tensor] = {}
     sink = on_group or done.update
     n_blocks, n_windows = len(blocks), windows.shape[0]
     if embeddings:
         sink(uniform_weights(embeddings))
     with torch.no_grad(), eval_mode(model):
-        kwargs = _prologue(model, windows, embed, blocks, norm, host_materialize, store, False)
+        kwargs = prologue(model, windows, embed, blocks, norm, host_materialize, store, False)
         for i, block in enumerate(blocks):
             linears, others = _split({name: targets[name] for name, owner in owners.items() if owner == i})
             moments = ActivationMoments(linears)
             with materialize(block), moments.hooks():
                 for w in range(n_windows):
                     kw = to_device(kwargs[i][w], device)
-                    store.put(f"h{i + 1}-{w}", _block_out(block(store.take(f"h{i}-{w}"), **kw)))
+                    store.put(f"h{i + 1}-{w}", block_out(block(store.take(f"h{i}-{w}"), **kw)))
             kwargs[i] = []
             if linears or others:
                 sink({**moments.result(), **uniform_weights(others)})
@@ -188,7 +188,7 @@ def blockwise_activation_sensitivity(
 def _head_moments(
     targets: Mapping[str, Target],
     owners: Mapping[str, int | str],
-    store: _Store,
+    store: Store,
     n_blocks: int,
     n_windows: int,
     norm: nn.Module,

@@ -33,15 +33,28 @@ no device. Supported: models whose ``get_decoder()`` has
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from squeeze.calibrate.block_walk import (
+    Combine,
+    GroupSink,
+    Materializer,
+    Progress,
+    Store,
+    block_out,
+    is_tied,
+    model_parts,
+    placed,
+    prologue,
+    resident,
+    target_owners,
+)
 from squeeze.calibrate.fisher import (
     finish_sums,
     new_sums,
@@ -49,106 +62,9 @@ from squeeze.calibrate.fisher import (
     square_and_drop_hooks,
     window_loss,
 )
-from squeeze.errors import ConfigError
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.modes import eval_mode
-from squeeze.models.placement import on_device, to_device
-
-#: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
-Materializer = Callable[..., contextlib.AbstractContextManager[None]]
-#: ``on_group(fisher)``: one group's finished Fisher, ``{name: fp32 tensor}``
-GroupSink = Callable[[dict[str, torch.Tensor]], None]
-#: ``combine(sums)``: one group's float64 sums of squared gradients, updated in place before they are rounded,
-#: called for the groups in the same order on every run (a torchrun world adds its ranks' window shares there)
-Combine = Callable[[dict[str, torch.Tensor]], None]
-Progress = Callable[[int, int], None]
-
-
-class _Stop(Exception):
-    """Raised by the final norm's pre-hook in the prologue: nothing after the blocks is needed there."""
-
-
-def _resident(*_modules: nn.Module) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
-
-
-def _placed(materialize: Materializer, device: torch.device | None) -> Materializer:
-    """``materialize`` followed by a move of the same modules to ``device`` (None: no move)."""
-    if device is None:
-        return materialize
-
-    @contextlib.contextmanager
-    def place(*modules: nn.Module) -> Iterator[None]:
-        with materialize(*modules), on_device(device, *modules):
-            yield
-
-    return place
-
-
-def model_parts(
-    model: nn.Module, option: str = "--max-memory"
-) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
-    """``(input embedding, decoder blocks, final norm, LM head)`` of a causal LM; ConfigError if it has
-    another shape (or post-processes its logits), which the block-by-block Fisher cannot reproduce. ``option``:
-    the command-line option the message names (``--max-memory`` or ``--device``)."""
-    arch = type(model).__name__
-    get_decoder = getattr(model, "get_decoder", None)
-    base = get_decoder() if callable(get_decoder) else None
-    blocks = getattr(base, "layers", None)
-    norm = getattr(base, "norm", None)
-    get_embed, get_head = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embed = get_embed() if callable(get_embed) else None
-    head = get_head() if callable(get_head) else None
-    config = getattr(model, "config", None)
-    scaled = any(getattr(config, key, None) not in (None, 1, 1.0) for key in ("final_logit_softcapping", "logit_scale"))
-    if not isinstance(blocks, nn.ModuleList) or not isinstance(norm, nn.Module) or not isinstance(head, nn.Linear):
-        raise ConfigError(
-            f"{option} streams decoder blocks of models shaped like Llama (model.layers, model.norm, lm_head); "
-            f"{arch} is not",
-            hint=f"drop {option} for this model",
-        )
-    if scaled or not isinstance(embed, nn.Module):
-        raise ConfigError(
-            f"{option} cannot stream {arch}: its logits are not lm_head(norm(hidden))",
-            hint=f"drop {option} for this model",
-        )
-    return embed, blocks, norm, head
-
-
-class _Store:
-    """Per-window tensors at block boundaries (hidden states, carried gradients), by key: in host memory, or
-    spilled to ``directory`` as one fp32 safetensors file each, so one window's worth is resident at a time.
-    ``device``: where :meth:`get` / :meth:`take` return them (None: where they were put)."""
-
-    def __init__(self, directory: Path | None, device: torch.device | None = None) -> None:
-        self.directory = directory
-        self.device = device
-        self.memory: dict[str, torch.Tensor] = {}
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        if self.device is not None:  # off the device between steps: its memory holds one block's work
-            tensor = tensor.cpu()
-        if self.directory is None:
-            self.memory[key] = tensor
-        else:
-            save_file({"t": tensor.contiguous()}, str(self._path(key)))
-
-    def get(self, key: str) -> torch.Tensor:
-        tensor = self.memory[key] if self.directory is None else load_file(str(self._path(key)))["t"]
-        return to_device(tensor, self.device)
-
-    def take(self, key: str) -> torch.Tensor:
-        """The tensor under ``key``, forgotten here (a spilled file is removed)."""
-        if self.directory is None:
-            return to_device(self.memory.pop(key), self.device)
-        tensor = self.get(key)
-        self._path(key).unlink()
-        return tensor
-
-    def _path(self, key: str) -> Path:
-        return Path(self.directory or ".") / f"{key}.safetensors"
+from squeeze.models.placement import to_device
 
 
 def blockwise_fisher(
@@ -175,33 +91,23 @@ def blockwise_fisher(
     :data:`Combine`. ``device``: run each step there (see the module docstring); the returned (or sunk)
     Fisher is on the host either way. Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
     """
-    host_materialize = materialized or _resident
-    materialize = _placed(host_materialize, device)
+    host_materialize = materialized or resident
+    materialize = placed(host_materialize, device)
     embed, blocks, norm, head = model_parts(model)
     n_blocks, n_windows = len(blocks), windows.shape[0]
-    owners = _owners(model, modules, embed, blocks, head)
-    store = _Store(spill_dir, device)
+    owners = target_owners(model, modules, embed, blocks, head)
+    store = Store(spill_dir, device)
     done: dict[str, torch.Tensor] = {}
-    host_sink = on_group or done.update
-
-    def on_host(part: dict[str, torch.Tensor]) -> None:
-        host_sink({name: tensor.cpu() for name, tensor in part.items()})  # cpu(): the same tensor on the host
-
-    sink = _rounding_sink(on_host, combine)
+    sink = _host_sink(on_group or done.update, combine)
     total = n_blocks + 2
-    tied = _tied(embed, head)
+    tied = is_tied(embed, head)
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
     head_targets = [name for name, owner in owners.items() if owner == "head"]
     with torch.inference_mode(False), eval_mode(model), _frozen(model):
         # on the host: the keyword inputs (rotary tables, masks) are the host run's, moved per block below
-        kwargs = _prologue(model, windows, embed, blocks, norm, host_materialize, store, bool(embed_targets))
+        kwargs = prologue(model, windows, embed, blocks, norm, host_materialize, store, bool(embed_targets))
         ids = to_device(windows, device)
-        # -- forward, block by block: block i's input per window (h{i}-{w}) kept for its recomputation
-        for i, block in enumerate(blocks):
-            with materialize(block), torch.no_grad():
-                for w in range(n_windows):
-                    kw = to_device(kwargs[i][w], device)
-                    store.put(f"h{i + 1}-{w}", _block_out(block(store.get(f"h{i}-{w}"), **kw)))
+        _forward_blocks(blocks, kwargs, store, materialize, n_windows, device)
         # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher); with a quantized tied
         # embedding the last outputs stay: the head's share of that weight is recomputed with the embedding's
         with materialize(norm, head):
@@ -209,16 +115,9 @@ def blockwise_fisher(
             _head_grads(ids, store, n_blocks, norm, head, head_weights, sink, keep=tied and bool(embed_targets))
         if progress:
             progress(1, total)
-        # -- blocks from the end backwards
-        for i in range(n_blocks - 1, -1, -1):
-            names = [name for name, owner in owners.items() if owner == i]
-            need_input = i > 0 or bool(embed_targets)
-            with materialize(blocks[i]):
-                kw = to_device(kwargs[i], device)
-                _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
-            kwargs[i] = []
-            if progress:
-                progress(n_blocks - i + 1, total)
+        _backward_blocks(
+            blocks, kwargs, store, materialize, owners, modules, bool(embed_targets), sink, progress, device
+        )
         # -- the input embedding (and a tied LM head's share of its weight)
         if embed_targets:
             with materialize(embed, norm, head):
@@ -227,6 +126,57 @@ def blockwise_fisher(
         if progress:
             progress(total, total)
     return done
+
+
+def _forward_blocks(
+    blocks: Any,
+    kwargs: list[Any],
+    store: Store,
+    materialize: Materializer,
+    n_windows: int,
+    device: torch.device | None,
+) -> None:
+    """Forward, block by block (no grad): block i's input per window (h{i}-{w}) kept for its recomputation."""
+    for i, block in enumerate(blocks):
+        with materialize(block), torch.no_grad():
+            for w in range(n_windows):
+                kw = to_device(kwargs[i][w], device)
+                store.put(f"h{i + 1}-{w}", block_out(block(store.get(f"h{i}-{w}"), **kw)))
+
+
+def _backward_blocks(
+    blocks: Any,
+    kwargs: list[Any],
+    store: Store,
+    materialize: Materializer,
+    owners: Mapping[str, int | str],
+    modules: Mapping[str, Any],
+    has_embed_targets: bool,
+    sink: GroupSink,
+    progress: Progress | None,
+    device: torch.device | None,
+) -> None:
+    """The blocks from the end backwards, each block's targets' Fisher handed to ``sink`` (blockwise_fisher)."""
+    n_blocks = len(blocks)
+    total = n_blocks + 2
+    for i in range(n_blocks - 1, -1, -1):
+        names = [name for name, owner in owners.items() if owner == i]
+        need_input = i > 0 or has_embed_targets
+        with materialize(blocks[i]):
+            kw = to_device(kwargs[i], device)
+            _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
+        kwargs[i] = []
+        if progress:
+            progress(n_blocks - i + 1, total)
+
+
+def _host_sink(host_sink: GroupSink, combine: Combine | None) -> GroupSink:
+    """``host_sink`` fed each group's rounded Fisher on the host (see :func:`_rounding_sink`)."""
+
+    def on_host(part: dict[str, torch.Tensor]) -> None:
+        host_sink({name: tensor.cpu() for name, tensor in part.items()})  # cpu(): the same tensor on the host
+
+    return _rounding_sink(on_host, combine)
 
 
 def _rounding_sink(finished: GroupSink, combine: Combine | None) -> GroupSink:
@@ -240,107 +190,12 @@ def _rounding_sink(finished: GroupSink, combine: Combine | None) -> GroupSink:
     return sink
 
 
-def _owners(
-    model: nn.Module,
-    modules: Mapping[str, Any],
-    embed: nn.Module,
-    blocks: nn.ModuleList,
-    head: nn.Module,
-) -> dict[str, int | str]:
-    """Each target name -> the block index holding it, or "embed" / "head"; ConfigError for one elsewhere."""
-    block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
-    owners: dict[str, int | str] = {}
-    for name, target in modules.items():
-        # an expert parameter (squeeze.models.expert_params.ExpertWeight) belongs where its experts module is
-        module = target.module if isinstance(target, ExpertWeight) else target
-        if module is embed:
-            owners[name] = "embed"
-        elif module is head:
-            owners[name] = "embed" if _tied(embed, head) else "head"
-        elif id(module) in block_of:
-            owners[name] = block_of[id(module)]
-        else:
-            raise ConfigError(
-                f"--max-memory computes the Fisher block by block, and the target {name} of {type(model).__name__} "
-                "is in no decoder block",
-                hint="drop --max-memory, or leave that module out of the recipe's targets",
-            )
-    return owners
-
-
-def _tied(embed: nn.Module, head: nn.Module) -> bool:
-    return getattr(embed, "weight", None) is getattr(head, "weight", None)
-
-
 @contextlib.contextmanager
 def _frozen(model: nn.Module) -> Iterator[None]:
     """Nothing requires grad but what a step turns on (as fisher_information freezes all but its targets);
     every flag is restored afterwards."""
     with only_targets_require_grad(model, ()):
         yield
-
-
-def _prologue(
-    model: nn.Module,
-    windows: torch.Tensor,
-    embed: nn.Module,
-    blocks: nn.ModuleList,
-    norm: nn.Module,
-    materialize: Materializer,
-    store: _Store,
-    check_embedding: bool,
-) -> list[list[dict[str, Any]]]:
-    """Block 0's input per window into ``store`` (``h0-{w}``); returns each block's keyword inputs per window
-    (``kwargs[block][window]``). ``check_embedding``: refuse (ConfigError) a model whose block 0 input is not its
-    embedding's output (e.g. scaled), as the embedding's gradient is then taken from the embedding alone."""
-    kwargs: list[list[dict[str, Any]]] = [[] for _ in blocks]
-    first: list[torch.Tensor] = []
-
-    def stub(index: int) -> Callable[..., torch.Tensor]:
-        def forward(*args: Any, **kw: Any) -> torch.Tensor:
-            h = args[0] if args else kw.pop("hidden_states")
-            if len(args) > 1:
-                raise ConfigError(
-                    f"--max-memory cannot stream {type(model).__name__}: its blocks take positional inputs",
-                    hint="drop --max-memory for this model",
-                )
-            kwargs[index].append(kw)
-            if index == 0:
-                first.append(h.detach())
-            return h
-
-        return forward
-
-    def stop(_module: nn.Module, _args: Any) -> None:
-        raise _Stop
-
-    saved = [block.forward for block in blocks]
-    handle = norm.register_forward_pre_hook(stop)
-    try:
-        for index, block in enumerate(blocks):
-            block.forward = stub(index)  # type: ignore[method-assign]
-        with materialize(embed), torch.no_grad():
-            for w, row in enumerate(windows):
-                with contextlib.suppress(_Stop):
-                    model(input_ids=row[None], use_cache=False)
-                hidden = first.pop()
-                if check_embedding and not torch.equal(embed(row[None]), hidden):
-                    raise ConfigError(
-                        f"--max-memory cannot take {type(model).__name__}'s embedding gradient block by block: its "
-                        "first block's input is not the embedding's output",
-                        hint="drop --max-memory, or keep the embeddings unquantized (no --embedding-bits)",
-                    )
-                store.put(f"h0-{w}", hidden)
-    finally:
-        handle.remove()
-        for block, forward in zip(blocks, saved, strict=True):
-            block.forward = forward  # type: ignore[method-assign]
-    return kwargs
-
-
-def _block_out(output: Any) -> torch.Tensor:
-    """A block's hidden-state output (transformers 5 returns the tensor, older versions a tuple)."""
-    return output[0] if isinstance(output, tuple) else output
 
 
 def _loss(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -351,7 +206,7 @@ def _loss(norm: nn.Module, head: nn.Module, hidden: torch.Tensor, ids: torch.Ten
 
 def _head_grads(
     windows: torch.Tensor,
-    store: _Store,
+    store: Store,
     n_blocks: int,
     norm: nn.Module,
     head: nn.Module,
@@ -376,7 +231,7 @@ def _head_grads(
 def _block_backward(
     block: nn.Module,
     index: int,
-    store: _Store,
+    store: Store,
     kwargs: list[dict[str, Any]],
     targets: Mapping[str, Any],
     need_input: bool,
@@ -391,7 +246,7 @@ def _block_backward(
         for w, kw in enumerate(kwargs):
             x = store.take(f"h{index}-{w}").detach().requires_grad_(need_input)
             grad = store.take(f"g{index + 1}-{w}")
-            out = _block_out(block(x, **kw))
+            out = block_out(block(x, **kw))
             wanted = [x, *weights.values()] if need_input else list(weights.values())
             if wanted:
                 out.backward(grad, inputs=wanted)
@@ -403,7 +258,7 @@ def _block_backward(
 
 def _embedding_backward(
     windows: torch.Tensor,
-    store: _Store,
+    store: Store,
     n_blocks: int,
     embed: nn.Module,
     norm: nn.Module,

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.blockwise import _block_out, _prologue, _resident, _Store, model_parts
+from squeeze.calibrate.block_walk import Store, block_out, model_parts, prologue, resident
 from squeeze.models.modes import eval_mode
 
 #: Token rows an update takes at least (smaller calls are buffered): at 64 rows a (1536, 1536) update runs at
@@ -274,10 +274,10 @@ def sequential_hessians(
     outside = [name for name, module in targets.items() if id(module) not in block_of]
     if outside:
         raise ValueError(f"sequential Hessians cover decoder blocks only; {outside[:3]} are outside every block")
-    store = _Store(spill_dir)
+    store = Store(spill_dir)
     n_windows = int(windows.shape[0])
     with torch.inference_mode(False), eval_mode(model), torch.no_grad():
-        kwargs = _prologue(model, windows, _embed, blocks, norm, _resident, store, False)
+        kwargs = prologue(model, windows, _embed, blocks, norm, resident, store, False)
         for i, block in enumerate(blocks):
             mine = {name: module for name, module in targets.items() if block_of[id(module)] == i}
             with input_hessians(mine) as acc:
@@ -285,7 +285,7 @@ def sequential_hessians(
                     block(store.get(f"h{i}-{w}"), **kwargs[i][w])
             on_block(i, acc.result())
             for w in range(n_windows):  # the quantized block's outputs: the next block's inputs
-                store.put(f"h{i + 1}-{w}", _block_out(block(store.take(f"h{i}-{w}"), **kwargs[i][w])))
+                store.put(f"h{i + 1}-{w}", block_out(block(store.take(f"h{i}-{w}"), **kwargs[i][w])))
             kwargs[i] = []
         for w in range(n_windows):
             store.take(f"h{len(blocks)}-{w}")

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from squeeze.calibrate.blockwise import model_parts
+from squeeze.calibrate.block_walk import model_parts
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression import streaming
 from squeeze.compression.distributed import (

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.blockwise import model_parts
+from squeeze.calibrate.block_walk import model_parts
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression import streaming
 from squeeze.compression.preflight import (

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from squeeze.calibrate.blockwise import model_parts
+from squeeze.calibrate.block_walk import model_parts
 from squeeze.compression.job import RecipeNeeds
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError

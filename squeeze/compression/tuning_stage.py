@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.blockwise import _prologue, _Store, model_parts
+from squeeze.calibrate.block_walk import Store, model_parts, prologue
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.job import CompressJob, timed
 from squeeze.config import TuningConfig
@@ -93,16 +93,16 @@ def _tune_blocks(
     assert job.calibration is not None
     windows = calibration_windows(job.calibration, job.tokenizer or load_tokenizer(job.source))
     windows = windows[: max(1, min(len(windows), tuning.tokens // windows.shape[1]))]
-    materialize = job.lazy.materialized if job.lazy is not None else _resident
+    materialize = job.lazy.materialized if job.lazy is not None else resident
     spill = job.work.root / "tuning-activations" if job.max_memory is not None else None
     group_of = dict(plan)
     kept = keep_dtype(job.source, job.recipe.output.keep_dtype)
     n = len(windows)
     try:
-        store = _Store(spill)
+        store = Store(spill)
         with torch.inference_mode(False), eval_mode(net), _no_grad_flags(net):
             embed, _blocks, norm, _head = model_parts(net)
-            kwargs = _prologue(net, windows, embed, blocks, norm, materialize, store, False)
+            kwargs = prologue(net, windows, embed, blocks, norm, materialize, store, False)
             for w in range(n):
                 store.put(f"q0-{w}", store.get(f"h0-{w}"))
             for i in range(last + 1):
@@ -121,7 +121,7 @@ def _step_block(
     i: int,
     block: nn.Module,
     group: int | None,
-    store: _Store,
+    store: Store,
     kwargs: list[dict[str, Any]],
     n: int,
     tuning: TuningConfig,
@@ -152,7 +152,7 @@ def _tune_one(
     job: CompressJob,
     block: nn.Module,
     group: int,
-    store: _Store,
+    store: Store,
     kwargs: list[dict[str, Any]],
     i: int,
     n: int,
@@ -306,7 +306,7 @@ def _out(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def _resident(*_modules: nn.Module) -> contextlib.AbstractContextManager[None]:
+def resident(*_modules: nn.Module) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import SUPPORTED_BITS, pack_codes, packed_row_bytes, unpack_codes
 from squeeze.quant.schemes import Lut8Weight, LutWeight, QuantizedWeight, RtnWeight, WeightFormat, register_format
-from squeeze.quant.schemes.base import HALF as SCALE_DTYPE
 from squeeze.quant.schemes.lut import LUT_DTYPE, quantize_lut
+from squeeze.quant.schemes.roles import HALF as SCALE_DTYPE
 from squeeze.quant.schemes.rtn import rtn_groups, rtn_quantize
 from squeeze.quant.sparse import SparseCSR, select_sparse
 

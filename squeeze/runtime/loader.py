@@ -14,7 +14,7 @@ import os
 import stat
 import tempfile
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,32 +23,22 @@ import torch
 from torch import nn
 
 from squeeze.errors import FormatError, IntegrityError, ModelError
-from squeeze.format.dtypes import torch_dtype
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.paths import (
-    MAX_CONFIG_BYTES,
-    check_relative_path,
-    describe_os_error,
-    open_inside,
-    open_root,
     path_error,
-    read_inside,
     resolve_root,
     short_path,
     short_repr,
-    walk_artifact,
 )
 from squeeze.format.quant_config import SECTION, QuantizationConfig
-from squeeze.format.safetensors_header import SafetensorsHeader, parse_safetensors_header, read_header_prefix
-from squeeze.format.shards import INDEX_NAME
 from squeeze.format.signature import SignatureInfo, check_signature
 from squeeze.format.strict_json import strict_json_loads
 from squeeze.format.verify import VerifyReport, verify_artifact
 from squeeze.models.remote_code import is_remote_code_refusal
-from squeeze.quant.kv_file import KV_FILE
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
+from squeeze.runtime.artifact_tensors import read_unverified, read_verified
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
@@ -135,87 +125,6 @@ def _reason(exc: BaseException, limit: int = 300) -> str:
         return type(exc).__name__
     text = lines[-1] if len(lines) > 1 else f"{type(exc).__name__}: {lines[0]}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def tensors_from_captured(report: VerifyReport, exclude: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard (but the files in ``exclude``), as views into the bytes that verification
-    hashed (no second read)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path, header in sorted(report.headers.items()):
-        if path in exclude:
-            continue
-        data = report.captured[path].data
-        if data is None:
-            raise FormatError(f"{path} was verified without keeping its bytes")
-        tensors.update(_tensor_views(header, data))  # uint8 views, sharing the hashed buffer
-    return tensors
-
-
-def _read_unverified(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
-    """(tensors, small top-level files, KV-file tensor names) read straight from disk (``verify=False``).
-
-    Unverified, but read like everything else: no link followed, regular files only, no blocking open,
-    small files capped (MAX_CONFIG_BYTES) and shard headers validated before any tensor is made.
-    """
-    root_fd = open_root(directory)
-    try:
-        top = {rel: st for rel, st in walk_artifact(root_fd) if "/" not in rel and stat.S_ISREG(st.st_mode)}
-        if INDEX_NAME in top:
-            index = strict_json_loads(read_inside(root_fd, INDEX_NAME, MAX_CONFIG_BYTES), INDEX_NAME)
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise FormatError(f"{INDEX_NAME} lacks a 'weight_map' object")
-            shards = {check_relative_path(shard, INDEX_NAME) for shard in weight_map.values()}
-            shards |= {KV_FILE} & set(top)
-        else:
-            shards = {rel for rel in top if rel.endswith(".safetensors")}
-        tensors: dict[str, torch.Tensor] = {}
-        kv_names: list[str] = []
-        for shard in sorted(shards):
-            header, data = _read_shard(root_fd, shard)
-            views = _tensor_views(header, data)
-            tensors.update(views)
-            if shard == KV_FILE:
-                kv_names = list(views)
-        files = {
-            rel: read_inside(root_fd, rel, MAX_CONFIG_BYTES)
-            for rel in sorted(top)
-            if not rel.endswith(".safetensors") and rel != MANIFEST_NAME
-        }
-    finally:
-        os.close(root_fd)
-    return tensors, files, kv_names
-
-
-def _read_shard(root_fd: int, relative: str) -> tuple[SafetensorsHeader, torch.Tensor]:
-    """One shard read whole into private memory (uint8), its header validated against its size."""
-    try:
-        fd = open_inside(root_fd, relative)
-    except OSError as exc:
-        raise FormatError(f"cannot open {short_path(relative)}: {describe_os_error(exc)}") from None
-    with os.fdopen(fd, "rb", buffering=0) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        head = read_header_prefix(handle)
-        header = parse_safetensors_header(head, size, short_path(relative))  # before sizing anything by it
-        data = torch.empty(size, dtype=torch.uint8)
-        view = data.numpy().data  # a writable memoryview of the tensor's bytes
-        view[: len(head)] = head
-        done = len(head)
-        while done < size:
-            count = handle.readinto(view[done:])
-            if not count:
-                raise FormatError(f"{short_path(relative)} shrank while being read")
-            done += count
-    return header, data
-
-
-def _tensor_views(header: SafetensorsHeader, data: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The header's tensors as views into ``data`` (the whole file as uint8), shapes and dtypes as declared."""
-    base = header.data_start
-    return {
-        name: data[base + info.begin : base + info.end].view(torch_dtype(info.dtype)).reshape(info.shape)
-        for name, info in header.tensors.items()
-    }
 
 
 def quantized_weight_from(
@@ -317,13 +226,13 @@ def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywor
     """
     options = LoadOptions.build(options, keywords)
     verify, dense_cache, low_memory = options.verify, options.dense_cache, options.low_memory
-    public_key, activations = options.public_key, options.activations
+    public_key = options.public_key
     directory = resolve_root(path)
     if options.check_memory:
         check_load_memory(directory, dense_cache=dense_cache, low_memory=low_memory)
     report = verified_report(directory, capture=True) if verify else None
     signature = check_signature(report, public_key) if report is not None and public_key is not None else None
-    tensors, files, kv_names = _read_verified(report) if report is not None else _read_unverified(directory)
+    tensors, files, kv_names = read_verified(report) if report is not None else read_unverified(directory)
     kv_tensors = {k: tensors.pop(k) for k in kv_names if k in tensors}
     tensor_bytes = sum(t.nbytes for t in tensors.values())
     if "config.json" not in files:
@@ -336,29 +245,8 @@ def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywor
     modules = quant.module_specs() if quant is not None else {}
     check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
     model = build_skeleton(config)
-    for name, spec in modules.items():
-        layout = experts_layout(spec, name)  # (E, transposed) of a 3-D expert parameter, None for a linear
-        qweight = quantized_weight_from(tensors, name, format_spec(spec) if layout else spec)
-        for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
-            del tensors[key]
-        if layout is not None:  # the runtime computes in float32 (unquantized tensors are upcast below)
-            replace_expert_parameter(model, name, qweight, *layout, dtype=torch.float32, activations=activations)
-            continue
-        bias = tensors.pop(f"{name}.bias", None)
-        swap_in_quantized(
-            model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory, activations=activations
-        )
-    use_squeeze_experts(model)  # quantized experts run one routed expert at a time, on the packed codes
-    # a tied LM head reads the embedding's buffers
-    tied = quant.tied_heads if quant is not None else {}
-    tie_quantized_heads(model, tied, low_memory=low_memory, activations=activations)
-    _load_other_tensors(model, tensors)
-    stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
-    materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
-    # an inference runtime: no parameter wants gradients, so a plain model(ids) call (outside no_grad)
-    # still runs the kernels, which have no backward, instead of falling back to dense weights
-    model.requires_grad_(False)
-    model.eval()
+    _swap_in_modules(model, tensors, modules, options)
+    _finish_model(model, tensors, tensor_bytes, quant, options)
     kv_entry = quant.kv_cache if quant is not None else None
     kv_spec = KVSpec.from_config(dict(kv_entry), kv_tensors) if kv_entry else None
     loaded = LoadedModel(
@@ -373,21 +261,52 @@ def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywor
     return loaded
 
 
+def _swap_in_modules(
+    model: nn.Module, tensors: dict[str, torch.Tensor], modules: Mapping[str, Any], options: LoadOptions
+) -> None:
+    """Each entry of ``quantization_config.modules`` rebuilt from ``tensors`` (its tensors, and a linear's
+    bias, taken out of them) and swapped into ``model``: a SqueezeLinear, or a 3-D expert parameter."""
+    dense_cache, low_memory, activations = options.dense_cache, options.low_memory, options.activations
+    for name, spec in modules.items():
+        layout = experts_layout(spec, name)  # (E, transposed) of a 3-D expert parameter, None for a linear
+        qweight = quantized_weight_from(tensors, name, format_spec(spec) if layout else spec)
+        for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
+            del tensors[key]
+        if layout is not None:  # the runtime computes in float32 (unquantized tensors are upcast below)
+            replace_expert_parameter(model, name, qweight, *layout, dtype=torch.float32, activations=activations)
+            continue
+        bias = tensors.pop(f"{name}.bias", None)
+        swap_in_quantized(
+            model, name, qweight, bias, dense_cache=dense_cache, low_memory=low_memory, activations=activations
+        )
+
+
+def _finish_model(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    tensor_bytes: int,
+    quant: QuantizationConfig | None,
+    options: LoadOptions,
+) -> None:
+    """After the quantized modules: experts and tied heads wired, the remaining (unquantized) tensors loaded,
+    computed buffers made, and the model set for inference."""
+    use_squeeze_experts(model)  # quantized experts run one routed expert at a time, on the packed codes
+    # a tied LM head reads the embedding's buffers
+    tied = quant.tied_heads if quant is not None else {}
+    tie_quantized_heads(model, tied, low_memory=options.low_memory, activations=options.activations)
+    _load_other_tensors(model, tensors)
+    stabilise_dense_linears(model)  # the LM head's rows then do not depend on the batch (squeeze serve)
+    materialise_computed_buffers(model, limit=max(COMPUTED_BUFFER_BYTES, tensor_bytes))
+    # an inference runtime: no parameter wants gradients, so a plain model(ids) call (outside no_grad)
+    # still runs the kernels, which have no backward, instead of falling back to dense weights
+    model.requires_grad_(False)
+    model.eval()
+
+
 def check_signing_options(public_key: str | os.PathLike[str], *, verify: bool) -> None:
     """ConfigError when a signature check is asked for without verification, or the key cannot check one
     (what :class:`LoadOptions` checks when built with a ``public_key``)."""
     LoadOptions(public_key=public_key, verify=verify)
-
-
-def _read_verified(report: VerifyReport) -> tuple[dict[str, torch.Tensor], dict[str, bytes], list[str]]:
-    """(tensors, small files, KV-file tensor names) from the bytes verification hashed (no second read)."""
-    files = {
-        p: bytes(h.data.numpy())
-        for p, h in report.captured.items()
-        if h.data is not None and not p.endswith(".safetensors")
-    }
-    kv_header = report.headers.get(KV_FILE)
-    return tensors_from_captured(report), files, list(kv_header.tensors) if kv_header is not None else []
 
 
 def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -464,5 +383,4 @@ __all__ = [
     "is_artifact",
     "parse_config",
     "build_skeleton",
-    "tensors_from_captured",
 ]

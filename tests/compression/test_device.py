@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from squeeze.calibrate import blockwise
+from squeeze.calibrate import block_walk, blockwise
 from squeeze.cli.app import app
 from squeeze.compression.preflight import check_device
 from squeeze.errors import ConfigError
@@ -120,7 +120,7 @@ def test_every_step_runs_its_modules_on_the_device(
 
     model, _tokenizer = tiny_llama
     placed: list[tuple[torch.device | None, tuple[nn.Module, ...]]] = []
-    real = blockwise.on_device
+    real = block_walk.on_device
 
     @contextlib.contextmanager
     def recording(device: torch.device | None, *modules: nn.Module) -> Iterator[None]:
@@ -128,7 +128,7 @@ def test_every_step_runs_its_modules_on_the_device(
         with real(device, *modules):
             yield
 
-    monkeypatch.setattr(blockwise, "on_device", recording)
+    monkeypatch.setattr(block_walk, "on_device", recording)
     names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     targets = {**find_target_linears(model, names), "model.embed_tokens": model.model.embed_tokens}
     windows = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))

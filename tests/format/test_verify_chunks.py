@@ -105,7 +105,7 @@ def test_captured_bytes_are_the_file_bytes(chunked):
         data = (chunked / path).read_bytes()
         captured = report.captured[path]
         assert captured.data is not None and bytes(captured.data.numpy()) == data
-    from squeeze.runtime.loader import tensors_from_captured
+    from squeeze.runtime.artifact_tensors import tensors_from_captured
 
     tensors = tensors_from_captured(report)
     reference = {**load_file(chunked / SHARD), **load_file(chunked / "model-00002-of-00002.safetensors")}
@@ -222,7 +222,7 @@ def test_the_loader_builds_the_same_model_from_a_chunked_artifact(compress_tiny,
 @pytest.mark.parametrize("chunk_bytes", [2**20, 2**26])  # chunked (4 chunks, the last short), and whole-file
 def test_a_large_capture_holds_the_file_bytes(tmp_path, chunk_bytes):
     # captures of >= 2 MiB are backed by a huge-page-advised anonymous mapping (hashing.private_bytes)
-    from squeeze.runtime.loader import tensors_from_captured
+    from squeeze.runtime.artifact_tensors import tensors_from_captured
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randint(0, 255, (3 * 2**20 + 77,), dtype=torch.uint8, generator=generator)

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from squeeze.calibrate.activation import blockwise_activation_sensitivity
-from squeeze.calibrate.blockwise import Combine, blockwise_fisher
+from squeeze.calibrate.block_walk import Combine
+from squeeze.calibrate.blockwise import blockwise_fisher
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
 from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact

@@ -25,8 +25,9 @@ from squeeze.models import resolve_model
 from squeeze.quant.kv_file import KV_FILE
 from squeeze.quant.kv_spec import KV_FP8_E4M3, KVSpec, LayerFP8
 from squeeze.quant.schemes import formats_of, methods, stored_roles
+from squeeze.runtime.artifact_tensors import tensors_from_captured
 from squeeze.runtime.experts import experts_layout
-from squeeze.runtime.loader import tensors_from_captured, verified_report
+from squeeze.runtime.loader import verified_report
 from squeeze.runtime.options import LoadOptions
 
 

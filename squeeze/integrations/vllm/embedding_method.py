@@ -31,13 +31,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.utils import set_weight_attrs
 
 from squeeze.errors import FormatError
+from squeeze.format.dtypes import torch_dtype
 from squeeze.integrations.vllm.artifact import ModuleSpecs
 from squeeze.integrations.vllm.linear_method import register_linear, squeeze_linear
 from squeeze.integrations.vllm.sharding import vocab_rows
 from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.embedding import check_embedding_weight, gather_rows
 from squeeze.runtime.linear import SqueezeLinear
-from squeeze.runtime.loader import quantized_weight_from, torch_dtype
+from squeeze.runtime.loader import quantized_weight_from
 
 #: The attribute of a vLLM embedding / LM head layer that holds its :class:`EmbeddingState`.
 STATE = "squeeze_embedding_state"

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from squeeze.quant.schemes.base import QuantOptions, Role, WeightFormat
+from squeeze.quant.schemes.base import QuantOptions, WeightFormat
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
+from squeeze.quant.schemes.roles import Role
 from squeeze.quant.schemes.rtn import RtnWeight
 
 _FORMATS: dict[str, type[WeightFormat]] = {}

@@ -30,33 +30,16 @@ from torch import Tensor
 from squeeze.errors import FormatError
 from squeeze.limits import WEIGHT_BITS, check_weight_bits, is_int
 from squeeze.quant.packing import pack_codes, packed_row_bytes, unpack_codes
-from squeeze.quant.sparse import SparseCSR
-
-#: dtype of fp16 LUT entries and of every per-row / per-group scale and zero point.
-HALF = torch.float16
-#: A role whose dtype is any floating-point type (the sparse part's exact values keep the model's dtype).
-ANY_FLOAT = "float"
-#: A role whose dtype follows the column count (int16 column indices up to 32767 columns, else int32).
-COLUMN_INDEX = "column_index"
+from squeeze.quant.schemes.roles import (
+    Role,
+    check_meta,
+    check_role,
+    dtype_bytes,
+    present_roles,
+)
 
 Timer = Callable[[str], contextlib.AbstractContextManager[Any]]
 W = TypeVar("W", bound="WeightFormat")
-
-
-@dataclass(frozen=True)
-class Role:
-    """One stored tensor of a format: ``{module}.{name}``.
-
-    dtype: a torch dtype, ANY_FLOAT or COLUMN_INDEX. shape: each dimension an int or a symbol: "rows",
-    "rows+1", "packed" (bytes of one packed row), "levels" (2**bits), "groups", "nnz". A symbol not known
-    yet is bound by the first tensor that has it ("rows" by ``weight_packed``, "nnz" by the sparse columns).
-    part: roles of one optional part ("sparse") are stored all together or not at all; "" = always stored.
-    """
-
-    name: str
-    dtype: torch.dtype | str
-    shape: tuple[int | str, ...]
-    part: str = ""
 
 
 class QuantOptions(Protocol):
@@ -296,13 +279,13 @@ class WeightFormat:
         tensor must have; otherwise the first tensor's rows are taken, and a transposed tensor would then be
         reported against a shape made of its own wrong rows.
         """
-        _check_meta(bits, in_features, prefix, cls.widths)
+        check_meta(bits, in_features, prefix, cls.widths)
         unknown = set(params) - set(cls.module_params)
         if unknown:
             raise TypeError(
                 f"{cls.__name__} takes module parameters {list(cls.module_params)}, found {sorted(unknown)}"
             )
-        found = _present_roles(cls.roles, tensors, prefix)
+        found = present_roles(cls.roles, tensors, prefix)
         dims = {
             "levels": 1 << bits,
             "packed": packed_row_bytes(in_features, bits),
@@ -312,7 +295,7 @@ class WeightFormat:
             dims["rows"], dims["rows+1"] = out_features, out_features + 1
         for role in cls.roles:
             if role.name in found:
-                _check_role(role, found[role.name], f"{prefix}.{role.name}", dims, in_features)
+                check_role(role, found[role.name], f"{prefix}.{role.name}", dims, in_features)
         weight = cls.from_roles(bits, in_features, params, found)
         if check_values:
             weight.check_values(prefix)
@@ -367,73 +350,8 @@ class WeightFormat:
             count = 1
             for dim in role.shape:
                 count *= dim if isinstance(dim, int) else dims[dim]
-            total += count * _dtype_bytes(role.dtype, cols, value_bytes)
+            total += count * dtype_bytes(role.dtype, cols, value_bytes)
         return total
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The generic checks (file data -> FormatError naming the tensor, what was expected and what was found)
-
-
-def _check_meta(bits: int, in_features: int, prefix: str, widths: tuple[int, ...]) -> None:
-    check_weight_bits(bits, f"{prefix}: bits", FormatError, hint=None, widths=widths)
-    if not is_int(in_features) or in_features < 0:
-        raise FormatError(f"{prefix}: in_features must be an integer >= 0, found {in_features!r}")
-
-
-def _present_roles(roles: tuple[Role, ...], tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """role -> tensor for the roles present; FormatError for a missing required role or a partial part."""
-    found: dict[str, Tensor] = {}
-    for role in roles:
-        name = f"{prefix}.{role.name}"
-        if name not in tensors:
-            continue
-        value = tensors[name]
-        if not isinstance(value, Tensor):
-            raise FormatError(f"{name} must be a tensor, found {type(value).__name__}")
-        found[role.name] = value
-    for part in dict.fromkeys(role.part for role in roles):
-        members = [role.name for role in roles if role.part == part]
-        missing = [f"{prefix}.{m}" for m in members if m not in found]
-        if not part and missing:
-            raise FormatError(f"missing tensor {missing[0]}")
-        if part and missing and len(missing) < len(members):
-            raise FormatError(f"incomplete {part} part: missing tensor(s) {', '.join(missing)}")
-    return found
-
-
-def _check_role(role: Role, tensor: Tensor, name: str, dims: dict[str, int], in_features: int) -> None:
-    """Check dtype and shape; binds symbols not known yet (rows, nnz) from the tensor."""
-    if isinstance(role.dtype, torch.dtype):
-        dtype_ok, want_dtype = tensor.dtype == role.dtype, str(role.dtype)
-    elif role.dtype == ANY_FLOAT:
-        dtype_ok, want_dtype = tensor.is_floating_point(), "a floating-point"
-    else:
-        column_dtype = column_index_dtype(in_features)
-        dtype_ok, want_dtype = tensor.dtype == column_dtype, str(column_dtype)
-    shape_ok = tensor.dim() == len(role.shape)
-    for dim, size in zip(role.shape, tensor.shape, strict=False):  # a rank mismatch is reported below
-        if isinstance(dim, str) and dim not in dims and shape_ok:
-            dims[dim] = int(size)
-            if dim == "rows":
-                dims["rows+1"] = int(size) + 1
-        want = dim if isinstance(dim, int) else dims.get(dim)
-        shape_ok = shape_ok and want == size
-    if not (dtype_ok and shape_ok):
-        shown = tuple(dim if isinstance(dim, int) else dims.get(dim, dim) for dim in role.shape)
-        shape_text = "(" + ", ".join(map(str, shown)) + ("," if len(shown) == 1 else "") + ")"
-        raise FormatError(f"{name}: expected {want_dtype} {shape_text}, found {tensor.dtype} {tuple(tensor.shape)}")
-
-
-def column_index_dtype(n_cols: int) -> torch.dtype:
-    """int16 column indices up to 32767 columns, int32 beyond (the sparse part's ``weight_sparse_cols``)."""
-    return SparseCSR.col_dtype(n_cols)
-
-
-def _dtype_bytes(dtype: torch.dtype | str, cols: int, value_bytes: int) -> int:
-    if isinstance(dtype, torch.dtype):
-        return dtype.itemsize
-    return value_bytes if dtype == ANY_FLOAT else column_index_dtype(cols).itemsize
 
 
 __all__ = [
@@ -442,8 +360,4 @@ __all__ = [
     "QuantOptions",
     "Timer",
     "no_timer",
-    "HALF",
-    "ANY_FLOAT",
-    "COLUMN_INDEX",
-    "column_index_dtype",
 ]

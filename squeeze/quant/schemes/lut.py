@@ -16,23 +16,25 @@ import torch
 from torch import Tensor
 
 from squeeze.errors import FormatError
-from squeeze.limits import LUT_DTYPES
 from squeeze.quant.ec import DEFAULT_DAMP, compensated_codes, refit_lut, refitted_codes
 from squeeze.quant.kmeans import nearest_codes, weighted_kmeans_1d
 from squeeze.quant.packing import check_bits, pack_codes
-from squeeze.quant.schemes.base import ANY_FLOAT, COLUMN_INDEX, HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.base import QuantOptions, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.lut_parts import (
+    SPARSE_ROLES,
+    affine_lut8,
+    check_quantize_inputs,
+    sparse_from_roles,
+    sparse_rows,
+    sparse_tensors,
+)
+from squeeze.quant.schemes.roles import HALF, Role
 from squeeze.quant.sparse import SparseCSR, select_sparse
 
 #: dtype of fp16 LUT entries (also the centroids' rounding before codes are assigned).
 LUT_DTYPE = HALF
 #: dtype of the 8-bit LUT's levels.
 LUT8_DTYPE = torch.uint8
-
-SPARSE_ROLES = (
-    Role("weight_sparse_rowptr", torch.int32, ("rows+1",), part="sparse"),
-    Role("weight_sparse_cols", COLUMN_INDEX, ("nnz",), part="sparse"),
-    Role("weight_sparse_vals", ANY_FLOAT, ("nnz",), part="sparse"),
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +83,7 @@ class LutWeight(WeightFormat):
         return dense
 
     def tensors_by_role(self) -> dict[str, Tensor]:
-        return {"weight_packed": self.packed, "weight_lut": self.lut} | _sparse_tensors(self.sparse)
+        return {"weight_packed": self.packed, "weight_lut": self.lut} | sparse_tensors(self.sparse)
 
     def with_levels(self, values: Tensor) -> LutWeight:
         """``values`` float (R, 2**bits) as this format stores them (float16; the 8-bit LUT: its affine grid),
@@ -108,7 +110,7 @@ class LutWeight(WeightFormat):
             in_features=in_features,
             packed=found["weight_packed"],
             lut=found["weight_lut"],
-            sparse=_sparse(found, in_features),
+            sparse=sparse_from_roles(found, in_features),
         )
 
     def check_values(self, prefix: str) -> None:
@@ -124,7 +126,7 @@ class LutWeight(WeightFormat):
             in_features=self.in_features,
             packed=self.packed[start:stop],
             lut=self.lut[start:stop],
-            sparse=_sparse_rows(self.sparse, start, stop),
+            sparse=sparse_rows(self.sparse, start, stop),
         )
 
     def _col_slice(self, start: int, stop: int) -> LutWeight:
@@ -205,7 +207,7 @@ class Lut8Weight(LutWeight):
             "weight_lut_scale": self.lut_scale,
             "weight_lut_zero": self.lut_zero,
         }
-        return out | _sparse_tensors(self.sparse)
+        return out | sparse_tensors(self.sparse)
 
     @classmethod
     def from_roles(
@@ -218,7 +220,7 @@ class Lut8Weight(LutWeight):
             lut=found["weight_lut"],
             lut_scale=found["weight_lut_scale"],
             lut_zero=found["weight_lut_zero"],
-            sparse=_sparse(found, in_features),
+            sparse=sparse_from_roles(found, in_features),
         )
 
     def check_values(self, prefix: str) -> None:
@@ -234,7 +236,7 @@ class Lut8Weight(LutWeight):
             lut=self.lut[start:stop],
             lut_scale=self.lut_scale[start:stop],
             lut_zero=self.lut_zero[start:stop],
-            sparse=_sparse_rows(self.sparse, start, stop),
+            sparse=sparse_rows(self.sparse, start, stop),
         )
 
 
@@ -247,37 +249,6 @@ def _stored_levels(cls: type[LutWeight], values: Tensor) -> Tensor:
         grid = lut.to(torch.float32) * scale.to(torch.float32) + zero.to(torch.float32)
         return torch.where(finite, grid, values)
     return values.to(LUT_DTYPE).to(torch.float32)
-
-
-def _sparse_tensors(sparse: SparseCSR | None) -> dict[str, Tensor]:
-    if sparse is None:
-        return {}
-    return {"weight_sparse_rowptr": sparse.rowptr, "weight_sparse_cols": sparse.cols, "weight_sparse_vals": sparse.vals}
-
-
-def _sparse(found: Mapping[str, Tensor], in_features: int) -> SparseCSR | None:
-    if "weight_sparse_rowptr" not in found:
-        return None
-    rowptr = found["weight_sparse_rowptr"]
-    return SparseCSR(
-        rowptr=rowptr,
-        cols=found["weight_sparse_cols"],
-        vals=found["weight_sparse_vals"],
-        shape=(int(rowptr.shape[0]) - 1, in_features),
-    )
-
-
-def _sparse_rows(sparse: SparseCSR | None, start: int, stop: int) -> SparseCSR | None:
-    """Rows [start, stop) of a CSR, re-based so the slice is a well-formed CSR of its own (rowptr[0] == 0)."""
-    if sparse is None:
-        return None
-    lo, hi = int(sparse.rowptr[start]), int(sparse.rowptr[stop])
-    return SparseCSR(
-        rowptr=sparse.rowptr[start : stop + 1] - sparse.rowptr[start],
-        cols=sparse.cols[lo:hi],
-        vals=sparse.vals[lo:hi],
-        shape=(stop - start, sparse.shape[1]),
-    )
 
 
 def quantize_lut(
@@ -302,7 +273,7 @@ def quantize_lut(
     """
     # contract checks (ValueError): recipes were validated against squeeze.limits at the boundary
     check_bits(bits)
-    _check_inputs(weight, fisher, mask, lut_dtype)
+    check_quantize_inputs(weight, fisher, mask, lut_dtype)
     if mask is not None and (sensitive_fraction or outlier_fraction):
         raise ValueError("give either the sparse fractions or a precomputed mask, not both")
     weight = weight.detach()
@@ -411,39 +382,6 @@ def _refitted(
             lut_zero=torch.where(new, zero, plain.lut_zero),
         )
     return replace(plain, packed=packed, lut=torch.where(new, best.levels.to(LUT_DTYPE), plain.lut))
-
-
-def _check_inputs(weight: Tensor, fisher: Tensor | None, mask: Tensor | None, lut_dtype: str) -> None:
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-        found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else type(weight).__name__
-        raise ValueError(f"weight must be a 2-D floating-point tensor, found {found}")
-    if fisher is not None and (
-        not isinstance(fisher, Tensor) or fisher.shape != weight.shape or not fisher.is_floating_point()
-    ):
-        found = f"{fisher.dtype} {tuple(fisher.shape)}" if isinstance(fisher, Tensor) else type(fisher).__name__
-        raise ValueError(f"fisher must be a floating-point tensor of shape {tuple(weight.shape)}, found {found}")
-    if mask is not None and (mask.shape != weight.shape or mask.dtype != torch.bool):
-        raise ValueError(
-            f"mask must be a bool tensor of shape {tuple(weight.shape)}, found {mask.dtype} {tuple(mask.shape)}"
-        )
-    if lut_dtype not in LUT_DTYPES:
-        raise ValueError(f"lut_dtype must be one of {list(LUT_DTYPES)}, found {lut_dtype!r}")
-
-
-def affine_lut8(centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Centroids float (R, K) ascending -> (levels uint8 (R, K), scale float16 (R, 1), zero float16 (R, 1)).
-
-    The grid spans each row's [min, max] in 255 steps; scale and zero are rounded to float16 first and the
-    levels computed against the rounded values, so value = level * scale + zero is what gets stored.
-    """
-    c = centroids.to(torch.float32)
-    lo, hi = c.min(dim=1, keepdim=True).values, c.max(dim=1, keepdim=True).values  # (R, 1)
-    zero = lo.to(HALF)
-    span = (hi - zero.to(torch.float32)).clamp_min(0.0)
-    scale = (span / 255.0).to(HALF)
-    scale = torch.where(scale.to(torch.float32) > 0, scale, torch.ones_like(scale))  # constant rows
-    levels = ((c - zero.to(torch.float32)) / scale.to(torch.float32)).round().clamp(0, 255).to(torch.uint8)
-    return levels, scale, zero
 
 
 __all__ = [

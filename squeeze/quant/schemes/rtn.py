@@ -20,7 +20,8 @@ from torch import Tensor
 from squeeze.errors import FormatError, ModelError
 from squeeze.limits import CODE_BITS, check_group_size
 from squeeze.quant.packing import check_code_bits, pack_codes
-from squeeze.quant.schemes.base import HALF, QuantOptions, Role, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.base import QuantOptions, Timer, WeightFormat, no_timer
+from squeeze.quant.schemes.roles import HALF, Role
 
 
 @dataclass(frozen=True, kw_only=True)
