@@ -267,19 +267,7 @@ class WorkArea:
 
     def load_group(self, index: int, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """A committed group covering exactly ``modules``, or None (absent, or unreadable: it is removed)."""
-        path = self.group_path(index)
-        if not path.is_file():
-            return None
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                meta = json.loads((handle.metadata() or {})[_META_KEY])
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-            if sorted(meta["modules"]) != sorted(modules):
-                raise ValueError("the group covers other modules")
-        except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
-            path.unlink(missing_ok=True)
-            return None
-        return tensors, meta
+        return _load_checkpoint(self.group_path(index), modules)
 
     # -- tuned layer groups (weights.tuning)
 
@@ -299,19 +287,7 @@ class WorkArea:
     def load_tuned(self, index: int, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """A committed tuning of group ``index`` covering exactly ``modules``, or None (absent, or unreadable:
         it is removed)."""
-        path = self.tuned_path(index)
-        if not path.is_file():
-            return None
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                meta = json.loads((handle.metadata() or {})[_META_KEY])
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-            if sorted(meta["modules"]) != sorted(modules):
-                raise ValueError("the tuning covers other modules")
-        except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
-            path.unlink(missing_ok=True)
-            return None
-        return tensors, meta
+        return _load_checkpoint(self.tuned_path(index), modules)
 
     # -- publishing
 
@@ -342,6 +318,24 @@ class WorkArea:
         """
         record = {"summary": summary, "fingerprint": fingerprint, "old_files": sorted(old_files)}
         atomic_write_text(self.root / _PUBLISHING, json.dumps(record, sort_keys=True) + "\n")
+
+
+def _load_checkpoint(path: Path, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """A committed checkpoint (a layer group's quantized or tuned tensors and its JSON record) covering exactly
+    ``modules``, or None: absent, or unreadable or for other modules (then it is removed, and recomputed rather
+    than trusted)."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = json.loads((handle.metadata() or {})[_META_KEY])
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+        if sorted(meta["modules"]) != sorted(modules):
+            raise ValueError("the checkpoint covers other modules")
+    except Exception:  # noqa: BLE001 - a bad checkpoint is recomputed rather than trusted
+        path.unlink(missing_ok=True)
+        return None
+    return tensors, meta
 
 
 def _save_atomic(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
