@@ -63,6 +63,7 @@ def startup_info(engine: Any, *, url: str, model: str, kv_dynamic: bool, verifie
         "max_model_len": engine.max_model_len,
         "kv_bits": stats.kv_bits,
         "kv_cache": stats.kv_cache or ("16-bit" if stats.kv_bits == 16 else f"int{stats.kv_bits}"),
+        "kv_bytes_per_token": stats.kv_bytes_per_token,
         "kv_dynamic": kv_dynamic,
         "kv_blocks": stats.kv_blocks_total,
         "block_size": stats.block_size,
@@ -75,7 +76,8 @@ def startup_line(info: dict[str, Any], *, api_key: bool) -> str:
     """``Serving stories on http://127.0.0.1:8000/v1 | KV cache int8, 4096 blocks x 16 tokens (1.00 GiB) | ...``"""
     kv = info["kv_cache"] + (" dynamic" if info["kv_dynamic"] else "")
     return (
-        f"Serving {info['model']} on {info['url']} | KV cache {kv}, {info['kv_blocks']} blocks x "
+        f"Serving {info['model']} on {info['url']} | KV cache {kv} ({info['kv_bytes_per_token']} B/token), "
+        f"{info['kv_blocks']} blocks x "
         f"{info['block_size']} tokens ({_size(info['kv_pool_bytes'])}) | context {info['max_model_len']} | "
         f"API key {'required' if api_key else 'off'} | Ctrl-C or SIGTERM stops"
     )

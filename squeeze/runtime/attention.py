@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend, attention_kernels
 from squeeze.runtime.quantized_cache import SqueezeKVCache, SqueezeKVLayer
+from squeeze.runtime.stored_dtype import compute_dtype
 
 #: "0" turns the native attention off (squeeze run and squeeze serve alike).
 ENV = "SQUEEZE_NATIVE_ATTENTION"
@@ -42,7 +43,8 @@ def native_kernels(model: nn.Module) -> AttentionKernels | None:
     if any(getattr(config, name, None) for name in ("sliding_window", "attn_logit_softcapping")):
         return None
     param = next(iter(model.parameters()), None)
-    if param is None or param.dtype != torch.float32 or param.device.type != "cpu":
+    # the dtype decided at load, not the first parameter's: that is the embedding, kept as stored (float16)
+    if param is None or compute_dtype(model) != torch.float32 or param.device.type != "cpu":
         return None
     return attention_kernels()
 

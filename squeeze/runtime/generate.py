@@ -29,6 +29,7 @@ from squeeze.runtime.checks import check_context, check_prompts, resolve_device,
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
+from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.runtime.text_stream import TextState
 from squeeze.runtime.weight_paths import describe_weight_paths, weight_paths
 
@@ -344,7 +345,7 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
         peak_cuda_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
         device=str(device),
         do_sample=run.options.do_sample,
-        kv_cache=run.kv_spec.label if run.kv_spec is not None else str(run.model.dtype).removeprefix("torch."),
+        kv_cache=run.kv_spec.label if run.kv_spec is not None else str(compute_dtype(run.model)).removeprefix("torch."),
         kv_cache_bytes=_cache_bytes(run.cache),
         kv_bytes_per_token=_kv_table(run.model, run.kv_spec),
         weight_paths=paths,

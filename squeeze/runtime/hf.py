@@ -70,7 +70,7 @@ from squeeze.runtime.loader import (
     verified_report,
 )
 from squeeze.runtime.options import LoadOptions
-from squeeze.runtime.stored_dtype import restore_stored_dtype, stored_dtype_names
+from squeeze.runtime.stored_dtype import compute_dtype, restore_stored_dtype, set_compute_dtype, stored_dtype_names
 from squeeze.runtime.weight_paths import set_activations
 
 
@@ -194,7 +194,10 @@ class SqueezeHfQuantizer(HfQuantizer):
         if _options().activations != DEFAULT_ACTIVATIONS:
             set_activations(model, _options().activations)  # every quantized module, tied heads included
         stabilise_dense_linears(model)  # the LM head as squeeze.load runs it
+        # the dtype the layers were loaded in, taken before the embedding and head go back to their stored one
+        dtype = compute_dtype(model)
         restore_stored_dtype(model, getattr(self, "_stored_dtypes", {}))  # their memory as squeeze.load holds it
+        set_compute_dtype(model, dtype)
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:

@@ -53,7 +53,12 @@ from squeeze.runtime.experts_forward import use_squeeze_experts
 from squeeze.runtime.linear import SqueezeLinear, replace_linear
 from squeeze.runtime.memory import check_load_memory
 from squeeze.runtime.options import LoadOptions
-from squeeze.runtime.stored_dtype import KEPT_DTYPES, stored_dtype_names, upcast_embedding_output
+from squeeze.runtime.stored_dtype import (
+    KEPT_DTYPES,
+    set_compute_dtype,
+    stored_dtype_names,
+    upcast_embedding_output,
+)
 from squeeze.system import release_free_heap
 
 
@@ -335,6 +340,7 @@ def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
     if getattr(model.config, "tie_word_embeddings", False) and isinstance(model.get_input_embeddings(), nn.Embedding):  # type: ignore[operator]
         model.tie_weights()  # type: ignore[operator]  # (a quantized embedding's head was tied above)
     upcast_embedding_output(model)  # a table kept in float16 / bfloat16 still gives the layers float32 rows
+    set_compute_dtype(model, torch.float32)  # what every other floating tensor was upcast to above
 
 
 def _runtime_dtype(tensor: torch.Tensor) -> torch.Tensor:

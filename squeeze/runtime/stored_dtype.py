@@ -11,6 +11,11 @@ float32 copy doubled them in memory, so the compressed model did not shrink the 
   with the float32 copy; elsewhere it upcasts one tile of rows at a time.
 
 A quantized embedding or head (SqueezeEmbedding, SqueezeLinear) is left alone: it is packed already.
+
+Because of that, a model's first parameter (the embedding) says nothing about the dtype it computes in: that
+dtype is decided once, when the model is loaded (:func:`set_compute_dtype`), and read with
+:func:`compute_dtype` by everything that must follow it (the native attention kernel, serve's full-precision KV
+pool, the reports).
 """
 
 from __future__ import annotations
@@ -20,6 +25,31 @@ from torch import Tensor, nn
 
 #: Stored dtypes kept as they are (others, and every other floating tensor, are upcast to float32).
 KEPT_DTYPES = (torch.float16, torch.bfloat16)
+#: The attribute the loaders record the compute dtype in (a plain attribute: not a parameter or buffer).
+_COMPUTE_DTYPE = "_squeeze_compute_dtype"
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Record the dtype ``model``'s layers compute in (the loaders call this once, when they know it)."""
+    setattr(model, _COMPUTE_DTYPE, dtype)
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype ``model``'s layers compute in (activations, attention, a full-precision KV cache).
+
+    What the loader recorded (float32 for ``squeeze.load``; the dtype ``from_pretrained`` was asked for); for a
+    model no squeeze loader built, the dtype of its floating parameters other than an embedding or LM head
+    kept in a stored half-precision dtype (float32 when it has none). Never the first parameter's dtype: that
+    is the embedding, which stays float16 in an artifact that stores it so.
+    """
+    recorded = getattr(model, _COMPUTE_DTYPE, None)
+    if isinstance(recorded, torch.dtype):
+        return recorded
+    kept = stored_dtype_names(model)
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and name not in kept:
+            return param.dtype
+    return torch.float32
 
 
 class Float32OutputEmbedding(nn.Embedding):
@@ -68,6 +98,8 @@ def restore_stored_dtype(model: nn.Module, stored: dict[str, torch.dtype]) -> bo
 
 __all__ = [
     "KEPT_DTYPES",
+    "compute_dtype",
+    "set_compute_dtype",
     "Float32OutputEmbedding",
     "stored_dtype_names",
     "upcast_embedding_output",

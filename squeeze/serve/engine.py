@@ -22,9 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from squeeze.models.modes import input_device
 from squeeze.quant.kv_bytes import kv_geometry
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.generate import eos_token_ids
+from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.context_length import model_context
 from squeeze.serve.engine_tokenizer import EngineTokenizer
@@ -78,7 +80,9 @@ class Engine(EngineTokenizer):
         self.max_model_len = model_context(model_config, config.max_model_len)
         self.observer: LatencyObserver | None = None
         layers, kv_heads, head_dim = kv_geometry(model_config)
-        dtype = next(model.parameters()).dtype
+        # the full-precision pool holds what the layers compute (float32 for squeeze.load), decided at load: the
+        # first parameter is the embedding, which an artifact may keep in float16
+        dtype = compute_dtype(model)
         self.pool = PagedKVPool.sized(
             kv_spec,
             AttentionShape(layers, kv_heads, head_dim),
@@ -87,7 +91,7 @@ class Engine(EngineTokenizer):
             sequences=config.max_num_seqs,
             dtype=dtype,
             min_tokens=self.max_model_len,
-            device=next(model.parameters()).device,
+            device=input_device(model),
         )
         sink_slots = config.max_num_seqs if self.pool.sink_tokens else 0
         cache = None
@@ -169,6 +173,7 @@ class Engine(EngineTokenizer):
             kv_bits=self.pool.bits,
             kv_pool_bytes=self.pool.nbytes,
             kv_cache=self.pool.label,
+            kv_bytes_per_token=self.pool.bytes_per_token,
             preemptions_total=self.scheduler.preemptions,
             requests_finished_total=self._finished,
             prompt_tokens_total=self._prompt_tokens,

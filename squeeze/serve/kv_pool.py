@@ -251,8 +251,15 @@ class PagedKVPool:
 
     @property
     def label(self) -> str:
-        """The cache's name in reports: "16-bit", "int8", "int4" or "fp8"."""
-        return self.spec.label if self.spec is not None else "16-bit"
+        """The cache's name in reports: "int8", "int4" or "fp8", and for full precision the dtype it holds
+        ("float32" for squeeze.load's models: ``--kv-bits 16`` means unquantized, not a 16-bit dtype)."""
+        return self.spec.label if self.spec is not None else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over all layers, keys and values (grid parameters included; the sink area,
+        a fixed cost per sequence, is not)."""
+        return self.block_bytes // self.block_size
 
     @property
     def block_bytes(self) -> int:

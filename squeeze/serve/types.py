@@ -153,8 +153,11 @@ class EngineStats:
     #: 16 (full precision), 8 or 4.
     kv_bits: int
     kv_pool_bytes: int = 0
-    #: The cache's name: "16-bit", "int8", "int4" or "fp8" (an fp8 cache has kv_bits 8 too).
+    #: The cache's name: "int8", "int4", "fp8" (an fp8 cache has kv_bits 8 too) or, unquantized, its dtype
+    #: ("float32").
     kv_cache: str = ""
+    #: Bytes one token's keys and values take over all layers.
+    kv_bytes_per_token: int = 0
     preemptions_total: int = 0
     requests_finished_total: int = 0
     prompt_tokens_total: int = 0

@@ -276,9 +276,9 @@ def test_the_startup_line_names_an_fp8_cache_as_fp8() -> None:
 
     info = {
         "model": "m", "url": "http://127.0.0.1:1/v1", "kv_bits": 8, "kv_cache": "fp8", "kv_dynamic": False,
-        "kv_blocks": 4, "block_size": 16, "kv_pool_bytes": 2**20, "max_model_len": 64,
+        "kv_blocks": 4, "block_size": 16, "kv_pool_bytes": 2**20, "max_model_len": 64, "kv_bytes_per_token": 640,
     }  # fmt: skip
-    assert "| KV cache fp8, 4 blocks x 16 tokens (1.0 MiB) |" in startup_line(info, api_key=False)
+    assert "| KV cache fp8 (640 B/token), 4 blocks x 16 tokens (1.0 MiB) |" in startup_line(info, api_key=False)
 
 
 def test_a_busy_machine_gets_the_wait_policy_hint(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from squeeze import api
 
@@ -39,3 +41,24 @@ def wide32_artifact(
     """
     source = resized_tiny_llama(tmp_path_factory.mktemp("wide32") / "tiny-llama-128", intermediate_size=128)
     return compress_tiny(source.parent / "tiny-llama-128-w4", "w4", source=source)
+
+
+@pytest.fixture(scope="session")
+def half_serve_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path, tinystories_file: Path) -> Path:
+    """As :func:`serve_artifact`, from a float16 copy of stories260K: the artifact keeps its embedding in float16
+    (as SmolLM2's does), so the model's first parameter is not the dtype it computes in."""
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path_factory.mktemp("half-source")
+    for item in stories_dir.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy(item, source / item.name)
+    (weights,) = stories_dir.glob("*.safetensors")
+    tensors = {name: t.to(torch.float16) if t.is_floating_point() else t for name, t in load_file(weights).items()}
+    save_file(tensors, source / weights.name, metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    out = tmp_path_factory.mktemp("serve-half") / "stories16-w4-s045"
+    api.compress(str(source), out, recipe="w4-s045", overrides={"weights.sensitivity": "uniform"})
+    api.calibrate_kv(out, tinystories_file, bits=4, calibration_overrides={"num_samples": 2, "seq_len": 64})
+    return out

@@ -78,7 +78,7 @@ def test_sixteen_concurrent_prompts_give_what_squeeze_run_gives_each_alone(
     stats = engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.requests_running == stats.requests_waiting == 0
     assert stats.requests_finished_total == len(PROMPTS) and stats.kv_bits == kv_bits
-    assert stats.kv_cache == {4: "int4", 16: "16-bit"}[kv_bits]
+    assert stats.kv_cache == {4: "int4", 16: "float32"}[kv_bits]
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])

@@ -150,5 +150,5 @@ def test_the_pool_names_its_cache_as_reports_do() -> None:
         "int4-codebook": "int4",
         "int4-rotating": "int4",
         "fp8": "fp8",  # 8 bits per element too, but not squeeze's int8 grid
-        "fp32": "16-bit",
+        "fp32": "float32",  # unquantized: the dtype it holds, not "16-bit"
     }
