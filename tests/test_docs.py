@@ -67,3 +67,13 @@ def test_every_scripts_path_named_in_docs_and_ci_exists() -> None:
             named.setdefault(path, set()).add(str(source.relative_to(REPO)))
     missing = {path: sorted(where) for path, where in named.items() if not (REPO / path).is_file()}
     assert named and not missing, f"paths under scripts/ that do not exist: {missing}"
+
+
+#: Paths that only exist on the machine a page was written on (its work area, home, temporary directories).
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|tmp|Users|private/var|var/folders)/")
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: str(p.relative_to(REPO)))
+def test_no_page_names_an_absolute_path_of_the_machine_it_ran_on(page: Path) -> None:
+    found = [line.strip() for line in page.read_text().splitlines() if MACHINE_PATH.search(line)]
+    assert not found, f"{page.relative_to(REPO)}: repository-relative commands only, found {found[:3]}"
