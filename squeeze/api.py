@@ -669,7 +669,8 @@ def serve_uvicorn_config(
     idle_timeout: float = SERVE_IDLE_TIMEOUT,
 ) -> Any:
     """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.connection_limits.uvicorn_config`):
-    a connection that sends no whole request head within ``idle_timeout`` seconds is closed, connections past
+    a connection that sends no whole request head within ``idle_timeout`` seconds is closed (a body that does
+    not follow its head within as long plus 1 s per 64 KiB is answered 408 and closed), connections past
     ``max_connections`` (default: the open-file limit less 64) are answered 503."""
     from squeeze.serve.connection_limits import uvicorn_config
 

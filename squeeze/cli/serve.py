@@ -195,7 +195,11 @@ MaxConnections = Annotated[
 ]
 IdleTimeout = Annotated[
     float,
-    typer.Option("--idle-timeout", help="Seconds a connection may stay open without sending a whole request head."),
+    typer.Option(
+        "--idle-timeout",
+        help="Seconds a connection may stay open without sending a whole request head; a request body gets as "
+        "long plus 1 s per 64 KiB (then HTTP 408).",
+    ),
 ]
 Threads = Annotated[
     Optional[int],

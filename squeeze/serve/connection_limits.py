@@ -1,12 +1,14 @@
 """What ``squeeze serve`` bounds for each client: the request body's size, how long a connection may sit
-without sending a complete request head, and how many connections are open at once.
+without sending a complete request head (or its body), and how many connections are open at once.
 
 - :class:`BodyLimit` (ASGI middleware): a body over the cap is refused with 413 before it is read (from its
   Content-Length) or as soon as the bytes read pass the cap (chunked), never parsed or tokenized.
 - :func:`guarded_protocol`: uvicorn's h11 protocol with a header timeout (a connection that has not sent a
   whole request head within ``idle_timeout`` seconds, at its start or after a response, is closed: idle and
-  half-open sockets do not pile up) and a connection cap answered with 503 and closed at once, so that the
-  server stays below its open-file limit and keeps accepting (silence would look like a hang).
+  half-open sockets do not pile up), a body deadline (the body must follow its head within ``idle_timeout``
+  seconds plus one second per MIN_BODY_RATE bytes, else 408 and the connection is closed: a client that sends
+  a head and part of a body cannot hold a connection), and a connection cap answered with 503 and closed at
+  once, so that the server stays below its open-file limit and keeps accepting (silence would look like a hang).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ BODY_OVERHEAD = 1 * 2**20
 RESERVED_FILES = 64
 #: Seconds a connection may go without sending a whole request head (at its start or after a response).
 DEFAULT_IDLE_TIMEOUT = 10.0
+#: Bytes per second a request body must arrive at, on average, after the ``idle_timeout`` seconds it is given
+#: on top: 64 KiB/s (half a megabit) takes the largest default body (~1 MiB for a 2k context) in ~16 s more.
+MIN_BODY_RATE = 64 * 1024
 
 
 def default_max_request_bytes(max_model_len: int) -> int:
@@ -150,34 +155,78 @@ def _busy_response(max_connections: int) -> bytes:
     return busy + b"content-length: %d\r\n\r\n" % len(busy_body) + busy_body
 
 
+def _late_body_response(received: int, declared: int | None, seconds: float) -> bytes:
+    """The whole HTTP/1.1 response (408, a JSON error) to a request whose body stopped coming."""
+    expected = f" of {declared}" if declared is not None else ""
+    body = _error_json(
+        f"the request body did not arrive in time: {received}{expected} bytes in {seconds:.1f} s (a body must "
+        f"follow its head within --idle-timeout seconds plus one second per {MIN_BODY_RATE} bytes)",
+        "request_timeout",
+    )
+    head = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+def body_deadline(started: float, idle_timeout: float, declared: int | None, received: int) -> float:
+    """When a body whose head arrived at ``started`` must be whole: ``idle_timeout`` seconds, plus one second
+    per MIN_BODY_RATE bytes of its length (its Content-Length, else what has arrived: a chunked body earns
+    its time as it comes, and a stalled one runs out)."""
+    return started + idle_timeout + max(declared or 0, received) / MIN_BODY_RATE
+
+
 def guarded_protocol(
     *, max_connections: int, idle_timeout: float, on_shutdown: Callable[[], None] | None = None
 ) -> type[Any]:
-    """uvicorn's H11Protocol with a header timeout of ``idle_timeout`` seconds and a cap of ``max_connections``
-    open connections (the next is answered 503 and closed), as a class for ``uvicorn.Config(http=...)``.
-    ``on_shutdown`` is called when uvicorn starts its graceful shutdown (it asks each connection to end)."""
+    """uvicorn's H11Protocol with a header timeout of ``idle_timeout`` seconds, a body deadline
+    (:func:`body_deadline`, then 408) and a cap of ``max_connections`` open connections (the next is answered
+    503 and closed), as a class for ``uvicorn.Config(http=...)``. ``on_shutdown`` is called when uvicorn starts
+    its graceful shutdown (it asks each connection to end)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     busy = _busy_response(max_connections)
 
     class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
-        """H11Protocol, closing a connection that sends no whole request head in time, and over the cap."""
+        """H11Protocol, closing a connection that sends no whole request head (or body) in time, and over the cap."""
 
         _head_timer: Any = None
+        _body_timer: Any = None
+        _body_started: float | None = None  # loop time the head of the request whose body is awaited arrived
+        _body_bytes = 0  # bytes of that body received so far
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self.conn.next_event = self._counting(self.conn.next_event)  # type: ignore[method-assign]
             if len(self.connections) > max_connections:
                 transport.write(busy)
                 transport.close()
                 return
             self._arm_head_timer()
 
+        def _counting(self, next_event: Callable[[], Any]) -> Callable[[], Any]:
+            """h11's next_event, counting the bytes of each request's body as uvicorn takes them."""
+
+            def counted() -> Any:
+                event = next_event()
+                if isinstance(event, h11.Request):
+                    self._body_bytes = 0
+                elif isinstance(event, h11.Data):
+                    self._body_bytes += len(event.data)
+                return event
+
+            return counted
+
         def handle_events(self) -> None:
             super().handle_events()
             if self.conn.their_state is not h11.IDLE:  # a request head has arrived (or the connection ended)
                 self._cancel_head_timer()
+            if self.conn.their_state is h11.SEND_BODY:
+                if self._body_started is None:
+                    self._body_started = self.loop.time()
+                    self._arm_body_timer(self._body_started)
+            elif self._body_started is not None:  # the body is whole (or the connection ended)
+                self._cancel_body_timer()
+                self._body_started = None
 
         def on_response_complete(self) -> None:
             self._arm_head_timer()  # before the next cycle starts: a pipelined request cancels it at once
@@ -190,6 +239,7 @@ def guarded_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._cancel_body_timer()
             super().connection_lost(exc)
 
         def _arm_head_timer(self) -> None:
@@ -205,6 +255,36 @@ def guarded_protocol(
             self._head_timer = None
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self.transport.close()
+
+        def _declared_length(self) -> int | None:
+            return _content_length({"headers": getattr(self, "headers", ())})
+
+        def _arm_body_timer(self, started: float) -> None:
+            self._cancel_body_timer()
+            deadline = body_deadline(started, idle_timeout, self._declared_length(), self._body_bytes)
+            self._body_timer = self.loop.call_at(deadline, self._body_timed_out)
+
+        def _cancel_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_timed_out(self) -> None:
+            self._body_timer = None
+            started = self._body_started
+            if started is None or self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+                return
+            declared = self._declared_length()
+            if self.loop.time() < body_deadline(started, idle_timeout, declared, self._body_bytes):
+                self._arm_body_timer(started)  # more of a chunked body came: it earned more time
+                return
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                self.transport.write(_late_body_response(self._body_bytes, declared, self.loop.time() - started))
+                # the app, waiting for the body, sees a client that went away; what it sends is dropped
+                cycle.disconnected = True
+                cycle.message_event.set()
+            self.transport.close()
 
     return GuardedH11Protocol
 
@@ -246,7 +326,9 @@ __all__ = [
     "BYTES_PER_TOKEN",
     "BODY_OVERHEAD",
     "DEFAULT_IDLE_TIMEOUT",
+    "MIN_BODY_RATE",
     "BodyLimit",
+    "body_deadline",
     "default_max_request_bytes",
     "default_max_connections",
     "guarded_protocol",

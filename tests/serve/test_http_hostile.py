@@ -13,7 +13,13 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, serving
 
-from squeeze.serve.connection_limits import default_max_connections, default_max_request_bytes, uvicorn_config
+from squeeze.serve.connection_limits import (
+    MIN_BODY_RATE,
+    body_deadline,
+    default_max_connections,
+    default_max_request_bytes,
+    uvicorn_config,
+)
 from squeeze.serve.http import create_app
 
 TIMEOUT = 20.0
@@ -234,6 +240,62 @@ def test_connections_past_the_cap_get_503_and_the_server_recovers(engine: FakeEn
         time.sleep(0.2)
         with httpx.Client(timeout=TIMEOUT) as http:
             assert http.get(f"http://{address[0]}:{address[1]}/health").status_code == 200
+
+
+def read_until_closed(sock: socket.socket, seconds: float) -> bytes:
+    """What the server sends on ``sock`` until it closes it (or ``seconds`` pass: then what came so far)."""
+    sock.settimeout(seconds)
+    chunks = []
+    try:
+        while chunk := sock.recv(4096):
+            chunks.append(chunk)
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return b"".join(chunks)
+
+
+SLOW_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 3000\r\n\r\n"
+)
+
+
+def test_a_body_that_stops_coming_gets_408_and_frees_its_connection(engine: FakeEngine) -> None:
+    """Issue 50 item 4: a head, 10 bytes of a 3000-byte body, then nothing held the connection forever (and
+    the clients doing so held every admitted one: /health answered 503)."""
+    with guarded_server(engine, max_connections=4, idle_timeout=0.5) as address:
+        slow = [socket.create_connection(address) for _ in range(5)]
+        started = time.monotonic()
+        for sock in slow:
+            sock.sendall(SLOW_HEAD + b'{"prompt":')
+        replies = [read_until_closed(sock, 10) for sock in slow]
+        elapsed = time.monotonic() - started
+        for sock in slow:
+            sock.close()
+        timed_out = [r for r in replies if r.startswith(b"HTTP/1.1 408")]
+        assert len(timed_out) == 4, [r[:40] for r in replies]  # the fifth was over the cap: 503 at once
+        assert b"did not arrive in time: 10 of 3000 bytes" in timed_out[0]
+        assert 0.5 <= elapsed < 5
+        assert not engine.submitted
+        with httpx.Client(timeout=TIMEOUT) as http:
+            assert http.get(f"http://{address[0]}:{address[1]}/health").status_code == 200
+
+
+def test_a_body_that_keeps_coming_within_the_deadline_is_served(engine: FakeEngine) -> None:
+    body = b'{"prompt": "the cat sat", "max_tokens": 2}'
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with guarded_server(engine, max_connections=4, idle_timeout=1.0) as address:
+        with socket.create_connection(address) as sock:
+            sock.sendall(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body[:10])
+            time.sleep(0.4)
+            sock.sendall(body[10:])
+            reply = read_until_closed(sock, 10)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_the_body_deadline_grows_with_the_body() -> None:
+    assert body_deadline(100.0, 2.0, None, 0) == 102.0
+    assert body_deadline(100.0, 2.0, 3 * MIN_BODY_RATE, 10) == 105.0  # Content-Length: its time at once
+    assert body_deadline(100.0, 2.0, None, MIN_BODY_RATE) == 103.0  # chunked: what came earns its time
 
 
 def test_the_default_connection_cap_stays_below_the_open_file_limit() -> None:
