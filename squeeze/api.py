@@ -33,6 +33,7 @@ from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activa
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.serve.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
+from squeeze.serve.open_files import check_max_connections as check_serve_max_connections
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
@@ -679,6 +680,24 @@ def serve_uvicorn_config(
     )
 
 
+def serve_uvicorn_server(
+    app: Any,
+    *,
+    shutdown_grace: float,
+    max_connections: int | None = None,
+    idle_timeout: float = SERVE_IDLE_TIMEOUT,
+) -> Any:
+    """The ``uvicorn.Server`` squeeze serve runs: :func:`serve_uvicorn_config`'s, on an event loop that logs
+    failed accepts (out of open files) as one line per 10 s rather than a traceback per try. ConfigError when
+    ``max_connections`` is more than the open-file limit less 64 allows."""
+    from squeeze.serve.connection_limits import uvicorn_server
+
+    config = serve_uvicorn_config(
+        app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
+    )
+    return uvicorn_server(config)
+
+
 def pull(
     source: str,
     output: str | os.PathLike[str] | None = None,
@@ -801,6 +820,8 @@ __all__ = [
     "local_artifact",
     "create_serve_app",
     "serve_uvicorn_config",
+    "serve_uvicorn_server",
+    "check_serve_max_connections",
     "SERVE_IDLE_TIMEOUT",
     "check_engine_config",
     "EngineConfig",

@@ -94,8 +94,8 @@ def check_server_options(
     below 1, an idle timeout that is not a positive finite number of seconds, or fewer than one thread."""
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be at least 1, found {threads}", hint="leave it out to use every core")
-    if max_connections is not None and max_connections < 1:
-        raise ConfigError(f"--max-connections must be at least 1, found {max_connections}")
+    if max_connections is not None:
+        api.check_serve_max_connections(max_connections)  # at least 1, and below the open-file limit
     if not (math.isfinite(idle_timeout) and idle_timeout > 0):
         raise ConfigError(f"--idle-timeout must be a finite number of seconds > 0, found {idle_timeout}")
     if not 0 <= port <= 65535:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from squeeze.serve.open_files import RESERVED_FILES, check_max_connections, default_max_connections, limit_accept_errors
 
 if TYPE_CHECKING:  # squeeze's CLI imports this module without the serve extra
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,8 +29,6 @@ if TYPE_CHECKING:  # squeeze's CLI imports this module without the serve extra
 BYTES_PER_TOKEN = 32
 #: Room for the rest of a request (sampling fields, chat roles, stop strings).
 BODY_OVERHEAD = 1 * 2**20
-#: File descriptors kept back from the connection cap: the model's files, the log, the engine's own.
-RESERVED_FILES = 64
 #: Seconds a connection may go without sending a whole request head (at its start or after a response).
 DEFAULT_IDLE_TIMEOUT = 10.0
 #: Bytes per second a request body must arrive at, on average, after the ``idle_timeout`` seconds it is given
@@ -40,14 +39,6 @@ MIN_BODY_RATE = 64 * 1024
 def default_max_request_bytes(max_model_len: int) -> int:
     """The body cap for a context of ``max_model_len`` tokens: BYTES_PER_TOKEN each, plus BODY_OVERHEAD."""
     return BYTES_PER_TOKEN * max(1, max_model_len) + BODY_OVERHEAD
-
-
-def default_max_connections() -> int:
-    """The connection cap: the soft open-file limit less RESERVED_FILES (at least 1); 4096 without a limit."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft <= 0:
-        return 4096
-    return max(1, soft - RESERVED_FILES)
 
 
 def _error_json(message: str, error_type: str) -> bytes:
@@ -305,6 +296,8 @@ def uvicorn_config(
 
     import uvicorn
 
+    if max_connections is not None:
+        check_max_connections(max_connections)
     limit = max_connections if max_connections is not None else default_max_connections()
     # squeeze's app ends its open responses when the grace is over (create_app's begin_shutdown); uvicorn's
     # own deadline, one second later, only cancels what is left (with a traceback each)
@@ -322,6 +315,19 @@ def uvicorn_config(
     )
 
 
+def uvicorn_server(config: Any) -> Any:
+    """A ``uvicorn.Server`` over ``config`` whose event loop logs failed accepts (out of open files) once per
+    ACCEPT_ERROR_LOG_SECONDS instead of a traceback per try (squeeze.serve.open_files.AcceptErrorLimiter)."""
+    import uvicorn
+
+    class GuardedServer(uvicorn.Server):  # type: ignore[misc]
+        async def serve(self, sockets: Any = None) -> None:
+            limit_accept_errors(asyncio.get_running_loop())
+            await super().serve(sockets=sockets)
+
+    return GuardedServer(config)
+
+
 __all__ = [
     "BYTES_PER_TOKEN",
     "BODY_OVERHEAD",
@@ -333,4 +339,6 @@ __all__ = [
     "default_max_connections",
     "guarded_protocol",
     "uvicorn_config",
+    "uvicorn_server",
+    "RESERVED_FILES",
 ]
