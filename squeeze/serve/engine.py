@@ -128,6 +128,11 @@ class Engine(EngineTokenizer):
         """Sequences one step may batch (requests with ``n`` > this are refused)."""
         return self.config.max_num_seqs
 
+    @property
+    def max_queue(self) -> int:
+        """Requests waiting at most (a request with more choices than this is refused: it could never queue)."""
+        return self.config.max_queue
+
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> RequestHandle:
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down and takes no new requests")

@@ -368,3 +368,45 @@ def test_streams_open_past_the_grace_end_with_an_error_event_and_done(engine: Fa
     assert len(cancelled) == 2
     assert not [r for r in caplog.records if r.exc_info], "no tracebacks"
     assert sorted(engine.cancelled) == sorted(s[2] for s in engine.submitted)
+
+
+# -- more choices than the queue holds (issue 50 item 10) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "shape"),
+    [
+        ({"prompt": ["a"] * 17}, "prompt", "17 choices (17 prompts)"),
+        ({"prompt": ["a", "b", "c"], "n": 6}, "n", "18 choices (3 prompts x n 6)"),
+    ],
+)
+def test_more_choices_than_the_queue_holds_is_a_400_not_a_429(engine: FakeEngine, body: dict, param: str, shape: str):
+    """A 429 with Retry-After for a request that can never be queued: the OpenAI SDK retried it forever."""
+    engine.max_num_seqs = 8  # type: ignore[attr-defined]
+    with serving(create_app(engine)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+        response = http.post("/v1/completions", json={**body, "max_tokens": 1})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param
+        assert f"this request has {shape}, more than --max-queue ({engine.max_queue})" in error["message"]
+        assert "split it" in error["message"]
+        assert not engine.submitted
+        chat = {"messages": [{"role": "user", "content": "a"}], "n": 17}
+        engine.max_num_seqs = 32  # type: ignore[attr-defined]
+        assert http.post("/v1/chat/completions", json=chat).status_code == 400
+        assert http.post("/v1/completions", json={"prompt": ["a"] * 16, "max_tokens": 1}).status_code == 200
+
+
+def test_the_real_engine_refuses_more_choices_than_its_queue(compress_tiny, tmp_path) -> None:
+    from squeeze import api
+    from squeeze.serve.types import EngineConfig
+
+    artifact = compress_tiny(tmp_path / "tiny-w4")
+    engine = api.serve_engine(artifact, config=EngineConfig(kv_memory_bytes=4 << 20, max_queue=4))
+    assert engine.max_queue == 4
+    with serving(create_app(engine)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+        refused = http.post("/v1/completions", json={"prompt": ["a b"] * 5, "max_tokens": 1})
+        assert refused.status_code == 400, refused.text
+        assert "retry-after" not in refused.headers
+        assert "more than --max-queue (4)" in refused.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": ["a b"] * 4, "max_tokens": 1}).status_code == 200
