@@ -74,6 +74,25 @@ class TransferWatch:
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator,no-any-return]
 
+    def time_left(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline; 0 or less once it has passed): what each connect
+        and read may wait at most, so that a stalled server cannot hold a pull past it by a whole read timeout."""
+        if not self.deadline:
+            return None
+        return self.deadline - (self._now() - self._started)
+
+    def deadline_error(self) -> TransferError:
+        """The TransferError of a pull past its deadline (not retryable)."""
+        with self._lock:
+            return self._deadline_error(self._now() - self._started)
+
+    def _deadline_error(self, elapsed: float) -> TransferError:
+        return TransferError(
+            f"the pull passed its deadline of {self.deadline:g} s ({self._total:,} bytes in {elapsed:.1f} s)",
+            hint=f"raise it with --deadline or ${ENV_DEADLINE} (0: none); rerun to resume",
+            retryable=False,
+        )
+
     def add(self, count: int) -> None:
         """Record ``count`` bytes just read or re-hashed from an earlier pull (progress either way); TransferError
         when a limit is passed."""
@@ -82,11 +101,7 @@ class TransferWatch:
             self._total += count
             elapsed = now - self._started
             if self.deadline and elapsed > self.deadline:
-                raise TransferError(
-                    f"the pull passed its deadline of {self.deadline:g} s ({self._total:,} bytes in {elapsed:.0f} s)",
-                    hint=f"raise it with --deadline or ${ENV_DEADLINE} (0: none); rerun to resume",
-                    retryable=False,
-                )
+                raise self._deadline_error(elapsed)
             if not self._samples:
                 self._samples.append((now, self._total - count))
             self._samples.append((now, self._total))
