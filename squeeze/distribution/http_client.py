@@ -240,7 +240,11 @@ class HttpClient:
                 response.close()
                 connection.close()
                 if not location:
-                    raise TransferError(f"{show_url(current)}: redirect ({status}) without a Location", retryable=False)
+                    raise TransferError(
+                        f"{show_url(current)}: redirect ({status}) without a Location",
+                        hint="the server sends malformed redirects; report it to whoever runs it",
+                        retryable=False,
+                    )
                 current = urljoin(current, location)
                 continue
             if status in (200, 206):
@@ -259,7 +263,11 @@ class HttpClient:
                 hint="check the URL and your access to it" if status in (401, 403) else None,
                 retryable=status in _RETRYABLE,
             )
-        raise TransferError(f"{show_url(url)}: more than {MAX_REDIRECTS} redirects", retryable=False)
+        raise TransferError(
+            f"{show_url(url)}: more than {MAX_REDIRECTS} redirects (the last to {show_url(current)})",
+            hint="the server redirects in a loop or too deep: pull from the address it ends at, or report it",
+            retryable=False,
+        )
 
     def _body(
         self,

@@ -223,7 +223,10 @@ def _check_output(target: Path, manifest: Manifest | None) -> bool:
             return False
         names = os.listdir(target)
     except OSError as exc:
-        raise ConfigError(f"cannot read the output {short_path(target)}: {exc.strerror}") from None
+        raise ConfigError(
+            f"cannot read the output {short_path(target)}: {exc.strerror}",
+            hint="check its permissions, or pass another --output",
+        ) from None
     if not names:
         return False
     if MANIFEST_NAME not in names:
@@ -238,7 +241,10 @@ def _check_output(target: Path, manifest: Manifest | None) -> bool:
     try:
         local = read_manifest(target)
     except FormatError as exc:
-        raise ConfigError(f"the output {short_path(target)} holds an unreadable artifact: {exc.message}") from None
+        raise ConfigError(
+            f"the output {short_path(target)} holds an unreadable artifact: {exc.message}",
+            hint="pull into a new directory, or delete the old one first",
+        ) from None
     if local.root_digest != manifest.root_digest:
         raise ConfigError(
             f"the output {short_path(target)} holds another artifact (root digest {local.root_digest[:16]}..., "

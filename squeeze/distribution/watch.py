@@ -30,9 +30,11 @@ ENV_RATE_WINDOW = "SQUEEZE_PULL_RATE_WINDOW"
 ENV_DEADLINE = "SQUEEZE_PULL_DEADLINE"
 
 
-def _setting(value: float | None, env: str, default: float, what: str, *, positive: bool = False) -> float:
+def _setting(
+    value: float | None, env: str, default: float, what: str, example: str, *, positive: bool = False
+) -> float:
     """``value``, else the environment variable ``env``, else ``default``; ConfigError unless finite and >= 0
-    (> 0 with ``positive``)."""
+    (> 0 with ``positive``), its hint showing ``example`` (a value with its unit)."""
     origin = what
     if value is None:
         text = os.environ.get(env, "").strip()
@@ -42,10 +44,12 @@ def _setting(value: float | None, env: str, default: float, what: str, *, positi
         try:
             value = float(text)
         except ValueError:
-            raise ConfigError(f"{origin} must be a number, found {text!r}") from None
+            raise ConfigError(
+                f"{origin} must be a number, found {text!r}", hint=f"set it to a number, e.g. {example}, or unset it"
+            ) from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0 (0: off)"
-        raise ConfigError(f"{origin} must be a finite number {bound}, found {value}")
+        raise ConfigError(f"{origin} must be a finite number {bound}, found {value}", hint=f"e.g. {example}")
     return float(value)
 
 
@@ -60,9 +64,20 @@ class TransferWatch:
         deadline: float | None = None,
         clock: object = time.monotonic,
     ) -> None:
-        self.min_rate = _setting(min_rate, ENV_MIN_RATE, DEFAULT_MIN_RATE, "min_rate (--min-rate)")
-        self.window = _setting(window, ENV_RATE_WINDOW, DEFAULT_RATE_WINDOW, "rate window", positive=True)
-        self.deadline = _setting(deadline, ENV_DEADLINE, DEFAULT_DEADLINE, "deadline (--deadline)")
+        self.min_rate = _setting(
+            min_rate, ENV_MIN_RATE, DEFAULT_MIN_RATE, "min_rate (--min-rate)", "--min-rate 4096 (bytes/s; 0: off)"
+        )
+        self.window = _setting(
+            window,
+            ENV_RATE_WINDOW,
+            DEFAULT_RATE_WINDOW,
+            "rate window",
+            f"{ENV_RATE_WINDOW}=60 (seconds)",
+            positive=True,
+        )
+        self.deadline = _setting(
+            deadline, ENV_DEADLINE, DEFAULT_DEADLINE, "deadline (--deadline)", "--deadline 3600 (seconds; 0: none)"
+        )
         self._clock = clock
         self._started = self._now()
         self._total = 0
