@@ -125,3 +125,63 @@ def test_the_server_s_loop_limits_accept_errors() -> None:
 
     asyncio.run(serve_briefly())
     assert isinstance(handlers[0], AcceptErrorLimiter)
+
+
+CHILD = """
+import os, resource, sys
+from squeeze.serve.connection_limits import uvicorn_config, uvicorn_server
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+import socket
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(2048)
+server = uvicorn_server(uvicorn_config(app, shutdown_grace=0, max_connections=60, idle_timeout=30))
+filler = []
+try:  # leave 8 descriptors free: the connections then run the process out of files well below the cap
+    while True:
+        filler.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    for fd in filler[-8:]:
+        os.close(fd)
+print(sock.getsockname()[1], flush=True)
+server.run(sockets=[sock])
+"""
+
+
+def test_a_server_out_of_files_logs_a_line_not_a_flood(tmp_path) -> None:
+    """The reproduction in small: more idle clients than the process has files left. asyncio's accept loop
+    reported each failed accept with a traceback, up to the listen backlog per tick."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as errors:
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=errors, text=True)
+    clients: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        time.sleep(0.5)  # the server starts
+        for _ in range(40):
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(2.5)  # the accepts fail, and are retried, for a while
+    finally:
+        for client in clients:
+            client.close()
+        child.send_signal(signal.SIGTERM)
+        child.wait(20)
+    log = stderr.read_text()
+    assert 1 <= log.count("cannot accept a connection: Too many open files") <= 2, log[-2000:]
+    assert "Traceback" not in log and "out of system resource" not in log, log[-2000:]
