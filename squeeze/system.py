@@ -50,13 +50,20 @@ def memory_headroom() -> MemoryHeadroom | None:
     """The least of: the machine's available memory (MemAvailable), this process's address-space limit less what
     it has mapped (RLIMIT_AS, ``ulimit -v``), and its cgroup's memory limit less its working set (cgroup v2
     ``memory.max``, v1 ``memory.limit_in_bytes``, with every ancestor's). None where none is known."""
+    available = available_memory_bytes()
+    candidates = [MemoryHeadroom(available, "MemAvailable")] if available is not None else []
+    limit = process_memory_limit()
+    if limit is not None:
+        candidates.append(limit)
+    return min(candidates, key=lambda h: h.bytes) if candidates else None
+
+
+def process_memory_limit() -> MemoryHeadroom | None:
+    """What this process may still allocate under its own limits (the address space, ``ulimit -v``, and its
+    cgroup), whichever is less; None when neither is set."""
     candidates = [
         MemoryHeadroom(value, source)
-        for value, source in (
-            (available_memory_bytes(), "MemAvailable"),
-            (address_space_headroom(), "RLIMIT_AS"),
-            (cgroup_memory_headroom(), "cgroup"),
-        )
+        for value, source in ((address_space_headroom(), "RLIMIT_AS"), (cgroup_memory_headroom(), "cgroup"))
         if value is not None
     ]
     return min(candidates, key=lambda h: h.bytes) if candidates else None
@@ -160,5 +167,6 @@ __all__ = [
     "available_memory_bytes",
     "cgroup_memory_headroom",
     "memory_headroom",
+    "process_memory_limit",
     "release_free_heap",
 ]

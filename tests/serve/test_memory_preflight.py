@@ -72,3 +72,17 @@ def test_an_allocation_the_system_refuses_is_a_resource_error(compress_tiny, tmp
     monkeypatch.setattr(squeeze.serve.engine, "Engine", broken)
     with pytest.raises(RuntimeError, match="a bug of squeeze's own"):  # other errors stay what they are
         api.serve_engine(artifact, config=EngineConfig(kv_memory_bytes=4 << 20))
+
+
+def test_a_load_past_the_process_s_own_limit_is_refused_naming_it(compress_tiny, tmp_path, monkeypatch) -> None:
+    """The load's preflight too: under ``ulimit -v`` the machine's free memory is not what can be allocated."""
+    import squeeze.runtime.memory as memory
+
+    artifact = compress_tiny(tmp_path / "tiny-w4")
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(memory, "process_memory_limit", lambda: system.MemoryHeadroom(1000, "RLIMIT_AS"))
+    with pytest.raises(ResourceError, match="of address space left under this process's limit") as caught:
+        memory.check_load_memory(artifact, dense_cache=False)
+    assert "ulimit -v" in (caught.value.hint or "")
+    monkeypatch.setattr(memory, "process_memory_limit", lambda: None)
+    assert memory.check_load_memory(artifact, dense_cache=False) is not None  # 64 GiB free: it fits
