@@ -165,3 +165,14 @@ def test_a_redirect_loop_is_one_error_and_a_hint(tmp_path) -> None:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "more than 5 redirects" in lines[0], lines
     assert len(lines) == 2 and lines[1].startswith("Hint: the server redirects in a loop"), lines
+
+
+def test_a_server_that_is_not_there_is_one_error_and_a_hint(tmp_path) -> None:
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    result = runner.invoke(app, ["pull", f"http://127.0.0.1:{port}/artifact", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith(f"Error: cannot download http://127.0.0.1:{port}/artifact"), lines
+    assert len(lines) == 2 and lines[1] == "Hint: check the URL and that the server is up, then rerun", lines
