@@ -31,25 +31,27 @@ ENV_DEADLINE = "SQUEEZE_PULL_DEADLINE"
 
 
 def _setting(
-    value: float | None, env: str, default: float, what: str, example: str, *, positive: bool = False
+    value: float | None, env: str, default: float, what: str, example: tuple[str, str], *, positive: bool = False
 ) -> float:
     """``value``, else the environment variable ``env``, else ``default``; ConfigError unless finite and >= 0
-    (> 0 with ``positive``), its hint showing ``example`` (a value with its unit)."""
-    origin = what
+    (> 0 with ``positive``). ``example``: (flag or "", a value with its unit) for the hint, e.g.
+    ("--deadline", "3600 (seconds; 0: none)")."""
+    flag, sample = example
+    origin, shown = what, f"{flag} {sample}"
     if value is None:
         text = os.environ.get(env, "").strip()
         if not text:
             return default
-        origin = f"${env}"
+        origin, shown = f"${env}", f"{env}={sample}"
         try:
             value = float(text)
         except ValueError:
             raise ConfigError(
-                f"{origin} must be a number, found {text!r}", hint=f"set it to a number, e.g. {example}, or unset it"
+                f"{origin} must be a number, found {text!r}", hint=f"set it to a number, e.g. {shown}, or unset it"
             ) from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0 (0: off)"
-        raise ConfigError(f"{origin} must be a finite number {bound}, found {value}", hint=f"e.g. {example}")
+        raise ConfigError(f"{origin} must be a finite number {bound}, found {value}", hint=f"e.g. {shown}")
     return float(value)
 
 
@@ -65,18 +67,18 @@ class TransferWatch:
         clock: object = time.monotonic,
     ) -> None:
         self.min_rate = _setting(
-            min_rate, ENV_MIN_RATE, DEFAULT_MIN_RATE, "min_rate (--min-rate)", "--min-rate 4096 (bytes/s; 0: off)"
+            min_rate, ENV_MIN_RATE, DEFAULT_MIN_RATE, "min_rate (--min-rate)", ("--min-rate", "4096 (bytes/s; 0: off)")
         )
         self.window = _setting(
             window,
             ENV_RATE_WINDOW,
             DEFAULT_RATE_WINDOW,
             "rate window",
-            f"{ENV_RATE_WINDOW}=60 (seconds)",
+            ("window", "60 (seconds)"),
             positive=True,
         )
         self.deadline = _setting(
-            deadline, ENV_DEADLINE, DEFAULT_DEADLINE, "deadline (--deadline)", "--deadline 3600 (seconds; 0: none)"
+            deadline, ENV_DEADLINE, DEFAULT_DEADLINE, "deadline (--deadline)", ("--deadline", "3600 (seconds; 0: none)")
         )
         self._clock = clock
         self._started = self._now()
