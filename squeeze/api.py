@@ -23,7 +23,7 @@ from squeeze.config import (
     load_recipe,
     parse_size,
 )
-from squeeze.errors import ConfigError
+from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
@@ -33,6 +33,7 @@ from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activa
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.serve.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
+from squeeze.serve.open_files import check_max_connections as check_serve_max_connections
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
@@ -614,7 +615,13 @@ def serve_engine(
 
     # the KV options were checked when the EngineConfig was built
     kv_spec = kv_spec_for(loaded.model, loaded.kv_spec, config.kv_bits, dynamic=config.kv_dynamic, checked=True)
-    return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
+    try:
+        return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
+    except (RuntimeError, MemoryError) as exc:  # the preflight cannot see every limit (overcommit, other processes)
+        refused = _allocation_refused(exc, config.kv_memory_bytes)
+        if refused is None:
+            raise
+        raise refused from None
 
 
 def check_engine_config(config: EngineConfig) -> None:
@@ -625,18 +632,39 @@ def check_engine_config(config: EngineConfig) -> None:
 
 
 def _check_kv_memory_available(kv_memory_bytes: int) -> None:
-    """ResourceError when the KV pool alone is more than the memory available now (the pool is allocated at
+    """ResourceError when the KV pool alone is more than this process can allocate now: the least of the
+    available memory, its address-space limit (``ulimit -v``) and its cgroup's limit (the pool is allocated at
     start, on the CPU: a pool that cannot fit failed there with "can't allocate memory", an internal error)."""
-    from squeeze.errors import ResourceError
-    from squeeze.system import available_memory_bytes
+    from squeeze.system import memory_headroom
 
-    available = available_memory_bytes()
-    if available is not None and kv_memory_bytes > available:
+    headroom = memory_headroom()
+    if headroom is not None and kv_memory_bytes > headroom.bytes:
         raise ResourceError(
-            f"--kv-memory {kv_memory_bytes / 2**30:,.2f} GiB is more than the {available / 2**30:,.2f} GiB of "
-            "memory available (and the model needs room too)",
-            hint="pass a smaller --kv-memory, e.g. 1GiB; it must hold one full-context sequence",
+            f"--kv-memory {kv_memory_bytes / 2**30:,.2f} GiB is more than the {headroom.bytes / 2**30:,.2f} GiB of "
+            f"{headroom.describe()} (and the model needs room too)",
+            hint=_kv_memory_hint(headroom.source),
         )
+
+
+def _kv_memory_hint(source: str) -> str:
+    smaller = "pass a smaller --kv-memory, e.g. 1GiB (it must hold one full-context sequence)"
+    if source == "RLIMIT_AS":
+        return f"{smaller}, or raise the limit (ulimit -v unlimited)"
+    if source == "cgroup":
+        return f"{smaller}, or give the container more memory (its memory limit)"
+    return smaller
+
+
+def _allocation_refused(exc: BaseException, kv_memory_bytes: int) -> ResourceError | None:
+    """The ResourceError for a KV pool (or model) the system would not allocate, from torch's "can't allocate
+    memory" RuntimeError or a MemoryError; None for any other error."""
+    if not isinstance(exc, MemoryError) and "can't allocate memory" not in str(exc):
+        return None
+    return ResourceError(
+        f"the system refused the memory for the KV pool and the model (--kv-memory {kv_memory_bytes / 2**30:,.2f} "
+        "GiB): out of memory, or over a limit of this process (ulimit -v, a cgroup)",
+        hint="pass a smaller --kv-memory, e.g. 1GiB, or raise the limit",
+    )
 
 
 def create_serve_app(
@@ -669,13 +697,32 @@ def serve_uvicorn_config(
     idle_timeout: float = SERVE_IDLE_TIMEOUT,
 ) -> Any:
     """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.connection_limits.uvicorn_config`):
-    a connection that sends no whole request head within ``idle_timeout`` seconds is closed, connections past
+    a connection that sends no whole request head within ``idle_timeout`` seconds is closed (a body that does
+    not follow its head within as long plus 1 s per 64 KiB is answered 408 and closed), connections past
     ``max_connections`` (default: the open-file limit less 64) are answered 503."""
     from squeeze.serve.connection_limits import uvicorn_config
 
     return uvicorn_config(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
     )
+
+
+def serve_uvicorn_server(
+    app: Any,
+    *,
+    shutdown_grace: float,
+    max_connections: int | None = None,
+    idle_timeout: float = SERVE_IDLE_TIMEOUT,
+) -> Any:
+    """The ``uvicorn.Server`` squeeze serve runs: :func:`serve_uvicorn_config`'s, on an event loop that logs
+    failed accepts (out of open files) as one line per 10 s rather than a traceback per try. ConfigError when
+    ``max_connections`` is more than the open-file limit less 64 allows."""
+    from squeeze.serve.connection_limits import uvicorn_server
+
+    config = serve_uvicorn_config(
+        app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
+    )
+    return uvicorn_server(config)
 
 
 def pull(
@@ -800,6 +847,8 @@ __all__ = [
     "local_artifact",
     "create_serve_app",
     "serve_uvicorn_config",
+    "serve_uvicorn_server",
+    "check_serve_max_connections",
     "SERVE_IDLE_TIMEOUT",
     "check_engine_config",
     "EngineConfig",

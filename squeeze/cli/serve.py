@@ -94,14 +94,20 @@ def check_server_options(
     below 1, an idle timeout that is not a positive finite number of seconds, or fewer than one thread."""
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be at least 1, found {threads}", hint="leave it out to use every core")
-    if max_connections is not None and max_connections < 1:
-        raise ConfigError(f"--max-connections must be at least 1, found {max_connections}")
+    if max_connections is not None:
+        api.check_serve_max_connections(max_connections)  # at least 1, and below the open-file limit
     if not (math.isfinite(idle_timeout) and idle_timeout > 0):
-        raise ConfigError(f"--idle-timeout must be a finite number of seconds > 0, found {idle_timeout}")
+        raise ConfigError(
+            f"--idle-timeout must be a finite number of seconds > 0, found {idle_timeout}",
+            hint=f"e.g. --idle-timeout {api.SERVE_IDLE_TIMEOUT:g} (the default)",
+        )
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in 0-65535, found {port}", hint="0 picks a free port")
     if not (math.isfinite(shutdown_grace) and shutdown_grace >= 0):
-        raise ConfigError(f"--shutdown-grace must be a finite number of seconds >= 0, found {shutdown_grace}")
+        raise ConfigError(
+            f"--shutdown-grace must be a finite number of seconds >= 0, found {shutdown_grace}",
+            hint="e.g. --shutdown-grace 10 (the default; 0 cuts open requests at once)",
+        )
     if api_key is not None and not api_key.strip():
         raise ConfigError(
             "the API key (--api-key or SQUEEZE_API_KEY) is empty",
@@ -195,7 +201,11 @@ MaxConnections = Annotated[
 ]
 IdleTimeout = Annotated[
     float,
-    typer.Option("--idle-timeout", help="Seconds a connection may stay open without sending a whole request head."),
+    typer.Option(
+        "--idle-timeout",
+        help="Seconds a connection may stay open without sending a whole request head; a request body gets as "
+        "long plus 1 s per 64 KiB (then HTTP 408).",
+    ),
 ]
 Threads = Annotated[
     Optional[int],

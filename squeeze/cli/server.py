@@ -101,12 +101,9 @@ def run_server(
     the handlers it found: pointing those at its own (now idle) handler keeps a graceful stop an exit 0
     instead of a death by SIGTERM / a KeyboardInterrupt.
     """
-    import uvicorn
-
-    config = api.serve_uvicorn_config(
+    server = api.serve_uvicorn_server(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
     )
-    server = uvicorn.Server(config)
     previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if callable(getattr(engine, "run", None)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import re
+import socket
 import ssl
 import threading
 from collections.abc import Mapping
@@ -59,6 +60,8 @@ class Body:
     exact: bool = False
     #: No Content-Length: the body ends where the stream does (``length`` is then an upper bound).
     to_eof: bool = False
+    #: The response's socket (the connection may have let go of it), whose timeout each read sets.
+    sock: socket.socket | None = None
 
     def readinto(self, view: memoryview) -> int:
         """Read up to ``len(view)`` bytes, never past ``length``; 0 at the end. TransferError on a dropped stream."""
@@ -67,6 +70,13 @@ class Body:
         if len(view) > self.remaining:
             view = view[: self.remaining]
         try:
+            wait = self.client.wait_limit()
+        except TransferError:
+            self.close(reuse=False)
+            raise
+        if self.sock is not None:
+            self.sock.settimeout(wait)
+        try:
             # read1: what one socket read brings. readinto would loop until ``view`` is full, so a server sending
             # a byte a second would hold it for days, out of reach of the transfer watch
             data = self.response.read1(len(view))
@@ -74,6 +84,7 @@ class Body:
             view[:count] = data
         except (OSError, http.client.HTTPException) as exc:
             self.close(reuse=False)
+            self.client.check_deadline()  # a read cut short by the deadline: say so, not "connection lost"
             raise TransferError(f"{show_url(self.url)}: connection lost ({_describe(exc)})") from None
         if count == 0 and self.to_eof:
             self.length -= self.remaining  # the body ended: ``length`` is what it held
@@ -155,6 +166,22 @@ class HttpClient:
             return http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._ssl)
         return http.client.HTTPConnection(host, port, timeout=self.timeout)
 
+    def wait_limit(self) -> float:
+        """Seconds the next connect or read may wait: ``timeout``, or the time left before the watch's deadline
+        when that is less (a stalled server then fails the pull at its deadline, not a read timeout later);
+        TransferError once the deadline has passed."""
+        left = self.watch.time_left() if self.watch is not None else None
+        if left is None:
+            return self.timeout
+        if left <= 0:
+            self.check_deadline()
+        return max(0.001, min(self.timeout, left))
+
+    def check_deadline(self) -> None:
+        """TransferError (not retryable) when the watch's deadline has passed."""
+        if self.watch is not None and (left := self.watch.time_left()) is not None and left <= 0:
+            raise self.watch.deadline_error()
+
     def _release(self, key: tuple[str, str, int], connection: http.client.HTTPConnection) -> None:
         old = self._pool().pop(key, None)
         if old is not None:
@@ -197,10 +224,15 @@ class HttpClient:
             if parts.query:
                 target += "?" + parts.query
             connection = self._connection(key)
+            wait = self.wait_limit()
+            connection.timeout = wait  # the connect, if it comes to one
+            if connection.sock is not None:
+                connection.sock.settimeout(wait)
             try:
-                response = _request(connection, target, headers)
+                response, sock = _request(connection, target, headers)
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
+                self.check_deadline()
                 raise TransferError(f"cannot download {show_url(current)}: {_describe(exc)}") from None
             status = response.status
             if status in _REDIRECTS:
@@ -208,11 +240,15 @@ class HttpClient:
                 response.close()
                 connection.close()
                 if not location:
-                    raise TransferError(f"{show_url(current)}: redirect ({status}) without a Location", retryable=False)
+                    raise TransferError(
+                        f"{show_url(current)}: redirect ({status}) without a Location",
+                        hint="the server sends malformed redirects; report it to whoever runs it",
+                        retryable=False,
+                    )
                 current = urljoin(current, location)
                 continue
             if status in (200, 206):
-                return self._body(key, connection, response, current, start, length, total, limit)
+                return self._body(key, connection, response, current, start, length, total, limit, sock)
             response.close()
             connection.close()
             if status in (404, 410):
@@ -227,7 +263,11 @@ class HttpClient:
                 hint="check the URL and your access to it" if status in (401, 403) else None,
                 retryable=status in _RETRYABLE,
             )
-        raise TransferError(f"{show_url(url)}: more than {MAX_REDIRECTS} redirects", retryable=False)
+        raise TransferError(
+            f"{show_url(url)}: more than {MAX_REDIRECTS} redirects (the last to {show_url(current)})",
+            hint="the server redirects in a loop or too deep: pull from the address it ends at, or report it",
+            retryable=False,
+        )
 
     def _body(
         self,
@@ -239,6 +279,7 @@ class HttpClient:
         length: int | None,
         total: int | None,
         limit: int | None,
+        sock: socket.socket | None = None,
     ) -> Body:
         shown = show_url(url)
 
@@ -284,19 +325,25 @@ class HttpClient:
             if limit is None:
                 raise refuse(TransferError(f"{shown}: the server sent no Content-Length", retryable=False))
             want = limit + 1
-        body = Body(self, key, connection, response, url, want, dict(response.getheaders()), want, to_eof=to_eof)
+        body = Body(
+            self, key, connection, response, url, want, dict(response.getheaders()), want, to_eof=to_eof, sock=sock
+        )
         body.exact = body_length is not None and body_length == skip + want
         if skip:
             _discard(body, skip)
         return body
 
 
-def _request(connection: http.client.HTTPConnection, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
-    """Send a GET and read the status line and headers; one retry on a kept-alive connection the server closed."""
+def _request(
+    connection: http.client.HTTPConnection, target: str, headers: dict[str, str]
+) -> tuple[http.client.HTTPResponse, socket.socket | None]:
+    """Send a GET and read the status line and headers; one retry on a kept-alive connection the server closed.
+    With the response, its socket (``getresponse`` lets go of it when the server will close the connection)."""
     for attempt in (0, 1):
         try:
             connection.request("GET", target, headers=headers)
-            return connection.getresponse()
+            sock = connection.sock
+            return connection.getresponse(), sock
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
             connection.close()  # an idle connection the server had closed: reconnect once
             if attempt:

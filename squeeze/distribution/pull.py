@@ -223,7 +223,10 @@ def _check_output(target: Path, manifest: Manifest | None) -> bool:
             return False
         names = os.listdir(target)
     except OSError as exc:
-        raise ConfigError(f"cannot read the output {short_path(target)}: {exc.strerror}") from None
+        raise ConfigError(
+            f"cannot read the output {short_path(target)}: {exc.strerror}",
+            hint="check its permissions, or pass another --output",
+        ) from None
     if not names:
         return False
     if MANIFEST_NAME not in names:
@@ -238,7 +241,10 @@ def _check_output(target: Path, manifest: Manifest | None) -> bool:
     try:
         local = read_manifest(target)
     except FormatError as exc:
-        raise ConfigError(f"the output {short_path(target)} holds an unreadable artifact: {exc.message}") from None
+        raise ConfigError(
+            f"the output {short_path(target)} holds an unreadable artifact: {exc.message}",
+            hint="pull into a new directory, or delete the old one first",
+        ) from None
     if local.root_digest != manifest.root_digest:
         raise ConfigError(
             f"the output {short_path(target)} holds another artifact (root digest {local.root_digest[:16]}..., "
@@ -291,6 +297,10 @@ def _fetch_optional(
         raise
 
 
+#: The hint of a manifest or signature too large to be one.
+_NOT_AN_ARTIFACT = "the URL must name a squeeze artifact's directory (the one holding squeeze.manifest.json)"
+
+
 def _get_small(client: HttpClient, url: str, limit: int, retries: int) -> tuple[bytes, dict[str, str]]:
     """A small whole response body (at most ``limit`` bytes, refused unread when it announces more)."""
     for attempt in range(retries + 1):
@@ -298,14 +308,24 @@ def _get_small(client: HttpClient, url: str, limit: int, retries: int) -> tuple[
             body = client.get(url, limit=limit)
             if body.length > limit and not body.to_eof:
                 body.close(reuse=False)
-                raise FormatError(f"{show_url(url)} is {body.length} bytes, larger than the {limit} byte limit")
+                raise FormatError(
+                    f"{show_url(url)} is {body.length} bytes, larger than the {limit} byte limit", hint=_NOT_AN_ARTIFACT
+                )
             data = body.read_all()
             if len(data) > limit:
-                raise FormatError(f"{show_url(url)} is larger than the {limit} byte limit")
+                raise FormatError(f"{show_url(url)} is larger than the {limit} byte limit", hint=_NOT_AN_ARTIFACT)
             return data, dict(body.headers)
         except TransferError as exc:
-            if isinstance(exc, NotFound) or not exc.retryable or attempt == retries:
+            if isinstance(exc, NotFound) or not exc.retryable:
                 raise
+            if attempt == retries:
+                if exc.hint:
+                    raise
+                raise TransferError(
+                    exc.message,
+                    hint="check the URL and that the server is up, then rerun",
+                    retryable=exc.retryable,
+                ) from None
             time.sleep(min(2.0, 0.1 * 2 ** (attempt + 1)))
     raise AssertionError("unreachable")
 

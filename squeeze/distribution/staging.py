@@ -43,9 +43,15 @@ class Staging:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self.path)
         except OSError as exc:
-            raise ConfigError(f"cannot create {short_path(self.path)}: {exc.strerror}") from None
+            raise ConfigError(
+                f"cannot create {short_path(self.path)}: {exc.strerror}",
+                hint="check the permissions of the output's parent directory, or pass another --output",
+            ) from None
         if stat.S_ISLNK(os.lstat(self.path).st_mode):
-            raise ConfigError(f"{short_path(self.path)} is a symbolic link; a pull's staging directory must not be")
+            raise ConfigError(
+                f"{short_path(self.path)} is a symbolic link; a pull's staging directory must not be",
+                hint="remove the link (it holds nothing squeeze wrote) and rerun",
+            )
         self.fd = open_root(self.path)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

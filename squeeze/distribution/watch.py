@@ -30,22 +30,28 @@ ENV_RATE_WINDOW = "SQUEEZE_PULL_RATE_WINDOW"
 ENV_DEADLINE = "SQUEEZE_PULL_DEADLINE"
 
 
-def _setting(value: float | None, env: str, default: float, what: str, *, positive: bool = False) -> float:
+def _setting(
+    value: float | None, env: str, default: float, what: str, example: tuple[str, str], *, positive: bool = False
+) -> float:
     """``value``, else the environment variable ``env``, else ``default``; ConfigError unless finite and >= 0
-    (> 0 with ``positive``)."""
-    origin = what
+    (> 0 with ``positive``). ``example``: (flag or "", a value with its unit) for the hint, e.g.
+    ("--deadline", "3600 (seconds; 0: none)")."""
+    flag, sample = example
+    origin, shown = what, f"{flag} {sample}"
     if value is None:
         text = os.environ.get(env, "").strip()
         if not text:
             return default
-        origin = f"${env}"
+        origin, shown = f"${env}", f"{env}={sample}"
         try:
             value = float(text)
         except ValueError:
-            raise ConfigError(f"{origin} must be a number, found {text!r}") from None
+            raise ConfigError(
+                f"{origin} must be a number, found {text!r}", hint=f"set it to a number, e.g. {shown}, or unset it"
+            ) from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0 (0: off)"
-        raise ConfigError(f"{origin} must be a finite number {bound}, found {value}")
+        raise ConfigError(f"{origin} must be a finite number {bound}, found {value}", hint=f"e.g. {shown}")
     return float(value)
 
 
@@ -60,9 +66,20 @@ class TransferWatch:
         deadline: float | None = None,
         clock: object = time.monotonic,
     ) -> None:
-        self.min_rate = _setting(min_rate, ENV_MIN_RATE, DEFAULT_MIN_RATE, "min_rate (--min-rate)")
-        self.window = _setting(window, ENV_RATE_WINDOW, DEFAULT_RATE_WINDOW, "rate window", positive=True)
-        self.deadline = _setting(deadline, ENV_DEADLINE, DEFAULT_DEADLINE, "deadline (--deadline)")
+        self.min_rate = _setting(
+            min_rate, ENV_MIN_RATE, DEFAULT_MIN_RATE, "min_rate (--min-rate)", ("--min-rate", "4096 (bytes/s; 0: off)")
+        )
+        self.window = _setting(
+            window,
+            ENV_RATE_WINDOW,
+            DEFAULT_RATE_WINDOW,
+            "rate window",
+            ("window", "60 (seconds)"),
+            positive=True,
+        )
+        self.deadline = _setting(
+            deadline, ENV_DEADLINE, DEFAULT_DEADLINE, "deadline (--deadline)", ("--deadline", "3600 (seconds; 0: none)")
+        )
         self._clock = clock
         self._started = self._now()
         self._total = 0
@@ -74,6 +91,25 @@ class TransferWatch:
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator,no-any-return]
 
+    def time_left(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline; 0 or less once it has passed): what each connect
+        and read may wait at most, so that a stalled server cannot hold a pull past it by a whole read timeout."""
+        if not self.deadline:
+            return None
+        return self.deadline - (self._now() - self._started)
+
+    def deadline_error(self) -> TransferError:
+        """The TransferError of a pull past its deadline (not retryable)."""
+        with self._lock:
+            return self._deadline_error(self._now() - self._started)
+
+    def _deadline_error(self, elapsed: float) -> TransferError:
+        return TransferError(
+            f"the pull passed its deadline of {self.deadline:g} s ({self._total:,} bytes in {elapsed:.1f} s)",
+            hint=f"raise it with --deadline or ${ENV_DEADLINE} (0: none); rerun to resume",
+            retryable=False,
+        )
+
     def add(self, count: int) -> None:
         """Record ``count`` bytes just read or re-hashed from an earlier pull (progress either way); TransferError
         when a limit is passed."""
@@ -82,11 +118,7 @@ class TransferWatch:
             self._total += count
             elapsed = now - self._started
             if self.deadline and elapsed > self.deadline:
-                raise TransferError(
-                    f"the pull passed its deadline of {self.deadline:g} s ({self._total:,} bytes in {elapsed:.0f} s)",
-                    hint=f"raise it with --deadline or ${ENV_DEADLINE} (0: none); rerun to resume",
-                    retryable=False,
-                )
+                raise self._deadline_error(elapsed)
             if not self._samples:
                 self._samples.append((now, self._total - count))
             self._samples.append((now, self._total))

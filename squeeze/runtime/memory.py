@@ -47,7 +47,7 @@ from squeeze.format.safetensors_header import TensorInfo, parse_safetensors_head
 from squeeze.format.strict_json import strict_json_loads
 from squeeze.limits import is_weight_bits
 from squeeze.quant.schemes import formats_of
-from squeeze.system import available_memory_bytes
+from squeeze.system import available_memory_bytes, process_memory_limit
 
 #: transformers' modules, the tokenizer, activations and KV cache of a short generation: the peak RSS of
 #: `squeeze.generate` on SmolLM2-135M (32 new tokens) exceeds the artifact + dense cache by 355-384 MB over
@@ -254,22 +254,29 @@ def native_kernels_expected() -> bool:
 def check_load_memory(
     directory: str | os.PathLike[str], *, dense_cache: bool, low_memory: bool = False
 ) -> LoadEstimate | None:
-    """Raise ResourceError when the load will not fit in the available memory (checked before reading).
+    """Raise ResourceError when the load will not fit in the available memory, or under this process's own limit
+    (``ulimit -v``, its cgroup) when that is less (checked before reading).
 
     ``dense_cache`` / ``low_memory``: the weights' path, as in ``squeeze.load``. The hint names the cheaper
     path that would fit: without ``--dense`` (compressed weights), or with ``--low-memory``.
     """
     estimate = estimate_load(directory, native=native_kernels_expected())
-    available = available_memory_bytes()
+    available, where = available_memory_bytes(), "available"
+    limit = process_memory_limit()  # ulimit -v or a cgroup: allocations fail there, whatever the machine has
+    if limit is not None and (available is None or limit.bytes < available):
+        available, where = limit.bytes, f"of {limit.describe()}"
     if estimate is None or available is None:
         return estimate
     needed = estimate.total(dense_cache=dense_cache, low_memory=low_memory)
     if needed <= available:
         return estimate
+    hint = _hint(estimate, available, dense_cache=dense_cache, low_memory=low_memory)
+    if where != "available" and hint.startswith("free memory"):
+        hint = "raise the limit (ulimit -v, or the container's memory) or use a machine with more memory"
     raise ResourceError(
         f"not enough memory to load {short_path(directory)}: needs about {_gb(needed)} "
-        f"({_parts(estimate, dense_cache=dense_cache, low_memory=low_memory)}), {_gb(available)} available",
-        hint=_hint(estimate, available, dense_cache=dense_cache, low_memory=low_memory),
+        f"({_parts(estimate, dense_cache=dense_cache, low_memory=low_memory)}), {_gb(available)} {where}",
+        hint=hint,
     )
 
 

@@ -283,7 +283,10 @@ FULL_PRECISION_BITS = 16
 def check_kv_options(kv_bits: int | None, dynamic: bool) -> None:
     """ConfigError for KV options that are wrong whatever the model (checked before anything loads)."""
     if kv_bits is not None and (isinstance(kv_bits, bool) or kv_bits not in (*KV_BITS, FULL_PRECISION_BITS)):
-        raise ConfigError(f"--kv-bits must be 4, 8 or 16 (no KV quantization), found {kv_bits!r}")
+        raise ConfigError(
+            f"--kv-bits must be 4, 8 or 16 (no KV quantization), found {kv_bits!r}",
+            hint="e.g. --kv-bits 8, or leave it out to take the artifact's calibrated KV cache",
+        )
     if dynamic and kv_bits not in KV_BITS:
         raise ConfigError("--kv-dynamic needs --kv-bits 8 or 4", hint="e.g. --kv-bits 4 --kv-dynamic")
 

@@ -28,4 +28,14 @@ def model_context(model_config: Any, max_model_len: int | None) -> int:
     return max_model_len
 
 
-__all__ = ["model_context"]
+def check_block_size(block_size: int, context: int) -> None:
+    """ConfigError when a KV block holds more tokens than a request may use (``context``): every sequence would
+    take one block and leave most of it empty, and the pool's memory would go to slots nothing can fill."""
+    if block_size > context:
+        raise ConfigError(
+            f"--block-size {block_size} is more than the context of {context} tokens a request may use",
+            hint=f"pass --block-size 16 (the default), at most {context}",
+        )
+
+
+__all__ = ["check_block_size", "model_context"]

@@ -28,7 +28,7 @@ from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.generate import eos_token_ids
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.blocks import BlockManager
-from squeeze.serve.context_length import model_context
+from squeeze.serve.context_length import check_block_size, model_context
 from squeeze.serve.engine_tokenizer import EngineTokenizer
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
 from squeeze.serve.logprobs import token_logprobs
@@ -60,7 +60,7 @@ class Engine(EngineTokenizer):
 
     ``kv_spec``: the quantized cache (int8 / int4, calibrated or dynamic), or None for full precision.
     Raises ConfigError when the options do not fit the model: a ``max_model_len`` beyond its context, a
-    ``kv_memory_bytes`` that cannot hold one full-context sequence.
+    ``block_size`` beyond the context, a ``kv_memory_bytes`` that cannot hold one full-context sequence.
     """
 
     def __init__(
@@ -78,6 +78,7 @@ class Engine(EngineTokenizer):
         self.config = config
         self.model_name = model_name
         self.max_model_len = model_context(model_config, config.max_model_len)
+        check_block_size(config.block_size, self.max_model_len)
         self.observer: LatencyObserver | None = None
         layers, kv_heads, head_dim = kv_geometry(model_config)
         # the full-precision pool holds what the layers compute (float32 for squeeze.load), decided at load: the
@@ -131,6 +132,11 @@ class Engine(EngineTokenizer):
     def max_num_seqs(self) -> int:
         """Sequences one step may batch (requests with ``n`` > this are refused)."""
         return self.config.max_num_seqs
+
+    @property
+    def max_queue(self) -> int:
+        """Requests waiting at most (a request with more choices than this is refused: it could never queue)."""
+        return self.config.max_queue
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> RequestHandle:
         if not self._accepting:

@@ -40,7 +40,7 @@ from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.request_schema import ChatRequest, CompletionRequest
 from squeeze.serve.responses import release, respond
 from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
-from squeeze.serve.types import EngineClient, RequestStream
+from squeeze.serve.types import EngineClient, RequestError, RequestStream
 
 logger = logging.getLogger("squeeze.serve")
 
@@ -214,6 +214,21 @@ def _add_info_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None
         return state.model_card()
 
 
+def check_choice_count(engine: EngineClient, prompts: int, n: int) -> None:
+    """RequestError (400) when a request has more choices (``prompts`` x ``n``) than the engine queues
+    (``--max-queue``): they are queued together, so it could never be taken, and a 429 would be retried forever."""
+    limit = getattr(engine, "max_queue", None)
+    choices = prompts * n
+    if isinstance(limit, int) and choices > limit:
+        shape = f"{prompts} prompts x n {n}" if prompts > 1 and n > 1 else (f"n {n}" if n > 1 else f"{prompts} prompts")
+        raise RequestError(
+            f"this request has {choices} choices ({shape}), more than --max-queue ({limit}): the server queues "
+            f"at most {limit} at once, so it could never take them",
+            hint=f"split it into requests of at most {limit} choices, or start the server with --max-queue {choices}",
+            param="n" if n > 1 else "prompt",
+        )
+
+
 def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None:
     """POST /v1/completions and /v1/chat/completions."""
     engine, model_name, in_flight, off_loop = state.engine, state.model_name, state.in_flight, state.off_loop
@@ -222,6 +237,7 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         check_n(engine, body.choices_per_prompt)
+        check_choice_count(engine, len(body.prompt), body.choices_per_prompt)
         prompts = [await off_loop(engine.tokenize, p) for p in body.prompt]
         echoes = None
         if body.echo:
@@ -243,6 +259,7 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         state.check_model(body.model)
         check_n(engine, body.choices_per_prompt)
+        check_choice_count(engine, 1, body.choices_per_prompt)
         prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages())
         params = body.sampling_params(len(prompt_ids), engine.max_model_len)
         request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()

@@ -91,21 +91,38 @@ class EngineConfig:
         _check_engine_config(self)
 
 
+#: EngineConfig's positive integers, each with a value for the hint of its refusal (the default, mostly).
+_POSITIVE_OPTIONS = {
+    "kv_memory_bytes": "1GiB",
+    "block_size": "16 (the default)",
+    "max_num_seqs": "32 (the default)",
+    "max_batch_tokens": "512 (the default)",
+    "max_queue": "256 (the default)",
+}
+
+
 def _check_engine_config(config: EngineConfig) -> None:
     """ConfigError for engine options that are wrong whatever the model: what :class:`EngineConfig` checks when
     built (before anything loads), naming the ``squeeze serve`` flag."""
     from squeeze.runtime.quantized_cache import check_kv_options
 
     check_kv_options(config.kv_bits, config.kv_dynamic)
-    for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batch_tokens", "max_queue"):
+    for name, example in _POSITIVE_OPTIONS.items():
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             flag = "--" + name.replace("_bytes", "").replace("_", "-")
-            raise ConfigError(f"{flag} must be a positive integer, found {value!r}")
+            raise ConfigError(f"{flag} must be a positive integer, found {value!r}", hint=f"e.g. {flag} {example}")
     if not isinstance(config.prefix_cache, bool):
-        raise ConfigError(f"prefix_cache must be True or False, found {config.prefix_cache!r}")
-    if config.max_model_len is not None and (isinstance(config.max_model_len, bool) or config.max_model_len < 1):
-        raise ConfigError(f"--max-model-len must be a positive integer, found {config.max_model_len!r}")
+        raise ConfigError(
+            f"prefix_cache must be True or False, found {config.prefix_cache!r}", hint="pass prefix_cache=False"
+        )
+    if config.max_model_len is not None and (
+        isinstance(config.max_model_len, bool) or not isinstance(config.max_model_len, int) or config.max_model_len < 1
+    ):
+        raise ConfigError(
+            f"--max-model-len must be a positive integer, found {config.max_model_len!r}",
+            hint="leave it out to use the model's context",
+        )
 
 
 @dataclass(frozen=True)

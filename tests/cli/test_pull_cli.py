@@ -120,3 +120,59 @@ def test_push_json_and_refusal(served, monkeypatch):
     sent.clear()
     refused = runner.invoke(app, ["push", str(served), "org/model"])
     assert refused.exit_code == 1 and "does not verify" in refused.stderr and sent == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--min-rate", "-1"], {}, "min_rate (--min-rate) must be a finite number >= 0"),
+        (["--min-rate", "nan"], {}, "min_rate (--min-rate) must be a finite number >= 0"),
+        (["--deadline", "-5"], {}, "deadline (--deadline) must be a finite number >= 0"),
+        ([], {"SQUEEZE_PULL_MIN_RATE": "fast"}, "$SQUEEZE_PULL_MIN_RATE must be a number, found 'fast'"),
+        ([], {"SQUEEZE_PULL_DEADLINE": "-1"}, "$SQUEEZE_PULL_DEADLINE must be a finite number >= 0"),
+        ([], {"SQUEEZE_PULL_RATE_WINDOW": "0"}, "$SQUEEZE_PULL_RATE_WINDOW must be a finite number > 0"),
+    ],
+)
+def test_pace_limit_refusals_are_one_error_and_a_hint(tmp_path, monkeypatch, args, env, message) -> None:
+    """Issue 50 item 12: these refusals had no Hint line. Refused before any request (the port is closed)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = runner.invoke(app, ["pull", "http://127.0.0.1:9/artifact", "-o", str(tmp_path / "out"), *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith(f"Error: {message}"), lines
+    assert len(lines) == 2 and lines[1].startswith(("Hint: e.g. ", "Hint: set it to a number")), lines
+
+
+def test_a_redirect_loop_is_one_error_and_a_hint(tmp_path) -> None:
+    class Loop(QuietHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the base class's name
+            self.send_response(302)
+            self.send_header("Location", self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Loop)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/artifact"
+        result = runner.invoke(app, ["pull", url, "-o", str(tmp_path / "out")])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "more than 5 redirects" in lines[0], lines
+    assert len(lines) == 2 and lines[1].startswith("Hint: the server redirects in a loop"), lines
+
+
+def test_a_server_that_is_not_there_is_one_error_and_a_hint(tmp_path) -> None:
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    result = runner.invoke(app, ["pull", f"http://127.0.0.1:{port}/artifact", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith(f"Error: cannot download http://127.0.0.1:{port}/artifact"), lines
+    assert len(lines) == 2 and lines[1] == "Hint: check the URL and that the server is up, then rerun", lines

@@ -97,12 +97,22 @@ def error_lines(result: Any) -> list[str]:
         (["--api-key", " "], "the API key (--api-key or SQUEEZE_API_KEY) is empty"),
         (["--dense", "--low-memory"], "--dense and --low-memory contradict each other"),
         (["--host", "no.such.host.invalid"], "cannot listen on host 'no.such.host.invalid'"),
+        (["--idle-timeout", "0"], "--idle-timeout must be a finite number of seconds > 0"),
+        (["--idle-timeout", "inf"], "--idle-timeout must be a finite number of seconds > 0"),
+        (["--max-connections", "0"], "--max-connections must be at least 1"),
+        (["--max-connections", "100000000"], "--max-connections 100000000 is more than this process can open"),
+        (["--shutdown-grace", "nan"], "--shutdown-grace must be a finite number"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--max-request-bytes", "10"], "--max-request-bytes must be at least 1KB"),
     ],
 )
 def test_bad_options_fail_in_one_line_before_loading(built: list, args: list[str], message: str) -> None:
+    """Each refusal is one Error line and a Hint line (issue 50 item 12: seven of them had no hint)."""
     result = serve(*args, "--port", "0") if "--port" not in args else serve(*args)
     assert result.exit_code == 2, result.output
-    assert message in error_lines(result)[0]
+    lines = error_lines(result)
+    assert message in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("Hint: "), lines
     assert built == []
 
 

@@ -6,6 +6,7 @@ Only against the test's own 127.0.0.1 server, every wait bounded."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -48,6 +49,29 @@ def test_the_deadline_stops_a_pull_that_keeps_going(server, tmp_path):
     with pytest.raises(TransferError, match="passed its deadline of 0.5 s"):
         pull_artifact(server.url, tmp_path / "out", min_rate=0, deadline=0.5, timeout=5)
     assert time.monotonic() - started < 10
+
+
+def test_the_deadline_cuts_a_stalled_read_short(server, tmp_path):
+    """Issue 50 item 11: a server that stops sending held the pull a whole read timeout (30 s) past its
+    deadline (``--deadline 1`` failed after 32.5 s); each read now waits at most the time left."""
+    server.faults.delay_s = 4.0  # every body starts 4 s after its headers
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="passed its deadline of 0.5 s") as info:
+        pull_artifact(server.url, tmp_path / "out", min_rate=0, deadline=0.5, timeout=30)
+    assert time.monotonic() - started < 2.0
+    assert not info.value.retryable and "--deadline" in (info.value.hint or "")
+
+
+def test_the_deadline_cuts_a_server_that_never_answers_short(tmp_path):
+    """Connected, the request sent, and no status line ever comes (a listening socket nobody accepts on)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/model"
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="passed its deadline of 0.5 s"):
+            pull_artifact(url, tmp_path / "out", min_rate=0, deadline=0.5, timeout=30)
+        assert time.monotonic() - started < 2.0
 
 
 def test_the_limits_come_from_the_environment_and_are_checked(monkeypatch):

@@ -13,7 +13,13 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, serving
 
-from squeeze.serve.connection_limits import default_max_connections, default_max_request_bytes, uvicorn_config
+from squeeze.serve.connection_limits import (
+    MIN_BODY_RATE,
+    body_deadline,
+    default_max_connections,
+    default_max_request_bytes,
+    uvicorn_config,
+)
 from squeeze.serve.http import create_app
 
 TIMEOUT = 20.0
@@ -236,6 +242,62 @@ def test_connections_past_the_cap_get_503_and_the_server_recovers(engine: FakeEn
             assert http.get(f"http://{address[0]}:{address[1]}/health").status_code == 200
 
 
+def read_until_closed(sock: socket.socket, seconds: float) -> bytes:
+    """What the server sends on ``sock`` until it closes it (or ``seconds`` pass: then what came so far)."""
+    sock.settimeout(seconds)
+    chunks = []
+    try:
+        while chunk := sock.recv(4096):
+            chunks.append(chunk)
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return b"".join(chunks)
+
+
+SLOW_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 3000\r\n\r\n"
+)
+
+
+def test_a_body_that_stops_coming_gets_408_and_frees_its_connection(engine: FakeEngine) -> None:
+    """Issue 50 item 4: a head, 10 bytes of a 3000-byte body, then nothing held the connection forever (and
+    the clients doing so held every admitted one: /health answered 503)."""
+    with guarded_server(engine, max_connections=4, idle_timeout=0.5) as address:
+        slow = [socket.create_connection(address) for _ in range(5)]
+        started = time.monotonic()
+        for sock in slow:
+            sock.sendall(SLOW_HEAD + b'{"prompt":')
+        replies = [read_until_closed(sock, 10) for sock in slow]
+        elapsed = time.monotonic() - started
+        for sock in slow:
+            sock.close()
+        timed_out = [r for r in replies if r.startswith(b"HTTP/1.1 408")]
+        assert len(timed_out) == 4, [r[:40] for r in replies]  # the fifth was over the cap: 503 at once
+        assert b"did not arrive in time: 10 of 3000 bytes" in timed_out[0]
+        assert 0.5 <= elapsed < 5
+        assert not engine.submitted
+        with httpx.Client(timeout=TIMEOUT) as http:
+            assert http.get(f"http://{address[0]}:{address[1]}/health").status_code == 200
+
+
+def test_a_body_that_keeps_coming_within_the_deadline_is_served(engine: FakeEngine) -> None:
+    body = b'{"prompt": "the cat sat", "max_tokens": 2}'
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with guarded_server(engine, max_connections=4, idle_timeout=1.0) as address:
+        with socket.create_connection(address) as sock:
+            sock.sendall(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body[:10])
+            time.sleep(0.4)
+            sock.sendall(body[10:])
+            reply = read_until_closed(sock, 10)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_the_body_deadline_grows_with_the_body() -> None:
+    assert body_deadline(100.0, 2.0, None, 0) == 102.0
+    assert body_deadline(100.0, 2.0, 3 * MIN_BODY_RATE, 10) == 105.0  # Content-Length: its time at once
+    assert body_deadline(100.0, 2.0, None, MIN_BODY_RATE) == 103.0  # chunked: what came earns its time
+
+
 def test_the_default_connection_cap_stays_below_the_open_file_limit() -> None:
     import resource
 
@@ -306,3 +368,45 @@ def test_streams_open_past_the_grace_end_with_an_error_event_and_done(engine: Fa
     assert len(cancelled) == 2
     assert not [r for r in caplog.records if r.exc_info], "no tracebacks"
     assert sorted(engine.cancelled) == sorted(s[2] for s in engine.submitted)
+
+
+# -- more choices than the queue holds (issue 50 item 10) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "shape"),
+    [
+        ({"prompt": ["a"] * 17}, "prompt", "17 choices (17 prompts)"),
+        ({"prompt": ["a", "b", "c"], "n": 6}, "n", "18 choices (3 prompts x n 6)"),
+    ],
+)
+def test_more_choices_than_the_queue_holds_is_a_400_not_a_429(engine: FakeEngine, body: dict, param: str, shape: str):
+    """A 429 with Retry-After for a request that can never be queued: the OpenAI SDK retried it forever."""
+    engine.max_num_seqs = 8  # type: ignore[attr-defined]
+    with serving(create_app(engine)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+        response = http.post("/v1/completions", json={**body, "max_tokens": 1})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param
+        assert f"this request has {shape}, more than --max-queue ({engine.max_queue})" in error["message"]
+        assert "split it" in error["message"]
+        assert not engine.submitted
+        chat = {"messages": [{"role": "user", "content": "a"}], "n": 17}
+        engine.max_num_seqs = 32  # type: ignore[attr-defined]
+        assert http.post("/v1/chat/completions", json=chat).status_code == 400
+        assert http.post("/v1/completions", json={"prompt": ["a"] * 16, "max_tokens": 1}).status_code == 200
+
+
+def test_the_real_engine_refuses_more_choices_than_its_queue(compress_tiny, tmp_path) -> None:
+    from squeeze import api
+    from squeeze.serve.types import EngineConfig
+
+    artifact = compress_tiny(tmp_path / "tiny-w4")
+    engine = api.serve_engine(artifact, config=EngineConfig(kv_memory_bytes=4 << 20, max_queue=4))
+    assert engine.max_queue == 4
+    with serving(create_app(engine)) as base, httpx.Client(base_url=base, timeout=TIMEOUT) as http:
+        refused = http.post("/v1/completions", json={"prompt": ["a b"] * 5, "max_tokens": 1})
+        assert refused.status_code == 400, refused.text
+        assert "retry-after" not in refused.headers
+        assert "more than --max-queue (4)" in refused.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": ["a b"] * 4, "max_tokens": 1}).status_code == 200
