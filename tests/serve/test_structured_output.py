@@ -12,13 +12,12 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-import torch
 from fake_engine import serving
+from tiny_engine import make_engine, tiny_model
 
 from squeeze.serve.engine import Engine
 from squeeze.serve.http import create_app
-from squeeze.serve.types import EngineConfig, RequestError, RequestOutput, SamplingParams, StructuredOutput
-from tests.conftest import build_tiny_tokenizer, tiny_llama_config
+from squeeze.serve.types import RequestError, RequestOutput, SamplingParams, StructuredOutput
 
 pytest.importorskip("xgrammar")
 
@@ -41,21 +40,8 @@ PROMPTS = ["Once upon a time", "the dog ran to the park", "Lily and Tom", "one d
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_text: str) -> tuple[Any, Any]:
-    """A tiny random Llama and its tokenizer, private to this module (engines set its attention backend). Every
-    width a multiple of 32, so that a row's logits do not depend on the rest of the batch (see the wide32_artifact
-    fixture): the unconstrained requests' tokens can be compared bit for bit beside constrained ones."""
-    from transformers import LlamaForCausalLM
-
-    tokenizer = build_tiny_tokenizer(tiny_text)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(tokenizer, intermediate_size=128)).eval(), tokenizer
-
-
-def make_engine(tiny_model: tuple[Any, Any], tokenizer: Any = None, **options: Any) -> Engine:
-    model, tiny_tokenizer = tiny_model
-    options.setdefault("kv_memory_bytes", 2 << 20)
-    return Engine(model, tokenizer or tiny_tokenizer, EngineConfig(**options), None, model_name="tiny")
+def tiny(tiny_text: str) -> tuple[Any, Any]:
+    return tiny_model(tiny_text)
 
 
 def generate(engine: Engine, requests: list[tuple[str, SamplingParams]]) -> list[list[RequestOutput]]:
@@ -80,31 +66,31 @@ def tokens(outputs: list[RequestOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 
 
-def test_json_schema_output_validates_greedy_and_sampled(tiny_model: tuple[Any, Any]) -> None:
+def test_json_schema_output_validates_greedy_and_sampled(tiny: tuple[Any, Any]) -> None:
     requests = [(p, SamplingParams(max_tokens=120, structured=JSON_SCHEMA)) for p in PROMPTS]
     requests += [
         (p, SamplingParams(120, temperature=1.0, seed=i, structured=JSON_SCHEMA)) for i, p in enumerate(PROMPTS)
     ]
-    for outputs in generate(make_engine(tiny_model), requests):
+    for outputs in generate(make_engine(tiny), requests):
         assert outputs[-1].finish_reason == "stop"
         jsonschema.validate(json.loads(text(outputs)), SCHEMA)
         assert outputs[-1].token_ids[-1] == 2  # it ended on end-of-sequence, allowed only once the grammar is done
 
 
-def test_unconstrained_requests_keep_their_tokens_beside_constrained_ones(tiny_model: tuple[Any, Any]) -> None:
+def test_unconstrained_requests_keep_their_tokens_beside_constrained_ones(tiny: tuple[Any, Any]) -> None:
     plain = [(p, SamplingParams(max_tokens=24, temperature=t, seed=3)) for p in PROMPTS for t in (0.0, 0.8)]
-    alone = generate(make_engine(tiny_model), plain)
+    alone = generate(make_engine(tiny), plain)
     constrained = [(p, SamplingParams(max_tokens=60, structured=JSON_SCHEMA)) for p in PROMPTS]
-    mixed = generate(make_engine(tiny_model), [x for pair in zip(plain, constrained * 2, strict=True) for x in pair])
+    mixed = generate(make_engine(tiny), [x for pair in zip(plain, constrained * 2, strict=True) for x in pair])
     assert [tokens(o) for o in mixed[0::2]] == [tokens(o) for o in alone]
     assert any(not text(o).startswith("{") for o in alone)  # the model left alone does not write JSON
 
 
-def test_the_grammar_follows_a_preempted_sequence(tiny_model: tuple[Any, Any]) -> None:
+def test_the_grammar_follows_a_preempted_sequence(tiny: tuple[Any, Any]) -> None:
     requests = [(p, SamplingParams(max_tokens=150, structured=JSON_SCHEMA)) for p in PROMPTS * 2]
-    roomy = generate(make_engine(tiny_model, max_model_len=256), requests)
-    block_bytes = make_engine(tiny_model, max_model_len=256).pool.block_bytes
-    engine = make_engine(tiny_model, max_model_len=256, kv_memory_bytes=18 * block_bytes, max_num_seqs=8)
+    roomy = generate(make_engine(tiny, max_model_len=256), requests)
+    block_bytes = make_engine(tiny, max_model_len=256).pool.block_bytes
+    engine = make_engine(tiny, max_model_len=256, kv_memory_bytes=18 * block_bytes, max_num_seqs=8)
     tight = generate(engine, requests)
     assert engine.stats().preemptions_total > 0
     assert [tokens(o) for o in tight] == [tokens(o) for o in roomy]
@@ -112,7 +98,7 @@ def test_the_grammar_follows_a_preempted_sequence(tiny_model: tuple[Any, Any]) -
         jsonschema.validate(json.loads(text(outputs)), SCHEMA)
 
 
-def test_regex_and_choice(tiny_model: tuple[Any, Any]) -> None:
+def test_regex_and_choice(tiny: tuple[Any, Any]) -> None:
     regex = StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}")
     choice = StructuredOutput("choice", json.dumps(["yes", "no", "maybe not"]))
     requests = [
@@ -121,15 +107,15 @@ def test_regex_and_choice(tiny_model: tuple[Any, Any]) -> None:
     requests += [
         (p, SamplingParams(max_tokens=20, temperature=1.0, seed=i, structured=choice)) for i, p in enumerate(PROMPTS)
     ]
-    results = [text(o) for o in generate(make_engine(tiny_model), requests)]
+    results = [text(o) for o in generate(make_engine(tiny), requests)]
     import re
 
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t) for t in results[:4]), results
     assert all(t in ("yes", "no", "maybe not") for t in results[4:]), results
 
 
-def test_a_schema_that_does_not_compile_is_refused_naming_the_problem(tiny_model: tuple[Any, Any]) -> None:
-    engine = make_engine(tiny_model)
+def test_a_schema_that_does_not_compile_is_refused_naming_the_problem(tiny: tuple[Any, Any]) -> None:
+    engine = make_engine(tiny)
     with pytest.raises(RequestError, match="Unsupported type") as bad:
         engine.compile_grammar(StructuredOutput("json_schema", '{"type": "colour"}'), "response_format")
     assert bad.value.param == "response_format" and "/project/cpp" not in bad.value.message
@@ -141,8 +127,8 @@ def test_a_schema_that_does_not_compile_is_refused_naming_the_problem(tiny_model
 
 
 @pytest.fixture
-def client(tiny_model: tuple[Any, Any]) -> Iterator[openai.OpenAI]:
-    with serving(create_app(make_engine(tiny_model), shutdown_grace_seconds=1.0)) as base:
+def client(tiny: tuple[Any, Any]) -> Iterator[openai.OpenAI]:
+    with serving(create_app(make_engine(tiny), shutdown_grace_seconds=1.0)) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
