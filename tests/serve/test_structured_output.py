@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from fake_engine import serving
+from fake_engine import FakeEngine, serving
 from tiny_engine import make_engine, tiny_model
 
 from squeeze.serve.engine import Engine
@@ -183,3 +183,19 @@ def test_bad_schemas_are_400_naming_the_field(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="guided_regex") as both:
         client.completions.create(model="tiny", prompt="x", extra_body={"guided_json": SCHEMA, "guided_regex": "a+"})
     assert both.value.body["param"] == "guided_regex"
+
+
+def test_an_engine_without_grammars_refuses_structured_output_but_takes_tools() -> None:
+    engine = FakeEngine()
+    with serving(create_app(engine, shutdown_grace_seconds=1.0)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "hi there"}]
+        with pytest.raises(openai.BadRequestError, match="does not support structured output") as bad:
+            client.chat.completions.create(
+                model=engine.model_name, messages=messages, response_format={"type": "json_object"}
+            )
+        assert bad.value.body["param"] == "response_format"
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        reply = client.chat.completions.create(model=engine.model_name, messages=messages, tools=[tool], max_tokens=3)
+        assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls  # plain text: content
+        assert engine.chat_tools[-1] == [tool]
