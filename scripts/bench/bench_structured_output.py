@@ -102,15 +102,14 @@ def main() -> None:
             valid += 1
         except (json.JSONDecodeError, jsonschema.ValidationError):
             pass
-    masks = engine._masks
-    fill_ms = 1000 * masks.fill_seconds / max(1, masks.fills) if masks is not None else 0.0
+    fill_ms = 1000 * engine.masks.fill_seconds / max(1, engine.masks.fills)
     plain = [SamplingParams(n, temperature=args.temperature, seed=i, ignore_eos=True) for i, n in enumerate(lengths)]
     _, plain_seconds = run(engine, prompts, plain, args.clients)
 
     row = torch.randn(engine.vocab_size)
     probe = StepMasks(engine.vocab_size, 1)
-    probe.start([(0, engine.grammar.matcher(structured))])
-    probe.masked(0, row)
+    probe._ready(1)
+    engine.grammar.matcher(structured).fill_next_token_bitmask(probe.bitmask, 0)
     began = time.perf_counter()
     for _ in range(200):
         probe.masked(0, row)

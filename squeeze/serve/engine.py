@@ -109,7 +109,7 @@ class Engine(EngineTokenizer):
         self.eos_ids = frozenset(eos_token_ids(model, tokenizer))
         self.vocab_size = int(model_config.vocab_size)
         self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_ids)
-        self._masks: StepMasks | None = None  # made with the first constrained request
+        self.masks = StepMasks(self.vocab_size, config.max_num_seqs)  # the constrained rows' masks, each step
         self._handles: dict[str, RequestHandle] = {}
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -261,8 +261,7 @@ class Engine(EngineTokenizer):
                 for seq_id in list(self._seqs):
                     self._abort(seq_id)
                 self.runner.close()
-                if self._masks is not None:
-                    self._masks.close()
+                self.masks.close()
                 with self._cond:
                     self._cond.notify_all()
                 return
@@ -280,7 +279,7 @@ class Engine(EngineTokenizer):
         total, steps = self._utilisation
         self._utilisation = (total + live / allocated, steps + 1)
         full = [_wants_prompt_logits(chunk) for chunk in plan]
-        masks = self._start_masks(plan)
+        self.masks.start(plan)  # filled while the model runs
         try:
             with torch.inference_mode():
                 logits, prompt_logits = self.runner.run_keeping(plan, full)  # (B, V), {row: (tokens, V)}
@@ -292,24 +291,9 @@ class Engine(EngineTokenizer):
         for row, chunk in enumerate(plan):
             if row in prompt_logits:
                 _record_prompt_logprobs(chunk, prompt_logits[row])
-            self._advance(chunk, logits[row], None if masks is None else (masks, row))
+            self._advance(chunk, logits[row], row)
 
-    def _start_masks(self, plan: Seq[ScheduledChunk]) -> StepMasks | None:
-        """Start filling the grammar masks of the constrained rows that choose a token this step (overlapped
-        with the model's step); None when there are none."""
-        rows = [
-            (row, c.seq.grammar)
-            for row, c in enumerate(plan)
-            if c.seq.grammar is not None and c.tokens == c.seq.pending and c.seq.params.max_tokens > 0
-        ]
-        if not rows:
-            return None
-        if self._masks is None:
-            self._masks = StepMasks(self.vocab_size, self.config.max_num_seqs)
-        self._masks.start(rows)
-        return self._masks
-
-    def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor, mask: tuple[StepMasks, int] | None = None) -> None:
+    def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor, row: int = 0) -> None:
         seq = chunk.seq
         seq.computed += chunk.tokens
         if seq.block_names:
@@ -319,7 +303,7 @@ class Engine(EngineTokenizer):
         if seq.params.max_tokens == 0:  # score only: the prompt is in, nothing to generate
             self._finish(seq, "length")
             return
-        token = choose_token(seq, logits if mask is None else mask[0].masked(mask[1], logits))
+        token = choose_token(seq, logits if seq.grammar is None else self.masks.masked(row, logits))
         grammar_done = False
         if seq.grammar is not None:
             if not seq.grammar.accept_token(token):  # the mask allowed it: a grammar library defect

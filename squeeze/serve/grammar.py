@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ from squeeze.serve.types import RequestError
 
 if TYPE_CHECKING:
     import torch
+
+    from squeeze.serve.scheduler import ScheduledChunk
 
 #: The JSON schema of ``response_format: {"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -114,34 +117,45 @@ class GrammarBackend:
 class StepMasks:
     """The bitmasks of one step's constrained rows, filled on a worker thread while the model runs.
 
-    ``start(rows)`` with (row, matcher) pairs of the rows that choose a token this step; ``masked(row, logits)``
-    waits for the fill and returns the row's logits with the disallowed tokens at -inf (a copy).
+    ``start(plan)`` before the model's step: the rows whose sequence has a grammar and chooses a token this step
+    (its pending tokens all in this chunk) get their masks filled; ``masked(row, logits)`` waits for the fill
+    and returns the row's logits with the disallowed tokens at -inf (a copy). Nothing is imported or allocated
+    before the first constrained row.
     """
 
     def __init__(self, vocab_size: int, max_rows: int) -> None:
-        xgr = _xgrammar()
-        self._xgr = xgr
         self.vocab_size = vocab_size
-        self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)  # (rows, ceil(V / 32)) int32
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-grammar")
+        self.max_rows = max_rows
+        self._xgr: Any = None
+        self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         #: seconds spent filling masks, and steps that filled any (for the report on their cost)
         self.fill_seconds = 0.0
         self.fills = 0
 
-    def start(self, rows: Sequence[tuple[int, Any]]) -> None:
-        """Begin filling the rows' masks (nothing to do when ``rows`` is empty)."""
-        if not rows:
-            self._pending = None
-            return
-        if max(r for r, _ in rows) >= self.bitmask.shape[0]:  # more rows than sequences: a step of many chunks
-            self.bitmask = self._xgr.allocate_token_bitmask(max(r for r, _ in rows) + 1, self.vocab_size)
-        self._pending = self._pool.submit(self._fill, [m for _, m in rows], [r for r, _ in rows])
+    def _ready(self, rows: int) -> None:
+        if self._xgr is None:
+            self._xgr = _xgrammar()
+            self._batch = self._xgr.BatchGrammarMatcher(max_threads=1)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squeeze-grammar")
+            self.bitmask = self._xgr.allocate_token_bitmask(max(rows, self.max_rows), self.vocab_size)
+        elif rows > self.bitmask.shape[0]:  # (rows, ceil(V / 32)) int32
+            self.bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def start(self, plan: Sequence[ScheduledChunk]) -> None:
+        """Begin filling the masks of ``plan``'s constrained rows that choose a token this step."""
+        rows = [
+            (row, c.seq.grammar)
+            for row, c in enumerate(plan)
+            if c.seq.grammar is not None and c.tokens == c.seq.pending and c.seq.params.max_tokens > 0
+        ]
+        self._pending = None
+        if rows:
+            self._ready(len(plan))
+            assert self._pool is not None
+            self._pending = self._pool.submit(self._fill, [m for _, m in rows], [r for r, _ in rows])
 
     def _fill(self, matchers: list[Any], indices: list[int]) -> None:
-        import time
-
         began = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask(matchers, self.bitmask, indices)
         self.fill_seconds += time.perf_counter() - began
@@ -157,7 +171,8 @@ class StepMasks:
         return scores[0]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 __all__ = ["JSON_OBJECT_SCHEMA", "GrammarBackend", "StepMasks"]
