@@ -94,14 +94,15 @@ def main() -> None:
     ]
     run(engine, prompts[:2], constrained[:2], args.clients)  # warm-up (compiles the grammar, touches the model)
     results, seconds = run(engine, prompts, constrained, args.clients)
-    valid, lengths = 0, []
+    valid, lengths, invalid = 0, [], []
     for outputs in results:
         lengths.append(sum(len(o.token_ids) for o in outputs))
+        reply = "".join(o.text for o in outputs)
         try:
-            jsonschema.validate(json.loads("".join(o.text for o in outputs)), SCHEMA)
+            jsonschema.validate(json.loads(reply), SCHEMA)
             valid += 1
-        except (json.JSONDecodeError, jsonschema.ValidationError):
-            pass
+        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+            invalid.append({"finish_reason": outputs[-1].finish_reason, "text": reply, "error": str(exc)[:200]})
     fill_ms = 1000 * engine.masks.fill_seconds / max(1, engine.masks.fills)
     plain = [SamplingParams(n, temperature=args.temperature, seed=i, ignore_eos=True) for i, n in enumerate(lengths)]
     _, plain_seconds = run(engine, prompts, plain, args.clients)
@@ -123,6 +124,7 @@ def main() -> None:
         "clients": args.clients,
         "temperature": args.temperature,
         "schema_valid": valid,
+        "invalid": invalid,
         "mean_tokens": sum(lengths) / len(lengths),
         "tokens_per_s_schema": sum(lengths) / seconds,
         "tokens_per_s_plain": sum(lengths) / plain_seconds,

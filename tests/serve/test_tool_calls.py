@@ -230,8 +230,15 @@ def test_forced_tool_calls_round_trip_with_the_openai_client(hermes_client: open
         model="tiny", messages=messages, tools=TOOLS, max_tokens=8, temperature=0
     )
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    auto = hermes_client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8)
-    assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
+    options = {"tools": TOOLS, "max_tokens": 12, "temperature": 0}
+    auto = hermes_client.chat.completions.create(model="tiny", messages=messages, **options)
+    content = auto.choices[0].message.content
+    assert content and not auto.choices[0].message.tool_calls  # the tiny model writes no call: plain content
+    pieces = []
+    for chunk in hermes_client.chat.completions.create(model="tiny", messages=messages, stream=True, **options):
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        assert not any(c.delta.tool_calls for c in chunk.choices)
+    assert "".join(pieces) == content
 
 
 def test_tool_turns_reach_the_template(hermes: tuple[Any, Any]) -> None:
