@@ -44,14 +44,20 @@ def tiny(tiny_text: str) -> tuple[Any, Any]:
     return tiny_model(tiny_text)
 
 
-def generate(engine: Engine, requests: list[tuple[str, SamplingParams]]) -> list[list[RequestOutput]]:
+def generate(
+    engine: Engine, requests: list[tuple[str, SamplingParams]], *, first_alone: bool = False
+) -> list[list[RequestOutput]]:
+    """Every request's outputs, submitted together (``first_alone``: the first one finished before the rest)."""
+
     async def one(i: int, prompt: str, params: SamplingParams) -> list[RequestOutput]:
         return [out async for out in engine.submit(engine.tokenize(prompt), params, f"r{i}")]
 
     async def main() -> list[list[RequestOutput]]:
         engine.start()
         try:
-            return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(requests)))
+            first = [await one(0, *requests[0])] if first_alone else []
+            rest = enumerate(requests[len(first) :], start=len(first))
+            return first + list(await asyncio.gather(*(one(i, p, s) for i, (p, s) in rest)))
         finally:
             engine.shutdown(5)
 
@@ -95,6 +101,18 @@ def test_the_grammar_follows_a_preempted_sequence(tiny: tuple[Any, Any]) -> None
     assert engine.stats().preemptions_total > 0
     assert [tokens(o) for o in tight] == [tokens(o) for o in roomy]
     for outputs in tight:
+        jsonschema.validate(json.loads(text(outputs)), SCHEMA)
+
+
+def test_prefix_cache_hits_leave_the_grammar_alone(tiny: tuple[Any, Any]) -> None:
+    story = "once upon a time there was a little girl named lily who liked to play in the park with her dog. "
+    requests = [(story * 2 + p, SamplingParams(max_tokens=120, structured=JSON_SCHEMA)) for p in PROMPTS]
+    uncached = generate(make_engine(tiny, prefix_cache=False), requests)
+    engine = make_engine(tiny)
+    cached = generate(engine, requests, first_alone=True)  # the others find the story's blocks cached
+    assert engine.stats().prefix_cache_hits_total > 0
+    assert [tokens(o) for o in cached] == [tokens(o) for o in uncached]
+    for outputs in cached:
         jsonschema.validate(json.loads(text(outputs)), SCHEMA)
 
 
