@@ -1,7 +1,7 @@
 """Structured output: JSON-mode validity and throughput with and without a schema, through the serving engine.
 
     .venv/bin/python scripts/bench/bench_structured_output.py [--model smollm2-135m] [--requests 50]
-        [--clients 16] [--max-tokens 160] [--temperature 0.7] [--json OUT]
+        [--clients 16] [--max-tokens 160] [--temperature 0.7] [--name-max-length N] [--json OUT]
 
 ``--model``: an artifact directory or any model squeeze loads (the built-in ``smollm2-135m``, a GGUF or HF
 checkpoint: served as loaded, without compression). ``--requests`` chat requests, seeded 0, 1, ..., with a
@@ -79,10 +79,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--name-max-length", type=int, default=None, help="maxLength of the nested string")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     engine = load_engine(args.model)
+    if args.name_max_length is not None:
+        SCHEMA["properties"]["owner"]["properties"]["name"]["maxLength"] = args.name_max_length
     structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
     prompts = [
         engine.tokenize_chat([{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON."}])
@@ -120,6 +123,7 @@ def main() -> None:
 
     report = {
         "model": args.model,
+        "schema": SCHEMA,
         "requests": args.requests,
         "clients": args.clients,
         "temperature": args.temperature,
