@@ -99,6 +99,17 @@ def test_required_and_named_replies_parse_by_construction() -> None:
         None, (ParsedCall("get_weather", WEATHER_ARGS),)
     )
     assert parse_reply("hello", plan("none")) == ParsedReply("hello")
+    tools = plan().tools
+    one = ToolPlan("required", tools, parallel=False).structured()
+    many = ToolPlan("required", tools).structured()
+    assert one is not None and many is not None
+    assert json.loads(one.spec)["maxItems"] == 1 and "maxItems" not in json.loads(many.spec)
+    assert [c["properties"]["name"] for c in json.loads(many.spec)["items"]["anyOf"]] == [
+        {"const": "get_weather"},
+        {"const": "get_time"},
+    ]
+    named = ToolPlan("named", tools, named="get_time").structured()
+    assert named is not None and json.loads(named.spec) == SCHEMAS["get_time"]
 
 
 def _stream(reply: str, the_plan: ToolPlan, piece: int) -> tuple[str | None, list[tuple[str, str]], str | None]:
