@@ -24,6 +24,26 @@ if TYPE_CHECKING:
 #: ``squeeze run``'s default number of new tokens per prompt.
 DEFAULT_MAX_NEW_TOKENS = 128
 
+#: The kinds of structured output: a JSON schema (``json_object`` is the schema ``{"type": "object"}``), a
+#: regular expression, or one of a list of strings (vLLM's ``guided_choice``).
+STRUCTURED_KINDS = ("json_schema", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the generated text must match (squeeze.serve.grammar compiles it into a token mask per step).
+
+    ``kind`` is one of STRUCTURED_KINDS; ``spec`` the schema as JSON text, the regular expression, or the
+    choices as a JSON list of strings. Hashable, so compiled grammars are cached by it.
+    """
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS or not isinstance(self.spec, str):
+            raise ConfigError(f"structured output must be one of {STRUCTURED_KINDS} with a text spec, found {self!r}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,6 +56,7 @@ class SamplingParams:
     tokens, an end-of-sequence token (unless ``ignore_eos``), or the first of the ``stop`` strings (not part
     of the returned text). ``logprobs``: log-probabilities of each generated token and of the ``logprobs`` most
     likely tokens at its position; ``prompt_logprobs``: the same for every prompt token after the first.
+    ``structured``: a grammar the output must match (``squeeze serve`` only): it finishes when the grammar does.
     """
 
     max_tokens: int
@@ -46,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -113,6 +135,8 @@ def _check(params: SamplingParams) -> None:
         value = getattr(params, name)
         if value is not None and (not is_int(value) or value < 0):
             raise ConfigError(f"{name} must be None or an integer >= 0, found {value!r}")
+    if params.structured is not None and not isinstance(params.structured, StructuredOutput):
+        raise ConfigError(f"structured must be a StructuredOutput or None, found {params.structured!r}")
 
 
 def _bad_temperature(value: object) -> None:
@@ -122,4 +146,4 @@ def _bad_temperature(value: object) -> None:
     )
 
 
-__all__ = ["SamplingParams", "DEFAULT_MAX_NEW_TOKENS", "warpers"]
+__all__ = ["SamplingParams", "StructuredOutput", "STRUCTURED_KINDS", "DEFAULT_MAX_NEW_TOKENS", "warpers"]

@@ -30,6 +30,7 @@ from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.context_length import check_block_size, model_context
 from squeeze.serve.engine_tokenizer import EngineTokenizer
+from squeeze.serve.grammar import GrammarBackend, StepMasks
 from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
 from squeeze.serve.logprobs import token_logprobs
 from squeeze.serve.prefix_cache import PrefixCache
@@ -48,6 +49,7 @@ from squeeze.serve.types import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
     check_prompt,
 )
@@ -111,6 +113,8 @@ class Engine(EngineTokenizer):
         self.runner = ModelRunner(model, self.pool, self.blocks)
         self.eos_ids = frozenset(eos_token_ids(model, tokenizer))
         self.vocab_size = int(model_config.vocab_size)
+        self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_ids)
+        self.masks = StepMasks(self.vocab_size, config.max_num_seqs)  # the constrained rows' masks, each step
         self._handles: dict[str, RequestHandle] = {}
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -143,6 +147,7 @@ class Engine(EngineTokenizer):
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         prompt = list(prompt_ids)
         check_prompt(prompt, params.max_tokens, self.max_model_len)
+        matcher = None if params.structured is None else self.grammar.matcher(params.structured)
         with self._cond:
             waiting = self._waiting()
             if waiting >= self.config.max_queue:
@@ -152,10 +157,15 @@ class Engine(EngineTokenizer):
             handle = RequestHandle(self, request_id, asyncio.get_running_loop())
             self._handles[request_id] = handle
             self._order += 1
-            seq = Sequence(request_id, prompt, params, order=self._order)
+            seq = Sequence(request_id, prompt, params, order=self._order, grammar=matcher)
             self._inbox.append(("add", seq))
             self._cond.notify()
         return handle
+
+    def compile_grammar(self, structured: StructuredOutput, param: str) -> None:
+        """Compile ``structured`` (cached for :meth:`submit`): RequestError (param ``param``) naming the problem
+        when it does not compile. Called on the HTTP layer's tokenizer thread, before submitting."""
+        self.grammar.compile(structured, param)
 
     def _waiting(self) -> int:
         """Requests queued: in the scheduler's queue, or submitted and not yet taken from the inbox."""
@@ -262,6 +272,7 @@ class Engine(EngineTokenizer):
                 for seq_id in list(self._seqs):
                     self._abort(seq_id)
                 self.runner.close()
+                self.masks.close()
                 with self._cond:
                     self._cond.notify_all()
                 return
@@ -279,6 +290,7 @@ class Engine(EngineTokenizer):
         total, steps = self._utilisation
         self._utilisation = (total + live / allocated, steps + 1)
         full = [_wants_prompt_logits(chunk) for chunk in plan]
+        self.masks.start(plan)  # filled while the model runs
         try:
             with torch.inference_mode():
                 logits, prompt_logits = self.runner.run_keeping(plan, full)  # (B, V), {row: (tokens, V)}
@@ -290,9 +302,9 @@ class Engine(EngineTokenizer):
         for row, chunk in enumerate(plan):
             if row in prompt_logits:
                 _record_prompt_logprobs(chunk, prompt_logits[row])
-            self._advance(chunk, logits[row])
+            self._advance(chunk, logits[row], row)
 
-    def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+    def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor, row: int = 0) -> None:
         seq = chunk.seq
         seq.computed += chunk.tokens
         if seq.block_names:
@@ -302,7 +314,13 @@ class Engine(EngineTokenizer):
         if seq.params.max_tokens == 0:  # score only: the prompt is in, nothing to generate
             self._finish(seq, "length")
             return
-        token = choose_token(seq, logits)
+        token = choose_token(seq, logits if seq.grammar is None else self.masks.masked(row, logits))
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):  # the mask allowed it: a grammar library defect
+                self._finish(seq, "error", error=f"the grammar refused token {token}, which its mask allowed")
+                return
+            grammar_done = seq.grammar.is_terminated()  # it accepted an end-of-sequence token
         top = seq.params.logprobs
         logprobs = () if top is None else tuple(token_logprobs(logits[None], [token], top))
         seq.output_ids.append(token)
@@ -316,7 +334,7 @@ class Engine(EngineTokenizer):
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
-        eos = token in self.eos_ids and not seq.params.ignore_eos
+        eos = (token in self.eos_ids and not seq.params.ignore_eos) or grammar_done
         text_ids = seq.output_ids[:-1] if eos else seq.output_ids
         out_of_room = len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_model_len
         piece, stopped = seq.text.update(self.tokenizer, text_ids, final=eos or out_of_room)

@@ -4,6 +4,7 @@ These run on the event loop's side (tokenization on the HTTP layer's worker thre
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -65,20 +66,36 @@ class EngineTokenizer:
         info["vocab_size"] = self.vocab_size
         return info
 
-    def tokenize_chat(self, messages: Seq[dict[str, Any]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    def tokenize_chat(self, messages: Seq[dict[str, Any]], tools: Seq[dict[str, Any]] | None = None) -> list[int]:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise RequestError(
                 "this model's tokenizer has no chat template, so /v1/chat/completions cannot format messages",
                 hint="use /v1/completions with a plain prompt",
                 param="messages",
             )
+        if tools and not _renders_tools(template):
+            raise RequestError(
+                "this model's chat template does not render tools, so the model cannot be told about them",
+                hint="send the request without tools (or describe them in a message), or serve a model whose "
+                "chat template takes tools",
+                param="tools",
+            )
         text = self.tokenizer.apply_chat_template(
             [{**m, "content": _text_content(m.get("content"))} for m in messages],
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=True,
         )
         # the template already wrote any BOS: adding special tokens again would double it (as squeeze run --chat)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _renders_tools(template: Any) -> bool:
+    """Whether a chat template reads the ``tools`` variable (transformers passes tools under that name; a
+    template that never mentions it drops them silently). A dict of named templates counts if any does."""
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(t, str) and re.search(r"\btools\b", t) is not None for t in texts)
 
 
 def _text_content(content: Any) -> str:

@@ -33,14 +33,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from squeeze.serve import protocol, tokenization
-from squeeze.serve.choices import Choices, chat_body, chat_events, check_n, completion_body, completion_events
+from squeeze.serve.choices import Choices, check_n, completion_body, completion_events
 from squeeze.serve.connection_limits import BodyLimit, default_max_request_bytes
 from squeeze.serve.error_handlers import error_response, install_error_handlers
 from squeeze.serve.metrics import ServeMetrics
 from squeeze.serve.request_schema import ChatRequest, CompletionRequest
 from squeeze.serve.responses import release, respond
 from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
-from squeeze.serve.types import EngineClient, RequestError, RequestStream
+from squeeze.serve.tool_calls import tool_chat_body, tool_chat_events
+from squeeze.serve.types import EngineClient, RequestError, RequestStream, StructuredOutput
 
 logger = logging.getLogger("squeeze.serve")
 
@@ -91,6 +92,17 @@ class _AppState:
 
     async def off_loop(self, fn: Callable[..., _T], *arguments: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *arguments)
+
+    async def compile_grammar(self, found: tuple[StructuredOutput, str] | None) -> StructuredOutput | None:
+        """Compile a request's grammar on the tokenizer thread (a 400 naming the field when it does not
+        compile, or when the engine has no structured output); the grammar, or None."""
+        if found is None:
+            return None
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if compile_grammar is None:
+            raise RequestError("this engine does not support structured output", param=found[1])
+        await self.off_loop(compile_grammar, *found)
+        return found[0]
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -244,6 +256,7 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
             echoes = [p if isinstance(p, str) else await off_loop(engine.detokenize, p) for p in body.prompt]
         request_id, created = protocol.new_request_id("cmpl"), protocol.now()
         params = body.sampling_params()
+        await state.compile_grammar(body.structured_output())
         choices = Choices.submit(engine, request_id, prompts, params, body.choices_per_prompt, echoes)
         in_flight.add(choices)
         return await respond(
@@ -260,8 +273,10 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
         state.check_model(body.model)
         check_n(engine, body.choices_per_prompt)
         check_choice_count(engine, 1, body.choices_per_prompt)
-        prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages())
-        params = body.sampling_params(len(prompt_ids), engine.max_model_len)
+        plan = body.tool_plan()
+        structured = await state.compile_grammar(body.structured_for(plan))
+        prompt_ids = await off_loop(engine.tokenize_chat, body.template_messages(), plan.template_tools)
+        params = body.sampling_params(len(prompt_ids), engine.max_model_len, structured)
         request_id, created = protocol.new_request_id("chatcmpl"), protocol.now()
         choices = Choices.submit(engine, request_id, [prompt_ids], params, body.choices_per_prompt)
         in_flight.add(choices)
@@ -270,8 +285,8 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
             choices,
             in_flight,
             body.stream,
-            lambda: chat_events(engine, choices, model_name, created, body.include_usage),
-            lambda: chat_body(engine, choices, model_name, created),
+            lambda: tool_chat_events(engine, choices, model_name, created, body.include_usage, plan),
+            lambda: tool_chat_body(engine, choices, model_name, created, plan),
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,9 @@ class Sequence:
     block_names: list[bytes] | None = None
     #: The prompt's log-probabilities so far (requests with ``prompt_logprobs``), the first token's None.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: The request's grammar matcher (xgrammar, squeeze.serve.grammar), advanced with each chosen token; None
+    #: without structured output. It is the sequence's: a preemption recomputes the KV and leaves it alone.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.text = TextState(self.params.stop)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from squeeze.errors import ConfigError, SqueezeError
-from squeeze.runtime.sampling_params import SamplingParams  # one sampling options class for run and serve
+from squeeze.runtime.sampling_params import SamplingParams, StructuredOutput  # one options class: run and serve
 
 #: Why a request stopped: an end-of-sequence token or a stop string ("stop"), max_tokens ("length"), the
 #: client went away or the server shut down ("abort"), or the engine failed on it ("error").
@@ -231,9 +231,11 @@ class EngineClient(Protocol):
         of range)."""
         ...
 
-    def tokenize_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The chat template applied to ``messages`` (with the generation prompt) as ids; RequestError when the
-        tokenizer has no chat template."""
+    def tokenize_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template applied to ``messages`` and ``tools`` (with the generation prompt) as ids;
+        RequestError when the tokenizer has no chat template, or tools are given and it does not render them."""
         ...
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -275,6 +277,7 @@ __all__ = [
     "EngineStoppedError",
     "EngineConfig",
     "SamplingParams",
+    "StructuredOutput",
     "TokenLogprob",
     "RequestOutput",
     "EngineStats",

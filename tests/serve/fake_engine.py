@@ -119,6 +119,7 @@ class FakeEngine:
         self.cancelled: list[str] = []
         #: the messages of every tokenize_chat call.
         self.chat_calls: list[list[dict[str, Any]]] = []
+        self.chat_tools: list[list[dict[str, Any]] | None] = []
         #: raised by the next submit (then cleared), to test the server's error paths.
         self.fail_next_submit: Exception | None = None
         self.start_calls = 0
@@ -153,10 +154,13 @@ class FakeEngine:
     def tokenizer_info(self) -> dict[str, Any]:
         return {"tokenizer_class": "FakeTokenizer", "eos_token": "EOS", "bos_token": None, "pad_token": None}
 
-    def tokenize_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def tokenize_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         if not self.chat_template:
             raise RequestError("this model has no chat template", param="messages")
         self.chat_calls.append([dict(m) for m in messages])
+        self.chat_tools.append(None if tools is None else list(tools))
         return self.tokenize(" ".join(f"{m['role']}: {m['content']}" for m in messages))
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str) -> FakeStream:

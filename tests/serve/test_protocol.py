@@ -165,9 +165,9 @@ def test_chat_messages() -> None:
     ("fields", "field", "message"),
     [
         ({"messages": []}, "messages", "at least 1 item"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'system', 'developer'"),
-        ({"messages": [{"role": "user"}]}, "messages.0.content", "Field required"),
-        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "valid string"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'system', 'developer'"),
+        ({"messages": [{"role": "user"}]}, "messages.0", "content is required"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages.0", "content is required"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content",
@@ -179,8 +179,11 @@ def test_chat_messages() -> None:
         ({**chat(), "logprobs": 1}, "logprobs", "valid boolean"),
         ({**chat(), "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({**chat(), "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-        ({**chat(), "tools": [{"type": "function"}]}, "tools", "tool and function calling"),
-        ({**chat(), "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({**chat(), "tools": [{"type": "function"}]}, "tools.0.function", "required"),
+        ({**chat(), "functions": [{"name": "f"}]}, "functions", "send tools"),
+        ({**chat(), "response_format": {"type": "xml"}}, "response_format", "'text', 'json_object' or 'json_schema'"),
+        ({**chat(), "response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+        ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages.0", "content is required"),
         ({**chat(), "n": 17}, "n", "less than or equal to 16"),
     ],
 )
