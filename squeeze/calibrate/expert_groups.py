@@ -63,10 +63,17 @@ class ExpertStreaming:
 
 
 def grouped_experts(block: nn.Module, streaming: ExpertStreaming | None) -> nn.Module | None:
-    """The block's experts module when it is streamed in groups: exactly one experts module, run by transformers'
-    ``grouped_mm`` implementation, with more experts than one group; else None (the block runs whole)."""
-    if streaming is None:
+    """The block's experts module when it is streamed in groups (:func:`streamable_experts`, with more experts
+    than one group); else None (the block runs whole)."""
+    experts = streamable_experts(block) if streaming is not None else None
+    if experts is None or streaming is None:
         return None
+    return experts if len(groups_of(experts, streaming.size)) > 1 else None
+
+
+def streamable_experts(block: nn.Module) -> nn.Module | None:
+    """The block's experts module if its routed experts can be streamed in groups: exactly one experts module,
+    run by transformers' ``grouped_mm`` implementation (the default), with at least 2 * MIN_GROUP experts."""
     found = [m for m in block.modules() if is_experts_module(m)]
     if len(found) != 1:
         return None
@@ -74,7 +81,7 @@ def grouped_experts(block: nn.Module, streaming: ExpertStreaming | None) -> nn.M
     config = getattr(experts, "config", None)
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return None
-    return experts if _num_experts(experts) > streaming.size else None
+    return experts if _num_experts(experts) >= 2 * MIN_GROUP else None
 
 
 def resident_modules(block: nn.Module, experts: nn.Module) -> list[nn.Module]:
@@ -420,6 +427,7 @@ def _grad_of(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "MIN_GROUP",
     "ExpertStreaming",
     "MoeBlockWalk",
     "Slicer",
@@ -429,5 +437,6 @@ __all__ = [
     "group_bounds",
     "groups_of",
     "resident_modules",
+    "streamable_experts",
     "view_slice",
 ]
