@@ -34,6 +34,7 @@ from squeeze.calibrate.block_walk import model_parts
 from squeeze.calibrate.expert_groups import group_bounds
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression import expert_plan, streaming
+from squeeze.compression.machine import Machine, this_machine
 from squeeze.compression.preflight import (
     BASE_PROCESS_BYTES,
     check_context_length,
@@ -58,6 +59,9 @@ class Rates:
     """Per-unit costs of the stages on one machine (seconds), read from plan_rates.json."""
 
     machine: str
+    cpu_model: str  # squeeze.compression.machine: the machine the rates were measured on
+    isa: str
+    cores: int
     measured: str
     command: str
     startup_s: float  # the process (python, torch, transformers), the tokenizer and the calibration windows
@@ -127,6 +131,11 @@ def load_rates(device_type: str) -> Rates | None:
     return None if entry is None else Rates(**{k: v for k, v in entry.items() if not k.startswith("_")})
 
 
+def rates_machine(rates: Rates) -> Machine:
+    """The machine ``rates`` were measured on."""
+    return Machine(rates.cpu_model, rates.isa, rates.cores)
+
+
 def plan_compress(
     model: str | ModelSource,
     recipe: Recipe,
@@ -173,6 +182,11 @@ def plan_compress(
     expert_group = groups_plan.group if groups_plan is not None else None
     sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group)
     rates = load_rates(compute.type if compute is not None else "cpu")
+    if rates is not None and (here := this_machine()).differs(rates_machine(rates)):
+        notes.append(
+            f"the times use rates measured on {rates_machine(rates).describe()}; this machine is {here.describe()}: "
+            "they are that machine's times (plan_rates.json's _refresh says how to measure this one's)"
+        )
     work = _Work(
         host=host,
         gpu=gpu,

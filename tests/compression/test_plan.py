@@ -160,3 +160,23 @@ def test_expert_groups_are_sized_to_the_budget_and_the_minimum_is_one_group() ->
     with pytest.raises(ResourceError, match=r"below the minimum of .* one group of 2 of its 384 routed experts"):
         expert_plan.check_expert_budget(plan(50e9), int(50e9))
     expert_plan.check_expert_budget(plan(50e9), int(50e9), force=True)  # --force lets it through
+
+
+def test_rates_name_their_machine_and_a_plan_elsewhere_says_so(
+    config_only: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """plan_rates.json records the CPU model, ISA and cores it was measured on; a plan made on another machine
+    keeps the times and says whose they are."""
+    from squeeze.compression import plan as plan_module
+    from squeeze.compression.machine import Machine
+
+    rates = load_rates("cpu")
+    assert rates is not None and rates.cpu_model and rates.isa and rates.cores >= 1
+    monkeypatch.setattr(plan_module, "this_machine", lambda: Machine("Other CPU", "AVX2", 64))
+    plan = api.plan_compress(str(config_only), "w4", calibration_overrides={"num_samples": 4, "seq_len": 32})
+    (note,) = [n for n in plan.notes if "rates measured on" in n]
+    assert rates.cpu_model in note and "Other CPU, AVX2, 64 cores" in note
+    assert plan.ranks[0].total_seconds is not None
+    monkeypatch.setattr(plan_module, "this_machine", lambda: plan_module.rates_machine(rates))
+    same = api.plan_compress(str(config_only), "w4", calibration_overrides={"num_samples": 4, "seq_len": 32})
+    assert not any("rates measured on" in n for n in same.notes)
