@@ -195,6 +195,8 @@ def test_experts_streamed_in_groups_match_the_whole_block(family: str, size: int
     windows = _windows(96, n=2)
     want = _reference(model, windows, targets)
     _assert_identical(blockwise_fisher(model, windows, targets, experts=ExpertStreaming(size)), want)
+    cpu = torch.device("cpu")  # the --device path (each step placed; a group's slices moved with their module)
+    _assert_identical(blockwise_fisher(model, windows, targets, experts=ExpertStreaming(size), device=cpu), want)
     model.save_pretrained(tmp_path)
     lazy = LazyModel(resolve_model(str(tmp_path)))
     lazy_targets = {name: target_at(lazy.model, name) for name in targets}
