@@ -119,13 +119,17 @@ def test_gguf_source_refused(tmp_path: Path) -> None:
 
 
 def _tiny_moe(family: str) -> Any:
-    """A tiny random Qwen3-MoE or gpt-oss (4 experts, hidden 64, 2 layers): its experts are 3-D parameters."""
+    """A tiny random Qwen3-MoE or gpt-oss (4 experts, hidden 64, 2 layers) or Mixtral (6 experts, top-3): its
+    experts are 3-D parameters."""
     import transformers as tf
 
     dims = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
     dims |= {"num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 96, "head_dim": 16}
     if family == "qwen3_moe":
         config = tf.Qwen3MoeConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    elif family == "mixtral":
+        dims.pop("head_dim")
+        config = tf.MixtralConfig(**dims, num_local_experts=6, num_experts_per_tok=3)
     else:
         layers = ["sliding_attention", "full_attention"]
         config = tf.GptOssConfig(
@@ -181,7 +185,7 @@ def test_lazy_model_reads_experts_saved_one_tensor_per_expert(family: str, tmp_p
         assert torch.equal(lazy.read_state(name), loaded.get_parameter(name)), name
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 @pytest.mark.parametrize("size", [2, 3])
 def test_experts_streamed_in_groups_match_the_whole_block(family: str, size: int, tmp_path: Path) -> None:
     """A MoE block's routed experts streamed a group at a time (attention and router resident, each group's
