@@ -213,6 +213,11 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
         check_memory(job.peak_estimate, force)
     else:
         check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
+        if (device_bytes := _device_bytes(job.device)) is not None:  # --device cuda: experts in groups that fit it
+            plan = expert_plan.plan_expert_groups(
+                skeleton, job.recipe, targets, seq_len, estimate.total_bytes, None, device_bytes
+            )
+            job.expert_group = plan.group
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
         if job.device is not None:  # the Fisher runs block by block on the device (blockwise.py)

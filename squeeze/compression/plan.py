@@ -177,7 +177,12 @@ def plan_compress(
         host, gpu = groups_plan.peak_bytes, groups_plan.device_peak_bytes
     else:
         host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, size.total_bytes, compute)
-        gpu = expert_plan.device_peak_bytes(skeleton, targets, seq_len, None, recipe) if cuda else None
+        gpu = None
+        if cuda:  # the experts in groups that fit an 80 GB GPU, as the run picks them for its device
+            groups_plan = expert_plan.plan_expert_groups(
+                skeleton, recipe, targets, seq_len, size.total_bytes, None, expert_plan.DEFAULT_DEVICE_BYTES
+            )
+            gpu = groups_plan.device_peak_bytes
     notes.extend(_notes(groups_plan, max_memory, gpu, ranks))
     expert_group = groups_plan.group if groups_plan is not None else None
     sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group)
@@ -218,7 +223,7 @@ def plan_compress(
         notes=tuple(notes),
         expert_group=groups_plan.group if groups_plan is not None else None,
         experts=groups_plan.experts if groups_plan is not None else 0,
-        minimum_bytes=groups_plan.minimum_bytes if groups_plan is not None else None,
+        minimum_bytes=groups_plan.minimum_bytes if groups_plan is not None and max_memory is not None else None,
     )
 
 
@@ -230,9 +235,13 @@ def _notes(groups: expert_plan.ExpertPlan | None, max_memory: int | None, gpu: i
             f"--max-memory {max_memory / 1e9:.2f} GB is below this run's minimum of {groups.minimum_bytes / 1e9:.2f} GB"
         )
     if groups is not None and groups.group is not None:
-        notes.append(
-            f"routed experts streamed {groups.group} at a time inside each MoE block (of {groups.experts}); "
+        fit = (
             f"the smallest admissible --max-memory is {groups.minimum_bytes / 1e9:.2f} GB"
+            if max_memory is not None
+            else "to fit an 80 GB GPU"
+        )
+        notes.append(
+            f"routed experts streamed {groups.group} at a time inside each MoE block (of {groups.experts}); {fit}"
         )
         if ranks > 1:
             notes.append(

@@ -108,7 +108,9 @@ def quantize_stage(job: CompressJob) -> None:
                 job.fisher.pop(name, None)
                 job.hessians.pop(name, None)
         else:
-            tensors, meta = quantize_group(job, names)
+            # --device cuda with a MoE block too large for the device: its experts' rows a group at a time (views)
+            streaming = ExpertStreaming(job.expert_group) if job.expert_group is not None else None
+            tensors, meta = quantize_group(job, names, streaming)
             with timed(job.timings, "checkpoint"):
                 job.work.save_group(index, tensors, meta)
         done += len(names)

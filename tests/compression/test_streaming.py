@@ -326,3 +326,41 @@ def test_a_moe_bounded_run_with_expert_groups_is_byte_identical(
     _assert_same_artifact(tmp_path / "bounded", tmp_path / "unbounded")
     assert result.expert_group == 2 and result.to_dict()["expert_group"] == 2
     assert set(slices) == {(0, 2), (2, 4)}  # never the whole parameter
+
+
+def test_a_moe_device_run_with_expert_groups_is_byte_identical(
+    tmp_path: Path, tiny_tokenizer: Any, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device without --max-memory: when the device cannot hold a whole MoE block, preflight streams its experts
+    in groups (here the device's memory is pinned to 1 byte, so the smallest group, 2, is used on device="cpu"):
+    the same artifact as the host run."""
+    from squeeze.compression import pipeline, sensitivity
+
+    monkeypatch.setattr(pipeline, "_device_bytes", lambda device: 1)
+    used: list[int | None] = []
+    fisher = sensitivity.blockwise_fisher
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        used.append(kwargs["experts"].size if kwargs.get("experts") is not None else None)
+        return fisher(*args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "blockwise_fisher", recorded)
+    source = _save_moe(tmp_path / "model", "qwen3_moe", tiny_tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for out, device in (("host", None), ("device", "cpu")):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                api.compress(
+                    str(source),
+                    tmp_path / out,
+                    recipe="w4",
+                    calibration=str(tiny_text_file),
+                    calibration_overrides={"num_samples": 2, "seq_len": 32},
+                    device=device,
+                )
+    finally:
+        torch.set_num_threads(threads)
+    assert used == [2]
+    _assert_same_artifact(tmp_path / "device", tmp_path / "host")
