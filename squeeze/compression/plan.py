@@ -185,7 +185,8 @@ def plan_compress(
             gpu = groups_plan.device_peak_bytes
     notes.extend(_notes(groups_plan, max_memory, gpu, ranks))
     expert_group = groups_plan.group if groups_plan is not None else None
-    sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group)
+    # with ranks, expert groups are dealt one by one (each rank's count is then of those units)
+    sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group if ranks > 1 else None)
     rates = load_rates(compute.type if compute is not None else "cpu")
     if rates is not None and (here := this_machine()).differs(rates_machine(rates)):
         notes.append(
