@@ -241,3 +241,29 @@ def test_expert_groups_are_balanced_and_never_single() -> None:
     assert group_bounds(16, 16) == [(0, 16)]
     with pytest.raises(ValueError, match="at least 2"):
         ExpertStreaming(1)
+
+
+def test_expert_groups_combine_window_shares_in_rank_order() -> None:
+    """Under torchrun each rank streams the same expert groups over its share of the windows; ``combine`` gets
+    every group's float64 sums (the experts' per group, then the block's resident ones) in the same order on
+    every rank, so adding rank 1's to rank 0's there gives the one-process bits."""
+    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.models.targets import find_targets
+
+    model = _tiny_moe("qwen3_moe")
+    targets: dict[str, Any] = dict(find_targets(model, ["q_proj", "down_proj", "gate_up_proj"], []))
+    windows = _windows(96, n=3)
+    want = _reference(model, windows, targets)
+    shares: list[dict[str, torch.Tensor]] = []
+    blockwise_fisher(model, windows[1:], targets, experts=ExpertStreaming(2), combine=lambda s: shares.append(dict(s)))
+    calls = iter(shares)
+
+    def add_rank_1(sums: dict[str, torch.Tensor]) -> None:
+        other = next(calls)
+        assert sorted(other) == sorted(sums)
+        for name in sums:
+            sums[name] += other[name]
+
+    got = blockwise_fisher(model, windows[:1], targets, experts=ExpertStreaming(2), combine=add_rank_1)
+    assert next(calls, None) is None  # as many combine calls on both ranks
+    _assert_identical(got, want)
