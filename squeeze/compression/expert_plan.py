@@ -126,7 +126,8 @@ def bounded_peak_bytes(
     block = max((s.numel for s in shapes), default=0)
     resident = max((s.resident(group) for s in shapes), default=0)
     largest = _largest_matrix(targets, shapes, group if streamed and rows_independent(recipe) else None)
-    quantize = block * 4 + max(resident, largest) * 4 + largest * 4 * 8
+    # the group's Fisher read back (a whole block's, or the largest target's), one group's weights, k-means scratch
+    quantize = max(block, largest) * 4 + max(resident, largest) * 4 + largest * 4 * 8
     unquantized = _largest_unquantized(skeleton, targets) if streamed else _largest_param(skeleton)
     write = min(recipe.output.max_shard_bytes, artifact_bytes) + unquantized * (4 + 2)
     fisher = 0

@@ -110,7 +110,7 @@ def quantize_stage(job: CompressJob) -> None:
         else:
             # --device cuda with a MoE block too large for the device: its experts' rows a group at a time (views)
             streaming = ExpertStreaming(job.expert_group) if job.expert_group is not None else None
-            tensors, meta = quantize_group(job, names, streaming)
+            tensors, meta = quantize_group(job, names, *((streaming,) if streaming is not None else ()))
             with timed(job.timings, "checkpoint"):
                 job.work.save_group(index, tensors, meta)
         done += len(names)
