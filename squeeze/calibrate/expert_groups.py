@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from squeeze.calibrate.block_walk import Combine, Materializer, Store, block_out
 from squeeze.calibrate.fisher import finish_sums, new_sums, square_and_drop_hooks
-from squeeze.models.expert_params import EXPERT_PARAM_NAMES, is_experts_module
+from squeeze.models.expert_params import EXPERT_PARAM_NAMES, is_experts_module, per_expert_parameters
 from squeeze.models.placement import on_device, to_device
 
 #: The fewest experts in a group: transformers' expert-parallel path counts one local expert's rows with
@@ -109,16 +109,10 @@ def _num_experts(experts: nn.Module) -> int:
     return int(getattr(experts, "num_experts"))  # noqa: B009 - an int attribute, not a submodule
 
 
-def expert_slice_params(experts: nn.Module) -> list[str]:
-    """The experts module's parameters cut per expert: the 3-D projections and their (E, out) biases."""
-    total = _num_experts(experts)
-    return [name for name, p in experts.named_parameters(recurse=False) if p.ndim >= 2 and p.shape[0] == total]
-
-
 @contextlib.contextmanager
 def view_slice(experts: nn.Module, start: int, stop: int) -> Iterator[None]:
     """The default :data:`Slicer`: each per-expert parameter replaced by a view of its rows ``start:stop``."""
-    names = expert_slice_params(experts)
+    names = per_expert_parameters(experts)
     saved = {name: experts._parameters[name] for name in names}
     try:
         for name, param in saved.items():
@@ -431,7 +425,6 @@ __all__ = [
     "ExpertStreaming",
     "MoeBlockWalk",
     "Slicer",
-    "expert_slice_params",
     "expert_targets",
     "grouped_experts",
     "group_bounds",

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from squeeze.errors import ConfigError
+from squeeze.models.expert_params import per_expert_parameters
 from squeeze.models.source import ModelSource
 
 _HINT_GGUF = (
@@ -146,9 +147,7 @@ class LazyModel:
         direct parameter whose dim 0 is the expert count) holding only experts ``start .. stop-1``, read from the
         source (fp32, ``requires_grad=False``): a slice of a fused tensor, or those experts' own tensors; never the
         whole parameter. The meta parameters are put back after the block."""
-        total = int(getattr(module, "num_experts"))  # noqa: B009 - an int attribute
-        names = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 2 and p.shape[0] == total]
-        saved = {name: module._parameters[name] for name in names}
+        saved = {name: module._parameters[name] for name in per_expert_parameters(module)}
         try:
             for name, meta in saved.items():
                 assert meta is not None
