@@ -23,6 +23,7 @@ The moments are summed per window in float64 and rounded to fp32 once, in window
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from squeeze.calibrate.block_walk import (
     resident,
     target_owners,
 )
+from squeeze.calibrate.expert_groups import ExpertStreaming, MoeBlockWalk, grouped_experts
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.modes import eval_mode
 from squeeze.models.placement import to_device
@@ -146,6 +148,7 @@ def blockwise_activation_sensitivity(
     on_group: GroupSink | None = None,
     progress: Progress | None = None,
     device: torch.device | None = None,
+    experts: ExpertStreaming | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`activation_sensitivity` one decoder block at a time, forwards only (the same bits).
 
@@ -154,7 +157,8 @@ def blockwise_activation_sensitivity(
     window, removed once read: only two block boundaries exist at a time) with its targets' hooks on, and its
     targets' weights are finished. ``materialized`` / ``device``: as blockwise_fisher's. Each block's group
     (and the embeddings', and an untied LM head target's) goes to ``on_group`` as soon as it is done; returns
-    everything when ``on_group`` is None, else ``{}``. ``progress(done, total)`` counts blocks."""
+    everything when ``on_group`` is None, else ``{}``. ``progress(done, total)`` counts blocks. ``experts``: a MoE
+    block's routed experts run that many at a time (squeeze.calibrate.expert_groups: the same bits)."""
     host_materialize = materialized or resident
     materialize = placed(host_materialize, device)
     embed, blocks, norm, head = model_parts(model)
@@ -170,10 +174,17 @@ def blockwise_activation_sensitivity(
         for i, block in enumerate(blocks):
             linears, others = _split({name: targets[name] for name, owner in owners.items() if owner == i})
             moments = ActivationMoments(linears)
-            with materialize(block), moments.hooks():
-                for w in range(n_windows):
-                    kw = to_device(kwargs[i][w], device)
-                    store.put(f"h{i + 1}-{w}", block_out(block(store.take(f"h{i}-{w}"), **kw)))
+            grouped = grouped_experts(block, experts)
+            if grouped is not None and experts is not None:
+                walk = MoeBlockWalk(block, grouped, experts, materialize, store, kwargs[i], device, f"a{i}")
+                walk.forward(
+                    functools.partial(_input, store, i), n_windows, functools.partial(_output, store, i), moments.hooks
+                )
+            else:
+                with materialize(block), moments.hooks():
+                    for w in range(n_windows):
+                        kw = to_device(kwargs[i][w], device)
+                        store.put(f"h{i + 1}-{w}", block_out(block(store.take(f"h{i}-{w}"), **kw)))
             kwargs[i] = []
             if linears or others:
                 sink({**moments.result(), **uniform_weights(others)})
@@ -183,6 +194,16 @@ def blockwise_activation_sensitivity(
         if progress is not None:
             progress(n_blocks + 1, n_blocks + 1)
     return done
+
+
+def _input(store: Store, index: int, w: int) -> torch.Tensor:
+    return store.get(f"h{index}-{w}")
+
+
+def _output(store: Store, index: int, w: int, hidden: torch.Tensor) -> None:
+    """Block ``index``'s output for window ``w`` kept; its input, read for the last time, forgotten."""
+    store.take(f"h{index}-{w}")
+    store.put(f"h{index + 1}-{w}", hidden)
 
 
 def _head_moments(

@@ -33,7 +33,9 @@ no device. Supported: models whose ``get_decoder()`` has
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -55,6 +57,7 @@ from squeeze.calibrate.block_walk import (
     resident,
     target_owners,
 )
+from squeeze.calibrate.expert_groups import ExpertStreaming, MoeBlockWalk, expert_targets, grouped_experts
 from squeeze.calibrate.fisher import (
     finish_sums,
     new_sums,
@@ -78,6 +81,7 @@ def blockwise_fisher(
     progress: Progress | None = None,
     combine: Combine | None = None,
     device: torch.device | None = None,
+    experts: ExpertStreaming | None = None,
 ) -> dict[str, torch.Tensor]:
     """The Fisher of ``modules``' weights (an ExpertWeight's: its 3-D parameter) over int64 ``windows (n, T)``,
     block by block (batch 1, as fisher_information's default). ``model`` may live on the meta device:
@@ -89,7 +93,9 @@ def blockwise_fisher(
     fp32 each; all blocks' inputs are kept until their backward) in files there instead of in memory, each
     removed once read for the last time. ``progress(done, total)`` counts blocks. ``combine``: see
     :data:`Combine`. ``device``: run each step there (see the module docstring); the returned (or sunk)
-    Fisher is on the host either way. Raises ConfigError for a model this cannot stream (see :func:`model_parts`).
+    Fisher is on the host either way. ``experts``: a MoE block's routed experts streamed that many at a time
+    (squeeze.calibrate.expert_groups: the same bits). Raises ConfigError for a model this cannot stream (see
+    :func:`model_parts`).
     """
     host_materialize = materialized or resident
     materialize = placed(host_materialize, device)
@@ -98,7 +104,8 @@ def blockwise_fisher(
     owners = target_owners(model, modules, embed, blocks, head)
     store = Store(spill_dir, device)
     done: dict[str, torch.Tensor] = {}
-    sink = _host_sink(on_group or done.update, combine)
+    host_sink = _on_host(on_group or done.update)
+    sink = _rounding_sink(host_sink, combine)
     total = n_blocks + 2
     tied = is_tied(embed, head)
     embed_targets = [name for name, owner in owners.items() if owner == "embed"]
@@ -107,7 +114,7 @@ def blockwise_fisher(
         # on the host: the keyword inputs (rotary tables, masks) are the host run's, moved per block below
         kwargs = prologue(model, windows, embed, blocks, norm, host_materialize, store, bool(embed_targets))
         ids = to_device(windows, device)
-        _forward_blocks(blocks, kwargs, store, materialize, n_windows, device)
+        _forward_blocks(blocks, kwargs, store, materialize, n_windows, device, experts)
         # -- the head: dL/d(last output) per window (and an untied LM head's own Fisher); with a quantized tied
         # embedding the last outputs stay: the head's share of that weight is recomputed with the embedding's
         with materialize(norm, head):
@@ -115,9 +122,8 @@ def blockwise_fisher(
             _head_grads(ids, store, n_blocks, norm, head, head_weights, sink, keep=tied and bool(embed_targets))
         if progress:
             progress(1, total)
-        _backward_blocks(
-            blocks, kwargs, store, materialize, owners, modules, bool(embed_targets), sink, progress, device
-        )
+        walk = _Walk(store, materialize, device, experts, combine, host_sink)
+        _backward_blocks(blocks, kwargs, walk, owners, modules, bool(embed_targets), sink, progress)
         # -- the input embedding (and a tied LM head's share of its weight)
         if embed_targets:
             with materialize(embed, norm, head):
@@ -135,48 +141,79 @@ def _forward_blocks(
     materialize: Materializer,
     n_windows: int,
     device: torch.device | None,
+    experts: ExpertStreaming | None = None,
 ) -> None:
     """Forward, block by block (no grad): block i's input per window (h{i}-{w}) kept for its recomputation."""
     for i, block in enumerate(blocks):
+        grouped = grouped_experts(block, experts)
+        if grouped is not None and experts is not None:
+            walk = MoeBlockWalk(block, grouped, experts, materialize, store, kwargs[i], device, f"f{i}")
+            walk.forward(functools.partial(_get, store, i), n_windows, functools.partial(_put, store, i + 1))
+            continue
         with materialize(block), torch.no_grad():
             for w in range(n_windows):
                 kw = to_device(kwargs[i][w], device)
                 store.put(f"h{i + 1}-{w}", block_out(block(store.get(f"h{i}-{w}"), **kw)))
 
 
+def _get(store: Store, index: int, w: int) -> torch.Tensor:
+    return store.get(f"h{index}-{w}")
+
+
+def _put(store: Store, index: int, w: int, hidden: torch.Tensor) -> None:
+    store.put(f"h{index}-{w}", hidden)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What the backward walk over the blocks shares: the store, placement, expert streaming, the combine step
+    and the sink of already rounded Fisher."""
+
+    store: Store
+    materialize: Materializer
+    device: torch.device | None
+    experts: ExpertStreaming | None
+    combine: Combine | None
+    host_sink: GroupSink
+
+
 def _backward_blocks(
     blocks: Any,
     kwargs: list[Any],
-    store: Store,
-    materialize: Materializer,
+    walk: _Walk,
     owners: Mapping[str, int | str],
     modules: Mapping[str, Any],
     has_embed_targets: bool,
     sink: GroupSink,
     progress: Progress | None,
-    device: torch.device | None,
 ) -> None:
     """The blocks from the end backwards, each block's targets' Fisher handed to ``sink`` (blockwise_fisher)."""
     n_blocks = len(blocks)
     total = n_blocks + 2
+    store, materialize, device = walk.store, walk.materialize, walk.device
     for i in range(n_blocks - 1, -1, -1):
         names = [name for name, owner in owners.items() if owner == i]
         need_input = i > 0 or has_embed_targets
-        with materialize(blocks[i]):
-            kw = to_device(kwargs[i], device)
-            _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
+        grouped = grouped_experts(blocks[i], walk.experts)
+        if grouped is not None:
+            targets = {n: modules[n] for n in names}
+            _moe_block_backward(blocks[i], grouped, i, kwargs[i], targets, need_input, walk, sink)
+        else:
+            with materialize(blocks[i]):
+                kw = to_device(kwargs[i], device)
+                _block_backward(blocks[i], i, store, kw, {n: modules[n] for n in names}, need_input, sink)
         kwargs[i] = []
         if progress:
             progress(n_blocks - i + 1, total)
 
 
-def _host_sink(host_sink: GroupSink, combine: Combine | None) -> GroupSink:
-    """``host_sink`` fed each group's rounded Fisher on the host (see :func:`_rounding_sink`)."""
+def _on_host(host_sink: GroupSink) -> GroupSink:
+    """``host_sink`` fed each group's rounded Fisher on the host."""
 
     def on_host(part: dict[str, torch.Tensor]) -> None:
         host_sink({name: tensor.cpu() for name, tensor in part.items()})  # cpu(): the same tensor on the host
 
-    return _rounding_sink(on_host, combine)
+    return on_host
 
 
 def _rounding_sink(finished: GroupSink, combine: Combine | None) -> GroupSink:
@@ -252,6 +289,45 @@ def _block_backward(
                 out.backward(grad, inputs=wanted)
             if need_input:
                 store.put(f"g{index}-{w}", _take_grad(x))
+    if weights:
+        sink(sums)
+
+
+def _moe_block_backward(
+    block: nn.Module,
+    experts: nn.Module,
+    index: int,
+    kwargs: list[dict[str, Any]],
+    targets: Mapping[str, Any],
+    need_input: bool,
+    walk: _Walk,
+    sink: GroupSink,
+) -> None:
+    """:func:`_block_backward` for a MoE block whose routed experts are streamed in groups
+    (squeeze.calibrate.expert_groups): the experts' Fisher group by group, then the resident targets' and
+    dL/d(input) in one last backward per window. Both inputs are taken from the store."""
+    assert walk.experts is not None
+    store = walk.store
+    moe = MoeBlockWalk(block, experts, walk.experts, walk.materialize, store, kwargs, walk.device, f"b{index}")
+    n_windows = len(kwargs)
+    moe.capture(lambda w: store.get(f"h{index}-{w}"), n_windows)
+    moe.rows(n_windows)
+    with walk.materialize(*moe.resident), torch.enable_grad():
+        for w in range(n_windows):
+            moe.output_grads(store.get(f"h{index}-{w}"), store.get(f"g{index + 1}-{w}"), w)
+    routed = expert_targets(experts, targets)
+    expert_fisher = moe.group_backward(n_windows, routed, walk.combine)  # also the slots' input gradients
+    if expert_fisher:  # combined and rounded group by group
+        walk.host_sink(expert_fisher)
+    with walk.materialize(*moe.resident):
+        weights = _weights({n: t for n, t in targets.items() if n not in routed})
+        sums = new_sums(weights)
+        with torch.enable_grad(), _requires_grad(weights.values()), square_and_drop_hooks(weights, sums):
+            for w in range(n_windows):
+                x = store.take(f"h{index}-{w}").detach().requires_grad_(need_input)
+                moe.input_backward(x, store.take(f"g{index + 1}-{w}"), w)
+                if need_input:
+                    store.put(f"g{index}-{w}", _take_grad(x))
     if weights:
         sink(sums)
 

@@ -104,6 +104,7 @@ class CompressResult:
     #: --max-memory: the budget and preflight's estimate of the bounded run's peak resident bytes (0: unbounded)
     max_memory: int = 0
     peak_estimate_bytes: int = 0
+    expert_group: int = 0  # routed experts resident at once in a bounded run of a MoE model (0: whole blocks)
     #: --device: where the blocks were computed ("cuda:0", "cpu"); "" for the host run without a device
     device: str = ""
     #: a MoE model: the (layer, expert) pairs quantized, and those the calibration never routed to (zero
@@ -128,6 +129,7 @@ class CompressResult:
             **({"plan": self.plan} if self.plan is not None else {}),
             **(
                 {"max_memory": self.max_memory, "peak_estimate_bytes": self.peak_estimate_bytes}
+                | ({"expert_group": self.expert_group} if self.expert_group else {})
                 if self.max_memory
                 else {}
             ),
@@ -159,6 +161,9 @@ class CompressJob:
     max_memory: int | None = None
     #: preflight (--max-memory): the estimated peak resident bytes of the bounded run
     peak_estimate: int = 0
+    #: preflight (--max-memory): routed experts of a MoE block resident at once (squeeze.compression.expert_plan;
+    #: the same bits whatever it is); None: every block whole
+    expert_group: int | None = None
     #: ``--device``: the device each block is moved to for its Fisher and its quantization (the model stays on
     #: the host, or is read lazily); None: everything on the host, as before. Checked in preflight.check_device.
     device: torch.device | None = None
@@ -219,6 +224,7 @@ class CompressJob:
             plan=plan,
             max_memory=self.max_memory or 0,
             peak_estimate_bytes=self.peak_estimate,
+            expert_group=self.expert_group or 0,
             device=str(self.device) if self.device is not None else "",
         )
 

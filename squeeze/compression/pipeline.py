@@ -21,7 +21,7 @@ import torch
 
 from squeeze.calibrate.block_walk import model_parts
 from squeeze.calibrate.hessian import hessian_bytes_bound
-from squeeze.compression import streaming
+from squeeze.compression import expert_plan, streaming
 from squeeze.compression.distributed import (
     World,
     check_visible,
@@ -204,11 +204,20 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     seq_len = calibration.seq_len if calibration else None
     if job.max_memory is not None:  # a bounded run streams block by block (streaming.py): its own, lower peak
         streaming.check_streamable(job.source, job.recipe, skeleton, targets)
-        job.peak_estimate = streaming.streaming_peak_bytes(skeleton, job.recipe, targets, seq_len, estimate.total_bytes)
+        plan = expert_plan.plan_expert_groups(
+            skeleton, job.recipe, targets, seq_len, estimate.total_bytes, job.max_memory, _device_bytes(job.device)
+        )
+        job.expert_group, job.peak_estimate = plan.group, plan.peak_bytes  # a MoE block's experts, in groups
+        expert_plan.check_expert_budget(plan, job.max_memory, force)
         check_budget(job.peak_estimate, job.max_memory, force)
         check_memory(job.peak_estimate, force)
     else:
         check_memory(estimate_peak_memory(skeleton, job.recipe, seq_len, targets=targets), force)
+        if (device_bytes := _device_bytes(job.device)) is not None:  # --device cuda: experts in groups that fit it
+            plan = expert_plan.plan_expert_groups(
+                skeleton, job.recipe, targets, seq_len, estimate.total_bytes, None, device_bytes
+            )
+            job.expert_group = plan.group
     if calibration is not None:
         check_context_length(skeleton, calibration.seq_len)
         if job.device is not None:  # the Fisher runs block by block on the device (blockwise.py)
@@ -216,6 +225,13 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     job.target_names = tuple(targets)
     job.embedding_names = embedding_names(skeleton, job.recipe, targets)  # weights.embedding_bits
     return estimate
+
+
+def _device_bytes(device: torch.device | None) -> int | None:
+    """A CUDA device's memory (what the expert groups of a bounded run must fit there); None: no CUDA device."""
+    if device is None or device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 def _run_locked(job: CompressJob) -> CompressResult:

@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from squeeze.calibrate.block_walk import model_parts
+from squeeze.calibrate.expert_groups import group_bounds
 from squeeze.calibrate.hessian import hessian_bytes_bound
-from squeeze.compression import streaming
+from squeeze.compression import expert_plan, streaming
+from squeeze.compression.machine import Machine, this_machine
 from squeeze.compression.preflight import (
     BASE_PROCESS_BYTES,
     check_context_length,
@@ -49,8 +51,7 @@ from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.source import ModelSource, resolve_model
 from squeeze.models.targets import find_targets, linear_targets
 
-#: CUDA context, cuBLAS workspace and the caching allocator's slack on a device, before any tensor of the run.
-DEVICE_BASE_BYTES = 1 * 2**30
+DEVICE_BASE_BYTES = expert_plan.DEVICE_BASE_BYTES
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Rates:
     """Per-unit costs of the stages on one machine (seconds), read from plan_rates.json."""
 
     machine: str
+    cpu_model: str  # squeeze.compression.machine: the machine the rates were measured on
+    isa: str
+    cores: int
     measured: str
     command: str
     startup_s: float  # the process (python, torch, transformers), the tokenizer and the calibration windows
@@ -71,7 +75,9 @@ class Rates:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One rank's share: memory at its peak, what it computes, and its seconds per stage (None: no rate)."""
+    """One rank's share: memory at its peak, what it computes, and its seconds per stage (None: no rate).
+    ``layer_groups``: the units of quantize work dealt to it (layer groups, or with expert groups a block's own
+    targets and each expert group: plan._work_units)."""
 
     rank: int
     host_peak_bytes: int
@@ -105,6 +111,11 @@ class CompressPlan:
     rates: Rates | None
     ranks: tuple[RankPlan, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: ``--max-memory``: routed experts of a MoE block resident at once (None: every block whole), of ``experts``
+    #: per block (0: a dense model), and the smallest admissible budget (one group plus the resident part)
+    expert_group: int | None = None
+    experts: int = 0
+    minimum_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -118,6 +129,11 @@ def load_rates(device_type: str) -> Rates | None:
     text = resources.files("squeeze.compression").joinpath("plan_rates.json").read_text()
     entry = json.loads(text).get(device_type)
     return None if entry is None else Rates(**{k: v for k, v in entry.items() if not k.startswith("_")})
+
+
+def rates_machine(rates: Rates) -> Machine:
+    """The machine ``rates`` were measured on."""
+    return Machine(rates.cpu_model, rates.isa, rates.cores)
 
 
 def plan_compress(
@@ -151,17 +167,32 @@ def plan_compress(
     notes: list[str] = []
     params = _numel(skeleton)
     active = _active_parameters(skeleton, targets)
-    host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, size.total_bytes, max_memory, compute)
-    gpu = _gpu_peak(skeleton, targets, seq_len) if compute is not None and compute.type == "cuda" else None
-    if max_memory is not None and max_memory < host:
-        notes.append(f"--max-memory {max_memory / 1e9:.2f} GB is below this run's minimum of {host / 1e9:.2f} GB")
-    if max_memory is not None and ranks > 1:
-        notes.append("--max-memory under torchrun is refused by this version (issue 40 item 2): one process only")
-    if gpu is not None and gpu > 80 * 10**9:
-        notes.append(f"one block needs {gpu / 1e9:.0f} GB on the GPU: more than an 80 GB H100 holds")
-    groups = layer_groups(skeleton, targets)
-    sizes = [sum(targets[name].weight.numel() for name in names if name in targets) for names in groups]
+    cuda = compute is not None and compute.type == "cuda"
+    groups_plan = None
+    if max_memory is not None:  # a MoE block's routed experts in groups sized to the budget (and an 80 GB GPU)
+        device_bytes = expert_plan.DEFAULT_DEVICE_BYTES if cuda else None
+        groups_plan = expert_plan.plan_expert_groups(
+            skeleton, recipe, targets, seq_len, size.total_bytes, max_memory, device_bytes
+        )
+        host, gpu = groups_plan.peak_bytes, groups_plan.device_peak_bytes
+    else:
+        host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, size.total_bytes, compute)
+        gpu = None
+        if cuda:  # the experts in groups that fit an 80 GB GPU, as the run picks them for its device
+            groups_plan = expert_plan.plan_expert_groups(
+                skeleton, recipe, targets, seq_len, size.total_bytes, None, expert_plan.DEFAULT_DEVICE_BYTES
+            )
+            gpu = groups_plan.device_peak_bytes
+    notes.extend(_notes(groups_plan, max_memory, gpu, ranks))
+    expert_group = groups_plan.group if groups_plan is not None else None
+    # with ranks, expert groups are dealt one by one (each rank's count is then of those units)
+    sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group if ranks > 1 else None)
     rates = load_rates(compute.type if compute is not None else "cpu")
+    if rates is not None and (here := this_machine()).differs(rates_machine(rates)):
+        notes.append(
+            f"the times use rates measured on {rates_machine(rates).describe()}; this machine is {here.describe()}: "
+            "they are that machine's times (plan_rates.json's _refresh says how to measure this one's)"
+        )
     work = _Work(
         host=host,
         gpu=gpu,
@@ -191,7 +222,54 @@ def plan_compress(
         rates=rates,
         ranks=plans,
         notes=tuple(notes),
+        expert_group=groups_plan.group if groups_plan is not None else None,
+        experts=groups_plan.experts if groups_plan is not None else 0,
+        minimum_bytes=groups_plan.minimum_bytes if groups_plan is not None and max_memory is not None else None,
     )
+
+
+def _notes(groups: expert_plan.ExpertPlan | None, max_memory: int | None, gpu: int | None, ranks: int) -> list[str]:
+    """What the plan finds over budget, and the expert groups it chose."""
+    notes: list[str] = []
+    if groups is not None and max_memory is not None and max_memory < groups.minimum_bytes:
+        notes.append(
+            f"--max-memory {max_memory / 1e9:.2f} GB is below this run's minimum of {groups.minimum_bytes / 1e9:.2f} GB"
+        )
+    if groups is not None and groups.group is not None:
+        fit = (
+            f"the smallest admissible --max-memory is {groups.minimum_bytes / 1e9:.2f} GB"
+            if max_memory is not None
+            else "to fit an 80 GB GPU"
+        )
+        notes.append(
+            f"routed experts streamed {groups.group} at a time inside each MoE block (of {groups.experts}); {fit}"
+        )
+        if ranks > 1:
+            notes.append(
+                "quantize work dealt to ranks by (block, expert group) in this plan; the run deals whole layer groups"
+            )
+    if gpu is not None and gpu > expert_plan.DEFAULT_DEVICE_BYTES:
+        notes.append(f"one step needs {gpu / 1e9:.0f} GB on the GPU: more than an 80 GB H100 holds")
+    return notes
+
+
+def _work_units(groups: list[list[str]], targets: dict[str, Any], expert_group: int | None) -> list[int]:
+    """Quantized weights per unit of work dealt to ranks: a layer group; with experts streamed in groups, a
+    block's own targets and each of its expert groups (dealt to ranks one by one)."""
+    units: list[int] = []
+    for names in groups:
+        found = [targets[name] for name in names if name in targets]
+        routed = [t for t in found if isinstance(t, ExpertWeight)] if expert_group is not None else []
+        own = sum(t.weight.numel() for t in found if not any(t is r for r in routed))
+        if not routed:
+            units.append(own)
+            continue
+        if own:
+            units.append(own)
+        count = routed[0].experts
+        for start, stop in group_bounds(count, expert_group or count):
+            units.append(sum(t.weight.numel() * (stop - start) // count for t in routed))
+    return units
 
 
 def _uses_hessians(recipe: Recipe) -> bool:
@@ -228,43 +306,16 @@ def _host_peak(
     seq_len: int | None,
     num_samples: int | None,
     artifact_bytes: int,
-    max_memory: int | None,
     device: torch.device | None,
 ) -> int:
-    """Host bytes at the peak: the bounded or unbounded preflight estimate; with a GPU and no budget the fp32
-    model, the fp32 Fisher coming back block by block and every block boundary's hidden states (in memory)."""
-    if max_memory is not None:
-        return streaming.streaming_peak_bytes(skeleton, recipe, targets, seq_len, artifact_bytes)
+    """Host bytes at the peak of an unbounded run: preflight's estimate; with a GPU the fp32 model, the fp32
+    Fisher coming back block by block and every block boundary's hidden states (in memory)."""
     if device is None or device.type == "cpu" or seq_len is None:
         return estimate_peak_memory(skeleton, recipe, seq_len, targets=targets)
     params = _numel(skeleton) * 4
     fisher = sum(t.weight.numel() for t in targets.values()) * 4
     boundaries = streaming.spill_bytes(skeleton, num_samples or 1, seq_len)
     return BASE_PROCESS_BYTES + params + max(params, fisher + boundaries)
-
-
-def _gpu_peak(skeleton: nn.Module, targets: dict[str, Any], seq_len: int | None) -> int:
-    """Device bytes at the peak of a ``--device cuda`` run: the largest of the Fisher's block step (fp32 weights,
-    float64 sums, one gradient, one window's activations and two boundaries), its head step (the LM head and
-    final norm, one window's logits with log-probabilities and two gradients), and the k-means of the largest
-    target (weight, Fisher and about eight scratch copies)."""
-    embed, blocks, _norm, head = model_parts(skeleton, option="--device")
-    config = getattr(skeleton, "config", None)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    inter = max(inter, top_k * int(getattr(config, "moe_intermediate_size", 0) or inter))
-    largest = max((t.weight.numel() for t in targets.values()), default=0)
-    quantize = largest * 4 * (1 + 1 + 8)
-    if seq_len is None:
-        return DEVICE_BASE_BYTES + quantize
-    block = max((_numel(b) for b in blocks), default=0)
-    one_window = seq_len * 4 * (12 * hidden + 4 * inter)
-    boundaries = 2 * seq_len * hidden * 4
-    fisher_block = block * (4 + 8 + 4) + one_window + boundaries
-    fisher_head = (_numel(head) + _numel(embed)) * 4 + seq_len * vocab * 4 * 4 + boundaries
-    return DEVICE_BASE_BYTES + max(quantize, fisher_block, fisher_head)
 
 
 def _work_disk(

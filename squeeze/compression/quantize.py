@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from squeeze.calibrate.expert_groups import ExpertStreaming, group_bounds, view_slice
 from squeeze.compression.bit_budget import planned_recipe, without_error_compensation
 from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_recipe
+from squeeze.compression.expert_plan import rows_independent
 from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.config import Recipe
-from squeeze.models.expert_params import ExpertWeight, expert_modules, unrouted_experts
+from squeeze.models.expert_params import ExpertWeight, expert_modules, stack_experts, unrouted_experts
 from squeeze.models.placement import to_device
 from squeeze.models.targets import matrix_fisher
 from squeeze.quant.schemes import WeightFormat
@@ -44,6 +46,36 @@ def quantize_module(
     if fmt.uses_hessian and recipe.weights.error_compensation:
         return fmt.quantize(weight, fisher, recipe.weights, timer, hessian=hessian)  # type: ignore[call-arg]
     return fmt.quantize(weight, fisher, recipe.weights, timer)
+
+
+def _quantize_on(
+    job: CompressJob,
+    weight: torch.Tensor,
+    fisher: torch.Tensor | None,
+    recipe: Recipe,
+    hessian: torch.Tensor | None = None,
+) -> WeightFormat:
+    """quantize_module on the job's device (--device: k-means / sparse selection there)."""
+    if job.device is not None:
+        weight, fisher = to_device((weight, fisher), job.device)
+    return quantize_module(weight, fisher, recipe, job.timings, hessian)
+
+
+def _expert_groups(
+    job: CompressJob, module: ExpertWeight, fisher: torch.Tensor | None, recipe: Recipe, experts: ExpertStreaming
+) -> WeightFormat:
+    """An expert parameter quantized a group of experts' rows at a time (each group's rows read by
+    ``experts.slicer``, its Fisher rows sliced), the parts stacked by rows: every row quantized on its own, as in
+    the whole (E*out, in) matrix."""
+    slicer = experts.slicer or view_slice
+    parts = []
+    for start, stop in group_bounds(module.experts, experts.size):
+        with slicer(module.module, start, stop):
+            weight = stack_experts(module.weight.detach().float(), module.transposed)
+            rows = None if fisher is None else stack_experts(fisher[start:stop], module.transposed)
+            part = _quantize_on(job, weight, rows, recipe)
+        parts.append(part)
+    return type(parts[0]).cat_rows(parts)
 
 
 def layer_groups(net: nn.Module, targets: Mapping[str, object]) -> list[list[str]]:
@@ -76,7 +108,9 @@ def quantize_stage(job: CompressJob) -> None:
                 job.fisher.pop(name, None)
                 job.hessians.pop(name, None)
         else:
-            tensors, meta = quantize_group(job, names)
+            # --device cuda with a MoE block too large for the device: its experts' rows a group at a time (views)
+            streaming = ExpertStreaming(job.expert_group) if job.expert_group is not None else None
+            tensors, meta = quantize_group(job, names, *((streaming,) if streaming is not None else ()))
             with timed(job.timings, "checkpoint"):
                 job.work.save_group(index, tensors, meta)
         done += len(names)
@@ -86,9 +120,13 @@ def quantize_stage(job: CompressJob) -> None:
     job.hessians = {}
 
 
-def quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def quantize_group(
+    job: CompressJob, names: list[str], streaming: ExpertStreaming | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One group's tensors ({tensor name: tensor}) and checkpoint metadata (modules, tensor names, bits; for
-    experts modules their expert count and the experts calibration never reached)."""
+    experts modules their expert count and the experts calibration never reached). ``streaming``: an expert
+    parameter's rows quantized a group of experts at a time (read by its slicer) when the format quantizes rows
+    independently (squeeze.compression.expert_plan.rows_independent): the same bits, one group resident."""
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"modules": names, "tensors": {}, "storage_bits": {}, "specs": {}}
     experts = {name: t for name in names if isinstance(t := job.targets.get(name), ExpertWeight)}
@@ -105,18 +143,22 @@ def quantize_group(job: CompressJob, names: list[str]) -> tuple[dict[str, torch.
             recipe = planned_recipe(job.recipe, setting)
         fisher = job.fisher.pop(name, None)
         spec_extra: dict[str, Any] = {}
-        if isinstance(module, ExpertWeight):
-            # one (E*out, in) matrix, its Fisher stacked alike; no input Hessian: quantized without compensation
-            weight, recipe = module.matrix(), without_error_compensation(recipe)
+        if isinstance(module, ExpertWeight) and streaming is not None and rows_independent(recipe):
             if fisher is not None:
                 expert_fisher[name] = fisher
-                fisher = matrix_fisher(module, fisher)
+            qweight = _expert_groups(job, module, fisher, without_error_compensation(recipe), streaming)
             spec_extra = {"experts": module.experts, "transposed": module.transposed}
         else:
-            weight = module.weight.detach().float()
-        if job.device is not None:  # --device: k-means / sparse selection there; the parts come back to the host
-            weight, fisher = to_device((weight, fisher), job.device)
-        qweight = quantize_module(weight, fisher, recipe, job.timings, hessian)
+            if isinstance(module, ExpertWeight):
+                # one (E*out, in) matrix, its Fisher stacked alike; no input Hessian: quantized without compensation
+                weight, recipe = module.matrix(), without_error_compensation(recipe)
+                if fisher is not None:
+                    expert_fisher[name] = fisher
+                    fisher = matrix_fisher(module, fisher)
+                spec_extra = {"experts": module.experts, "transposed": module.transposed}
+            else:
+                weight = module.weight.detach().float()
+            qweight = _quantize_on(job, weight, fisher, recipe, hessian)
         parts = qweight.to_tensors(name)
         if job.device is not None:
             parts = {key: tensor.cpu() for key, tensor in parts.items()}

@@ -16,6 +16,7 @@ from torch import nn
 
 from squeeze.calibrate.activation import activation_sensitivity, blockwise_activation_sensitivity
 from squeeze.calibrate.blockwise import blockwise_fisher
+from squeeze.calibrate.expert_groups import ExpertStreaming
 from squeeze.calibrate.fisher import fisher_information
 from squeeze.calibrate.generated import sample_windows_from_model, start_token
 from squeeze.calibrate.hessian import input_hessians
@@ -71,15 +72,25 @@ def _fisher(job: CompressJob, windows: torch.Tensor, report: Any) -> dict[str, t
     """The Fisher of every target and quantized embedding (or, with ``weights.sensitivity: activation``, the
     activation weights that stand in for it: squeeze.calibrate.activation): on the whole model at once on the
     host, or with ``--device`` block by block on the device (the same windows, each block moved there and back)."""
+    # --device cuda: a MoE block's routed experts a group at a time when the whole block would not fit the device
+    # (preflight chose job.expert_group; views of the resident parameters, the same bits)
+    experts = ExpertStreaming(job.expert_group) if job.expert_group is not None else None
     if job.needs.activation:
         if job.device is None:
             return activation_sensitivity(job.loaded_model(), windows, job.targets, job.embeddings, progress=report)
         return blockwise_activation_sensitivity(
-            job.loaded_model(), windows, job.targets, job.embeddings, progress=report, device=job.device
+            job.loaded_model(),
+            windows,
+            job.targets,
+            job.embeddings,
+            progress=report,
+            device=job.device,
+            experts=experts,
         )
     if job.device is None:
         return fisher_information(job.loaded_model(), windows, fisher_modules(job), progress=report)
-    return blockwise_fisher(job.loaded_model(), windows, fisher_modules(job), progress=report, device=job.device)
+    modules = fisher_modules(job)
+    return blockwise_fisher(job.loaded_model(), windows, modules, progress=report, device=job.device, experts=experts)
 
 
 def fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:

@@ -104,6 +104,22 @@ def unstack_experts(matrix: torch.Tensor, experts: int, transposed: bool) -> tor
     return per_expert.transpose(1, 2) if transposed else per_expert
 
 
+def expert_count(module: nn.Module) -> int:
+    """The number of experts of an experts module: dim 0 of its 3-D projection parameters (0 when it has none)."""
+    for name in EXPERT_PARAM_NAMES:
+        param = module._parameters.get(name)
+        if param is not None and param.ndim == 3:
+            return int(param.shape[0])
+    return 0
+
+
+def per_expert_parameters(module: nn.Module) -> list[str]:
+    """The experts module's parameters cut per expert: its 3-D projections and their (E, out) biases (every
+    direct parameter whose dim 0 is the expert count)."""
+    count = expert_count(module)
+    return [name for name, p in module.named_parameters(recurse=False) if count and p.ndim >= 2 and p.shape[0] == count]
+
+
 def is_experts_module(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers experts module (its class decorated with use_experts_implementation)."""
     return isinstance(getattr(module, "is_transposed", None), bool) and isinstance(
@@ -179,9 +195,11 @@ __all__ = [
     "EXPERT_PARAM_NAMES",
     "ExpertWeight",
     "UnroutedExpertsWarning",
+    "expert_count",
     "expert_modules",
     "expert_parameters",
     "is_experts_module",
+    "per_expert_parameters",
     "stack_experts",
     "unrouted_experts",
     "unrouted_message",

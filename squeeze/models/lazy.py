@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from squeeze.errors import ConfigError
+from squeeze.models.expert_params import per_expert_parameters
 from squeeze.models.source import ModelSource
 
 _HINT_GGUF = (
@@ -139,6 +140,33 @@ class LazyModel:
                 meta = self._meta[meta_id]
                 for owner, attr in self._slots[meta_id]:
                     owner._parameters[attr] = meta
+
+    @contextlib.contextmanager
+    def experts_slice(self, module: nn.Module, start: int, stop: int) -> Iterator[None]:
+        """A MoE experts module's per-expert parameters (the 3-D projections and their (E, out) biases: every
+        direct parameter whose dim 0 is the expert count) holding only experts ``start .. stop-1``, read from the
+        source (fp32, ``requires_grad=False``): a slice of a fused tensor, or those experts' own tensors; never the
+        whole parameter. The meta parameters are put back after the block."""
+        saved = {name: module._parameters[name] for name in per_expert_parameters(module)}
+        try:
+            for name, meta in saved.items():
+                assert meta is not None
+                rows = self._read_rows(self._keys[id(meta)], start, stop, meta.dtype)
+                module._parameters[name] = nn.Parameter(rows, requires_grad=False)
+            yield
+        finally:
+            module._parameters.update(saved)
+
+    def _read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``start:stop`` of the source tensor ``key`` (dim 0: the experts), cast to ``dtype``."""
+        if key in self._parts:
+            return torch.stack(
+                [torch.cat([self.read(k, dtype) for k in keys]) for keys in self._parts[key][start:stop]]
+            )
+        key = self._aliases.get(key, key)
+        with safe_open(str(self._files[key]), framework="pt") as handle:
+            tensor = handle.get_slice(key)[start:stop]
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 #: a fused expert parameter -> the per-expert tensors it is made of, in order, under each naming in use

@@ -119,13 +119,17 @@ def test_gguf_source_refused(tmp_path: Path) -> None:
 
 
 def _tiny_moe(family: str) -> Any:
-    """A tiny random Qwen3-MoE or gpt-oss (4 experts, hidden 64, 2 layers): its experts are 3-D parameters."""
+    """A tiny random Qwen3-MoE or gpt-oss (4 experts, hidden 64, 2 layers) or Mixtral (6 experts, top-3): its
+    experts are 3-D parameters."""
     import transformers as tf
 
     dims = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
     dims |= {"num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 96, "head_dim": 16}
     if family == "qwen3_moe":
         config = tf.Qwen3MoeConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    elif family == "mixtral":
+        dims.pop("head_dim")
+        config = tf.MixtralConfig(**dims, num_local_experts=6, num_experts_per_tok=3)
     else:
         layers = ["sliding_attention", "full_attention"]
         config = tf.GptOssConfig(
@@ -179,3 +183,87 @@ def test_lazy_model_reads_experts_saved_one_tensor_per_expert(family: str, tmp_p
     assert any(name.endswith("experts.gate_up_proj") for name in state)
     for name in state:
         assert torch.equal(lazy.read_state(name), loaded.get_parameter(name)), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_experts_streamed_in_groups_match_the_whole_block(family: str, size: int, tmp_path: Path) -> None:
+    """A MoE block's routed experts streamed a group at a time (attention and router resident, each group's
+    gradient taken with the others' outputs constant) give the whole model's Fisher bit for bit: resident (views
+    of the fused parameters) and lazily read (only the group's rows read from the checkpoint, spilled)."""
+    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.models.targets import find_targets, target_at
+
+    model = _tiny_moe(family)
+    targets: dict[str, Any] = dict(find_targets(model, ["q_proj", "down_proj", "gate_up_proj"], []))
+    windows = _windows(96, n=2)
+    want = _reference(model, windows, targets)
+    _assert_identical(blockwise_fisher(model, windows, targets, experts=ExpertStreaming(size)), want)
+    cpu = torch.device("cpu")  # the --device path (each step placed; a group's slices moved with their module)
+    _assert_identical(blockwise_fisher(model, windows, targets, experts=ExpertStreaming(size), device=cpu), want)
+    model.save_pretrained(tmp_path)
+    lazy = LazyModel(resolve_model(str(tmp_path)))
+    lazy_targets = {name: target_at(lazy.model, name) for name in targets}
+    streaming = ExpertStreaming(size, lazy.experts_slice)
+    spill = tmp_path / "spill"
+    got = blockwise_fisher(
+        lazy.model, windows, lazy_targets, materialized=lazy.materialized, experts=streaming, spill_dir=spill
+    )
+    _assert_identical(got, want)
+    assert all(p.is_meta for p in lazy.model.parameters())
+    assert list(spill.iterdir()) == []  # every per-window experts tensor read back and removed
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_activation_pass_with_experts_in_groups_matches(family: str) -> None:
+    """The forward-only sensitivity sees the same hidden states with the experts run a group at a time."""
+    from squeeze.calibrate.activation import activation_sensitivity, blockwise_activation_sensitivity
+    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.models.targets import find_targets
+
+    model = _tiny_moe(family)
+    targets: dict[str, Any] = dict(find_targets(model, ["q_proj", "o_proj", "down_proj", "gate_up_proj"], []))
+    windows = _windows(96, n=2)
+    want = activation_sensitivity(model, windows, targets)
+    got = blockwise_activation_sensitivity(model, windows, targets, experts=ExpertStreaming(2))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_expert_groups_are_balanced_and_never_single() -> None:
+    """Groups of at most ``size`` experts, nearly equal, none of one expert (transformers' expert-parallel path
+    miscounts a rank holding one expert), and a size below 2 is refused."""
+    from squeeze.calibrate.expert_groups import ExpertStreaming, group_bounds
+
+    assert group_bounds(4, 3) == [(0, 2), (2, 4)]
+    assert group_bounds(384, 100) == [(0, 96), (96, 192), (192, 288), (288, 384)]
+    assert group_bounds(3, 2) == [(0, 3)]
+    assert group_bounds(16, 16) == [(0, 16)]
+    with pytest.raises(ValueError, match="at least 2"):
+        ExpertStreaming(1)
+
+
+def test_expert_groups_combine_window_shares_in_rank_order() -> None:
+    """Under torchrun each rank streams the same expert groups over its share of the windows; ``combine`` gets
+    every group's float64 sums (the experts' per group, then the block's resident ones) in the same order on
+    every rank, so adding rank 1's to rank 0's there gives the one-process bits."""
+    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.models.targets import find_targets
+
+    model = _tiny_moe("qwen3_moe")
+    targets: dict[str, Any] = dict(find_targets(model, ["q_proj", "down_proj", "gate_up_proj"], []))
+    windows = _windows(96, n=3)
+    want = _reference(model, windows, targets)
+    shares: list[dict[str, torch.Tensor]] = []
+    blockwise_fisher(model, windows[1:], targets, experts=ExpertStreaming(2), combine=lambda s: shares.append(dict(s)))
+    calls = iter(shares)
+
+    def add_rank_1(sums: dict[str, torch.Tensor]) -> None:
+        other = next(calls)
+        assert sorted(other) == sorted(sums)
+        for name in sums:
+            sums[name] += other[name]
+
+    got = blockwise_fisher(model, windows[:1], targets, experts=ExpertStreaming(2), combine=add_rank_1)
+    assert next(calls, None) is None  # as many combine calls on both ranks
+    _assert_identical(got, want)

@@ -20,6 +20,7 @@ from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.models.expert_params import UnroutedExpertsWarning
+from squeeze.models.lazy import LazyModel
 
 BUDGET = "64GB"  # above any estimate here: the run streams, preflight lets it through
 
@@ -272,8 +273,8 @@ def test_the_peak_estimate_counts_a_moe_block_with_its_experts(tmp_path: Path, t
 
 
 def test_a_moe_budget_below_the_minimum_is_refused_naming_it(tmp_path: Path, tiny_tokenizer: Any) -> None:
-    """A MoE budget below the bounded minimum (today one whole block with every expert resident) is refused
-    before any work, naming the minimum preflight estimated, which passes."""
+    """A MoE budget below the bounded minimum (the resident part of a block plus one group of 2 routed experts)
+    is refused before any work, naming the minimum preflight estimated, which passes."""
     source = _save_moe(tmp_path / "model", "qwen3_moe", tiny_tokenizer)
     with pytest.raises(ResourceError, match=r"--max-memory 100MB is below the minimum of (\d+)MB") as info:
         api.compress(str(source), tmp_path / "out", recipe="rtn-w4", max_memory="100MB")
@@ -282,3 +283,84 @@ def test_a_moe_budget_below_the_minimum_is_refused_naming_it(tmp_path: Path, tin
     minimum = re.search(r"minimum of (\d+)MB", str(info.value))
     assert minimum is not None
     api.compress(str(source), tmp_path / "out", recipe="rtn-w4", max_memory=f"{int(minimum.group(1)) + 1}MB")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_moe_bounded_run_with_expert_groups_is_byte_identical(
+    family: str, tmp_path: Path, tiny_tokenizer: Any, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routed experts streamed two at a time (Fisher, k-means, write) give the unbounded run's artifact byte for
+    byte; the summary names the group size. (The budget's choice of the size is tested on plans below: here it is
+    pinned to 2, as a budget between the two peaks of so tiny a model cannot be told apart.)"""
+    from dataclasses import replace
+
+    from squeeze.compression import expert_plan, pipeline
+
+    chosen = expert_plan.plan_expert_groups
+    monkeypatch.setattr(pipeline.expert_plan, "plan_expert_groups", lambda *a, **k: replace(chosen(*a, **k), group=2))
+    slices: list[tuple[int, int]] = []
+    original = LazyModel.experts_slice
+
+    def counted(self: LazyModel, module: Any, start: int, stop: int) -> Any:
+        slices.append((start, stop))
+        return original(self, module, start, stop)
+
+    monkeypatch.setattr(LazyModel, "experts_slice", counted)
+    source = _save_moe(tmp_path / "model", family, tiny_tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for out, budget in (("unbounded", None), ("bounded", BUDGET)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = api.compress(
+                    str(source),
+                    tmp_path / out,
+                    recipe="w4",
+                    calibration=str(tiny_text_file),
+                    calibration_overrides={"num_samples": 2, "seq_len": 32},
+                    max_memory=budget,
+                )
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_artifact(tmp_path / "bounded", tmp_path / "unbounded")
+    assert result.expert_group == 2 and result.to_dict()["expert_group"] == 2
+    assert set(slices) == {(0, 2), (2, 4)}  # never the whole parameter
+
+
+def test_a_moe_device_run_with_expert_groups_is_byte_identical(
+    tmp_path: Path, tiny_tokenizer: Any, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device without --max-memory: when the device cannot hold a whole MoE block, preflight streams its experts
+    in groups (here the device's memory is pinned to 1 byte, so the smallest group, 2, is used on device="cpu"):
+    the same artifact as the host run."""
+    from squeeze.compression import pipeline, sensitivity
+
+    monkeypatch.setattr(pipeline, "_device_bytes", lambda device: 1)
+    used: list[int | None] = []
+    fisher = sensitivity.blockwise_fisher
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        used.append(kwargs["experts"].size if kwargs.get("experts") is not None else None)
+        return fisher(*args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "blockwise_fisher", recorded)
+    source = _save_moe(tmp_path / "model", "qwen3_moe", tiny_tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for out, device in (("host", None), ("device", "cpu")):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                api.compress(
+                    str(source),
+                    tmp_path / out,
+                    recipe="w4",
+                    calibration=str(tiny_text_file),
+                    calibration_overrides={"num_samples": 2, "seq_len": 32},
+                    device=device,
+                )
+    finally:
+        torch.set_num_threads(threads)
+    assert used == [2]
+    _assert_same_artifact(tmp_path / "device", tmp_path / "host")

@@ -23,11 +23,13 @@ from torch import nn
 from squeeze.calibrate.activation import blockwise_activation_sensitivity
 from squeeze.calibrate.block_walk import Combine
 from squeeze.calibrate.blockwise import blockwise_fisher
+from squeeze.calibrate.expert_groups import ExpertStreaming
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
 from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact
 from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_targets
+from squeeze.compression.expert_plan import rows_independent
 from squeeze.compression.job import CompressJob, timed
 from squeeze.compression.pipelines.registry import Pipeline, register
 from squeeze.compression.publish import publish_stage
@@ -108,6 +110,7 @@ def fisher_pass(
     lazy: LazyModel = job.lazy
     try:
         # linears, embeddings and expert parameters (an ExpertWeight's ``.weight`` is its 3-D parameter)
+        streaming = expert_streaming(job)
         if job.needs.activation:  # forwards only, block by block: squeeze.calibrate.activation
             blockwise_activation_sensitivity(
                 lazy.model,
@@ -119,6 +122,7 @@ def fisher_pass(
                 on_group=on_group,
                 progress=report,
                 device=job.device,
+                experts=streaming,
             )
         else:
             modules: dict[str, Any] = {**job.targets, **job.embeddings}
@@ -132,6 +136,7 @@ def fisher_pass(
                 progress=report,
                 combine=combine,
                 device=job.device,  # --device: each block moved there for its recomputation and backward
+                experts=streaming,  # a MoE block's routed experts a group at a time (the same bits)
             )
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
@@ -151,9 +156,16 @@ def quantize_stage(job: CompressJob) -> None:
             committed = job.work.has_group(index, names)
         if not committed:
             job.fisher = _group_fisher(job, index, names) if job.calibration is not None else {}
-            modules = [_module(job.targets[name] if name in job.targets else job.embeddings[name]) for name in names]
+            streaming = expert_streaming(job)
+            grouped = [name for name in names if _in_groups(job.targets.get(name), streaming, job)]
+            modules = [
+                _module(job.targets[name] if name in job.targets else job.embeddings[name])
+                for name in names
+                if name not in grouped
+            ]
             with lazy.materialized(*modules):
-                tensors, meta = quantize.quantize_group(job, names)
+                grouping = (streaming,) if streaming is not None else ()  # a dense model: the plain call
+                tensors, meta = quantize.quantize_group(job, names, *grouping)
             with timed(job.timings, "checkpoint"):
                 job.work.save_group(index, tensors, meta)
             del tensors
@@ -161,6 +173,19 @@ def quantize_stage(job: CompressJob) -> None:
         if job.progress:
             job.progress("quantize", done, len(job.targets))
     job.fisher = {}
+
+
+def expert_streaming(job: CompressJob) -> ExpertStreaming | None:
+    """The job's expert groups (preflight chose their size from the budget), each read by LazyModel.experts_slice."""
+    if job.expert_group is None:
+        return None
+    lazy: LazyModel = job.lazy
+    return ExpertStreaming(job.expert_group, lazy.experts_slice)
+
+
+def _in_groups(target: Any, streaming: ExpertStreaming | None, job: CompressJob) -> bool:
+    """Whether quantize_group reads this target a group of experts at a time (then it is not materialized whole)."""
+    return streaming is not None and isinstance(target, ExpertWeight) and rows_independent(job.recipe)
 
 
 def _module(target: Any) -> nn.Module:
