@@ -70,7 +70,7 @@ def tokenize(engine: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
         "count": len(ids),
         "max_model_len": limit,
         "tokens": ids,
-        "token_strs": engine.token_strings(ids, in_context=False) if body.return_token_strs else None,
+        "token_strs": engine.token_strings(ids) if body.return_token_strs else None,
     }
 
 

@@ -120,6 +120,19 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class TokenNames:
+    """How the log-probabilities of one position name their tokens (:mod:`squeeze.serve.token_names`).
+
+    ``text``: what the chosen token adds to the response's text, which ``text_offset`` counts ("" for a
+    special token the text drops and for a byte of a character not yet complete; the character on its last
+    byte). ``names``: a distinct string for the chosen token and for each alternative, keyed by id.
+    """
+
+    text: str
+    names: dict[int, str]
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One update of a request, sent as tokens are produced.
 
@@ -220,9 +233,16 @@ class EngineClient(Protocol):
         """The text of ``ids`` (special tokens kept); RequestError for an id outside the vocabulary."""
         ...
 
-    def token_strings(self, ids: Sequence[int], *, in_context: bool = True) -> list[str]:
-        """Each token's text: ``in_context``, read as part of ``ids`` (the pieces of a word-piece or byte
-        tokenizer, leading spaces included); else each id decoded alone (the alternatives of top log-probs)."""
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded alone (/tokenize's ``token_strs``)."""
+        ...
+
+    def token_names(
+        self, context: Sequence[int], entries: Sequence[TokenLogprob], *, specials: bool = False
+    ) -> list[TokenNames]:
+        """How log-probabilities name each entry's tokens, read after ``context`` (the ids before the first
+        entry) and the entries before it; ``specials``: the text spells special tokens (an echoed prompt sent
+        as ids), else they add nothing to it (generated text)."""
         ...
 
     def tokenizer_info(self) -> dict[str, Any]:
@@ -256,6 +276,7 @@ __all__ = [
     "EngineConfig",
     "SamplingParams",
     "TokenLogprob",
+    "TokenNames",
     "RequestOutput",
     "EngineStats",
     "LatencyObserver",

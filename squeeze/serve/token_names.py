@@ -1,0 +1,75 @@
+"""The strings log-probabilities name tokens by: each token read in context, distinct at every position.
+
+A token's text depends on what precedes it (a SentencePiece word's leading space, the bytes of a character),
+so each one, chosen or alternative, is named by the text it adds after the tokens before it, as the response's
+text reads it (:mod:`squeeze.runtime.text_stream`): ``" there"`` and ``"there"`` stay apart, and the chosen
+token's name is its own entry in ``tokens`` and a key of its own ``top_logprobs``. Where that text cannot tell
+tokens apart (a special token the text drops, a byte of an unfinished character, two tokens adding the same
+text) the token's vocabulary entry names it (``</s>``, ``<0xE2>``, as vLLM's ``convert_ids_to_tokens``), and
+``token_id:N`` (vLLM's spelling) where even that is taken, so ``logprobs: 20`` gives 20 keys.
+
+The text a token adds is read as vLLM's incremental detokenizer reads it: decode the tokens from the start of
+the last complete piece of text (``prefix``) through the token, and take what follows that piece's own text
+(``prefix`` to ``read``); a token that leaves a character unfinished adds nothing yet, and the offsets move on
+only past complete text, so a window never starts inside a character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from squeeze.runtime.text_stream import CONTEXT_TOKENS, INCOMPLETE, char_start
+from squeeze.serve.types import TokenLogprob, TokenNames
+
+
+def token_names(
+    tokenizer: Any, context: Sequence[int], entries: Sequence[TokenLogprob], *, specials: bool = False
+) -> list[TokenNames]:
+    """The names of each entry's chosen token and alternatives, each read after ``context`` and the entries
+    before it. ``specials``: the text spells special tokens (an echoed prompt sent as ids, which
+    ``detokenize`` writes with them); else they add nothing to it, as in generated text."""
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=not specials)) if ids else ""
+
+    tokens = [int(i) for i in context[-CONTEXT_TOKENS:]]
+    read = len(tokens)
+    while read and decode(tokens[:read]).endswith(INCOMPLETE):  # a context that ends inside a character
+        read -= 1
+    prefix = char_start(decode, tokens[:read], 0)
+    named = []
+    for entry in entries:
+        window = tokens[prefix:]
+        before = decode(tokens[prefix:read])
+
+        def added(token: int, window: list[int] = window, before: str = before) -> str | None:
+            """What ``token`` adds after the window; None while it leaves a character unfinished."""
+            full = decode([*window, token])
+            return full[len(before) :] if len(full) >= len(before) and not full.endswith(INCOMPLETE) else None
+
+        chosen = added(entry.token_id)
+        names: dict[int, str] = {}
+        for token in (entry.token_id, *(i for i, _ in entry.top)):
+            if token not in names:
+                names[token] = _distinct(chosen if token == entry.token_id else added(token), tokenizer, token, names)
+        named.append(TokenNames(chosen or "", names))
+        tokens.append(entry.token_id)
+        if chosen:  # complete text up to here: the next window starts at this token's piece
+            prefix, read = read, len(tokens)
+    return named
+
+
+def _distinct(text: str | None, tokenizer: Any, token: int, names: dict[int, str]) -> str:
+    """``text``, or the token's vocabulary entry where the text is empty, unfinished or another token's name,
+    or ``token_id:N`` where even that is taken."""
+    taken = set(names.values())
+    if text and INCOMPLETE not in text and text not in taken:
+        return text
+    entry = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(entry, str) and entry and entry not in taken:
+        return entry
+    return f"token_id:{token}"
+
+
+__all__ = ["token_names"]
