@@ -92,17 +92,18 @@ def chat_logprobs(
     entries: Sequence[TokenLogprob], name_tokens: NameTokens, top: int, context: Sequence[int] = ()
 ) -> dict[str, Any]:
     """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``,
-    each token named as :class:`LegacyLogprobs` names them; ``context``: the ids just before ``entries``."""
+    each token named as :class:`LegacyLogprobs` names them (``bytes``: a byte token's own byte, not its
+    name's); ``context``: the ids just before ``entries``."""
     named = name_tokens(context, entries) if entries else []
 
-    def item(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+    def item(names: TokenNames, token: int, logprob: float) -> dict[str, Any]:
+        return {"token": names.names[token], "logprob": logprob, "bytes": names.token_bytes(token)}
 
     content = []
-    for entry, token in zip(entries, named, strict=True):
+    for entry, names in zip(entries, named, strict=True):
         logprob = entry.logprob if entry.logprob is not None else 0.0
-        tops = [item(token.names[i], lp) for i, lp in entry.top[:top]]
-        content.append({**item(token.names[entry.token_id], logprob), "top_logprobs": tops})
+        tops = [item(names, i, lp) for i, lp in entry.top[:top]]
+        content.append({**item(names, entry.token_id, logprob), "top_logprobs": tops})
     return {"content": content}
 
 

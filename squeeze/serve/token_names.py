@@ -6,7 +6,9 @@ text reads it (:mod:`squeeze.runtime.text_stream`): ``" there"`` and ``"there"``
 token's name is its own entry in ``tokens`` and a key of its own ``top_logprobs``. Where that text cannot tell
 tokens apart (a special token the text drops, a byte of an unfinished character, two tokens adding the same
 text) the token's vocabulary entry names it (``</s>``, ``<0xE2>``, as vLLM's ``convert_ids_to_tokens``), and
-``token_id:N`` (vLLM's spelling) where even that is taken, so ``logprobs: 20`` gives 20 keys.
+``token_id:N`` (vLLM's spelling) where even that is taken, so ``logprobs: 20`` gives 20 keys. Chat's ``bytes``
+are each token's own where its vocabulary entry spells them (``<0xE2>``, a byte-level BPE entry), so the bytes of
+a character's tokens join to the character.
 
 The text a token adds is read as vLLM's incremental detokenizer reads it: decode the tokens from the start of
 the last complete piece of text (``prefix``) through the token, and take what follows that piece's own text
@@ -16,6 +18,8 @@ only past complete text, so a window never starts inside a character.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,10 +54,16 @@ def token_names(
 
         chosen = added(entry.token_id)
         names: dict[int, str] = {}
+        raw_bytes: dict[int, list[int]] = {}
         for token in (entry.token_id, *(i for i, _ in entry.top)):
-            if token not in names:
-                names[token] = _distinct(chosen if token == entry.token_id else added(token), tokenizer, token, names)
-        named.append(TokenNames(chosen or "", names))
+            if token in names:
+                continue
+            text = chosen if token == entry.token_id else added(token)
+            names[token] = _distinct(text, tokenizer, token, names)
+            own = _own_bytes(tokenizer, token)  # the last byte of a character is named by the character
+            if own is not None:
+                raw_bytes[token] = own
+        named.append(TokenNames(chosen or "", names, raw_bytes))
         tokens.append(entry.token_id)
         if chosen:  # complete text up to here: the next window starts at this token's piece
             prefix, read = read, len(tokens)
@@ -70,6 +80,33 @@ def _distinct(text: str | None, tokenizer: Any, token: int, names: dict[int, str
     if isinstance(entry, str) and entry and entry not in taken:
         return entry
     return f"token_id:{token}"
+
+
+def _own_bytes(tokenizer: Any, token: int) -> list[int] | None:
+    """A token's bytes read from its vocabulary entry: SentencePiece's byte tokens (``<0xE2>``) and a
+    byte-level BPE's entries (GPT-2's printable stand-ins for bytes); None for any other entry."""
+    entry = tokenizer.convert_ids_to_tokens(token)
+    if not isinstance(entry, str) or not entry:
+        return None
+    match = _BYTE_TOKEN.fullmatch(entry)
+    if match:
+        return [int(match.group(1), 16)]
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ == "ByteLevel":
+        table = _byte_level_table()
+        if all(char in table for char in entry):
+            return [table[char] for char in entry]
+    return None
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 __all__ = ["token_names"]

@@ -8,7 +8,7 @@ the :class:`EngineClient` interface (tests drive it with a fake one).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from squeeze.errors import ConfigError, SqueezeError
@@ -126,10 +126,19 @@ class TokenNames:
     ``text``: what the chosen token adds to the response's text, which ``text_offset`` counts ("" for a
     special token the text drops and for a byte of a character not yet complete; the character on its last
     byte). ``names``: a distinct string for the chosen token and for each alternative, keyed by id.
+    ``raw_bytes``: the token's own bytes where its vocabulary entry spells them (a byte token's one byte, which
+    neither its name ``<0xE2>`` nor the character its last byte completes spells); a name's UTF-8 bytes
+    otherwise.
     """
 
     text: str
     names: dict[int, str]
+    raw_bytes: dict[int, list[int]] = field(default_factory=dict)
+
+    def token_bytes(self, token: int) -> list[int]:
+        """The bytes of ``token`` as OpenAI's chat ``bytes`` field gives them."""
+        own = self.raw_bytes.get(token)
+        return own if own is not None else list(self.names[token].encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True)

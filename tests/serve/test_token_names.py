@@ -55,6 +55,31 @@ def test_a_character_spelled_in_bytes_is_written_on_its_last_byte(tokenizer: Any
             assert name.names[token] == tokenizer.convert_ids_to_tokens(token) and name.names[token].startswith("<0x")
         else:
             assert name.names[token] == piece
+    # chat's bytes: a byte token's own byte (not the bytes of its name "<0xC3>"), so they join to the text's
+    chat = chat_logprobs([TokenLogprob(t, -1.0) for t in ids], lambda c, e: token_names(tokenizer, c, e), 0, prompt)
+    assert b"".join(bytes(item["bytes"]) for item in chat["content"]) == " \u00e9\U0001f600 b".encode()
+
+
+def test_byte_level_tokens_of_a_character_carry_their_own_bytes() -> None:
+    """GPT-2-style byte-level BPE (SmolLM2, Llama 3, Qwen): "\u00e9" is two tokens, each one byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(["the cat sat on the mat"] * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    prompt = tokenizer("the cat")["input_ids"]
+    ids = tokenizer(" caf\u00e9 \U0001f600", add_special_tokens=False)["input_ids"]
+    named = token_names(tokenizer, prompt, [TokenLogprob(t, -1.0) for t in ids])
+    assert "".join(n.text for n in named) == " caf\u00e9 \U0001f600"
+    chat = chat_logprobs([TokenLogprob(t, -1.0) for t in ids], lambda c, e: token_names(tokenizer, c, e), 0, prompt)
+    assert b"".join(bytes(item["bytes"]) for item in chat["content"]) == " caf\u00e9 \U0001f600".encode()
+    assert any(n.text == "" for n in named)  # a byte of an unfinished character adds nothing yet
 
 
 def test_text_offsets_index_the_text_and_every_top_key_is_distinct(tokenizer: Any) -> None:
