@@ -30,25 +30,36 @@ def left_context(ids: Sequence[int]) -> tuple[int, ...]:
 def char_start(decode: Callable[[list[int]], str], ids: Sequence[int], start: int) -> int:
     """The first index from ``start`` at which ``ids`` decode from the start of a character: a window that
     begins inside one decodes its orphan bytes as U+FFFD, and a SentencePiece byte-fallback decoder then writes
-    every byte token in the same run as U+FFFD, the whole characters around them included."""
+    every byte token in the same run as U+FFFD, the whole characters around them included. A token is passed
+    over only when that leaves fewer leading U+FFFD (at most 3: a character's continuation bytes), so a text
+    that holds U+FFFD itself keeps its context."""
     start = max(0, start)
-    while start < len(ids) and decode(list(ids[start:])).startswith(INCOMPLETE):
-        start += 1
+    lead = _leading_incomplete(decode(list(ids[start:])))
+    for _ in range(3):
+        if not lead or start >= len(ids):
+            break
+        fewer = _leading_incomplete(decode(list(ids[start + 1 :])))
+        if fewer >= lead:
+            break
+        start, lead = start + 1, fewer
     return start
+
+
+def _leading_incomplete(text: str) -> int:
+    return len(text) - len(text.lstrip(INCOMPLETE))
 
 
 def text_after(full: str, before: str) -> str:
     """What ``full`` (the decoded context and new tokens) adds to ``before`` (the decoded context alone).
 
-    A character whose bytes began in the context and end in the new tokens belongs to the new text (the
-    context's incomplete tail is not counted as read); a tokenizer that rewrites the context's text when
-    more follows (none of the usual ones do) gives the text from where the two first differ.
+    Where the new tokens rewrite the end of the context's text (they finish a character whose bytes began in
+    the context, or a byte-fallback decoder rewrites a run of bytes while one is unfinished), the text from
+    where the two first differ.
     """
-    base = before.rstrip(INCOMPLETE)
-    if full.startswith(base):
-        return full[len(base) :]
+    if full.startswith(before):
+        return full[len(before) :]
     common = 0
-    for a, b in zip(base, full, strict=False):
+    for a, b in zip(before, full, strict=False):
         if a != b:
             break
         common += 1

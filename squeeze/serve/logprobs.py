@@ -61,7 +61,8 @@ class LegacyLogprobs:
         named = self.name_tokens(context, entries, specials=specials) if entries else []
         offsets = []
         for token in named:
-            offsets.append(self.offset)
+            self.offset -= token.rewrites
+            offsets.append(self.offset + token.lead)
             self.offset += len(token.text)
         tops: list[dict[str, float] | None] = []
         for entry, token in zip(entries, named, strict=True):

@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from squeeze.runtime.text_stream import CONTEXT_TOKENS, INCOMPLETE, char_start
+from squeeze.runtime.text_stream import CONTEXT_TOKENS, INCOMPLETE, char_start, text_after
 from squeeze.serve.types import TokenLogprob, TokenNames
 
 
@@ -39,18 +39,20 @@ def token_names(
 
     tokens = [int(i) for i in context[-CONTEXT_TOKENS:]]
     read = len(tokens)
-    while read and decode(tokens[:read]).endswith(INCOMPLETE):  # a context that ends inside a character
-        read -= 1
-    prefix = char_start(decode, tokens[:read], 0)
+    prefix = char_start(decode, tokens, 0)
     named = []
     for entry in entries:
         window = tokens[prefix:]
         before = decode(tokens[prefix:read])
 
-        def added(token: int, window: list[int] = window, before: str = before) -> str | None:
-            """What ``token`` adds after the window; None while it leaves a character unfinished."""
+        def added(token: int, window: list[int] = window, before: str = before) -> tuple[str, int] | None:
+            """What ``token`` adds after the window (as the response's text reads it) and how many characters
+            at the end of the window's text it rewrites; None while it leaves a character unfinished."""
             full = decode([*window, token])
-            return full[len(before) :] if len(full) >= len(before) and not full.endswith(INCOMPLETE) else None
+            if full.endswith(INCOMPLETE):
+                return None
+            text = text_after(full, before)
+            return text, len(before) - (len(full) - len(text))
 
         chosen = added(entry.token_id)
         names: dict[int, str] = {}
@@ -58,19 +60,23 @@ def token_names(
         for token in (entry.token_id, *(i for i, _ in entry.top)):
             if token in names:
                 continue
-            text = chosen if token == entry.token_id else added(token)
-            names[token] = _distinct(text, tokenizer, token, names)
+            reading = (chosen if token == entry.token_id else added(token)) or ("", 0)
+            # the U+FFFD of earlier bytes that this token shows will never complete are theirs, not its own
+            names[token] = _distinct(reading[0].lstrip(INCOMPLETE), tokenizer, token, names)
             own = _own_bytes(tokenizer, token)  # the last byte of a character is named by the character
             if own is not None:
                 raw_bytes[token] = own
-        named.append(TokenNames(chosen or "", names, raw_bytes))
+        text, rewrites = chosen or ("", 0)
+        lead = len(text) - len(text.lstrip(INCOMPLETE))
+        named.append(TokenNames(text, names, raw_bytes, lead, rewrites))
         tokens.append(entry.token_id)
-        if chosen:  # complete text up to here: the next window starts at this token's piece
+        if text:  # complete text up to here: the next window starts at this token's piece (never at a special
+            # token that adds nothing: a window that starts there would lose the next word's leading space)
             prefix, read = read, len(tokens)
     return named
 
 
-def _distinct(text: str | None, tokenizer: Any, token: int, names: dict[int, str]) -> str:
+def _distinct(text: str, tokenizer: Any, token: int, names: dict[int, str]) -> str:
     """``text``, or the token's vocabulary entry where the text is empty, unfinished or another token's name,
     or ``token_id:N`` where even that is taken."""
     taken = set(names.values())

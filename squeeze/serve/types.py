@@ -134,6 +134,12 @@ class TokenNames:
     text: str
     names: dict[int, str]
     raw_bytes: dict[int, list[int]] = field(default_factory=dict)
+    #: How many U+FFFD ``text`` starts with for earlier bytes that its token shows will never complete: the
+    #: token's own text (and ``text_offset``) begins after them.
+    lead: int = 0
+    #: How many characters of the text before it the token's arrival rewrites (``text`` starts with their new
+    #: spelling): a byte-fallback decoder writes a whole run of byte tokens as U+FFFD once one is invalid.
+    rewrites: int = 0
 
     def token_bytes(self, token: int) -> list[int]:
         """The bytes of ``token`` as OpenAI's chat ``bytes`` field gives them."""

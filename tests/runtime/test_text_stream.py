@@ -86,6 +86,7 @@ def _streamed(tokenizer: Any, prompt_ids: list[int], ids: list[int], stops: tupl
         ("The dog", " ran"),
         ("a", " é😀 b"),  # characters spelled in bytes (byte fallback), completed token by token
         ("a é😀😀", "😀 b"),  # the last 6 prompt tokens start inside a character: read from the next one
+        ("\ufffd\ufffd", " the cat"),  # a prompt that holds U+FFFD itself (in bytes) keeps its context
         ("a long prompt with more words than the context the output is read after", " then it"),
     ],
 )
@@ -123,3 +124,11 @@ def test_stop_strings_match_the_text_read_in_context(sp_tokenizer: Any) -> None:
         ids = ids[1:]  # pragma: no cover  (a Metaspace that doubled the space: keep the single-space reading)
     assert _streamed(sp_tokenizer, prompt_ids, ids, (" cat",)) == " the"
     assert _streamed(sp_tokenizer, prompt_ids, ids, (" the",)) == ""  # the stop string's leading space counts
+
+
+def test_a_character_begun_in_a_prompt_of_ids_is_finished_by_the_output(sp_tokenizer: Any) -> None:
+    whole = sp_tokenizer("a \u00e9 b")["input_ids"]
+    cut = next(i for i, t in enumerate(sp_tokenizer.convert_ids_to_tokens(whole)) if t == "<0xC3>") + 1
+    prompt_ids, ids = whole[:cut], whole[cut:]  # the prompt ends with the first byte of "\u00e9"
+    assert sp_tokenizer.decode(prompt_ids, skip_special_tokens=True).endswith("\ufffd")
+    assert _streamed(sp_tokenizer, prompt_ids, ids) == "\u00e9 b"  # the character, then the rest

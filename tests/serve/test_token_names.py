@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from sentencepiece_tokenizer import build_sentencepiece_tokenizer
+from squeeze.runtime.text_stream import continuation_text
 from squeeze.serve.logprobs import LegacyLogprobs, chat_logprobs
 from squeeze.serve.token_names import token_names
 from squeeze.serve.types import TokenLogprob
@@ -115,3 +116,28 @@ def test_an_echoed_prompt_sent_as_ids_is_named_with_its_special_tokens(tokenizer
     plain = LegacyLogprobs(lambda c, e, specials=False: token_names(tokenizer, c, e, specials=specials)).render(entries)
     assert plain["tokens"][0] == "<s>" and plain["text_offset"][:2] == [0, 0]  # a prompt sent as text: no <s> in it
     assert "".join(plain["tokens"][1:]) == "Once upon a time"
+
+
+def test_offsets_follow_a_byte_run_that_an_invalid_byte_rewrites(tokenizer: Any) -> None:
+    """A byte-fallback decoder writes every byte of a run as U+FFFD once one byte is invalid: "(&" read as
+    two characters becomes three U+FFFD with the orphan first byte of "\u00e9" after it. The next word's offset
+    still indexes the final text."""
+    prompt = tokenizer("Once upon")["input_ids"]
+    ids = [
+        *tokenizer.convert_tokens_to_ids(["<0x28>", "<0x26>", "<0xC3>"]),
+        *tokenizer(" the", add_special_tokens=False)["input_ids"],
+    ]
+    text = continuation_text(tokenizer, prompt, ids)
+    assert text.startswith("\ufffd\ufffd\ufffd") and text.endswith(" the")
+    writer = LegacyLogprobs(lambda c, e, specials=False: token_names(tokenizer, c, e, specials=specials))
+    body = writer.render([TokenLogprob(t, -1.0) for t in ids], context=prompt)
+    assert body["tokens"][:2] == ["(", "&"] and body["tokens"][3] == " the"
+    assert text[body["text_offset"][3] :] == " the"
+
+
+def test_a_word_after_a_special_token_keeps_its_space(tokenizer: Any) -> None:
+    prompt = tokenizer("Once upon")["input_ids"]
+    ids = [tokenizer.eos_token_id, *tokenizer(" a time", add_special_tokens=False)["input_ids"]]
+    assert continuation_text(tokenizer, prompt, ids) == " a time"  # the text drops </s>
+    named = token_names(tokenizer, prompt, [TokenLogprob(t, -1.0) for t in ids])
+    assert [n.text for n in named] == ["", " a", " time"] and named[0].names[ids[0]] == "</s>"
