@@ -41,6 +41,7 @@ def token_names(
     read = len(tokens)
     prefix = char_start(decode, tokens, 0)
     named = []
+    counted = 0  # characters of the response's text these entries have written so far
     for entry in entries:
         window = tokens[prefix:]
         before = decode(tokens[prefix:read])
@@ -67,6 +68,8 @@ def token_names(
             if own is not None:
                 raw_bytes[token] = own
         text, rewrites = chosen or ("", 0)
+        rewrites = min(rewrites, counted)  # the context's own text (an unfinished character) is not the response's
+        counted += len(text) - rewrites
         lead = len(text) - len(text.lstrip(INCOMPLETE))
         named.append(TokenNames(text, names, raw_bytes, lead, rewrites))
         tokens.append(entry.token_id)

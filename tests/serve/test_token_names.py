@@ -141,3 +141,14 @@ def test_a_word_after_a_special_token_keeps_its_space(tokenizer: Any) -> None:
     assert continuation_text(tokenizer, prompt, ids) == " a time"  # the text drops </s>
     named = token_names(tokenizer, prompt, [TokenLogprob(t, -1.0) for t in ids])
     assert [n.text for n in named] == ["", " a", " time"] and named[0].names[ids[0]] == "</s>"
+
+
+def test_a_character_begun_in_the_context_is_the_first_tokens_text_at_offset_zero(tokenizer: Any) -> None:
+    whole = tokenizer("a \u00e9 b")["input_ids"]
+    cut = next(i for i, t in enumerate(tokenizer.convert_ids_to_tokens(whole)) if t == "<0xC3>") + 1
+    body = LegacyLogprobs(lambda c, e, specials=False: token_names(tokenizer, c, e, specials=specials)).render(
+        [TokenLogprob(t, -1.0) for t in whole[cut:]], context=whole[:cut]
+    )
+    assert continuation_text(tokenizer, whole[:cut], whole[cut:]) == "\u00e9 b"
+    assert "".join(body["tokens"]) == "\u00e9 b" and body["tokens"][0] == "\u00e9"
+    assert body["text_offset"] == [0, 1, 2][: len(body["tokens"])]  # it was -1: the context's U+FFFD "rewritten"
