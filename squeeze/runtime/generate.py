@@ -30,7 +30,7 @@ from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.stored_dtype import compute_dtype
-from squeeze.runtime.text_stream import TextState
+from squeeze.runtime.text_stream import TextState, continuation_text, left_context
 from squeeze.runtime.weight_paths import describe_weight_paths, weight_paths
 
 StreamFn = Callable[[str], None]
@@ -40,7 +40,8 @@ StreamFn = Callable[[str], None]
 class GenerationResult:
     """What one generation run produced, and how fast.
 
-    texts: the generated continuation of each prompt (the prompt itself excluded, special tokens dropped).
+    texts: the generated continuation of each prompt (the prompt itself excluded, special tokens dropped),
+    read after the prompt: ``prompt + text`` reads as the two decoded together (its first word keeps its space).
     prompt_tokens / new_tokens: tokens per prompt (prompt without padding; generated up to and including
     the first end-of-sequence token). load_seconds: passed in by the caller (0.0 when unknown).
     ttft_seconds: from the start of generation to the first new token (tokenized prompt -> prefill ->
@@ -107,11 +108,11 @@ class _RunStreamer:
     """Times decoding and streams the first row's text: ``put(next_tokens (B,))`` per step, then ``end()``.
 
     The text comes in pieces as :class:`~squeeze.runtime.text_stream.TextState` makes them (like
-    transformers' TextStreamer), but it accepts batches and stops at row 0's first end-of-sequence token,
-    so the pieces concatenate to exactly the row's final text.
+    transformers' TextStreamer, read after the end of row 0's prompt, ``context``), but it accepts batches
+    and stops at row 0's first end-of-sequence token, so the pieces concatenate to exactly the row's final text.
     """
 
-    def __init__(self, tokenizer: Any, stream: StreamFn | None, eos_ids: set[int]):
+    def __init__(self, tokenizer: Any, stream: StreamFn | None, eos_ids: set[int], context: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stream = stream
         self.eos_ids = eos_ids
@@ -119,7 +120,7 @@ class _RunStreamer:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self._ids: list[int] = []
-        self._text = TextState()
+        self._text = TextState(context=left_context(context))
         self._done = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -236,7 +237,8 @@ def generate(
         torch.manual_seed(sampling.seed)
     cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=getattr(model, "config", None))
     run = _Run(model, tokenizer, batch, options, cache, kv_spec, float(load_seconds))
-    return _result(run, *_decode_timed(run, _RunStreamer(tokenizer, stream, eos_ids)))
+    streamer = _RunStreamer(tokenizer, stream, eos_ids, _prompt_ids(batch, 0))
+    return _result(run, *_decode_timed(run, streamer))
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,11 @@ def _tokenize(tokenizer: Any, texts: list[str], chat: bool, device: torch.device
     return _Batch(encoded["input_ids"].to(device), attention_mask, int(pad_id), prompt_tokens)
 
 
+def _prompt_ids(batch: _Batch, row: int) -> list[int]:
+    """Row ``row``'s prompt ids without the padding."""
+    return [int(i) for i in batch.input_ids[row][batch.attention_mask[row].bool()].tolist()]
+
+
 def _decode_timed(run: _Run, streamer: _RunStreamer) -> tuple[torch.Tensor, _Clock]:
     """Prefill and decode under inference mode, timed; the new tokens as (B, steps) int64 on the CPU."""
     device = run.batch.input_ids.device
@@ -323,10 +330,11 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
     """The texts (each row through its first end-of-sequence token) and the run's statistics."""
     texts: list[str] = []
     new_tokens: list[int] = []
-    for row in new.tolist():
+    for at, row in enumerate(new.tolist()):
         cut = next((i + 1 for i, t in enumerate(row) if t in run.options.eos_ids), len(row))
         new_tokens.append(cut)
-        texts.append(run.tokenizer.decode(row[:cut], skip_special_tokens=True))
+        # read after the prompt, as it streamed: the first word keeps its leading space
+        texts.append(continuation_text(run.tokenizer, left_context(_prompt_ids(run.batch, at)), row[:cut]))
     device = run.batch.input_ids.device
     paths = weight_paths(run.model)
     decode_seconds = max(0.0, clock.last - clock.first)

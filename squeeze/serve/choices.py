@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from squeeze.runtime.text_stream import CONTEXT_TOKENS
 from squeeze.serve import protocol
 from squeeze.serve.logprobs import LegacyLogprobs, chat_logprobs, merge_legacy
 from squeeze.serve.types import EngineClient, RequestError, RequestOutput, RequestStream, SamplingParams, TokenLogprob
@@ -147,12 +148,13 @@ def completion_logprobs(engine: EngineClient, choice: Choice) -> dict[str, Any] 
         return None
     parts = []
     prompt = choice.last.prompt_logprobs if choice.last is not None else None
-    writer = LegacyLogprobs(engine.token_strings)
+    writer = LegacyLogprobs(engine.token_names)
     if prompt is not None:
-        parts.append(writer.render(prompt))
-    else:
-        writer.offset = len(choice.echo)
-    parts.append(writer.render(choice.logprobs, context=choice.prompt_ids[-4:]))
+        # named as the echo reads them: a prompt sent as ids is echoed as detokenize writes it, <s> and all
+        specials = choice.echo == engine.detokenize(choice.prompt_ids)
+        parts.append(writer.render(prompt, specials=specials))
+    writer.offset = len(choice.echo)  # the completion's text follows the echoed prompt's
+    parts.append(writer.render(choice.logprobs, context=_tail(choice.prompt_ids, [])))
     return merge_legacy(parts)
 
 
@@ -182,11 +184,11 @@ async def completion_events(
     """A completion's events: a chunk per update with text or log-probabilities (its choice's ``index``), the
     finish reason on each choice's last one, then the usage chunk (``include_usage``) and [DONE]; an engine
     failure ends the stream with an error event."""
-    writers = {c.index: LegacyLogprobs(engine.token_strings) for c in choices.choices}
+    writers = {c.index: LegacyLogprobs(engine.token_names) for c in choices.choices}
     finished = 0
     async for output in choices:
         choice = choices.choice_of(output)
-        context = (choice.prompt_ids + choice.token_ids)[-4:]
+        context = _tail(choice.prompt_ids, choice.token_ids)
         choice.add(output)
         if output.finished:
             failure = _failure(output)
@@ -221,7 +223,7 @@ def _chat_logprobs(
 ) -> dict[str, Any] | None:
     if choice.params.logprobs is None:
         return None
-    return chat_logprobs(entries, engine.token_strings, choice.params.logprobs, context[-4:])
+    return chat_logprobs(entries, engine.token_names, choice.params.logprobs, context)
 
 
 def chat_body(engine: EngineClient, choices: Choices, model: str, created: int) -> dict[str, Any]:
@@ -235,7 +237,7 @@ def chat_body(engine: EngineClient, choices: Choices, model: str, created: int) 
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": "".join(c.pieces)},
-                "logprobs": _chat_logprobs(engine, c, c.logprobs, c.prompt_ids),
+                "logprobs": _chat_logprobs(engine, c, c.logprobs, _tail(c.prompt_ids, [])),
                 "finish_reason": c.last.finish_reason if c.last is not None else None,
             }
             for c in choices.choices
@@ -261,7 +263,7 @@ async def chat_events(
     finished = 0
     async for output in choices:
         choice = choices.choice_of(output)
-        context = choice.prompt_ids + choice.token_ids
+        context = _tail(choice.prompt_ids, choice.token_ids)
         choice.add(output)
         failure = _failure(output) if output.finished else None
         if failure is not None:
@@ -283,6 +285,11 @@ async def chat_events(
 
 
 # -- shared --------------------------------------------------------------------------------------------------
+
+
+def _tail(prompt: list[int], output: list[int]) -> list[int]:
+    """The last ids of ``prompt + output``: the context the next tokens' names are read after."""
+    return (prompt[-CONTEXT_TOKENS:] + output[-CONTEXT_TOKENS:])[-CONTEXT_TOKENS:]
 
 
 def _usage_chunk(obj: str, choices: Choices, model: str, created: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The serving engine's tokenizer side (squeeze.serve.engine): prompts and chat messages to token ids, ids back
-to text (whole, or each token's own text in context for log-probabilities), and what /tokenizer_info reports.
-These run on the event loop's side (tokenization on the HTTP layer's worker thread), never on the engine's."""
+to text (whole, each token alone, or each token's name in context for log-probabilities, squeeze.serve.token_names),
+and what /tokenizer_info reports. These run on the event loop's side (tokenization on the HTTP layer's worker
+thread), never on the engine's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import re
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from squeeze.serve.types import RequestError
+from squeeze.serve.token_names import token_names
+from squeeze.serve.types import RequestError, TokenLogprob, TokenNames
 
 
 class EngineTokenizer:
@@ -34,25 +36,11 @@ class EngineTokenizer:
     def detokenize(self, ids: Seq[int]) -> str:
         return str(self.tokenizer.decode(self._check_ids(ids, "tokens"), skip_special_tokens=False))
 
-    def token_strings(self, ids: Seq[int], *, in_context: bool = True) -> list[str]:
-        ids = [int(i) for i in ids]
-        decode = self.tokenizer.decode
-        if not in_context:
-            return [str(decode([i], skip_special_tokens=False)) for i in ids]
-        strings = []
-        for at, token in enumerate(ids):
-            # the text a token adds after the few before it: word-piece and byte tokenizers write a token's
-            # leading space (or the rest of a character) only in context
-            window = ids[max(0, at - 4) : at]
-            before = str(decode(window, skip_special_tokens=False)) if window else ""
-            after = str(decode([*window, token], skip_special_tokens=False))
-            common = 0
-            for a, b in zip(before, after, strict=False):
-                if a != b:
-                    break
-                common += 1
-            strings.append(after[common:])
-        return strings
+    def token_strings(self, ids: Seq[int]) -> list[str]:
+        return [str(self.tokenizer.decode([int(i)], skip_special_tokens=False)) for i in ids]
+
+    def token_names(self, context: Seq[int], entries: Seq[TokenLogprob], *, specials: bool = False) -> list[TokenNames]:
+        return token_names(self.tokenizer, context, entries, specials=specials)
 
     def tokenizer_info(self) -> dict[str, Any]:
         tok = self.tokenizer

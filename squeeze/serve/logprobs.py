@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from squeeze.serve.types import TokenLogprob
+from squeeze.serve.types import TokenLogprob, TokenNames
 
 #: OpenAI's limit on ``logprobs`` (completions) and ``top_logprobs`` (chat).
 MAX_LOGPROBS = 20
@@ -35,42 +35,45 @@ def token_logprobs(logits: Tensor, targets: Sequence[int], top: int) -> list[Tok
     return [TokenLogprob(int(t), float(c), k) for t, c, k in zip(targets, chosen, tops, strict=True)]
 
 
-TokenText = Callable[..., list[str]]
+#: The engine's :meth:`~squeeze.serve.types.EngineClient.token_names`: ``(context, entries, specials=...)``.
+NameTokens = Callable[..., list[TokenNames]]
 
 
 class LegacyLogprobs:
     """The ``logprobs`` object of one /v1/completions choice, built up as tokens come (streamed or not).
 
-    ``token_text(ids, in_context=...)``: the engine's :meth:`~squeeze.serve.types.EngineClient.token_strings`.
-    ``text_offset`` counts characters from ``offset`` (the length of what the choice's text starts with that
-    these tokens do not cover), each token's string after the previous one's, as vLLM counts.
+    ``name_tokens``: the engine's :meth:`~squeeze.serve.types.EngineClient.token_names`. ``tokens`` and the
+    keys of ``top_logprobs`` are the tokens' names read in context (distinct at each position; the chosen
+    token's name is a key of its own dict). ``text_offset`` indexes the choice's text: ``offset`` is where
+    these tokens' text starts in it, and each token's text follows the previous one's, so
+    ``text[text_offset[i]:]`` starts with token i's text.
     """
 
-    def __init__(self, token_text: TokenText, offset: int = 0) -> None:
-        self.token_text = token_text
+    def __init__(self, name_tokens: NameTokens, offset: int = 0) -> None:
+        self.name_tokens = name_tokens
         self.offset = offset
 
-    def render(self, entries: Sequence[TokenLogprob], context: Sequence[int] = ()) -> dict[str, Any]:
-        """The object for ``entries``; ``context``: the ids just before them (for the first token's spacing)."""
-        ids = [e.token_id for e in entries]
-        strings = self.token_text([*context, *ids], in_context=True)[len(context) :] if ids else []
-        alternatives = sorted({i for e in entries for i, _ in e.top} - set(ids))
-        names = dict(zip(alternatives, self.token_text(alternatives, in_context=False), strict=True))
-        names.update(zip(ids, self.token_text(ids, in_context=False), strict=True))
+    def render(
+        self, entries: Sequence[TokenLogprob], context: Sequence[int] = (), *, specials: bool = False
+    ) -> dict[str, Any]:
+        """The object for ``entries``; ``context``: the ids just before them; ``specials``: the text spells
+        special tokens (an echoed prompt sent as ids)."""
+        named = self.name_tokens(context, entries, specials=specials) if entries else []
         offsets = []
-        for text in strings:
-            offsets.append(self.offset)
-            self.offset += len(text)
+        for token in named:
+            self.offset -= token.rewrites
+            offsets.append(self.offset + token.lead)
+            self.offset += len(token.text)
         tops: list[dict[str, float] | None] = []
-        for entry in entries:
+        for entry, token in zip(entries, named, strict=True):
             if entry.logprob is None:
                 tops.append(None)
                 continue
-            top = {names[i]: lp for i, lp in entry.top}
-            top.setdefault(names[entry.token_id], entry.logprob)  # as OpenAI: the chosen token is always there
+            top = {token.names[i]: lp for i, lp in entry.top}
+            top.setdefault(token.names[entry.token_id], entry.logprob)  # as OpenAI: the chosen token is always there
             tops.append(top)
         return {
-            "tokens": strings,
+            "tokens": [token.names[e.token_id] for e, token in zip(entries, named, strict=True)],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": tops,
             "text_offset": offsets,
@@ -87,23 +90,21 @@ def merge_legacy(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def chat_logprobs(
-    entries: Sequence[TokenLogprob], token_text: TokenText, top: int, context: Sequence[int] = ()
+    entries: Sequence[TokenLogprob], name_tokens: NameTokens, top: int, context: Sequence[int] = ()
 ) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``;
-    ``context``: the ids just before ``entries`` (for the first token's spacing)."""
-    ids = [e.token_id for e in entries]
-    strings = token_text([*context, *ids], in_context=True)[len(context) :] if ids else []
-    alternatives = sorted({i for e in entries for i, _ in e.top})
-    names = dict(zip(alternatives, token_text(alternatives, in_context=False), strict=True))
+    """The chat ``logprobs`` object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``,
+    each token named as :class:`LegacyLogprobs` names them (``bytes``: a byte token's own byte, not its
+    name's); ``context``: the ids just before ``entries``."""
+    named = name_tokens(context, entries) if entries else []
 
-    def item(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
+    def item(names: TokenNames, token: int, logprob: float) -> dict[str, Any]:
+        return {"token": names.names[token], "logprob": logprob, "bytes": names.token_bytes(token)}
 
     content = []
-    for text, entry in zip(strings, entries, strict=True):
+    for entry, names in zip(entries, named, strict=True):
         logprob = entry.logprob if entry.logprob is not None else 0.0
-        tops = [item(names[i], lp) for i, lp in entry.top[:top]]
-        content.append({**item(text, logprob), "top_logprobs": tops})
+        tops = [item(names, i, lp) for i, lp in entry.top[:top]]
+        content.append({**item(names, entry.token_id, logprob), "top_logprobs": tops})
     return {"content": content}
 
 

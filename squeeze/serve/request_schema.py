@@ -94,6 +94,20 @@ def _first_unencodable(value: object, where: str) -> str | None:
     return None
 
 
+def refuse_unencodable(data: Any) -> Any:
+    """``data`` (a request body as parsed), or a 400 naming the field for a string that is not valid Unicode (a
+    lone surrogate): it would fail in the tokenizer or when the response echoes it, as a 500. Raised as a
+    RequestError, which pydantic lets through, so that the message does not repeat the string."""
+    where = _first_unencodable(data, "")
+    if where is not None:
+        raise RequestError(
+            f"{where}: the text holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode",
+            hint="send text that encodes as UTF-8",
+            param=where,
+        )
+    return data
+
+
 def _finite(value: object) -> object:
     """Refuse NaN and infinities (Python's JSON reads ``NaN``), which would otherwise fail a bound check with a
     misleading message ("should be <= 2")."""
@@ -178,17 +192,7 @@ class _GenerationRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _check_text(cls, data: Any) -> Any:
-        """A 400 naming the field for a string that is not valid Unicode (a lone surrogate): it would fail in the
-        tokenizer or when the response echoes it, as a 500. Raised as a RequestError, which pydantic lets
-        through, so that the message does not repeat the string."""
-        where = _first_unencodable(data, "")
-        if where is not None:
-            raise RequestError(
-                f"{where}: the text holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode",
-                hint="send text that encodes as UTF-8",
-                param=where,
-            )
-        return data
+        return refuse_unencodable(data)
 
     @field_validator("stop")
     @classmethod
@@ -396,4 +400,5 @@ __all__ = [
     "CompletionRequest",
     "ChatMessage",
     "ChatRequest",
+    "refuse_unencodable",
 ]

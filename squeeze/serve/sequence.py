@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS
-from squeeze.runtime.text_stream import TextState
+from squeeze.runtime.text_stream import TextState, left_context
 from squeeze.serve.types import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -45,7 +45,9 @@ class Sequence:
     grammar: Any = None
 
     def __post_init__(self) -> None:
-        self.text = TextState(self.params.stop)
+        # the output's text is read after the prompt's last tokens (its first word's leading space, a character
+        # whose bytes began in the prompt): a completion appended to its prompt reads as the two decoded together
+        self.text = TextState(self.params.stop, context=left_context(self.prompt_ids))
         if self.params.temperature > 0:
             self.generator = torch.Generator()
             if self.params.seed is not None:

@@ -4,16 +4,17 @@ lm-evaluation-harness's ``tokenizer_backend=remote`` reads the served model's to
 client counts tokens without loading one). /tokenize takes a ``prompt`` (``add_special_tokens``, default
 true) or chat ``messages`` (the chat template with the generation prompt) and answers ``count``,
 ``max_model_len``, ``tokens`` and, with ``return_token_strs``, ``token_strs``; /detokenize takes ``tokens``
-and answers ``prompt``. A text longer than the context is refused (400) rather than tokenized past it.
+and answers ``prompt``. A text longer than the context is refused (400) rather than tokenized past it, and so is
+text that is not valid Unicode (a lone surrogate, as the generation endpoints refuse it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from squeeze.serve.request_schema import ChatMessage
+from squeeze.serve.request_schema import ChatMessage, refuse_unencodable
 from squeeze.serve.types import EngineClient, RequestError
 
 #: A text of more characters than this many per token of context is refused before it is tokenized.
@@ -31,6 +32,13 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        # refused as /v1/completions and chat refuse it (the tokenizer cannot read it: it was a 500), not
+        # tokenized with the surrogate replaced: /tokenize counts what those endpoints would take
+        return refuse_unencodable(data)
 
 
 class DetokenizeRequest(BaseModel):
@@ -70,7 +78,7 @@ def tokenize(engine: EngineClient, body: TokenizeRequest) -> dict[str, Any]:
         "count": len(ids),
         "max_model_len": limit,
         "tokens": ids,
-        "token_strs": engine.token_strings(ids, in_context=False) if body.return_token_strs else None,
+        "token_strs": engine.token_strings(ids) if body.return_token_strs else None,
     }
 
 

@@ -8,7 +8,7 @@ the :class:`EngineClient` interface (tests drive it with a fake one).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from squeeze.errors import ConfigError, SqueezeError
@@ -137,6 +137,34 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class TokenNames:
+    """How the log-probabilities of one position name their tokens (:mod:`squeeze.serve.token_names`).
+
+    ``text``: what the chosen token adds to the response's text, which ``text_offset`` counts ("" for a
+    special token the text drops and for a byte of a character not yet complete; the character on its last
+    byte). ``names``: a distinct string for the chosen token and for each alternative, keyed by id.
+    ``raw_bytes``: the token's own bytes where its vocabulary entry spells them (a byte token's one byte, which
+    neither its name ``<0xE2>`` nor the character its last byte completes spells); a name's UTF-8 bytes
+    otherwise.
+    """
+
+    text: str
+    names: dict[int, str]
+    raw_bytes: dict[int, list[int]] = field(default_factory=dict)
+    #: How many U+FFFD ``text`` starts with for earlier bytes that its token shows will never complete: the
+    #: token's own text (and ``text_offset``) begins after them.
+    lead: int = 0
+    #: How many characters of the text before it the token's arrival rewrites (``text`` starts with their new
+    #: spelling): a byte-fallback decoder writes a whole run of byte tokens as U+FFFD once one is invalid.
+    rewrites: int = 0
+
+    def token_bytes(self, token: int) -> list[int]:
+        """The bytes of ``token`` as OpenAI's chat ``bytes`` field gives them."""
+        own = self.raw_bytes.get(token)
+        return own if own is not None else list(self.names[token].encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One update of a request, sent as tokens are produced.
 
@@ -242,9 +270,16 @@ class EngineClient(Protocol):
         """The text of ``ids`` (special tokens kept); RequestError for an id outside the vocabulary."""
         ...
 
-    def token_strings(self, ids: Sequence[int], *, in_context: bool = True) -> list[str]:
-        """Each token's text: ``in_context``, read as part of ``ids`` (the pieces of a word-piece or byte
-        tokenizer, leading spaces included); else each id decoded alone (the alternatives of top log-probs)."""
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded alone (/tokenize's ``token_strs``)."""
+        ...
+
+    def token_names(
+        self, context: Sequence[int], entries: Sequence[TokenLogprob], *, specials: bool = False
+    ) -> list[TokenNames]:
+        """How log-probabilities name each entry's tokens, read after ``context`` (the ids before the first
+        entry) and the entries before it; ``specials``: the text spells special tokens (an echoed prompt sent
+        as ids), else they add nothing to it (generated text)."""
         ...
 
     def tokenizer_info(self) -> dict[str, Any]:
@@ -279,6 +314,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "TokenLogprob",
+    "TokenNames",
     "RequestOutput",
     "EngineStats",
     "LatencyObserver",

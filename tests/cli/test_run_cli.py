@@ -40,6 +40,14 @@ def test_run_streams_the_text_and_reports_stats_on_stderr(rtn_artifact: Path) ->
     assert result.stdout == as_json["text"] + "\n"
 
 
+def test_run_keeps_the_first_words_space(rtn_artifact: Path) -> None:
+    """Issue 50 item 2: after "Once upon a time," it printed "there was a" (SentencePiece writes a word's space
+    only in context): streamed and --json, the text is read after the prompt."""
+    streamed = run(f"{PROMPT},", "-m", str(rtn_artifact), "-n", "6")
+    as_json = json.loads(run(f"{PROMPT},", "-m", str(rtn_artifact), "-n", "6", "--json").stdout)
+    assert streamed.stdout == as_json["text"] + "\n" and as_json["text"].startswith(" ") and as_json["text"].strip()
+
+
 def test_json_prints_only_json_with_the_stats(rtn_artifact: Path) -> None:
     result = run(PROMPT, "-m", str(rtn_artifact), "-n", "8", "--json", "--temperature", "0.8", "--seed", "3")
     assert result.exit_code == 0, result.output

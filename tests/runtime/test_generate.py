@@ -126,8 +126,11 @@ def test_artifact_generation_matches_the_models_own_generate(loaded) -> None:
     ids = loaded.tokenizer(PROMPT, return_tensors="pt")
     with torch.inference_mode():
         direct = loaded.model.generate(**ids, max_new_tokens=24, do_sample=False)
-    expected = loaded.tokenizer.decode(direct[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert result.text == expected and result.text.strip()
+    # the text is read after the prompt (issue 50 item 2): the prompt followed by it reads as both decoded, and
+    # its first word keeps the leading space SentencePiece writes only in context (it read "there" for " there")
+    assert PROMPT + result.text == loaded.tokenizer.decode(direct[0], skip_special_tokens=True)
+    first = loaded.tokenizer.convert_ids_to_tokens(int(direct[0, ids["input_ids"].shape[1]]))
+    assert result.text.startswith(" ") == first.startswith("\u2581") and result.text.strip()
     assert any(isinstance(m, SqueezeLinear) for m in loaded.model.modules())
 
 
@@ -183,6 +186,8 @@ def test_streamed_pieces_concatenate_to_the_text_in_order(loaded) -> None:
     pieces: list[str] = []
     result = generate(loaded, None, [PROMPT, "The dog"], max_new_tokens=30, stream=pieces.append)
     assert len(pieces) > 3 and "".join(pieces) == result.text
+    # the second prompt's text is read after its own (unpadded) prompt, as the first's is
+    assert result.texts[1] == generate(loaded, None, "The dog", max_new_tokens=30).text
 
 
 def test_chat_without_a_template_is_a_config_error(loaded) -> None:

@@ -188,11 +188,13 @@ def test_generate_on_stories_equals_model_generate_for_a_sampled_batch(stories_d
             pad_token_id=tokenizer.eos_token_id,
             **{cache_kwarg(net): DynamicCache(config=net.config)},
         )
-    for row, text, count in zip(
-        out[:, batch["input_ids"].shape[1] :].tolist(), result.texts, result.new_tokens, strict=True
+    for prompt, row, text, count in zip(
+        prompts, out[:, batch["input_ids"].shape[1] :].tolist(), result.texts, result.new_tokens, strict=True
     ):
         cut = next((i + 1 for i, token in enumerate(row) if token == tokenizer.eos_token_id), len(row))
-        assert (text, count) == (tokenizer.decode(row[:cut], skip_special_tokens=True), cut)
+        # the text is read after the prompt (its first word keeps its space): prompt + text reads as both decoded
+        ids = tokenizer(prompt)["input_ids"]
+        assert (prompt + text, count) == (tokenizer.decode(ids + row[:cut], skip_special_tokens=True), cut)
 
 
 FAMILY_SETTINGS = {  # sliding windows shorter than prompt + new tokens, so local layers really drop keys

@@ -31,6 +31,7 @@ from squeeze.serve.types import (
     RequestOutput,
     SamplingParams,
     TokenLogprob,
+    TokenNames,
     check_prompt,
 )
 
@@ -148,8 +149,19 @@ class FakeEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(self.word(i) for i in self._check(ids, "tokens"))
 
-    def token_strings(self, ids: Sequence[int], *, in_context: bool = True) -> list[str]:
-        return [(" " if in_context and at else "") + self.word(i) for at, i in enumerate(ids)]
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [self.word(i) for i in ids]
+
+    def token_names(
+        self, context: Sequence[int], entries: Sequence[TokenLogprob], *, specials: bool = False
+    ) -> list[TokenNames]:
+        """Words read in context: a space before every word but the text's first."""
+        named = []
+        for at, entry in enumerate(entries):
+            space = " " if context or at else ""
+            names = {i: space + self.word(i) for i in (entry.token_id, *(i for i, _ in entry.top))}
+            named.append(TokenNames(names[entry.token_id], names))
+        return named
 
     def tokenizer_info(self) -> dict[str, Any]:
         return {"tokenizer_class": "FakeTokenizer", "eos_token": "EOS", "bos_token": None, "pad_token": None}

@@ -74,7 +74,8 @@ def test_echo_with_logprobs_scores_the_prompt_in_the_legacy_shape(client: httpx.
     # prompt token p: -(id + p) / 10, the first one's null; then the generated token at position 3
     assert logprobs["token_logprobs"] == [None, -0.2, -0.4, -0.6]
     assert logprobs["top_logprobs"][0] is None
-    assert logprobs["top_logprobs"][1] == {"t0": -0.01, "t1": -0.2}  # the top one and the chosen token
+    # the top one and the chosen token, named as in ``tokens`` (read in context: issue 50 item 5)
+    assert logprobs["top_logprobs"][1] == {" t0": -0.01, " t1": -0.2}
     assert logprobs["text_offset"] == [0, 2, 5, 8]
     score_only = {**request, "max_tokens": 0}
     (scored,) = client.post("/v1/completions", json=score_only).json()["choices"]
@@ -88,7 +89,7 @@ def test_logprobs_without_echo_cover_the_completion(client: httpx.Client) -> Non
     body = client.post("/v1/completions", json={"prompt": "a b", "logprobs": 0, "max_tokens": 2}).json()
     logprobs = body["choices"][0]["logprobs"]
     assert logprobs["tokens"] == [" a", " b"] and logprobs["token_logprobs"] == [-0.2, -0.4]
-    assert logprobs["top_logprobs"] == [{"a": -0.2}, {"b": -0.4}] and logprobs["text_offset"] == [0, 2]
+    assert logprobs["top_logprobs"] == [{" a": -0.2}, {" b": -0.4}] and logprobs["text_offset"] == [0, 2]
     streamed = events(
         client.post("/v1/completions", json={"prompt": "a b", "logprobs": 2, "max_tokens": 2, "stream": True})
     )
@@ -121,7 +122,7 @@ def test_chat_logprobs_in_the_current_shape(url: str) -> None:
     content = reply.choices[0].logprobs.content
     assert [t.token for t in content] == [" user:", " hi"]  # read after the prompt
     assert content[0].logprob == pytest.approx(-0.2)
-    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("user:", -0.01), ("hi", -0.02)]
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [(" user:", -0.01), (" hi", -0.02)]
     assert content[0].bytes == list(b" user:")
     plain = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None
