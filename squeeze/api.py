@@ -719,11 +719,29 @@ def push(
     private: bool = False,
     revision: str | None = None,
     commit_message: str | None = None,
+    card: bool = True,
+    base_model: str | None = None,
+    eval_reports: Sequence[str | os.PathLike[str]] = (),
 ) -> PushResult:
-    """Verify the artifact at ``path`` and upload it to the Hugging Face Hub repo ``repo_id``."""
+    """Verify the artifact at ``path`` and upload it to the Hugging Face Hub repo ``repo_id``, with a model card
+    (``README.md``) when ``card`` and neither the artifact nor the repo has one: ``base_model`` (a Hub id; default
+    the manifest's source when it is one) in its front matter, and the table of the ``squeeze eval --json``
+    reports ``eval_reports`` (files, read and checked before anything is sent)."""
+    from squeeze.distribution.model_card import read_eval_report
     from squeeze.distribution.push import push_artifact
 
-    return push_artifact(path, repo_id, token=token, private=private, revision=revision, commit_message=commit_message)
+    evals = [row for report in eval_reports for row in read_eval_report(report)]
+    return push_artifact(
+        path,
+        repo_id,
+        token=token,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        card=card,
+        base_model=base_model,
+        evals=evals,
+    )
 
 
 def local_artifact(
