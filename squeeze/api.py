@@ -227,8 +227,9 @@ def compress(
     ``calibration``: a built-in spec name, a spec YAML, a plain text file or a CalibrationSpec (needed for Fisher
     sensitivity); ``seed`` overrides the calibration sampling seed and seeds k-means: the same inputs and seed
     give byte-identical shards. ``output`` must not exist or be empty unless ``overwrite``; the old artifact is
-    replaced only once the new one is complete. ``progress(stage, done, total)`` reports the "fisher",
-    "generate" (``weights.generated_samples``), "plan" (budget recipes) and "quantize" stages.
+    replaced only once the new one is complete. ``progress(stage, done, total)`` reports every stage's start as
+    (name, 0, 0), then the counted work of the "fisher", "generate" (``weights.generated_samples``), "plan" (budget
+    recipes), "quantize" (per layer group) and "tune" stages with ``total > 0``.
 
     Interruptions: the Fisher information and each quantized layer group are checkpointed in
     ``output/.squeeze-work``; calling again with the same arguments resumes after the last committed group
