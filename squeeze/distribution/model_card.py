@@ -177,7 +177,7 @@ def render_model_card(
 def _front_matter(info: ArtifactInfo, base: str | None) -> str:
     method = info.quantization.method if info.quantization is not None else None
     tags = ["squeeze", "quantized", *(f"{bits}-bit" for bits in info.widths)]
-    if method:
+    if method and method not in tags:  # the LUT method is named "squeeze" too
         tags.append(method)
     meta: dict[str, Any] = {}
     if base:

@@ -157,6 +157,17 @@ def test_without_a_hub_base_model_the_card_names_the_local_source_and_no_relatio
     assert "## Evaluation" not in card  # no report given, no table
 
 
+def test_the_card_states_the_kv_cache_and_each_tag_once(
+    compress_tiny: Callable[..., Path], tiny_text_file: Path, tmp_path: Path
+) -> None:
+    artifact = compress_tiny(tmp_path / "w4", "w4", overrides={"weights.sensitivity": "uniform"})
+    api.calibrate_kv(artifact, tiny_text_file, bits=4, calibration_overrides={"num_samples": 2, "seq_len": 32})
+    card = render_model_card(artifact, "org/tiny-w4-kv4")
+    assert "| KV cache | 4 bits (int4, calibrated scales) |" in card
+    assert f"| bits per weight | {api.inspect(artifact).bits_per_weight} |" in card
+    assert yaml.safe_load(card.split("---\n")[1])["tags"] == ["squeeze", "quantized", "4-bit"]  # method "squeeze"
+
+
 def test_base_model_of_the_manifest_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "mine").mkdir(parents=True)
