@@ -14,6 +14,8 @@ The YAML front matter holds the keys the Hub indexes: ``base_model`` with ``base
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -23,10 +25,9 @@ from typing import Any
 
 import yaml
 
-from squeeze.errors import ConfigError, FormatError
+from squeeze.errors import ConfigError
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import read_inside, read_user_file, short_path
-from squeeze.format.strict_json import strict_json_loads
 from squeeze.version import __version__
 
 #: The card's name in the Hub repo (the Hub renders and indexes this file).
@@ -74,13 +75,16 @@ def read_eval_report(path: str | os.PathLike[str]) -> list[EvalRow]:
     cannot be read or is not such a report."""
     try:
         data = read_user_file(path, MAX_EVAL_BYTES, "evaluation report")
-        report = strict_json_loads(data, short_path(path))
+        # json.loads, not the artifact's strict reader: squeeze eval --json writes NaN for a word perplexity it
+        # could not count; non-finite values are simply left out of the table
+        report = json.loads(data)
     except OSError as exc:
         raise ConfigError(
             f"cannot read the evaluation report {short_path(path)}: {exc.strerror}", hint=EVAL_HINT
         ) from None
-    except FormatError as exc:
-        raise ConfigError(f"the evaluation report {exc.message}", hint=EVAL_HINT) from None
+    except (ValueError, RecursionError) as exc:  # not JSON, or not UTF-8
+        problem = f"the evaluation report {short_path(path)} is not JSON: {str(exc)[:200]}"
+        raise ConfigError(problem, hint=EVAL_HINT) from None
     rows = eval_rows(report)
     if not rows:
         raise ConfigError(
@@ -135,7 +139,12 @@ def _perplexity_rows(report: Mapping[str, Any]) -> list[EvalRow]:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _cell(text: object) -> str:
+    """``text`` safe inside a Markdown table cell (a task name from a report may hold a ``|``)."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def render_model_card(
@@ -233,7 +242,7 @@ def _kv_line(kv: Mapping[str, Any] | None) -> str:
 def _evaluation(rows: Sequence[EvalRow]) -> str:
     if not rows:
         return ""
-    lines = "\n".join(f"| {row.what} | {row.metric} | {row.value} |" for row in rows)
+    lines = "\n".join(f"| {_cell(row.what)} | {_cell(row.metric)} | {_cell(row.value)} |" for row in rows)
     return (
         "## Evaluation\n\nMeasured with `squeeze eval --json` on this artifact (reported by its publisher; squeeze "
         f"push runs no evaluation).\n\n| evaluation | metric | value |\n|---|---|---|\n{lines}\n"

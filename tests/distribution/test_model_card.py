@@ -183,7 +183,7 @@ def test_a_base_model_that_is_not_a_hub_id_is_refused(rtn_artifact: Path) -> Non
             render_model_card(rtn_artifact, "org/tiny-w4", base_model=bad)
 
 
-def test_evaluation_reports_that_are_not_squeeze_eval_json_are_refused(tmp_path: Path) -> None:
+def test_evaluation_reports_that_are_not_squeeze_eval_json_are_refused(tmp_path: Path, rtn_artifact: Path) -> None:
     cases = {
         "missing.json": None,
         "not-json.json": "perplexity: 3",
@@ -199,3 +199,8 @@ def test_evaluation_reports_that_are_not_squeeze_eval_json_are_refused(tmp_path:
             read_eval_report(tmp_path / name)
         assert name in refused.value.message and "squeeze eval" in str(refused.value.hint)
     assert eval_rows({"perplexity": True}) == []  # a boolean is not a number
+    # squeeze eval writes NaN for a word perplexity it could not count: the row is left out, the rest kept
+    (tmp_path / "nan-word.json").write_text('{"perplexity": 3.5, "word_perplexity": NaN}')
+    assert [row.metric for row in read_eval_report(tmp_path / "nan-word.json")] == ["perplexity"]
+    rows = eval_rows({"results": {"a|b": {"acc,none": 0.5}}})
+    assert "| a\\|b | acc | 0.5000 |" in render_model_card(rtn_artifact, "org/x", evals=rows)
