@@ -228,8 +228,9 @@ def compress(
     ``calibration``: a built-in spec name, a spec YAML, a plain text file or a CalibrationSpec (needed for Fisher
     sensitivity); ``seed`` overrides the calibration sampling seed and seeds k-means: the same inputs and seed
     give byte-identical shards. ``output`` must not exist or be empty unless ``overwrite``; the old artifact is
-    replaced only once the new one is complete. ``progress(stage, done, total)`` reports the "fisher",
-    "generate" (``weights.generated_samples``), "plan" (budget recipes) and "quantize" stages.
+    replaced only once the new one is complete. ``progress(stage, done, total)`` reports every stage's start as
+    (name, 0, 0), then the counted work of the "fisher", "generate" (``weights.generated_samples``), "plan" (budget
+    recipes), "quantize" (per layer group) and "tune" stages with ``total > 0``.
 
     Interruptions: the Fisher information and each quantized layer group are checkpointed in
     ``output/.squeeze-work``; calling again with the same arguments resumes after the last committed group
@@ -766,11 +767,29 @@ def push(
     private: bool = False,
     revision: str | None = None,
     commit_message: str | None = None,
+    card: bool = True,
+    base_model: str | None = None,
+    eval_reports: Sequence[str | os.PathLike[str]] = (),
 ) -> PushResult:
-    """Verify the artifact at ``path`` and upload it to the Hugging Face Hub repo ``repo_id``."""
+    """Verify the artifact at ``path`` and upload it to the Hugging Face Hub repo ``repo_id``, with a model card
+    (``README.md``) when ``card`` and neither the artifact nor the repo has one: ``base_model`` (a Hub id; default
+    the manifest's source when it is one) in its front matter, and the table of the ``squeeze eval --json``
+    reports ``eval_reports`` (files, read and checked before anything is sent)."""
+    from squeeze.distribution.model_card import read_eval_report
     from squeeze.distribution.push import push_artifact
 
-    return push_artifact(path, repo_id, token=token, private=private, revision=revision, commit_message=commit_message)
+    evals = [row for report in eval_reports for row in read_eval_report(report)]
+    return push_artifact(
+        path,
+        repo_id,
+        token=token,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        card=card,
+        base_model=base_model,
+        evals=evals,
+    )
 
 
 def local_artifact(

@@ -25,6 +25,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from squeeze.cli.progress_lines import ProgressLines
 from squeeze.errors import SqueezeError
 
 #: Human output and progress go to stderr so that stdout carries only data (``--json``) or generated text.
@@ -125,8 +126,16 @@ def progress_bar(
 
 
 @contextlib.contextmanager
-def stage_progress(enabled: bool, labels: dict[str, str]) -> Iterator[Callable[[str, int, int], None] | None]:
-    """One N-of-M bar per pipeline stage, created on its first report; yields ``progress(stage, done, total)``."""
+def stage_progress(
+    enabled: bool, labels: dict[str, str], *, lines: bool = False
+) -> Iterator[Callable[[str, int, int], None] | None]:
+    """One N-of-M bar per pipeline stage, created on its first count; yields ``progress(stage, done, total)``.
+
+    ``lines``: when stderr is not a terminal (a log), plain rate-limited lines instead (cli/progress_lines.py),
+    also with ``--json`` (they go to stderr; stdout keeps only the JSON)."""
+    if lines and not err_console.is_terminal:
+        yield ProgressLines(labels, _write_stderr_line)
+        return
     if not show_progress(enabled):
         yield None
         return
@@ -134,11 +143,19 @@ def stage_progress(enabled: bool, labels: dict[str, str]) -> Iterator[Callable[[
         tasks: dict[str, Any] = {}
 
         def update(stage: str, done: int, total: int) -> None:
+            if total <= 0:  # a stage's start (nothing to count): the log lines name it, a bar has nothing to show
+                return
             if stage not in tasks:
                 tasks[stage] = progress.add_task(labels.get(stage, stage), total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
         yield update
+
+
+def _write_stderr_line(text: str) -> None:
+    """One plain line on stderr, flushed (a log read while the job runs shows it at once)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def kv_bytes_line(table: dict[str, int]) -> str:

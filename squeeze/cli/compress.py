@@ -224,7 +224,7 @@ def compress(
     with cli_errors():
         target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
         try:
-            with stage_progress(not json_out, STAGE_LABELS) as progress:
+            with stage_progress(not json_out, STAGE_LABELS, lines=True) as progress:  # lines: a log's stderr
                 result = api.compress(
                     model,
                     target,

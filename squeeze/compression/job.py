@@ -32,7 +32,9 @@ from squeeze.models.source import ModelSource
 from squeeze.models.targets import Target
 from squeeze.quant.schemes import WeightFormat, format_for_recipe
 
-#: progress(stage, done, total); stages: "fisher", "generate", "plan", "quantize".
+#: progress(stage, done, total). Every stage of the pipeline reports (name, 0, 0) as it starts (run_stages);
+#: counted work then reports (name, done, total) with total > 0: "fisher", "generate", "plan", "quantize",
+#: "tune".
 StageProgress = Callable[[str, int, int], None]
 
 
@@ -243,8 +245,10 @@ Stage = Callable[[CompressJob], None]
 
 
 def run_stages(job: CompressJob, stages: tuple[tuple[str, Stage], ...]) -> None:
-    """Run ``stages`` in order, each timed under its name."""
+    """Run ``stages`` in order, each timed under its name and announced to ``job.progress`` as (name, 0, 0)."""
     for name, stage in stages:
+        if job.progress:
+            job.progress(name, 0, 0)
         with timed(job.timings, name):
             stage(job)
 

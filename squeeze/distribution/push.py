@@ -6,6 +6,11 @@ IntegrityError before anything is sent. Then one Hub commit adds exactly the lis
 are handed to huggingface_hub as file objects opened through the hardened path (no symlinks, regular files).
 Files already in the repo that the artifact does not list are left as they are (``squeeze pull`` reads only
 what the manifest lists).
+
+The same commit adds a model card (``README.md``, squeeze.distribution.model_card) when neither the artifact
+nor the repo has one: the card is uploaded beside the artifact, never listed in its manifest. A README already
+in the repo is never replaced: the commit names the revision it checked as its parent, so a README added in
+between makes the Hub refuse the commit rather than lose it.
 """
 
 from __future__ import annotations
@@ -13,14 +18,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from squeeze.errors import ConfigError, IntegrityError
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME
 from squeeze.format.paths import open_inside, open_root, read_inside, short_path
 from squeeze.version import __version__
+
+if TYPE_CHECKING:
+    from squeeze.distribution.model_card import EvalRow
+
+#: What became of the model card: written by this push; not written because the repo already has a README.md,
+#: or because the artifact lists one (uploaded as it is); or not asked for.
+CardOutcome = Literal["written", "repo_has_one", "artifact_has_one", "off"]
 
 #: A signature is a few hundred bytes per file; anything larger is not one.
 MAX_SIGNATURE_BYTES = 16 * 2**20
@@ -35,6 +48,7 @@ class PushResult:
     files: int
     bytes_uploaded: int
     url: str | None = None
+    model_card: CardOutcome = "off"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +57,7 @@ class PushResult:
             "files": self.files,
             "bytes_uploaded": self.bytes_uploaded,
             "url": self.url,
+            "model_card": self.model_card,
         }
 
 
@@ -54,6 +69,9 @@ def push_artifact(
     private: bool = False,
     revision: str | None = None,
     commit_message: str | None = None,
+    card: bool = True,
+    base_model: str | None = None,
+    evals: Sequence[EvalRow] = (),
 ) -> PushResult:
     """Verify the artifact at ``path`` and upload every file it lists (manifest and signature included) to the
     Hub repo ``repo_id`` (created when missing; ``revision``: a branch, created when missing) in one commit.
@@ -61,6 +79,10 @@ def push_artifact(
     ``token``: a Hub token (default: huggingface_hub's own, HF_TOKEN or ``hf auth login``). Raises
     IntegrityError (the artifact does not verify: nothing is uploaded), FormatError (no manifest),
     ConfigError (a malformed repo id); huggingface_hub's errors (auth, network) pass through.
+
+    ``card``: add a model card (``README.md``) when neither the artifact nor the repo has one, rendered by
+    :func:`squeeze.distribution.model_card.render_model_card` with ``base_model`` and ``evals`` (rows of
+    ``squeeze eval --json`` reports).
     """
     from squeeze.distribution.remote import parse_source
     from squeeze.format.verify import verify_artifact
@@ -83,6 +105,14 @@ def push_artifact(
     signature = None
     if (directory / SIGNATURE_NAME).exists():
         signature = read_inside(directory, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+    from squeeze.distribution.model_card import CARD_NAME, render_model_card
+
+    outcome: CardOutcome = "off"
+    card_bytes = None
+    if card and CARD_NAME in report.manifest.entry_map():
+        outcome = "artifact_has_one"
+    elif card:  # rendered before anything is sent: a bad --base-model fails here
+        card_bytes = render_model_card(directory, repo_id, base_model=base_model, evals=evals).encode("utf-8")
 
     from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -90,6 +120,13 @@ def push_artifact(
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision is not None:
         api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+    parent = None
+    if card_bytes is not None:
+        info = api.model_info(repo_id, revision=revision)
+        if any(sibling.rfilename == CARD_NAME for sibling in info.siblings or ()):
+            card_bytes, outcome = None, "repo_has_one"
+        else:
+            parent, outcome = info.sha, "written"
     root_fd = open_root(directory)
     with contextlib.ExitStack() as stack:
         stack.callback(os.close, root_fd)
@@ -100,18 +137,22 @@ def push_artifact(
         operations.append(CommitOperationAdd(path_in_repo=MANIFEST_NAME, path_or_fileobj=manifest_bytes))
         if signature is not None:
             operations.append(CommitOperationAdd(path_in_repo=SIGNATURE_NAME, path_or_fileobj=signature))
-        info = api.create_commit(
+        if card_bytes is not None:
+            operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
+        commit = api.create_commit(
             repo_id,
             operations,
             commit_message=commit_message or f"squeeze push: artifact {report.manifest.root_digest[:16]}",
             revision=revision,
             repo_type="model",
+            parent_commit=parent,
         )
-    uploaded = report.manifest.total_size + len(manifest_bytes) + len(signature or b"")
+    uploaded = report.manifest.total_size + len(manifest_bytes) + len(signature or b"") + len(card_bytes or b"")
     return PushResult(
         repo_id=repo_id,
         revision=revision,
         files=len(operations),
         bytes_uploaded=uploaded,
-        url=getattr(info, "commit_url", None),
+        url=getattr(commit, "commit_url", None),
+        model_card=outcome,
     )

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
@@ -109,13 +110,18 @@ def test_push_json_and_refusal(served, monkeypatch):
         def create_repo(self, *args: object, **kwargs: object) -> None:
             pass
 
+        def model_info(self, *args: object, **kwargs: object) -> object:  # the repo already has its README
+            return SimpleNamespace(sha="0" * 40, siblings=[SimpleNamespace(rfilename="README.md")])
+
         def create_commit(self, repo_id: str, operations: list, **kwargs: object) -> None:
             sent.extend(op.path_in_repo for op in operations)
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     result = runner.invoke(app, ["push", str(served), "org/model", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["files"] == 3 and sorted(sent) == sorted([SHARD, "config.json", MANIFEST_NAME])
+    report = json.loads(result.stdout)
+    assert report["files"] == 3 and sorted(sent) == sorted([SHARD, "config.json", MANIFEST_NAME])
+    assert report["model_card"] == "repo_has_one"  # theirs is kept: no card sent
     (served / "config.json").write_text('{"model_type": "other"}\n')
     sent.clear()
     refused = runner.invoke(app, ["push", str(served), "org/model"])
