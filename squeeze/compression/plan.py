@@ -45,6 +45,7 @@ from squeeze.compression.preflight import (
 from squeeze.compression.quantize import layer_groups
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError
+from squeeze.models.config_bounds import defaulted_size_keys, describe_defaults
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.source import ModelSource, resolve_model
 from squeeze.models.targets import find_targets, linear_targets
@@ -149,6 +150,9 @@ def plan_compress(
         model_parts(skeleton, option="--device")
     size = estimate_size(skeleton, recipe, targets=targets)
     notes: list[str] = []
+    defaults = defaulted_size_keys(source, skeleton.config)
+    if defaults:  # transformers fills a size config.json leaves out (32 layers for Llama): say what was planned
+        notes.append(f"config.json does not name {describe_defaults(defaults)}: planned with transformers' defaults")
     params = _numel(skeleton)
     active = _active_parameters(skeleton, targets)
     host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, size.total_bytes, max_memory, compute)
