@@ -20,6 +20,7 @@ from squeeze.limits import (
     check_at_least,
     check_choice,
     check_group_size,
+    check_seed,
     check_sparse_fractions,
     check_weight_bits,
 )
@@ -85,7 +86,7 @@ class TuningConfig:
                 hint="1e-4 moves a 3-bit LUT level by about 1% of its spacing per step on SmolLM2",
             )
         check_at_least(self.tokens, 1, "weights.tuning.tokens")
-        check_at_least(self.seed, 0, "weights.tuning.seed")
+        check_seed(self.seed, "weights.tuning.seed")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ def test_mismatched_checkpoint_is_refused(
 
 def _tied_dir(root: Path, tiny_llama_dir: Path, *, keep_head: bool, inv_freq: bool = False) -> Path:
     """The tiny Llama with tie_word_embeddings (the head's tensor saved or not; an old rotary buffer added)."""
+
     def tensors(found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         found = dict(found)
         if keep_head:
