@@ -130,7 +130,9 @@ def check_weight_bits(
 def check_choice(value: object, choices: tuple[str, ...], where: str, error: type[SqueezeError] = ConfigError) -> str:
     """``value`` if it is one of ``choices`` (SENSITIVITIES, LUT_DTYPES, the registry's methods), else ``error``."""
     if not isinstance(value, str) or value not in choices:
-        raise error(f"{where} must be one of {list(choices)}, found {value!r}")
+        raise error(
+            f"{where} must be one of {list(choices)}, found {value!r}", hint=f"pass one of {', '.join(choices)}"
+        )
     return value
 
 

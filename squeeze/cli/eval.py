@@ -28,7 +28,7 @@ Tasks = Annotated[
     typer.Option(
         "--tasks",
         help="lm-evaluation-harness tasks, comma-separated, run by lm-eval's own evaluator on the model as "
-        "squeeze loads it (instead of --text; needs pip install 'squeeze[eval]').",
+        "squeeze loads it (instead of --text; needs pip install 'squeeze\\[eval]').",
     ),
 ]
 IncludePath = Annotated[
@@ -76,7 +76,12 @@ def eval_(
     Or, with --tasks, lm-evaluation-harness tasks."""
     with cli_errors():
         if (text is None) == (tasks is None):
-            raise ConfigError("pass either --text FILE (perplexity) or --tasks NAMES (lm-evaluation-harness)")
+            raise ConfigError(
+                "pass either --text FILE (perplexity) or --tasks NAMES (lm-evaluation-harness)",
+                hint="squeeze eval MODEL --text wiki.test.txt, or squeeze eval MODEL --tasks hellaswag",
+            )
+        if tasks is None:
+            _refuse_task_options(include_path=include_path, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size)
     if tasks is not None:
         options = (include_path, limit, num_fewshot, batch_size, kv_bits, kv_dynamic, json_out, public_key, activations)
         _eval_tasks(model, tasks, *options)
@@ -114,6 +119,20 @@ def eval_(
             f"{result.baseline_result.word_perplexity:.3f}",
         )
     out_console.print(table)
+
+
+def _refuse_task_options(
+    *, include_path: Optional[Path], limit: Optional[int], num_fewshot: Optional[int], batch_size: int
+) -> None:
+    """ConfigError for --tasks options given without --tasks (they would be silently ignored)."""
+    given = {"--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot}
+    stray = [flag for flag, value in given.items() if value is not None] + (["--batch-size"] if batch_size != 1 else [])
+    if stray:
+        raise ConfigError(
+            f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to lm-evaluation-harness tasks only, "
+            "and no --tasks was given",
+            hint=f"add --tasks NAMES, or drop {', '.join(stray)} for a perplexity run (--max-windows limits that one)",
+        )
 
 
 def _eval_tasks(

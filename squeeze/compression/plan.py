@@ -50,6 +50,9 @@ from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.source import ModelSource, resolve_model
 from squeeze.models.targets import find_targets, linear_targets
 
+#: Ranks a plan is made for at most (a line each): past any data-parallel compress world squeeze would start.
+MAX_PLAN_RANKS = 4096
+
 #: CUDA context, cuBLAS workspace and the caching allocator's slack on a device, before any tensor of the run.
 DEVICE_BASE_BYTES = 1 * 2**30
 
@@ -134,8 +137,11 @@ def plan_compress(
     """The plan of ``squeeze compress model`` with ``recipe`` (``num_samples`` x ``seq_len`` calibration tokens,
     None: a recipe without Fisher), ``max_memory`` bytes, ``device`` ("cuda", "cuda:N", "cpu"; its spelling is
     checked, not its presence: a plan is often made away from the GPUs) and ``ranks`` torchrun processes."""
-    if ranks < 1:
-        raise ConfigError(f"--ranks must be at least 1, found {ranks}", hint="pass --ranks 1 or more")
+    if ranks < 1 or ranks > MAX_PLAN_RANKS:  # one line per rank: a million ranks printed 699,387 lines
+        raise ConfigError(
+            f"--ranks must be from 1 to {MAX_PLAN_RANKS}, found {ranks}",
+            hint=f"pass --ranks 1 to {MAX_PLAN_RANKS} (the torchrun processes the run will start)",
+        )
     compute = parse_device(device)
     check_device_options(compute, error_compensation=_uses_hessians(recipe), ranks=1)
     source = model if isinstance(model, ModelSource) else resolve_model(model)

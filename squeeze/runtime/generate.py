@@ -30,7 +30,7 @@ from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.text_stream import TextState
-from squeeze.runtime.weight_paths import describe_weight_paths, weight_paths
+from squeeze.runtime.weight_paths import activation_precision, describe_weight_paths, weight_paths
 
 StreamFn = Callable[[str], None]
 
@@ -83,6 +83,11 @@ class GenerationResult:
         return describe_weight_paths(self.weight_paths)
 
     @property
+    def activations(self) -> str:
+        """The activation precision the quantized linears ran in: "float32", "int8", or a mix in words."""
+        return activation_precision(self.weight_paths)
+
+    @property
     def peak_memory_bytes(self) -> int:
         """Peak CUDA memory when the model ran on CUDA, else the peak RSS."""
         return self.peak_cuda_bytes if self.peak_cuda_bytes is not None else self.peak_rss_bytes
@@ -99,6 +104,7 @@ class GenerationResult:
             "prompt_tokens": sum(self.prompt_tokens),
             "peak_memory_bytes": self.peak_memory_bytes,
             "weights_path": self.weights_path,
+            "activations_ran": self.activations,
         }
 
 
