@@ -178,6 +178,12 @@ def test_hostile_config_sizes_are_refused_at_once(
     assert time.monotonic() - started < 5.0  # refused from config.json and the headers, nothing built
 
 
+def test_null_sizes_are_left_to_the_config_class(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """``head_dim: null`` (derived from hidden_size / heads) is no size to bound."""
+    directory = _edit(tiny_llama_dir, tmp_path / "null-head-dim", config=lambda c: c.update(head_dim=None))
+    meta_model(resolve_model(str(directory)))
+
+
 def test_config_alone_is_bounded_absolutely(tmp_path: Path, tiny_llama_dir: Path) -> None:
     """Without weights (--plan away from the checkpoint) the absolute bounds apply."""
     alone = tmp_path / "config-only"
