@@ -129,3 +129,21 @@ def test_include_path_must_be_a_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is not a directory") as caught:
         check_task_options(include_path=tmp_path / "none", limit=None, num_fewshot=None)
     assert caught.value.hint
+
+
+def test_more_examples_than_documents_is_a_clean_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within the bound, a task with fewer documents than --num-fewshot: lm-eval's random.sample ValueError
+    (exit 3 before) becomes a ConfigError naming the option."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    from squeeze.eval.harness import run_tasks
+
+    def too_few(**_: object) -> None:
+        raise ValueError("Sample larger than population or is negative")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", too_few)
+    core = SimpleNamespace(batch_size=1)
+    with pytest.raises(ConfigError, match="--num-fewshot 500 asks for more examples than a task has") as caught:
+        run_tasks(core, ["squeeze_tinystories_mc"], include_path=TASKS, num_fewshot=500)  # type: ignore[arg-type]
+    assert caught.value.hint
