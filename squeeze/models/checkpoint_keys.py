@@ -24,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from squeeze.errors import ModelError
+from squeeze.models.remote_code import read_small_json
 from squeeze.models.source import ModelSource
 
 #: module names transformers renames on load (checkpoint name, model name): Mixtral's MoE block
@@ -61,10 +62,30 @@ class KeyMatch:
     unexpected: list[str] = field(default_factory=list)
 
 
+#: The checkpoint files transformers loads, as it looks for them: the sharded index, else the one file.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files transformers loads from ``directory``: those ``model.safetensors.index.json``
+    names, else ``model.safetensors``, else every ``*.safetensors`` (a directory only squeeze reads). Other
+    safetensors beside an index (Mistral's ``consolidated.safetensors``) are not the model's and are left out."""
+    index = read_small_json(directory / INDEX_NAME)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if isinstance(weight_map, dict):
+        names = sorted({name for name in weight_map.values() if isinstance(name, str) and "/" not in name})
+        return [directory / name for name in names if (directory / name).is_file()]
+    if (directory / SINGLE_NAME).is_file():
+        return [directory / SINGLE_NAME]
+    return sorted(directory.glob("*.safetensors"))
+
+
 def tensor_files(directory: Path) -> dict[str, Path]:
-    """Every tensor name of the directory's safetensors files -> the file holding it (headers only)."""
+    """Every tensor name of the checkpoint's safetensors files (:func:`weight_files`) -> the file holding it
+    (headers only)."""
     files: dict[str, Path] = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in weight_files(directory):
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 files.setdefault(key, path)
@@ -217,4 +238,5 @@ __all__ = [
     "saved_names",
     "source_mismatch",
     "tensor_files",
+    "weight_files",
 ]

@@ -66,8 +66,10 @@ class CheckpointShape:
 def checkpoint_shape(directory: Path) -> CheckpointShape | None:
     """The tensor count and largest dimension over ``directory``'s safetensors headers (headers only, never a
     tensor); None when it holds no readable safetensors file (a config alone, a .bin checkpoint)."""
+    from squeeze.models.checkpoint_keys import weight_files
+
     tensors, largest = 0, 0
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in weight_files(directory):
         try:
             with path.open("rb") as handle:
                 header = parse_safetensors_header(read_header_prefix(handle), path.stat().st_size, path.name)

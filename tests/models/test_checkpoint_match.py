@@ -121,6 +121,18 @@ def test_tied_head_and_buffers_are_not_mismatches(
     OPENERS[opener](_tied_dir(tmp_path, tiny_llama_dir, keep_head=keep_head, inv_freq=inv_freq))
 
 
+@pytest.mark.parametrize("opener", sorted(OPENERS))
+def test_safetensors_beside_the_checkpoint_are_not_its_weights(
+    tmp_path: Path, tiny_llama_dir: Path, opener: str
+) -> None:
+    """Mistral's repos ship consolidated.safetensors (other names) beside the HF checkpoint: transformers reads
+    model.safetensors (or the index's files) only, and so does the check."""
+    directory = Path(shutil.copytree(tiny_llama_dir, tmp_path / "with-consolidated"))
+    original = load_file(directory / SHARD)
+    save_file({f"layers.{k}": v for k, v in original.items()}, directory / "consolidated.safetensors")
+    OPENERS[opener](directory)
+
+
 def test_the_matched_model_opens(tiny_llama_dir: Path) -> None:
     for open_model in OPENERS.values():
         open_model(tiny_llama_dir)
