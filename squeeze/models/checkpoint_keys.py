@@ -18,14 +18,16 @@ import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 from torch import nn
 
 from squeeze.errors import ModelError
-from squeeze.models.remote_code import read_small_json
-from squeeze.models.source import ModelSource
+from squeeze.models.config_bounds import defaulted_size_keys, describe_defaults, weight_files
+
+if TYPE_CHECKING:  # a type only: squeeze.models.source imports this module when it loads a model
+    from squeeze.models.source import ModelSource
 
 #: module names transformers renames on load (checkpoint name, model name): Mixtral's MoE block
 SAVED_RENAMES = ((".block_sparse_moe.", ".mlp."),)
@@ -60,25 +62,6 @@ class KeyMatch:
     parts: dict[str, list[list[str]]] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-
-
-#: The checkpoint files transformers loads, as it looks for them: the sharded index, else the one file.
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files transformers loads from ``directory``: those ``model.safetensors.index.json``
-    names, else ``model.safetensors``, else every ``*.safetensors`` (a directory only squeeze reads). Other
-    safetensors beside an index (Mistral's ``consolidated.safetensors``) are not the model's and are left out."""
-    index = read_small_json(directory / INDEX_NAME)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if isinstance(weight_map, dict):
-        names = sorted({name for name in weight_map.values() if isinstance(name, str) and "/" not in name})
-        return [directory / name for name in names if (directory / name).is_file()]
-    if (directory / SINGLE_NAME).is_file():
-        return [directory / SINGLE_NAME]
-    return sorted(directory.glob("*.safetensors"))
 
 
 def tensor_files(directory: Path) -> dict[str, Path]:
@@ -220,8 +203,6 @@ def source_mismatch(
 ) -> ModelError:
     """:func:`mismatch_error` for ``source``, its hint naming the size keys its config.json left to the defaults
     of the built ``config`` (None: none named)."""
-    from squeeze.models.config_bounds import defaulted_size_keys, describe_defaults
-
     defaults = describe_defaults(defaulted_size_keys(source, config)) if config is not None else ""
     return mismatch_error(source.model_id, missing, unexpected, defaults)
 
@@ -238,5 +219,4 @@ __all__ = [
     "saved_names",
     "source_mismatch",
     "tensor_files",
-    "weight_files",
 ]

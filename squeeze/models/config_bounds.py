@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from squeeze.errors import FormatError, ModelError
 from squeeze.format.safetensors_header import parse_safetensors_header, read_header_prefix
 from squeeze.models.remote_code import read_small_json
-from squeeze.models.source import ModelSource
+
+if TYPE_CHECKING:  # a type only: squeeze.models.source imports this module when it loads a model
+    from squeeze.models.source import ModelSource
 
 #: Layer counts (each layer holds at least one tensor of the checkpoint).
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -63,11 +65,28 @@ class CheckpointShape:
     largest_dim: int
 
 
+#: The checkpoint files transformers loads, as it looks for them: the sharded index, else the one file.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files transformers loads from ``directory``: those ``model.safetensors.index.json``
+    names, else ``model.safetensors``, else every ``*.safetensors`` (a directory only squeeze reads). Other
+    safetensors beside an index (Mistral's ``consolidated.safetensors``) are not the model's and are left out."""
+    index = read_small_json(directory / INDEX_NAME)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if isinstance(weight_map, dict):
+        names = sorted({name for name in weight_map.values() if isinstance(name, str) and "/" not in name})
+        return [directory / name for name in names if (directory / name).is_file()]
+    if (directory / SINGLE_NAME).is_file():
+        return [directory / SINGLE_NAME]
+    return sorted(directory.glob("*.safetensors"))
+
+
 def checkpoint_shape(directory: Path) -> CheckpointShape | None:
     """The tensor count and largest dimension over ``directory``'s safetensors headers (headers only, never a
     tensor); None when it holds no readable safetensors file (a config alone, a .bin checkpoint)."""
-    from squeeze.models.checkpoint_keys import weight_files
-
     tensors, largest = 0, 0
     for path in weight_files(directory):
         try:
@@ -162,6 +181,7 @@ __all__ = [
     "CheckpointShape",
     "check_config_sizes",
     "checkpoint_shape",
+    "weight_files",
     "defaulted_size_keys",
     "describe_defaults",
     "MAX_LAYERS",
