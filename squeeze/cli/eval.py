@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
-from squeeze.cli.common import PublicKey, cli_errors, out_console, print_json, stage_progress
+from squeeze.cli.common import PublicKey, cli_errors, err_console, out_console, print_json, stage_progress
 from squeeze.cli.run import ActivationsOpt
 from squeeze.errors import ConfigError
 
@@ -102,6 +102,14 @@ def eval_(
                 load=load,
                 kv=kv_options,
             )
+    if activations == "int8" and result.activations != "int8":  # only LUT 3/4-bit native kernels run int8
+        err_console.print(
+            f"Warning: --activations int8 was asked for, but the linears ran activations {result.activations} "
+            "(int8 runs only in the native kernels of 3/4-bit LUT weights)",
+            style="yellow",
+            soft_wrap=True,
+            markup=False,
+        )
     if json_out:
         print_json(result.to_dict())
         return

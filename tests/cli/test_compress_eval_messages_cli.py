@@ -160,3 +160,14 @@ def test_int8_activations_on_an_rtn_artifact_say_what_ran(tmp_path: Path, compre
     assert "| activations float32 |" in result.stderr
     dense = runner.invoke(app, ["run", "Once", "-m", str(artifact), "-n", "2", "--activations", "int8", "--dense"])
     assert dense.exit_code == 0 and "--dense caches float weights" in dense.stderr, dense.output
+
+
+def test_eval_with_int8_activations_on_an_rtn_artifact_says_what_ran(
+    tmp_path: Path, compress_tiny, tiny_text_file: Path
+) -> None:
+    artifact = compress_tiny(tmp_path / "rtn", recipe="rtn-w4", calibration=None, calibration_overrides=None)
+    args = ["eval", str(artifact), "--text", str(tiny_text_file), "--seq-len", "32", "--max-windows", "2"]
+    result = runner.invoke(app, [*args, "--activations", "int8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "Warning: --activations int8 was asked for, but the linears ran activations float32" in result.stderr
+    assert '"activations_ran": "float32"' in result.stdout
