@@ -9,6 +9,7 @@ built-in recipe does not shadow it. The helpers and the shared fixtures are test
 Slow (child processes): deselected from the default run, see conftest.py here.
 """
 
+# ruff: noqa: F811 - the shared fixtures (probe, shared) are imported from test_hardening_probes and injected by name
 from __future__ import annotations
 
 import os
@@ -41,9 +42,7 @@ def test_a_checkpoint_missing_a_layer_is_never_sealed(probe: Probe, max_memory: 
     assert result.hint and not out.exists()
 
 
-@pytest.mark.parametrize(
-    ("layers", "plan"), [(1e12, True), (10**5, True), (10**4, False), (None, False)], ids=str
-)
+@pytest.mark.parametrize(("layers", "plan"), [(1e12, True), (10**5, True), (10**4, False), (None, False)], ids=str)
 def test_hostile_layer_counts_are_refused_at_once(probe: Probe, layers: float | None, plan: bool) -> None:
     model = _model_copy(probe, "hostile")
     edit_json(
