@@ -27,7 +27,7 @@ from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.inspect import ArtifactInfo, inspect_artifact
 from squeeze.format.paths import short_path
 from squeeze.format.verify import VerifyReport, verify_artifact
-from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration
+from squeeze.limits import MIN_SEQ_LEN, KvChoice, check_kv_calibration, check_seed
 from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
@@ -255,6 +255,8 @@ def compress(
     from squeeze.compression.job import needs_calibration
     from squeeze.compression.pipeline import run_compress
 
+    if seed is not None:  # one rule for every seed (squeeze.limits.check_seed), before anything is read
+        check_seed(seed, "seed (--seed)")
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(os.fspath(recipe), **dict(overrides or {}))
     spec = None
     if needs_calibration(resolved) and calibration is not None:
@@ -464,11 +466,12 @@ def evaluate_tasks(
     download). ``limit``: the first N documents of each task; ``num_fewshot``: examples in each prompt.
     Needs lm-eval (``pip install 'squeeze[eval]'``; ConfigError without it, for an unknown task, or for a
     task whose data cannot be downloaded). ``load`` / ``kv`` (or their keywords): as for :func:`evaluate`."""
-    from squeeze.eval.harness import import_lm_eval, load_harness_model, run_tasks
+    from squeeze.eval.harness import check_task_options, import_lm_eval, load_harness_model, run_tasks
 
     load, kv = load_and_kv(options, load, kv)
     if not tasks:
         raise ConfigError("no task named", hint="pass --tasks NAME[,NAME...]")
+    check_task_options(include_path=include_path, limit=limit, num_fewshot=num_fewshot)  # before the model loads
     import_lm_eval()
     core = load_harness_model(model, batch_size=batch_size, load=load, kv=kv)
     return run_tasks(core, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot)

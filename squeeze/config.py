@@ -8,6 +8,7 @@ calibrate on. Both are resolved from a built-in name (``squeeze/recipes/NAME.yam
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -31,6 +32,7 @@ from squeeze.limits import (
     MIN_SEQ_LEN,
     check_at_least,
     check_choice,
+    check_seed,
 )
 from squeeze.weights_config import (  # noqa: F401 - re-exported: squeeze.config is the public home
     DEFAULT_TARGETS,
@@ -122,6 +124,7 @@ class CalibrationSpec:
             raise ConfigError("calibration source 'hf' needs a 'dataset' id (e.g. wikitext)")
         check_at_least(self.num_samples, 1, "calibration num_samples")
         check_at_least(self.seq_len, MIN_SEQ_LEN, "calibration seq_len")
+        check_seed(self.seed, "calibration seed")
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)
@@ -183,11 +186,13 @@ def load_calibration_spec(name_or_path: str | Path, **overrides: Any) -> Calibra
     inside a spec file resolve against the spec file's directory.
     """
     candidate = Path(name_or_path)
+    what = "calibration spec"
     if candidate.is_file() and candidate.suffix.lower() not in (".yaml", ".yml"):
+        _named_yaml_path(name_or_path, CALIBRATION_DIR, what)  # warns when a built-in has the same name
         data: dict[str, Any] = {"name": candidate.name, "source": "text", "path": str(candidate.resolve())}
     else:
-        data = _read_named_yaml(name_or_path, CALIBRATION_DIR, "calibration spec")
-        spec_file = _named_yaml_path(name_or_path, CALIBRATION_DIR)
+        spec_file = _named_yaml_path(name_or_path, CALIBRATION_DIR, what)
+        data = _read_yaml_at(spec_file, name_or_path, CALIBRATION_DIR, what)
         if isinstance(data.get("path"), str) and not Path(data["path"]).is_absolute():
             data["path"] = str((spec_file.parent / data["path"]).resolve())
     for key, value in overrides.items():
@@ -201,15 +206,40 @@ def builtin_names(directory: Path) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
-def _named_yaml_path(name_or_path: str | Path, directory: Path) -> Path:
+class BuiltinShadowedWarning(UserWarning):
+    """A recipe or calibration spec name matched both a file here and a built-in: the file was taken."""
+
+
+def _named_yaml_path(name_or_path: str | Path, directory: Path, what: str = "recipe") -> Path:
+    """The YAML file ``name_or_path`` names: an existing file; else a built-in of that name in ``directory``
+    (a directory named like a built-in, e.g. the output folder of ``--recipe w3-ec-tuned --output
+    w3-ec-tuned``, is not a recipe file: the built-in is taken); else the path itself (read, and refused)."""
     candidate = Path(name_or_path)
+    text = str(name_or_path)
+    plain = "/" not in text and candidate.suffix.lower() not in (".yaml", ".yml") and text not in ("", ".", "..")
+    builtin = directory / f"{text}.yaml" if plain else None
+    if candidate.is_file():
+        if builtin is not None and builtin.is_file():  # both match: say which one was taken
+            warnings.warn(
+                f"{what} {text!r} is both the file {short_path(candidate.resolve())} and a built-in: the file was "
+                f"taken (pass the built-in's contents by path, or rename the file, to choose the other)",
+                BuiltinShadowedWarning,
+                stacklevel=3,
+            )
+        return candidate
+    if builtin is not None and builtin.is_file():
+        return builtin
     if candidate.suffix.lower() in (".yaml", ".yml") or candidate.exists():
         return candidate
-    return directory / f"{name_or_path}.yaml"
+    return directory / f"{text}.yaml"
 
 
 def _read_named_yaml(name_or_path: str | Path, directory: Path, what: str) -> dict[str, Any]:
-    path = _named_yaml_path(name_or_path, directory)
+    return _read_yaml_at(_named_yaml_path(name_or_path, directory, what), name_or_path, directory, what)
+
+
+def _read_yaml_at(path: Path, name_or_path: str | Path, directory: Path, what: str) -> dict[str, Any]:
+    fix = f"pass a {what} YAML file, or one of the built-ins: {', '.join(builtin_names(directory)) or '(none)'}"
     try:
         raw = read_user_file(path, MAX_YAML_BYTES, what)
     except FileNotFoundError:
@@ -218,15 +248,23 @@ def _read_named_yaml(name_or_path: str | Path, directory: Path, what: str) -> di
             hint=f"built-ins: {', '.join(builtin_names(directory)) or '(none)'}; or pass a YAML file path",
         ) from None
     except OSError as exc:
-        raise ConfigError(f"cannot read the {what} {short_path(path)}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read the {what} {short_path(path)}: {exc.strerror or exc}", hint=fix) from None
     try:
         data = load_yaml_unique(raw.decode("utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path} is not valid YAML: {_yaml_problem(exc)}") from exc
+        raise ConfigError(
+            f"{what} {path} is not valid YAML: {_yaml_problem(exc)}",
+            hint="each key once per mapping, indented by spaces (YAML 1.1, as PyYAML reads it)",
+        ) from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+        raise ConfigError(
+            f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}", hint="save the file as UTF-8"
+        ) from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"{what} {path} must be a YAML mapping, found {type(data).__name__}")
+        raise ConfigError(
+            f"{what} {path} must be a YAML mapping, found {type(data).__name__}",
+            hint=f"write the {what} as keys and values (see the built-ins in {short_path(directory)})",
+        )
     return data
 
 

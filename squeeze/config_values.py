@@ -72,7 +72,10 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 def from_dict(cls: type[T], data: Any, where: str) -> T:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types, recursively."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, found {type(data).__name__}")
+        raise ConfigError(
+            f"{where} must be a mapping, found {type(data).__name__}",
+            hint=f"write {where} as indented key: value lines",
+        )
     hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
@@ -92,13 +95,18 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{where} must be one of {list(allowed)}, found {value!r}")
+            raise ConfigError(
+                f"{where} must be one of {list(allowed)}, found {value!r}",
+                hint=f"set {where} to one of {', '.join(map(repr, allowed))}",
+            )
         return value
     if origin is tuple:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings, found {value!r}")
+            raise ConfigError(
+                f"{where} must be a list of strings, found {value!r}", hint=f"write {where} as a list, e.g. [q_proj]"
+            )
         return tuple(value)
     if origin in (Union, UnionType):  # Optional[X], or a union (``int | Literal["auto"] | None``)
         args = get_args(tp)
@@ -112,7 +120,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 return _coerce(alternative, value, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where} must be {' or '.join(map(_type_name, inner))}, found {value!r}")
+        wanted = " or ".join(map(_type_name, inner))
+        raise ConfigError(f"{where} must be {wanted}, found {value!r}", hint=f"set {where} to {wanted}")
     if tp is bool and isinstance(value, bool):
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -121,7 +130,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         return value
     if tp is str and isinstance(value, (str, int)) and not isinstance(value, bool):
         return str(value)
-    raise ConfigError(f"{where} must be of type {getattr(tp, '__name__', tp)}, found {value!r}")
+    wanted = getattr(tp, "__name__", str(tp))
+    raise ConfigError(
+        f"{where} must be of type {wanted}, found {value!r}",
+        hint=f"write {where} as a {wanted} (no quotes for numbers)",
+    )
 
 
 def _type_name(tp: Any) -> str:
@@ -172,7 +185,7 @@ def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like ``"2GB"``, ``"500MB"``, ``"1GiB"`` (decimal units as transformers)."""
     if isinstance(size, int) and not isinstance(size, bool):
         if size <= 0:
-            raise ConfigError(f"a size must be positive, found {size}")
+            raise ConfigError(f"a size must be positive, found {size}", hint="write it like 2GB, 500MB or 1GiB")
         return size
     match = _SIZE_RE.match(str(size))
     unit = (match.group(2) or "").upper() if match else None
@@ -180,5 +193,7 @@ def parse_size(size: int | str) -> int:
         raise ConfigError(f"cannot read size {size!r}", hint="write it like 2GB, 500MB or 1GiB")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ConfigError(f"a size must be positive, found {size!r}")
+        raise ConfigError(
+            f"a size must be positive, found {size!r}", hint="write a size above zero, like 2GB, 500MB or 1GiB"
+        )
     return value

@@ -73,6 +73,11 @@ DEFAULT_SINK_TOKENS = 4
 #: Calibration windows need at least 2 tokens: one prediction of the next token.
 MIN_SEQ_LEN = 2
 
+#: Largest seed (``--seed``, a calibration spec's ``seed``, ``weights.tuning.seed``): 32 bits, what numpy and
+#: most tools take; the tuning stage derives per-block seeds from it (seed x 1_000_003 + block) that stay
+#: inside torch.Generator's 64-bit range. One rule for every seed, checked where each enters.
+MAX_SEED = 2**32 - 1
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Predicates (for code that must not raise)
@@ -125,7 +130,9 @@ def check_weight_bits(
 def check_choice(value: object, choices: tuple[str, ...], where: str, error: type[SqueezeError] = ConfigError) -> str:
     """``value`` if it is one of ``choices`` (SENSITIVITIES, LUT_DTYPES, the registry's methods), else ``error``."""
     if not isinstance(value, str) or value not in choices:
-        raise error(f"{where} must be one of {list(choices)}, found {value!r}")
+        raise error(
+            f"{where} must be one of {list(choices)}, found {value!r}", hint=f"pass one of {', '.join(choices)}"
+        )
     return value
 
 
@@ -233,10 +240,26 @@ def check_kv_group(group: object, head_dim: int, what: str, error: type[SqueezeE
     return group
 
 
-def check_at_least(value: object, minimum: int, where: str, error: type[SqueezeError] = ConfigError) -> int:
-    """``value`` if it is an integer >= ``minimum`` (counts: samples, tokens), else ``error``."""
+def check_at_least(
+    value: object, minimum: int, where: str, error: type[SqueezeError] = ConfigError, hint: str | None = None
+) -> int:
+    """``value`` if it is an integer >= ``minimum`` (counts: samples, tokens), else ``error`` (with ``hint``, or
+    one saying what to write)."""
     if not (is_int(value) and value >= minimum):
-        raise error(f"{where} must be >= {minimum}, found {value!r}")
+        raise error(
+            f"{where} must be >= {minimum}, found {value!r}",
+            hint=hint or f"set {where} to a whole number, {minimum} or more",
+        )
+    return value
+
+
+def check_seed(value: object, where: str, error: type[SqueezeError] = ConfigError) -> int:
+    """``value`` if it is a seed squeeze takes (an integer in [0, :data:`MAX_SEED`]), else ``error``."""
+    if not (is_int(value) and 0 <= value <= MAX_SEED):
+        raise error(
+            f"{where} must be an integer from 0 to {MAX_SEED} (2**32 - 1), found {value!r}",
+            hint=f"pass a smaller {where}, e.g. 0 (the default) or 1234",
+        )
     return value
 
 
@@ -257,6 +280,7 @@ __all__ = [
     "KV_CHOICES",
     "DEFAULT_SINK_TOKENS",
     "MIN_SEQ_LEN",
+    "MAX_SEED",
     "is_int",
     "is_weight_bits",
     "is_kv_bits",
@@ -271,4 +295,5 @@ __all__ = [
     "check_kv_calibration",
     "check_kv_group",
     "check_at_least",
+    "check_seed",
 ]

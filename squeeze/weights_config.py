@@ -20,6 +20,7 @@ from squeeze.limits import (
     check_at_least,
     check_choice,
     check_group_size,
+    check_seed,
     check_sparse_fractions,
     check_weight_bits,
 )
@@ -78,14 +79,17 @@ class TuningConfig:
     def __post_init__(self) -> None:
         check_at_least(self.steps, 1, "weights.tuning.steps")
         if self.steps > MAX_TUNING_STEPS:
-            raise ConfigError(f"weights.tuning.steps must be at most {MAX_TUNING_STEPS}, found {self.steps}")
+            raise ConfigError(
+                f"weights.tuning.steps must be at most {MAX_TUNING_STEPS}, found {self.steps}",
+                hint="the built-in w3-tuned uses 64 steps per block",
+            )
         if not (math.isfinite(self.lr) and 0.0 < self.lr <= MAX_TUNING_LR):
             raise ConfigError(
                 f"weights.tuning.lr must be a number in (0, {MAX_TUNING_LR}], found {self.lr!r}",
                 hint="1e-4 moves a 3-bit LUT level by about 1% of its spacing per step on SmolLM2",
             )
         check_at_least(self.tokens, 1, "weights.tuning.tokens")
-        check_at_least(self.seed, 0, "weights.tuning.seed")
+        check_seed(self.seed, "weights.tuning.seed")
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,10 @@ class WeightsConfig:
         self._check_embedding_bits()
         self._check_tuning()
         if not self.targets:
-            raise ConfigError("weights.targets must name at least one module suffix, found an empty list")
+            raise ConfigError(
+                "weights.targets must name at least one module suffix, found an empty list",
+                hint="leave weights.targets out for every linear, or name suffixes such as [q_proj, k_proj]",
+            )
 
     def _check_embedding_bits(self) -> None:
         bits = self.embedding_bits
@@ -190,10 +197,14 @@ class WeightsConfig:
                 f"weights.tuning tunes LUT values, and method {self.method} has none to tune",
                 hint="use method: squeeze (e.g. recipe w3-tuned), or remove weights.tuning",
             )
+        if self.sensitivity == "uniform":
+            raise ConfigError(
+                "weights.tuning needs calibration windows, and sensitivity uniform compresses without calibration",
+                hint="use --sensitivity fisher with a calibration text, or remove weights.tuning",
+            )
         if self.sensitivity != "fisher":
             raise ConfigError(
-                f"weights.tuning needs calibration windows, and sensitivity {self.sensitivity} compresses without "
-                "calibration",
+                f"weights.tuning runs after a Fisher sensitivity pass only, found sensitivity {self.sensitivity}",
                 hint="use --sensitivity fisher with a calibration text, or remove weights.tuning",
             )
 

@@ -59,8 +59,9 @@ def cli_errors() -> Iterator[None]:
             raise
         # escaped: a message or hint may hold brackets (pip install 'squeeze[eval]') that are not markup
         err_console.print(f"[bold red]Error:[/] {escape(exc.message)}", soft_wrap=True)
-        if exc.hint:
-            err_console.print(f"[dim]Hint:[/] {escape(exc.hint)}", soft_wrap=True)
+        hint = exc.hint or exc.default_hint  # every refusal says what to do: its own hint, else its class's
+        if hint:
+            err_console.print(f"[dim]Hint:[/] {escape(hint)}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         if debug_enabled():

@@ -10,7 +10,7 @@ import typer
 
 from squeeze import api
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
-from squeeze.errors import Interrupted
+from squeeze.errors import ConfigError, Interrupted
 
 DEFAULT_MODEL = "smollm2-135m"
 #: The options that override a recipe key (parameter name -> dotted key), in the order of the options.
@@ -222,6 +222,11 @@ def compress(
         _plan(model, recipe, calibration, options, overrides, json_out=json_out)
         return
     with cli_errors():
+        if ranks is not None:  # it would be silently ignored: a run's world is torchrun's
+            raise ConfigError(
+                "--ranks plans a torchrun world and applies to --plan only",
+                hint="add --plan to see the needs of N ranks, or start the run itself with torchrun --nproc-per-node N",
+            )
         target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
         try:
             with stage_progress(not json_out, STAGE_LABELS, lines=True) as progress:  # lines: a log's stderr
@@ -285,12 +290,20 @@ def _seconds(s: float | None) -> str:
     return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s:,.0f} s"
 
 
+def _count(n: int) -> str:
+    """A parameter count in the unit that shows it: ``1.71 B``, ``134.5 M``, ``260.1 K``, ``12``."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.{2 if scale == 1e9 else 1}f} {unit}"
+    return str(n)
+
+
 def _print_plan(plan: api.CompressPlan) -> None:
     """The plan as a header, one line per rank (memory, work, seconds per stage) and the notes (stdout)."""
     windows = f"{plan.num_samples} x {plan.seq_len} tokens" if plan.seq_len else "no calibration"
     out_console.print(
-        f"plan for {plan.model}, recipe {plan.recipe}: {plan.parameters / 1e9:,.3f} B parameters "
-        f"({plan.active_parameters / 1e9:,.3f} B per token), {plan.quantized_weights / 1e9:,.3f} B quantized; "
+        f"plan for {plan.model}, recipe {plan.recipe}: {_count(plan.parameters)} parameters "
+        f"({_count(plan.active_parameters)} per token), {_count(plan.quantized_weights)} quantized; "
         f"artifact {_gb(plan.artifact_bytes)}, work area {_gb(plan.work_disk_bytes)} at its peak; {windows}; "
         f"device {plan.device or 'host'}; --max-memory {_gb(plan.max_memory)}"
     )
@@ -338,9 +351,14 @@ def _print_summary(result: api.CompressResult) -> None:
             f"experts: {result.experts} quantized, {result.unrouted_experts} never routed by the calibration text"
         )
     if result.max_memory:
+        over = result.peak_estimate_bytes > result.max_memory  # only with --force: preflight refuses it otherwise
         out_console.print(
             f"memory: estimated peak {result.peak_estimate_bytes / 1e9:.2f} GB "
-            f"within --max-memory {result.max_memory / 1e9:.2f} GB"
+            + (
+                f"exceeds --max-memory {result.max_memory / 1e9:.2f} GB (forced)"
+                if over
+                else f"within --max-memory {result.max_memory / 1e9:.2f} GB"
+            )
         )
     if result.plan:  # a bits-per-weight budget: how the linears' weights were spread over the settings
         shares = ", ".join(f"{label} {share:.0%}" for label, share in result.plan.items())

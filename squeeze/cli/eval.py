@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
-from squeeze.cli.common import PublicKey, cli_errors, out_console, print_json, stage_progress
+from squeeze.cli.common import PublicKey, cli_errors, err_console, out_console, print_json, stage_progress
 from squeeze.cli.run import ActivationsOpt
 from squeeze.errors import ConfigError
 
@@ -28,7 +28,7 @@ Tasks = Annotated[
     typer.Option(
         "--tasks",
         help="lm-evaluation-harness tasks, comma-separated, run by lm-eval's own evaluator on the model as "
-        "squeeze loads it (instead of --text; needs pip install 'squeeze[eval]').",
+        "squeeze loads it (instead of --text; needs pip install 'squeeze\\[eval]').",
     ),
 ]
 IncludePath = Annotated[
@@ -76,7 +76,12 @@ def eval_(
     Or, with --tasks, lm-evaluation-harness tasks."""
     with cli_errors():
         if (text is None) == (tasks is None):
-            raise ConfigError("pass either --text FILE (perplexity) or --tasks NAMES (lm-evaluation-harness)")
+            raise ConfigError(
+                "pass either --text FILE (perplexity) or --tasks NAMES (lm-evaluation-harness)",
+                hint="squeeze eval MODEL --text wiki.test.txt, or squeeze eval MODEL --tasks hellaswag",
+            )
+        if tasks is None:
+            _refuse_task_options(include_path=include_path, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size)
     if tasks is not None:
         options = (include_path, limit, num_fewshot, batch_size, kv_bits, kv_dynamic, json_out, public_key, activations)
         _eval_tasks(model, tasks, *options)
@@ -97,6 +102,14 @@ def eval_(
                 load=load,
                 kv=kv_options,
             )
+    if activations == "int8" and result.activations != "int8":  # only LUT 3/4-bit native kernels run int8
+        err_console.print(
+            f"Warning: --activations int8 was asked for, but the linears ran activations {result.activations} "
+            "(int8 runs only in the native kernels of 3/4-bit LUT weights)",
+            style="yellow",
+            soft_wrap=True,
+            markup=False,
+        )
     if json_out:
         print_json(result.to_dict())
         return
@@ -114,6 +127,20 @@ def eval_(
             f"{result.baseline_result.word_perplexity:.3f}",
         )
     out_console.print(table)
+
+
+def _refuse_task_options(
+    *, include_path: Optional[Path], limit: Optional[int], num_fewshot: Optional[int], batch_size: int
+) -> None:
+    """ConfigError for --tasks options given without --tasks (they would be silently ignored)."""
+    given = {"--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot}
+    stray = [flag for flag, value in given.items() if value is not None] + (["--batch-size"] if batch_size != 1 else [])
+    if stray:
+        raise ConfigError(
+            f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to lm-evaluation-harness tasks only, "
+            "and no --tasks was given",
+            hint=f"add --tasks NAMES, or drop {', '.join(stray)} for a perplexity run (--max-windows limits that one)",
+        )
 
 
 def _eval_tasks(

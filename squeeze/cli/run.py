@@ -147,6 +147,7 @@ def run(
         with progress_bar("Pulling", not json_out, bytes_=True) as progress:
             local = api.local_artifact(model, public_key=public_key, progress=progress)
         result = api.generate(local, prompts, sampling, load=load, kv=kv, chat=chat, stream=stream)
+    ran = result.activations
     if json_out:
         extra = {
             "model": str(model),
@@ -157,11 +158,27 @@ def run(
             "activations": load.activations,
         }
         print_json({**result.to_dict(), **extra})
+        _warn_activations(load.activations, ran, dense=dense)
         return
     _write("\n")
     for i, text in enumerate(result.texts[1:], start=2):
         _write(f"\n--- prompt {i} ---\n{text}\n")
+    _warn_activations(load.activations, ran, dense=dense)
     _print_stats(result, verified=not no_verify)
+
+
+def _warn_activations(asked: str, ran: str, *, dense: bool) -> None:
+    """A warning line (stderr) when ``--activations int8`` was asked for and some linears ran float: only the
+    native kernels of 3- and 4-bit LUT weights have the int8 form (not --dense, --low-memory, RTN or 8-bit)."""
+    if asked != "int8" or ran == "int8":
+        return
+    why = "--dense caches float weights" if dense else "int8 runs only in the native kernels of 3/4-bit LUT weights"
+    err_console.print(
+        f"Warning: --activations int8 was asked for, but the linears ran activations {ran} ({why})",
+        style="yellow",
+        soft_wrap=True,
+        markup=False,
+    )
 
 
 def _print_stats(result: api.GenerationResult, *, verified: bool) -> None:
@@ -177,7 +194,8 @@ def _print_stats(result: api.GenerationResult, *, verified: bool) -> None:
         f"load {result.load_seconds:.2f} s ({'verified' if verified else 'NOT verified'}) | "
         f"first token {result.ttft_seconds:.3f} s | {tps} | {sum(result.new_tokens)} new tokens | "
         f"{memory}peak RSS {result.peak_rss_bytes / MIB:.0f} MiB | "
-        f"KV cache {result.kv_cache} {result.kv_cache_bytes / MIB:.2f} MiB | weights: {result.weights_path}",
+        f"KV cache {result.kv_cache} {result.kv_cache_bytes / MIB:.2f} MiB | "
+        f"activations {result.activations} | weights: {result.weights_path}",
         style="dim",
         soft_wrap=True,
         markup=False,

@@ -175,10 +175,16 @@ def _calibration_for(needs: RecipeNeeds, calibration: CalibrationSpec | None) ->
     if not needs.calibration:
         return None
     if calibration is None:
+        if needs.activation:
+            why = "this recipe weights k-means by activation sensitivity (forward passes over calibration text)"
+        elif needs.fisher:
+            why = "this recipe weights k-means by Fisher sensitivity"
+        else:
+            why = "this recipe's error compensation takes its input Hessians from calibration text"
+        other = "use --sensitivity uniform" if needs.fisher else "choose a recipe without error compensation"
         raise ConfigError(
-            "no calibration text given, and this recipe weights k-means by Fisher sensitivity",
-            hint="pass a text file or spec (e.g. --calibration my_corpus.txt, or wikitext2-train), "
-            "or use --sensitivity uniform",
+            f"no calibration text given, and {why}",
+            hint=f"pass a text file or spec (e.g. --calibration my_corpus.txt, or wikitext2-train), or {other}",
         )
     return calibration
 

@@ -47,9 +47,13 @@ from squeeze.compression.preflight import (
 from squeeze.compression.quantize import layer_groups
 from squeeze.config import Recipe
 from squeeze.errors import ConfigError
+from squeeze.models.config_bounds import defaulted_size_keys, describe_defaults
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.source import ModelSource, resolve_model
 from squeeze.models.targets import find_targets, linear_targets
+
+#: Ranks a plan is made for at most (a line each): past any data-parallel compress world squeeze would start.
+MAX_PLAN_RANKS = 4096
 
 DEVICE_BASE_BYTES = expert_plan.DEVICE_BASE_BYTES
 
@@ -149,8 +153,11 @@ def plan_compress(
     """The plan of ``squeeze compress model`` with ``recipe`` (``num_samples`` x ``seq_len`` calibration tokens,
     None: a recipe without Fisher), ``max_memory`` bytes, ``device`` ("cuda", "cuda:N", "cpu"; its spelling is
     checked, not its presence: a plan is often made away from the GPUs) and ``ranks`` torchrun processes."""
-    if ranks < 1:
-        raise ConfigError(f"--ranks must be at least 1, found {ranks}", hint="pass --ranks 1 or more")
+    if ranks < 1 or ranks > MAX_PLAN_RANKS:  # one line per rank: a million ranks printed 699,387 lines
+        raise ConfigError(
+            f"--ranks must be from 1 to {MAX_PLAN_RANKS}, found {ranks}",
+            hint=f"pass --ranks 1 to {MAX_PLAN_RANKS} (the torchrun processes the run will start)",
+        )
     compute = parse_device(device)
     check_device_options(compute, error_compensation=_uses_hessians(recipe), ranks=1)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
@@ -165,6 +172,9 @@ def plan_compress(
         model_parts(skeleton, option="--device")
     size = estimate_size(skeleton, recipe, targets=targets)
     notes: list[str] = []
+    defaults = defaulted_size_keys(source, skeleton.config)
+    if defaults:  # transformers fills a size config.json leaves out (32 layers for Llama): say what was planned
+        notes.append(f"config.json does not name {describe_defaults(defaults)}: planned with transformers' defaults")
     params = _numel(skeleton)
     active = _active_parameters(skeleton, targets)
     cuda = compute is not None and compute.type == "cuda"

@@ -19,6 +19,8 @@ from squeeze.compression.bit_budget import budget_bytes
 from squeeze.compression.embeddings import embedding_names, embedding_targets
 from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ConfigError, ModelError, ResourceError
+from squeeze.models.checkpoint_keys import check_checkpoint_keys
+from squeeze.models.config_bounds import check_config_sizes
 from squeeze.models.source import KEEP_DTYPES, ModelSource
 from squeeze.models.targets import Target, find_targets, linear_targets, target_shape
 from squeeze.quant.schemes import format_for_recipe
@@ -53,9 +55,16 @@ def check_context_length(model: nn.Module, seq_len: int, option: str = "--seq-le
 
 
 def meta_model(source: ModelSource) -> nn.Module:
-    """The model's architecture on the meta device (no memory, no weights read)."""
+    """The model's architecture on the meta device (no memory, no weights read), checked against the checkpoint.
+
+    ModelError, before anything is built, for a config.json size out of bounds (squeeze.models.config_bounds:
+    ``num_hidden_layers: 1e12`` would take minutes to build), and after, from the safetensors headers, for a
+    checkpoint that lacks one of the architecture's weights or holds one it has no place for
+    (squeeze.models.checkpoint_keys): transformers would initialise the first at random and drop the second.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_config_sizes(source)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(
@@ -63,13 +72,15 @@ def meta_model(source: ModelSource) -> nn.Module:
         )
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
         raise ModelError(
             f"cannot build the architecture of {source.model_id}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}",
             hint="squeeze compresses causal LMs that transformers can load with AutoModelForCausalLM",
         ) from exc
+    check_checkpoint_keys(model, source, config)
+    return model
 
 
 def estimate_size(

@@ -17,6 +17,7 @@ from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
 from squeeze.models.source import ModelSource
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
+from squeeze.runtime.weight_paths import activation_precision, weight_paths
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class EvalResult:
     #: The model's KV cache: {"kv_bits": 16 (full precision) | 8 | 4, "kv_dynamic": bool, "kv_cache": its name}
     #: (kv_cache: "int8", "int4", "fp8" (kv_bits 8), or the model's dtype for full precision).
     kv: dict[str, Any] | None = None
+    #: The activation precision the model's quantized linears ran in (squeeze.runtime.weight_paths:
+    #: "float32", "int8" or a mix); "float32" for a model without any.
+    activations: str = "float32"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -40,6 +44,7 @@ class EvalResult:
             "windows": self.result.n_windows,
             "tokens": self.result.n_tokens,
             **(self.kv or {}),
+            "activations_ran": self.activations,
         }
         if self.baseline_result is not None:
             out.update(
@@ -166,11 +171,14 @@ def evaluate(
     if baseline is not None:
         targets["baseline"] = resolve_target(baseline, "--baseline")
     kv_used: list[tuple[int, str]] = []
+    ran: list[str] = []
 
     def measure(label: str, with_kv: bool) -> PerplexityResult:
         unsigned = dataclasses.replace(load, public_key=None) if public_key is not None else load
         net, tokenizer, calibrated = open_target(targets[label], load if label == "model" else unsigned)
         factory = None
+        if label == "model":
+            ran.append(activation_precision(weight_paths(net)))
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv)
             full = str(getattr(net, "dtype", "float32")).removeprefix("torch.")
@@ -183,5 +191,5 @@ def evaluate(
     result = measure("model", True)
     kv_info = {"kv_bits": kv_used[0][0], "kv_dynamic": kv.kv_dynamic, "kv_cache": kv_used[0][1]}
     if baseline is None:
-        return EvalResult(str(model), result, kv=kv_info)
-    return EvalResult(str(model), result, str(baseline), measure("baseline", False), kv=kv_info)
+        return EvalResult(str(model), result, kv=kv_info, activations=ran[0])
+    return EvalResult(str(model), result, str(baseline), measure("baseline", False), kv=kv_info, activations=ran[0])

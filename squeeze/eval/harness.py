@@ -25,6 +25,8 @@ from torch import nn
 
 from squeeze.errors import ConfigError
 from squeeze.eval.perplexity import CacheFactory, next_token_scores
+from squeeze.eval.task_files import check_include_path
+from squeeze.limits import check_at_least, is_int
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
 
 #: The name lm-eval knows squeeze's model by (``--model squeeze``).
@@ -255,6 +257,7 @@ def run_tasks(
 ) -> HarnessResult:
     """lm-eval's evaluator on ``tasks`` (ConfigError for a task lm-eval does not know, or one whose data it
     cannot reach offline, with the hint to use ``include_path``)."""
+    check_task_options(include_path=include_path, limit=limit, num_fewshot=num_fewshot)
     lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -275,6 +278,13 @@ def run_tasks(
             batch_size=core.batch_size,
             log_samples=False,
         )
+    except ValueError as exc:
+        if "larger than population" not in str(exc):  # random.sample's words: fewer documents than asked for
+            raise
+        raise ConfigError(
+            f"--num-fewshot {num_fewshot} asks for more examples than a task has documents to draw them from",
+            hint="pass a smaller --num-fewshot (most tasks use 0 to 25)",
+        ) from None
     except Exception as exc:
         if not _is_download_failure(exc):
             raise
@@ -291,6 +301,27 @@ def run_tasks(
             stderr = metrics.get(f"{name}_stderr,{_filter}")
             rows.append((task, name, float(value), float(stderr) if isinstance(stderr, (int, float)) else None))
     return HarnessResult(tuple(rows), results or {})
+
+
+#: Examples per prompt at most: past any task's convention (0 to 25) and past what fits any context; lm-eval
+#: itself fails deep inside (random.sample) when a task has fewer documents than asked for.
+MAX_NUM_FEWSHOT = 1024
+
+
+def check_task_options(
+    *, include_path: str | os.PathLike[str] | None, limit: int | None, num_fewshot: int | None
+) -> None:
+    """ConfigError, before lm-eval starts, for a ``num_fewshot`` outside [0, MAX_NUM_FEWSHOT], a ``limit``
+    below 1, or an ``include_path`` lm-eval cannot read safely (squeeze.eval.task_files)."""
+    if num_fewshot is not None and not (is_int(num_fewshot) and 0 <= num_fewshot <= MAX_NUM_FEWSHOT):
+        raise ConfigError(
+            f"--num-fewshot must be an integer from 0 to {MAX_NUM_FEWSHOT}, found {num_fewshot!r}",
+            hint="most tasks use 0 to 25 examples per prompt",
+        )
+    if limit is not None:
+        check_at_least(limit, 1, "--limit", hint="pass --limit N with N >= 1 documents per task, or leave it out")
+    if include_path is not None:
+        check_include_path(include_path)
 
 
 def main() -> None:
@@ -318,6 +349,8 @@ __all__ = [
     "lm_class",
     "register",
     "run_tasks",
+    "check_task_options",
+    "MAX_NUM_FEWSHOT",
 ]
 
 

@@ -26,6 +26,13 @@ from safetensors import safe_open
 from torch import nn
 
 from squeeze.errors import ConfigError
+from squeeze.models.checkpoint_keys import (
+    has_unknown_renames,
+    match_checkpoint,
+    source_mismatch,
+    tensor_files,
+)
+from squeeze.models.config_bounds import check_config_sizes
 from squeeze.models.expert_params import per_expert_parameters
 from squeeze.models.source import ModelSource
 
@@ -39,8 +46,9 @@ class LazyModel:
     """The meta-device model of ``source`` (a safetensors directory) with its weights read on demand.
 
     ``model`` is an ordinary transformers model in fp32 whose parameters are on the meta device outside
-    :meth:`materialized`. Raises ConfigError for a GGUF source or a checkpoint that lacks one of the
-    model's parameters under its state-dict name (e.g. a model whose weights transformers renames on load).
+    :meth:`materialized`. Raises ConfigError for a GGUF source or a checkpoint whose names transformers
+    renames on load in ways this reader does not know; ModelError for a checkpoint that does not match its
+    config.json (a weight missing or left over, squeeze.models.checkpoint_keys) or a config size out of bounds.
     """
 
     def __init__(self, source: ModelSource) -> None:
@@ -51,11 +59,11 @@ class LazyModel:
                 hint=_HINT_GGUF,
             )
         self.source = source
+        check_config_sizes(source)  # before the architecture is built: num_hidden_layers 1e12 would hang it
         self.model = _meta_model(source.directory)
-        self._files = _tensor_files(source.directory)
+        self._files = tensor_files(source.directory)
         # every parameter slot (module, attribute) by the meta parameter it holds: tied slots share one
         self._slots: dict[int, list[tuple[nn.Module, str]]] = {}
-        self._keys: dict[int, str] = {}  # meta parameter -> the source tensor it is read from (a tie: its saved name)
         self._meta: dict[int, nn.Parameter] = {}
         self._by_name: dict[str, int] = {}  # every state-dict name of a parameter -> its meta parameter
         for module_name, module in self.model.named_modules(remove_duplicate=False):
@@ -66,30 +74,20 @@ class LazyModel:
                 self._slots.setdefault(pid, []).append((module, attr))
                 self._meta[pid] = param
                 self._by_name[key] = pid
-                if pid not in self._keys or (self._keys[pid] not in self._files and key in self._files):
-                    self._keys[pid] = key
-        # fused expert parameters saved one tensor per expert: {parameter key: per expert, the keys to concatenate}
-        # and a parameter saved under its checkpoint name (Mixtral's ``block_sparse_moe``): {parameter key: that name}
-        self._parts: dict[str, list[list[str]]] = {}
-        self._aliases: dict[str, str] = {}
-        for pid, key in self._keys.items():
-            if key in self._files:
-                continue
-            for alias in _saved_names(key):
-                if alias in self._files:
-                    self._aliases[key] = alias
-                elif (parts := _expert_parts(alias, self._meta[pid], self._files)) is not None:
-                    self._parts[key] = parts
-                if key in self._aliases or key in self._parts:
-                    break
-        found = lambda key: key in self._files or key in self._aliases or key in self._parts  # noqa: E731
-        missing = [key for key in self._keys.values() if not found(key)]
-        if missing:
+        # meta parameter -> the source tensor it is read from (a tie: its saved name); fused expert parameters
+        # saved one tensor per expert: {parameter key: per expert, the keys to concatenate}; a parameter saved
+        # under its checkpoint name (Mixtral's ``block_sparse_moe``): {parameter key: that name}
+        match = match_checkpoint(self.model, self._files)
+        self._keys, self._parts, self._aliases = match.keys, match.parts, match.aliases
+        if (match.missing or match.unexpected) and has_unknown_renames(self.model):
             raise ConfigError(
-                f"--max-memory reads each parameter from the source safetensors by its name, and {source.path} "
-                f"has no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                f"--max-memory reads each parameter from the source safetensors by its name, and transformers "
+                f"renames {source.model_id}'s weights on load ({source.path} has no tensor "
+                f"{(match.missing or match.unexpected)[0]!r})",
                 hint="save the model with transformers' save_pretrained (safetensors) first, or drop --max-memory",
             )
+        if match.missing or match.unexpected:  # never read a model with weights it lacks or drops
+            raise source_mismatch(source, self.model.config, match.missing, match.unexpected)
 
     def state(self) -> list[tuple[str, torch.Tensor | None]]:
         """The model's state dict in its order, each tensor once (a tied weight under its first name):
@@ -169,39 +167,6 @@ class LazyModel:
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-#: a fused expert parameter -> the per-expert tensors it is made of, in order, under each naming in use
-#: (gate/up/down: Qwen2/3-MoE, DeepSeek-V3, GLM-4-MoE; w1/w3/w2: Mixtral)
-_EXPERT_SOURCES = {
-    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
-    "down_proj": (("down_proj",), ("w2",)),
-    "gate_proj": (("gate_proj",), ("w1",)),
-    "up_proj": (("up_proj",), ("w3",)),
-}
-
-
-#: module names transformers renames on load (checkpoint name, model name): Mixtral's MoE block
-_SAVED_RENAMES = ((".block_sparse_moe.", ".mlp."),)
-
-
-def _saved_names(key: str) -> list[str]:
-    """``key`` and the names a checkpoint may store it under (transformers' renamings, undone)."""
-    return [key] + [key.replace(model, saved) for saved, model in _SAVED_RENAMES if model in key]
-
-
-def _expert_parts(key: str, meta: nn.Parameter, files: dict[str, Path]) -> list[list[str]] | None:
-    """For a 3-D expert parameter ``key`` (``....experts.gate_up_proj``) absent from the checkpoint, the source
-    keys of its per-expert 2-D tensors (expert e: ``....experts.{e}.gate_proj.weight``, then the up one), or None
-    when the checkpoint has no complete such set."""
-    prefix, _, attr = key.rpartition(".")
-    if meta.ndim != 3 or attr not in _EXPERT_SOURCES:
-        return None
-    for names in _EXPERT_SOURCES[attr]:
-        parts = [[f"{prefix}.{e}.{name}.weight" for name in names] for e in range(meta.shape[0])]
-        if all(k in files for keys in parts for k in keys):
-            return parts
-    return None
-
-
 def _meta_model(directory: Path) -> nn.Module:
     """The causal LM of ``directory``'s config on the meta device, fp32 (as compress loads it), eval mode."""
     import accelerate
@@ -216,16 +181,6 @@ def _meta_model(directory: Path) -> nn.Module:
         model.generation_config = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
     model.eval()
     return model
-
-
-def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Every tensor name of the directory's safetensors files -> the file holding it (headers only)."""
-    files: dict[str, Path] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                files.setdefault(key, path)
-    return files
 
 
 __all__ = ["LazyModel"]

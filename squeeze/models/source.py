@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -287,16 +287,24 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the model (eval mode, ``dtype`` weights, on CPU) and its tokenizer, offline.
 
-    GGUF weights are dequantized by transformers (needs the ``gguf`` package) into ``dtype``.
+    ModelError for a checkpoint that does not match its config.json (a weight missing from it, or one the
+    architecture has no place for, in transformers' own loading report) and for a config size out of bounds
+    (squeeze.models.config_bounds). GGUF weights are dequantized by transformers (needs the ``gguf`` package)
+    into ``dtype``.
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, object] = {"local_files_only": True, "trust_remote_code": False}
+    from squeeze.models.checkpoint_keys import source_mismatch
+    from squeeze.models.config_bounds import check_config_sizes
+
+    check_config_sizes(source)  # num_hidden_layers 1e12 would hang from_pretrained
+    kwargs: dict[str, object] = {"local_files_only": True, "trust_remote_code": False, "output_loading_info": True}
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
     where = str(source.path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(source.directory), **kwargs, **{_dtype_kwarg(): dtype})
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(source.directory), **kwargs, **{_dtype_kwarg(): dtype})
+        model, info = loaded  # output_loading_info: (model, {missing_keys, unexpected_keys, ...})
     except ImportError as exc:
         hint = "pip install 'gguf>=0.10'" if source.kind == "gguf" else "install the package named in the message"
         raise ModelError(f"cannot load model {where}: {_first_line(exc)}", hint=hint) from exc
@@ -308,6 +316,10 @@ def load_model(
             hint="check that the directory is a complete causal-LM checkpoint (config.json + weights) "
             "that this transformers version supports",
         ) from exc
+    # transformers initialises a missing weight at random and drops an unexpected one, with a log line at most
+    missing, unexpected = list(info.get("missing_keys") or ()), list(info.get("unexpected_keys") or ())
+    if missing or unexpected:
+        raise source_mismatch(source, model.config, missing, unexpected)
     tokenizer = load_tokenizer(source)
     model.eval()
     return model, tokenizer

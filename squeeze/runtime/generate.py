@@ -31,7 +31,7 @@ from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.runtime.text_stream import TextState, continuation_text, left_context
-from squeeze.runtime.weight_paths import describe_weight_paths, weight_paths
+from squeeze.runtime.weight_paths import activation_precision, describe_weight_paths, weight_paths
 
 StreamFn = Callable[[str], None]
 
@@ -85,6 +85,11 @@ class GenerationResult:
         return describe_weight_paths(self.weight_paths)
 
     @property
+    def activations(self) -> str:
+        """The activation precision the quantized linears ran in: "float32", "int8", or a mix in words."""
+        return activation_precision(self.weight_paths)
+
+    @property
     def peak_memory_bytes(self) -> int:
         """Peak CUDA memory when the model ran on CUDA, else the peak RSS."""
         return self.peak_cuda_bytes if self.peak_cuda_bytes is not None else self.peak_rss_bytes
@@ -101,6 +106,7 @@ class GenerationResult:
             "prompt_tokens": sum(self.prompt_tokens),
             "peak_memory_bytes": self.peak_memory_bytes,
             "weights_path": self.weights_path,
+            "activations_ran": self.activations,
         }
 
 

@@ -115,8 +115,9 @@ def test_nothing_to_quantize_is_named(config_only: Path) -> None:
 
 
 def test_bad_plan_options_are_refused(config_only: Path) -> None:
-    with pytest.raises(ConfigError, match="--ranks must be at least 1"):
-        api.plan_compress(str(config_only), "w4", ranks=0)
+    for ranks in (0, 4097, 10**6):  # a line per rank: a million printed 699,387 lines (issue 50 item 9)
+        with pytest.raises(ConfigError, match="--ranks must be from 1 to 4096"):
+            api.plan_compress(str(config_only), "w4", ranks=ranks)
     with pytest.raises(ConfigError, match="expected cpu, cuda or cuda:N"):
         api.plan_compress(str(config_only), "w4", device="gpu")
     with pytest.raises(ConfigError, match="does not run error compensation"):
