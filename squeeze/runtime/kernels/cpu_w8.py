@@ -1,11 +1,14 @@
 """The W4A8 CPU kernel from Python (cpu_w8.cpp): a LUT weight's int8 form, and ``y = x @ W^T + b`` through it.
 
 Each weight row's LUT is held as int8 levels with one float32 scale (made once, here, at load time); each call
-quantizes every activation row to int8 with its own scale, decodes each weight panel once and multiplies it by
-all rows with int8 dot products (AVX-512 VNNI, AVX2, scalar). The integer sums are exact, so a row's result is
-the same at every batch size, on every instruction set and thread count: one path for decode, serving and
-prefill, batch-invariant by construction. :func:`~squeeze.runtime.kernels.reference.w4a8_matmul_reference` is
-the same math in torch, and the tests hold the kernel to it bit for bit.
+quantizes the activations to int8 per group of 64 columns (one scale per row of x and group: an outlier channel
+costs only its own group), decodes each weight panel once and multiplies it by all rows with int8 dot products
+(AVX-512 VNNI, AVX2, scalar). The integer sums per group are exact and the groups are combined in one fixed
+float32 order, so a row's result is the same at every batch size, on every instruction set and thread count:
+one path for decode, serving and prefill, batch-invariant by construction. A call's groups start at its own
+column 0, so a tensor-parallel shard's groups never cross the shard's boundary.
+:func:`~squeeze.runtime.kernels.reference.w4a8_matmul_reference` is the same math in torch, and the tests hold
+the kernel to it bit for bit.
 
 Which activation precision the LUT kernels use is the load option ``activations``
 (:mod:`squeeze.runtime.activations`): ``"float32"`` (the exact fp32-LUT kernels of cpu_lut.py, the default)
