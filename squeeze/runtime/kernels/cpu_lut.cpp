@@ -417,79 +417,79 @@ void block(const float* const* wr, const float* x, int64_t ldx, int64_t nv, floa
 }
 
 
-// block() for the 4 LUT rows rows[0..3] decoded in registers as they are used, no buffer (few rows of x:
+// block() for the RB LUT rows rows[0 .. RB-1] (RB = 4, or 8 for one row of x) decoded in registers as they are used, no buffer (few rows of x:
 // the decode is then most of the work): the same weight vectors meet the same x vectors in the same order,
 // so the same bits. rem[i]: row i's positions [half, n) decoded (the 3-bit half block and the tail).
-template <int MB>
+template <int MB, int RB>
 void fused(const sq_weight& w, const uint8_t* const* rows, const float* const* luts, const float* x, int64_t ldx,
            int64_t nv, const float* const* rem, float* out) {
-    __m512 acc[MB][4];
+    __m512 acc[MB][RB];
 #pragma GCC unroll 4
     for (int b = 0; b < MB; ++b)
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) acc[b][i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_setzero_ps();
     const int64_t nb = n_blocks(w.n, w.bits), half = half_start(w.n, w.bits);
-    __m512 l[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) l[i] = w.bits == 4 ? _mm512_loadu_ps(luts[i]) : _mm512_maskz_loadu_ps(0xFF, luts[i]);
+    __m512 l[RB];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i) l[i] = w.bits == 4 ? _mm512_loadu_ps(luts[i]) : _mm512_maskz_loadu_ps(0xFF, luts[i]);
     if (w.bits == 4) {
         const __m512i m = _mm512_set1_epi32(15);
         for (int64_t k = 0; k < nb; ++k) {
-            __m512i v[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) v[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rows[i] + 16 * k)));
+            __m512i v[RB];
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) v[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rows[i] + 16 * k)));
 #pragma GCC unroll 2
             for (int h = 0; h < 2; ++h) {
-                __m512 wv[4];
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i)
+                __m512 wv[RB];
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i)
                     wv[i] = _mm512_permutexvar_ps(h ? _mm512_srli_epi32(v[i], 4) : _mm512_and_si512(v[i], m), l[i]);
 #pragma GCC unroll 4
                 for (int b = 0; b < MB; ++b) {
                     const __m512 xv = _mm512_loadu_ps(x + b * ldx + 32 * k + 16 * h);
-#pragma GCC unroll 4
-                    for (int i = 0; i < 4; ++i) acc[b][i] = _mm512_fmadd_ps(wv[i], xv, acc[b][i]);
+#pragma GCC unroll 8
+                    for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_fmadd_ps(wv[i], xv, acc[b][i]);
                 }
             }
         }
     } else if (w.bits == 3) {
         const __m512i m = _mm512_set1_epi32(7);
         for (int64_t k = 0; k < nb; ++k) {
-            __m512i words[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) words[i] = words3(rows[i] + 48 * k);
+            __m512i words[RB];
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) words[i] = words3(rows[i] + 48 * k);
 #pragma GCC unroll 8
             for (int s = 0; s < 8; ++s) {
-                __m512 wv[4];
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i) {
+                __m512 wv[RB];
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i) {
                     wv[i] = _mm512_permutexvar_ps(_mm512_and_si512(words[i], m), l[i]);
                     words[i] = _mm512_srli_epi32(words[i], 3);
                 }
 #pragma GCC unroll 4
                 for (int b = 0; b < MB; ++b) {
                     const __m512 xv = _mm512_loadu_ps(x + b * ldx + 128 * k + 16 * s);
-#pragma GCC unroll 4
-                    for (int i = 0; i < 4; ++i) acc[b][i] = _mm512_fmadd_ps(wv[i], xv, acc[b][i]);
+#pragma GCC unroll 8
+                    for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_fmadd_ps(wv[i], xv, acc[b][i]);
                 }
             }
         }
     }
     for (int64_t k = half; k < nv; k += 16) {
-        __m512 wv[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) wv[i] = _mm512_loadu_ps(rem[i] + (k - half));
+        __m512 wv[RB];
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) wv[i] = _mm512_loadu_ps(rem[i] + (k - half));
 #pragma GCC unroll 4
         for (int b = 0; b < MB; ++b) {
             const __m512 xv = _mm512_loadu_ps(x + b * ldx + k);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) acc[b][i] = _mm512_fmadd_ps(wv[i], xv, acc[b][i]);
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_fmadd_ps(wv[i], xv, acc[b][i]);
         }
     }
 #pragma GCC unroll 4
     for (int b = 0; b < MB; ++b)
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) out[4 * b + i] = _mm512_reduce_add_ps(acc[b][i]);
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) out[RB * b + i] = _mm512_reduce_add_ps(acc[b][i]);
 }
 
 }  // namespace avx512
@@ -563,10 +563,10 @@ inline float finish(const Matmul& c, int64_t r, float s, const float* wt, const 
 }
 
 constexpr int64_t PANEL_MAX = 32;
-// weight rows per panel: 4 when every row of x fits one block (the buffer stays in L1), else as many as fit
+// weight rows per panel: 8 when every row of x fits one block (the buffer stays in L1), else as many as fit
 // in about 256 KiB (L2), a multiple of 4 up to PANEL_MAX. Never changes a sum's order.
 inline int64_t panel_rows(const Matmul& c) {
-    if (c.m <= max_block_rows(c.isa)) return 4;
+    if (c.m <= max_block_rows(c.isa)) return 8;
     const int64_t fit = (256 << 10) / (4 * (c.n > 16 ? c.n : 16));
     return fit >= PANEL_MAX ? PANEL_MAX : (fit < 4 ? 4 : fit & ~(int64_t)3);
 }
@@ -586,17 +586,18 @@ inline void dequant_rem(const sq_weight& w, int64_t r, const float* lut, float* 
     for (int64_t c = tail; c < w.n; ++c) out[c - half] = lut[code_at(row, c, w.bits)];
 }
 
-// panel() for fused_applies(c): 4 rows at a time through avx512::fused
-void fused_panel(const Matmul& c, int64_t r0, int64_t r1) {
+// fused_panel's groups of RB rows (see avx512::fused)
+template <int RB>
+void fused_groups(const Matmul& c, int64_t r0, int64_t r1) {
     const sq_weight& w = *c.lut;
     const int64_t n = c.n, nv = n - n % 16, half = half_start(n, w.bits);
-    alignas(64) float lutb[4][256], remb[4][256];  // the remainder: at most 64 + 127 positions
-    for (int64_t g = r0; g < r1; g += 4) {
-        const int64_t live = r1 - g < 4 ? r1 - g : 4;
-        const uint8_t* rows[4];
-        const float* luts[4];
-        const float* rem[4];
-        for (int64_t i = 0; i < 4; ++i) {
+    alignas(64) float lutb[RB][256], remb[RB][256];  // the remainder: at most 64 + 127 positions
+    for (int64_t g = r0; g < r1; g += RB) {
+        const int64_t live = r1 - g < RB ? r1 - g : RB;
+        const uint8_t* rows[RB];
+        const float* luts[RB];
+        const float* rem[RB];
+        for (int64_t i = 0; i < RB; ++i) {
             if (i >= live) {  // a partial group repeats its last row (computed, never stored)
                 rows[i] = rows[live - 1], luts[i] = luts[live - 1], rem[i] = rem[live - 1];
                 continue;
@@ -606,17 +607,25 @@ void fused_panel(const Matmul& c, int64_t r0, int64_t r1) {
             dequant_rem(w, g + i, luts[i], remb[i]);
             rem[i] = remb[i];
         }
-        float sums[16];
+        float sums[4 * RB];
         switch (c.m) {
-            case 1: avx512::fused<1>(w, rows, luts, c.x, n, nv, rem, sums); break;
-            case 2: avx512::fused<2>(w, rows, luts, c.x, n, nv, rem, sums); break;
-            case 3: avx512::fused<3>(w, rows, luts, c.x, n, nv, rem, sums); break;
-            default: avx512::fused<4>(w, rows, luts, c.x, n, nv, rem, sums); break;
+            case 1: avx512::fused<1, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+            case 2: avx512::fused<2, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+            case 3: avx512::fused<3, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+            default: avx512::fused<4, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
         }
         for (int64_t b = 0; b < c.m; ++b)
             for (int64_t i = 0; i < live; ++i)
-                c.y[b * c.rows + g + i] = finish(c, g + i, sums[4 * b + i], rem[i] + (nv - half), c.x + b * n, nv);
+                c.y[b * c.rows + g + i] = finish(c, g + i, sums[RB * b + i], rem[i] + (nv - half), c.x + b * n, nv);
     }
+}
+
+// panel() for fused_applies(c): 8 rows at a time for one row of x (more independent sums), else 4
+void fused_panel(const Matmul& c, int64_t r0, int64_t r1) {
+    if (c.m == 1)
+        fused_groups<8>(c, r0, r1);
+    else
+        fused_groups<4>(c, r0, r1);
 }
 
 // output rows [r0, r1) (at most PANEL_MAX) for every row of x
