@@ -21,7 +21,7 @@ another process stalls it (``--threads 1`` sidesteps that, for both sides).
     ``torch.ops.aten._weight_int8pack_mm(x, w_int8 (R, N), scales (R,))`` = x @ (w_int8 * scales[:, None])^T,
     plus the per-row offset: y = that + sum(x) * (128 * scale + zero). Time and memory (8 bits/weight).
 (0) Row scaling of the one batch-invariant matmul, per SmolLM2-135M linear shape (576x576 q/o, 192x576 k/v,
-    1536x576 gate/up, 576x1536 down; 4-bit codes), for each activation form (float32, int8): t(1), t(16) and
+    1536x576 gate/up, 576x1536 down; 4-bit codes), for each activation form (float32, bfloat16, int8): t(1), t(16) and
     t(32) rows, t(16)/t(1) (goal <= 2.0), and t(32) / torch's bf16 GEMM on the dequantized weight at 32 rows
     (goal <= 1.0). Min of ``--repeats`` interleaved rounds, caches warm (a busy shared machine inflates medians
     more than minima). ``--scaling-only`` runs just this table (under a minute).
@@ -218,7 +218,7 @@ def scaling_table(args: argparse.Namespace, gen: torch.Generator) -> list[dict[s
         wbf16 = q.dequantize(torch.float32).to(torch.bfloat16)
         xs = {m: torch.randn(m, n, generator=gen) for m in SCALING_ROWS}
         xb = xs[32].to(torch.bfloat16)
-        for form in ("float32", "int8"):
+        for form in ("float32", "bfloat16", "int8"):
             prepared = prepare_cpu(q, activations=form)  # type: ignore[arg-type]
             assert prepared is not None
             fns: dict[str, Callable[[], object]] = {str(m): partial(cpu_lut_linear, x, prepared) for m, x in xs.items()}

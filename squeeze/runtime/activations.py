@@ -5,6 +5,9 @@
   held as int8 levels with its own scale, exact int32 sums per group. Fast at every row count, and a row's
   result never depends on its batch.
 * ``"float32"`` (the default): the exact LUT values multiplied in float32 (cpu_lut.cpp's one matmul).
+* ``"bfloat16"``: the one matmul's bfloat16 form where the CPU has AVX-512 BF16 (``vdpbf16ps``: weights and
+  activations rounded to bfloat16, float32 sums; twice float32's products per instruction), float32 elsewhere.
+  Batch-invariant like float32. Not yet measured on perplexity, so not the default.
 
 Why float32 stays the default (measured on SmolLM2-135M w4, WikiText-2, 40 x 512 tokens; docs/benchmarks.md):
 int8 with per-ROW activation scales shifted perplexity by +3.3 % (33.55 vs 32.47), far above the 0.3 % the
@@ -21,8 +24,8 @@ from typing import Literal
 
 from squeeze.errors import ConfigError
 
-Activations = Literal["int8", "float32"]
-ACTIVATIONS: tuple[Activations, ...] = ("int8", "float32")
+Activations = Literal["int8", "float32", "bfloat16"]
+ACTIVATIONS: tuple[Activations, ...] = ("int8", "float32", "bfloat16")
 DEFAULT_ACTIVATIONS: Activations = "float32"
 
 

@@ -111,10 +111,11 @@ SUBSET = [(b, n, True, "float16") for b in (3, 4) for n in IN_FEATURES] + [
 CASES = [("best", *case) for case in FULL] + [(isa, *case) for isa in ISAS for case in SUBSET]
 
 
-def float32_bound(x: torch.Tensor, q: LutWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def float32_bound(x: torch.Tensor, q: LutWeight, bias: torch.Tensor | None, operands: float = 0.0) -> torch.Tensor:
     """float64 (M, R): a rigorous bound on a float32 sum's error in ANY order: (N + nnz + 4) * 2^-24 * sum |terms|,
     the terms being the LUT products, the sparse residual's products and the bias (each output goes through at
-    most N + nnz + 2 roundings: products, additions and the horizontal sum; each residual one more)."""
+    most N + nnz + 2 roundings: products, additions and the horizontal sum; each residual one more).
+    ``operands``: a relative error each product may carry besides (rounding both factors to bfloat16: 2^-8)."""
     lut_part = dense_lut_values(q).double().abs()  # (R, N)
     _, cols, resid = sparse_residual(q)
     nnz = int(resid.numel())
@@ -122,7 +123,7 @@ def float32_bound(x: torch.Tensor, q: LutWeight, bias: torch.Tensor | None) -> t
         rows = q.sparse.row_indices() if q.sparse is not None else torch.zeros(0, dtype=torch.int64)
         lut_part = lut_part.index_put((rows, cols.to(torch.int64)), resid.double().abs(), accumulate=True)
     mag = x.double().abs() @ lut_part.T + (bias.double().abs() if bias is not None else 0.0)
-    return (q.in_features + nnz + 4) * 2.0**-24 * mag
+    return ((q.in_features + nnz + 4) * 2.0**-24 + operands) * mag + 1e-30
 
 
 @pytest.mark.parametrize(("isa", "bits", "n", "sparse", "lut_dtype"), CASES)
@@ -243,6 +244,27 @@ def test_empty_inputs_and_weights(kernels: CpuKernels) -> None:
         b = torch.randn(rows)
         for batch in (1, 12):
             assert torch.equal(cpu_lut_linear(torch.randn(batch, n), p, b), b.expand(batch, rows)), (rows, n, batch)
+
+
+@pytest.mark.parametrize(("bits", "n", "sparse"), [(4, 576, True), (3, 200, True), (4, 33, False), (2, 172, True)])
+def test_the_bfloat16_form_matches_the_reference(kernels: CpuKernels, bits: int, n: int, sparse: bool) -> None:
+    """activations="bfloat16" on AVX-512 BF16: within the float32 bound plus 2^-8 per product (both factors
+    rounded to bfloat16); elsewhere the float32 form, with the float32 bound."""
+    q = lut_weight(bits, n, sparse, "float16")
+    prepared = prepare_cpu(q, kernels=kernels, activations="bfloat16")
+    assert prepared is not None
+    expected_bf16 = kernels.isa == "avx512" and bool(kernels.lib.sq_bf16_supported())
+    assert prepared.bf16 == expected_bf16 and prepared.activations == ("bfloat16" if expected_bf16 else "float32")
+    g = torch.Generator().manual_seed(n)
+    bias = torch.randn(ROWS, generator=g)
+    for batch in (1, 3, 4, 5, 21):
+        x = torch.randn(batch, n, generator=g)
+        got, expected = cpu_lut_linear(x, prepared, bias).double(), reference(x, q, bias)
+        bound = float32_bound(x, q, bias, 2.0**-8 if expected_bf16 else 0.0)
+        assert bool(((got - expected).abs() <= bound).all()), batch
+    if expected_bf16:  # really another form: not the float32 bits
+        exact = prepare_cpu(q, kernels=kernels, activations="float32")
+        assert exact is not None and not torch.equal(cpu_lut_linear(x, prepared), cpu_lut_linear(x, exact))
 
 
 # ---------------------------------------------------------------------------------------------------------

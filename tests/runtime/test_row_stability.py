@@ -61,7 +61,7 @@ BATCHES = (2, 3, 8, 16, 17, 32, 100)
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize(
     ("bits", "n", "sparse"),
     [(4, 172, True), (4, 576, False), (3, 172, True), (3, 200, False), (3, 576, True), (2, 33, True)],
@@ -69,7 +69,8 @@ BATCHES = (2, 3, 8, 16, 17, 32, 100)
 def test_lut_rows_do_not_depend_on_the_batch(
     kernels: CpuKernels, isa: str, activations: str, bits: int, n: int, sparse: bool
 ) -> None:
-    """Every form on every instruction set: a row of x gets the same bits alone and in batches of 2 .. 100 (37
+    """Every form (float32, bfloat16 where AVX-512 BF16 runs it, int8) on every instruction set: a row of x gets
+    the same bits alone and in batches of 2 .. 100 (37
     output rows: not a multiple of a 4-row group or a panel; odd N; 3 and 4 bits with and without a sparse
     part; 2 bits: the scalar layout, and no int8 form, so the float32 kernels there too)."""
     if not kernels.supports(isa):
@@ -80,7 +81,9 @@ def test_lut_rows_do_not_depend_on_the_batch(
     assert (q.sparse is not None and q.sparse.nnz > 0) == sparse
     prepared = prepare_cpu(q, kernels=kernels.with_isa(isa), activations=activations)  # type: ignore[arg-type]
     assert prepared is not None
-    assert prepared.activations == ("int8" if activations == "int8" and bits in (3, 4) else "float32")
+    bf16 = isa == "avx512" and bool(kernels.lib.sq_bf16_supported())
+    forms = {"int8": "int8" if bits in (3, 4) else "float32", "bfloat16": "bfloat16" if bf16 else "float32"}
+    assert prepared.activations == forms.get(activations, "float32")
     bias = torch.randn(37, generator=g)
     x = torch.randn(max(BATCHES), n, generator=g)
     x[5] = 0.0  # an all-zero row (the int8 form's zero scale)

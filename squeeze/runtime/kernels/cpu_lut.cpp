@@ -496,6 +496,55 @@ void fused(const sq_weight& w, const uint8_t* const* rows, const float* const* l
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------------------------------------------------
+// ---------------------------------------------------------------------------------------------------------
+// The bfloat16 form (AVX-512 BF16, vdpbf16ps): weights and activations rounded to bfloat16 (nearest even),
+// each lane summing pairs of products into float32, 32 positions per instruction.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")
+namespace bf16 {
+
+// the first n - n % 32 of n float32 values rounded to bfloat16 (the rest are the float32 tail's)
+void convert(const float* src, int64_t n, uint16_t* out) {
+    for (int64_t k = 0; k + 32 <= n; k += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+        _mm512_storeu_si512(out + k, (__m512i)v);
+    }
+}
+
+// avx512::block for the bfloat16 form: one 16-lane float32 accumulator per pair, 32 positions per step
+template <int MB>
+void block(const uint16_t* const* wr, const uint16_t* x, int64_t ldx, int64_t nv, float* out) {
+    __m512 acc[MB][4];
+#pragma GCC unroll 4
+    for (int b = 0; b < MB; ++b)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) acc[b][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nv; k += 32) {
+        __m512bh v[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) v[i] = (__m512bh)_mm512_loadu_si512(wr[i] + k);
+#pragma GCC unroll 4
+        for (int b = 0; b < MB; ++b) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * ldx + k);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], v[i], xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < MB; ++b)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) out[4 * b + i] = _mm512_reduce_add_ps(acc[b][i]);
+}
+
+typedef void (*block_fn)(const uint16_t* const*, const uint16_t*, int64_t, int64_t, float*);
+block_fn block_for(int64_t mb) {
+    static const block_fn fns[4] = {block<1>, block<2>, block<3>, block<4>};
+    return fns[mb - 1];
+}
+
+}  // namespace bf16
+#pragma GCC pop_options
+
 // The one matmul (header comment).
 typedef void (*dequant_fn)(const sq_weight&, int64_t, float*, bool);
 typedef void (*block_fn)(const float* const*, const float*, int64_t, int64_t, float*);
@@ -537,6 +586,7 @@ struct Matmul {
     float* y;        // (m, rows)
     const float* bias;
     int isa;
+    const uint16_t* xh;  // (m, n) bfloat16: the bfloat16 form (LUT weights on AVX-512 BF16), else NULL
 };
 
 // row r of the weight as float32: a pointer into a float32 dense weight, else decoded into buf (n floats)
@@ -575,7 +625,7 @@ inline int64_t panel_rows(const Matmul& c) {
 constexpr int64_t FUSED_MAX_ROWS = 4;
 
 inline bool fused_applies(const Matmul& c) {
-    return c.lut && c.isa == SQ_AVX512 && (c.lut->bits == 3 || c.lut->bits == 4) && c.m <= FUSED_MAX_ROWS;
+    return c.lut && !c.xh && c.isa == SQ_AVX512 && (c.lut->bits == 3 || c.lut->bits == 4) && c.m <= FUSED_MAX_ROWS;
 }
 
 // positions [half, n) of LUT row r (the 3-bit half block, then the tail) into out[0 .. n - half)
@@ -629,8 +679,11 @@ void fused_panel(const Matmul& c, int64_t r0, int64_t r1) {
 }
 
 // output rows [r0, r1) (at most PANEL_MAX) for every row of x
+void panel_bf16(const Matmul& c, int64_t r0, int64_t r1);
+
 void panel(const Matmul& c, int64_t r0, int64_t r1) {
     if (fused_applies(c)) return fused_panel(c, r0, r1);
+    if (c.xh) return panel_bf16(c, r0, r1);
     const int64_t n = c.n, ld = (n + 15) & ~(int64_t)15, p = r1 - r0, mbx = max_block_rows(c.isa);
     const int64_t nv = lanes(c.isa) ? n - n % lanes(c.isa) : 0;
     static thread_local std::vector<float> buf;
@@ -652,6 +705,38 @@ void panel(const Matmul& c, int64_t r0, int64_t r1) {
             for (int64_t b = 0; b < mb; ++b)
                 for (int64_t i = 0; i < live; ++i)
                     c.y[(b0 + b) * c.rows + r0 + i0 + i] = finish(c, r0 + i0 + i, sums[4 * b + i], wr[i0 + i] + nv, xb + b * n, nv);
+        }
+    }
+}
+
+// panel() for the bfloat16 form: positions below nv = n - n % 32 by bf16::block, the rest in float32 (finish)
+void panel_bf16(const Matmul& c, int64_t r0, int64_t r1) {
+    const int64_t n = c.n, ld = (n + 31) & ~(int64_t)31, p = r1 - r0, nv = n - n % 32;
+    static thread_local std::vector<float> buf;
+    static thread_local std::vector<uint16_t> hbuf;
+    if ((int64_t)buf.size() < PANEL_MAX * ld) {
+        buf.resize((size_t)(PANEL_MAX * ld));
+        hbuf.resize((size_t)(PANEL_MAX * ld));
+    }
+    const float* wr[PANEL_MAX + 3];
+    const uint16_t* wh[PANEL_MAX + 3];
+    for (int64_t i = 0; i < p; ++i) {
+        wr[i] = weight_row(c, r0 + i, buf.data() + i * ld);
+        bf16::convert(wr[i], n, hbuf.data() + i * ld);
+        wh[i] = hbuf.data() + i * ld;
+    }
+    for (int64_t i = p; i < p + 3; ++i) wr[i] = wr[p - 1], wh[i] = wh[p - 1];
+    float sums[16];
+    for (int64_t b0 = 0; b0 < c.m; b0 += 4) {
+        const int64_t mb = c.m - b0 < 4 ? c.m - b0 : 4;
+        const bf16::block_fn fn = bf16::block_for(mb);
+        for (int64_t i0 = 0; i0 < p; i0 += 4) {
+            fn(wh + i0, c.xh + b0 * n, n, nv, sums);
+            const int64_t live = p - i0 < 4 ? p - i0 : 4;
+            for (int64_t b = 0; b < mb; ++b)
+                for (int64_t i = 0; i < live; ++i)
+                    c.y[(b0 + b) * c.rows + r0 + i0 + i] =
+                        finish(c, r0 + i0 + i, sums[4 * b + i], wr[i0 + i] + nv, c.x + (b0 + b) * n, nv);
         }
     }
 }
@@ -696,15 +781,28 @@ void sq_permute_x(const float* x, float* xp, int64_t batch, int64_t n, int32_t b
 }
 
 
+// 1 when this CPU runs the bfloat16 form (AVX-512 BF16 besides sq_isa_supported(SQ_AVX512))
+int sq_bf16_supported(void) {
+    __builtin_cpu_init();
+    return sq_isa_supported(SQ_AVX512) && __builtin_cpu_supports("avx512bf16");
+}
+
 // y float32 (m, rows) = x (m, n) float32 @ W^T + sparse residual + bias (float32 (rows) or NULL): the one
-// matmul (header comment) for every m; x in natural order, permuted into a scratch buffer of the calling thread
+// matmul (header comment) for every m; x in natural order, permuted into a scratch buffer of the calling thread.
+// bf16 = 1 (with isa SQ_AVX512 where sq_bf16_supported()): the bfloat16 form, else float32
 void sq_lut_matmul(const sq_weight* w, const float* x, int64_t m, float* y, const float* bias, int32_t isa,
-                   int32_t threads) {
+                   int32_t threads, int32_t bf16) {
     if (m <= 0 || w->rows <= 0) return;
     static thread_local std::vector<float> xp;
+    static thread_local std::vector<uint16_t> xh;
     if ((int64_t)xp.size() < m * w->n) xp.resize((size_t)(m * w->n));
     sq_permute_x(x, xp.data(), m, w->n, w->bits);
-    const Matmul c{w, nullptr, 0, w->rows, w->n, m, xp.data(), y, bias, isa};
+    const bool half = bf16 && isa == SQ_AVX512;
+    if (half) {
+        if ((int64_t)xh.size() < m * w->n) xh.resize((size_t)(m * w->n));
+        for (int64_t b = 0; b < m; ++b) bf16::convert(xp.data() + b * w->n, w->n, xh.data() + b * w->n);
+    }
+    const Matmul c{w, nullptr, 0, w->rows, w->n, m, xp.data(), y, bias, isa, half ? xh.data() : nullptr};
     // waking the other threads costs microseconds: small products run on the calling thread
     run(c, w->rows * w->row_bytes * (m < 8 ? m : 8) < (64 << 10) ? 1 : threads);
 }
@@ -724,7 +822,7 @@ void sq_dequant_rows(const sq_weight* w, int64_t r0, int64_t r1, float* out, int
 void sq_dense_linear_typed(const void* w, int32_t dtype, int64_t rows, int64_t n, const float* x, int64_t batch,
                            float* y, const float* bias, int32_t isa, int32_t threads) {
     if (batch <= 0 || rows <= 0) return;
-    const Matmul c{nullptr, w, dtype, rows, n, batch, x, y, bias, isa};
+    const Matmul c{nullptr, w, dtype, rows, n, batch, x, y, bias, isa, nullptr};
     run(c, rows * n * dense_elem_bytes(dtype) < (256 << 10) ? 1 : threads);
 }
 

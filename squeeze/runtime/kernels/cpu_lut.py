@@ -45,11 +45,14 @@ class CpuPreparedLut(PreparedWeight):
     extra_bytes: int = 0
     #: the int8 (W4A8) form, which every call then runs; None: the float32 kernels
     w8: W8Prepared | None = None
+    #: the one matmul's bfloat16 form (AVX-512 BF16 only), which every call then runs
+    bf16: bool = False
 
     @property
     def activations(self) -> Activations:
-        """The activation precision the calls run: int8 when the weight has an int8 form, else float32."""
-        return "int8" if self.w8 is not None else "float32"
+        """The activation precision the calls run: int8 with an int8 form, bfloat16 with the bfloat16 form,
+        else float32."""
+        return "int8" if self.w8 is not None else ("bfloat16" if self.bf16 else "float32")
 
 
 def covers(qweight: object) -> bool:
@@ -64,7 +67,8 @@ def prepare_cpu(
 
     ``kernels``: a specific build or instruction set (tests pin one with :meth:`CpuKernels.with_isa`);
     default: this machine's, built on first use. ``activations``: "int8" adds the W4A8 form (3 and 4 bits),
-    which every call then runs; "float32" keeps the exact float32 kernels (:mod:`.cpu_w8`).
+    which every call then runs; "bfloat16" runs the one matmul's bfloat16 form where the kernels run AVX-512
+    with BF16 (elsewhere float32); "float32" keeps the exact float32 form (:mod:`.cpu_w8`).
     """
     if not covers(qweight):
         return None
@@ -108,6 +112,7 @@ def prepare_cpu(
         bits=bits,
         extra_bytes=extra + (w8.extra_bytes if w8 is not None else 0),
         w8=w8,
+        bf16=activations == "bfloat16" and kernels.isa == "avx512" and bool(kernels.lib.sq_bf16_supported()),
     )
 
 
@@ -128,7 +133,8 @@ def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = No
     """(..., R) in x.dtype: ``x (..., N) @ W^T + bias`` by the native kernels, in one call at every row count.
 
     Float32 activations: the one matmul (module docstring), its sums within float32 rounding of the
-    reference's and each row's bits independent of the batch; int8 (``prepared.w8``): the W4A8 kernel.
+    reference's and each row's bits independent of the batch; bfloat16: its bfloat16 form (operands rounded
+    to bfloat16, float32 sums, batch-invariant too); int8 (``prepared.w8``): the W4A8 kernel.
     """
     lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
     x2 = x.reshape(lead.numel(), n)  # (M, N); not -1: N may be 0
@@ -155,6 +161,7 @@ def _matmul(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor
             b32.data_ptr() if b32 is not None else None,
             prepared.kernels.isa_code,
             torch.get_num_threads(),
+            int(prepared.bf16),
         )
     return y
 
