@@ -500,8 +500,10 @@ void fused(const sq_weight& w, const uint8_t* const* rows, const float* const* l
 // The bfloat16 form (AVX-512 BF16, vdpbf16ps): weights and activations rounded to bfloat16 (nearest even),
 // each lane summing pairs of products into float32, 32 positions per instruction.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,fma,f16c")
 namespace bf16 {
+
+using sq_codes::avx512::words3;
 
 // the first n - n % 32 of n float32 values rounded to bfloat16 (the rest are the float32 tail's)
 void convert(const float* src, int64_t n, uint16_t* out) {
@@ -534,6 +536,83 @@ void block(const uint16_t* const* wr, const uint16_t* x, int64_t ldx, int64_t nv
     for (int b = 0; b < MB; ++b)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) out[4 * b + i] = _mm512_reduce_add_ps(acc[b][i]);
+}
+
+// block() for the RB LUT rows rows[0 .. RB-1] decoded in registers straight to bfloat16 (vpermw on each row's
+// LUT rounded as convert() rounds it): the same vectors in the same order as the buffered form, so the same
+// bits (avx512::fused for the float32 form). rem[i]: row i's positions [half, nv) as bfloat16.
+template <int MB, int RB>
+void fused(const sq_weight& w, const uint8_t* const* rows, const float* const* luts, const uint16_t* x, int64_t ldx,
+           int64_t nv, const uint16_t* const* rem, float* out) {
+    __m512 acc[MB][RB];
+#pragma GCC unroll 4
+    for (int b = 0; b < MB; ++b)
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_setzero_ps();
+    const int64_t nb = n_blocks(w.n, w.bits), half = half_start(w.n, w.bits);
+    __m512i t[RB];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i) {
+        const __m512 l = w.bits == 4 ? _mm512_loadu_ps(luts[i]) : _mm512_maskz_loadu_ps(0xFF, luts[i]);
+        t[i] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(l));
+    }
+    if (w.bits == 4) {
+        const __m128i m4 = _mm_set1_epi8(15);
+        for (int64_t k = 0; k < nb; ++k) {
+            __m512bh wv[RB];
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) {
+                const __m128i b = _mm_loadu_si128((const __m128i*)(rows[i] + 16 * k));
+                const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+                wv[i] = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nib), t[i]);
+            }
+#pragma GCC unroll 4
+            for (int b = 0; b < MB; ++b) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * ldx + 32 * k);
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], wv[i], xv);
+            }
+        }
+    } else if (w.bits == 3) {
+        const __m512i m = _mm512_set1_epi32(7);
+        for (int64_t k = 0; k < nb; ++k) {
+            __m512i words[RB];
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) words[i] = words3(rows[i] + 48 * k);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {  // codes 2j and 2j + 1 of each group: positions 32j .. 32j + 31
+                __m512bh wv[RB];
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i) {
+                    const __m256i c0 = _mm512_cvtepi32_epi16(_mm512_and_si512(words[i], m));
+                    const __m256i c1 = _mm512_cvtepi32_epi16(_mm512_and_si512(_mm512_srli_epi32(words[i], 3), m));
+                    words[i] = _mm512_srli_epi32(words[i], 6);
+                    wv[i] = (__m512bh)_mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1), t[i]);
+                }
+#pragma GCC unroll 4
+                for (int b = 0; b < MB; ++b) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * ldx + 128 * k + 32 * j);
+#pragma GCC unroll 8
+                    for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], wv[i], xv);
+                }
+            }
+        }
+    }
+    for (int64_t k = half; k < nv; k += 32) {
+        __m512bh wv[RB];
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) wv[i] = (__m512bh)_mm512_loadu_si512(rem[i] + (k - half));
+#pragma GCC unroll 4
+        for (int b = 0; b < MB; ++b) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * ldx + k);
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) acc[b][i] = _mm512_dpbf16_ps(acc[b][i], wv[i], xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < MB; ++b)
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) out[RB * b + i] = _mm512_reduce_add_ps(acc[b][i]);
 }
 
 typedef void (*block_fn)(const uint16_t* const*, const uint16_t*, int64_t, int64_t, float*);
@@ -625,7 +704,7 @@ inline int64_t panel_rows(const Matmul& c) {
 constexpr int64_t FUSED_MAX_ROWS = 4;
 
 inline bool fused_applies(const Matmul& c) {
-    return c.lut && !c.xh && c.isa == SQ_AVX512 && (c.lut->bits == 3 || c.lut->bits == 4) && c.m <= FUSED_MAX_ROWS;
+    return c.lut && c.isa == SQ_AVX512 && (c.lut->bits == 3 || c.lut->bits == 4) && c.m <= FUSED_MAX_ROWS;
 }
 
 // positions [half, n) of LUT row r (the 3-bit half block, then the tail) into out[0 .. n - half)
@@ -636,33 +715,46 @@ inline void dequant_rem(const sq_weight& w, int64_t r, const float* lut, float* 
     for (int64_t c = tail; c < w.n; ++c) out[c - half] = lut[code_at(row, c, w.bits)];
 }
 
-// fused_panel's groups of RB rows (see avx512::fused)
-template <int RB>
+// fused_panel's groups of RB rows (see avx512::fused; HALF: the bfloat16 form, bf16::fused)
+template <int RB, bool HALF>
 void fused_groups(const Matmul& c, int64_t r0, int64_t r1) {
     const sq_weight& w = *c.lut;
-    const int64_t n = c.n, nv = n - n % 16, half = half_start(n, w.bits);
+    const int64_t n = c.n, nv = HALF ? n - n % 32 : n - n % 16, half = half_start(n, w.bits);
     alignas(64) float lutb[RB][256], remb[RB][256];  // the remainder: at most 64 + 127 positions
+    alignas(64) uint16_t remh[RB][256];
     for (int64_t g = r0; g < r1; g += RB) {
         const int64_t live = r1 - g < RB ? r1 - g : RB;
         const uint8_t* rows[RB];
         const float* luts[RB];
         const float* rem[RB];
+        const uint16_t* remx[RB];
         for (int64_t i = 0; i < RB; ++i) {
             if (i >= live) {  // a partial group repeats its last row (computed, never stored)
-                rows[i] = rows[live - 1], luts[i] = luts[live - 1], rem[i] = rem[live - 1];
+                rows[i] = rows[live - 1], luts[i] = luts[live - 1], rem[i] = rem[live - 1], remx[i] = remx[live - 1];
                 continue;
             }
             rows[i] = w.packed + (g + i) * w.row_bytes;
             luts[i] = avx2::row_lut_f16c(w, g + i, lutb[i]);
             dequant_rem(w, g + i, luts[i], remb[i]);
             rem[i] = remb[i];
+            if (HALF) bf16::convert(remb[i], nv - half, remh[i]);
+            remx[i] = remh[i];
         }
         float sums[4 * RB];
-        switch (c.m) {
-            case 1: avx512::fused<1, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
-            case 2: avx512::fused<2, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
-            case 3: avx512::fused<3, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
-            default: avx512::fused<4, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+        if (HALF) {
+            switch (c.m) {
+                case 1: bf16::fused<1, RB>(w, rows, luts, c.xh, n, nv, remx, sums); break;
+                case 2: bf16::fused<2, RB>(w, rows, luts, c.xh, n, nv, remx, sums); break;
+                case 3: bf16::fused<3, RB>(w, rows, luts, c.xh, n, nv, remx, sums); break;
+                default: bf16::fused<4, RB>(w, rows, luts, c.xh, n, nv, remx, sums); break;
+            }
+        } else {
+            switch (c.m) {
+                case 1: avx512::fused<1, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+                case 2: avx512::fused<2, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+                case 3: avx512::fused<3, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+                default: avx512::fused<4, RB>(w, rows, luts, c.x, n, nv, rem, sums); break;
+            }
         }
         for (int64_t b = 0; b < c.m; ++b)
             for (int64_t i = 0; i < live; ++i)
@@ -672,10 +764,10 @@ void fused_groups(const Matmul& c, int64_t r0, int64_t r1) {
 
 // panel() for fused_applies(c): 8 rows at a time for one row of x (more independent sums), else 4
 void fused_panel(const Matmul& c, int64_t r0, int64_t r1) {
-    if (c.m == 1)
-        fused_groups<8>(c, r0, r1);
+    if (c.xh)
+        c.m == 1 ? fused_groups<8, true>(c, r0, r1) : fused_groups<4, true>(c, r0, r1);
     else
-        fused_groups<4>(c, r0, r1);
+        c.m == 1 ? fused_groups<8, false>(c, r0, r1) : fused_groups<4, false>(c, r0, r1);
 }
 
 // output rows [r0, r1) (at most PANEL_MAX) for every row of x
