@@ -49,7 +49,7 @@ from torch import Tensor
 
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
 from squeeze.runtime.kernels.cpu_build import CpuKernels, PreparedWeight, SqWeight, cpu_kernels
-from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, bias_f32, prepare_w8, w8_linear
+from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, bias_f32, prepare_w8
 from squeeze.runtime.kernels.reference import sparse_residual
 
 #: cpu_lut.cpp's LUT kinds (sq_weight.lut_kind).
@@ -164,34 +164,23 @@ def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = No
     reference's and each row's bits independent of the batch; bfloat16: its bfloat16 form (operands rounded
     to bfloat16, float32 sums, batch-invariant too); int8 (``prepared.w8``): the W4A8 kernel.
     """
-    lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
-    x2 = x.reshape(lead.numel(), n)  # (M, N); not -1: N may be 0
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.to(torch.float32).contiguous()
-    if prepared.w8 is not None:
-        y = w8_linear(x2, prepared.w8, prepared.kernels, bias)
-    else:
-        y = _matmul(x2, prepared, bias)
-    return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, rows)
-
-
-def _matmul(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor:
-    """float32 (M, R): x2 float32 (M, N) contiguous, permuted, multiplied and biased in one native call."""
-    batch, rows = int(x2.shape[0]), prepared.rows
-    y = torch.empty(batch, rows, dtype=torch.float32)  # (M, R)
-    if batch and rows:
+    lead, rows = x.shape[:-1], prepared.rows
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    # (..., N) contiguous is (M, N) in memory and (..., R) is (M, R): no reshapes (a decode step makes ~200
+    # calls of a few microseconds each, and two reshapes cost about 2.5 us)
+    y = torch.empty((*lead, rows), dtype=torch.float32)
+    batch = y.numel() // rows if rows else 0
+    if batch:
         b32 = bias_f32(bias)
-        prepared.kernels.lib.sq_lut_matmul(
-            prepared.weight_ref,
-            x2.data_ptr(),
-            batch,
-            y.data_ptr(),
-            b32.data_ptr() if b32 is not None else None,
-            prepared.kernels.isa_code,
-            torch.get_num_threads(),
-            int(prepared.bf16),
-        )
-    return y
+        lib, bias_ptr = prepared.kernels.lib, b32.data_ptr() if b32 is not None else None
+        threads, isa = torch.get_num_threads(), prepared.kernels.isa_code
+        if prepared.w8 is not None:
+            lib.sq_w8_linear(prepared.w8.weight_ref, xf.data_ptr(), batch, y.data_ptr(), bias_ptr, isa, threads)
+        else:
+            lib.sq_lut_matmul(
+                prepared.weight_ref, xf.data_ptr(), batch, y.data_ptr(), bias_ptr, isa, threads, int(prepared.bf16)
+            )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from squeeze.quant.schemes.lut import LutWeight
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
-from squeeze.runtime.kernels.cpu_build import CpuKernels, PreparedWeight, SqW8
+from squeeze.runtime.kernels.cpu_build import PreparedWeight, SqW8
 from squeeze.runtime.kernels.reference import w8_lut, w8_sparse_residual
 
 #: Code widths the int8 kernel covers.
@@ -70,24 +70,6 @@ def prepare_w8(qweight: LutWeight, packed: Tensor) -> W8Prepared | None:
     return W8Prepared(weight=weight, keep=(packed, *keep), extra_bytes=extra)
 
 
-def w8_linear(x2: Tensor, w8: W8Prepared, kernels: CpuKernels, bias: Tensor | None) -> Tensor:
-    """float32 (M, R): ``x2 (M, N) float32 contiguous @ W^T + bias`` by the int8 kernel, in one native call."""
-    batch, rows = int(x2.shape[0]), int(w8.weight.rows)
-    y = torch.empty(batch, rows, dtype=torch.float32)  # (M, R)
-    if batch and rows:
-        b32 = bias_f32(bias)
-        kernels.lib.sq_w8_linear(
-            w8.weight_ref,
-            x2.data_ptr(),
-            batch,
-            y.data_ptr(),
-            b32.data_ptr() if b32 is not None else None,
-            kernels.isa_code,
-            torch.get_num_threads(),
-        )
-    return y
-
-
 def bias_f32(bias: Tensor | None) -> Tensor | None:
     """``bias`` (R,) as the kernels read it: float32 and contiguous (itself when it is already)."""
     if bias is None:
@@ -104,5 +86,4 @@ __all__ = [
     "W8Prepared",
     "check_activations",
     "prepare_w8",
-    "w8_linear",
 ]
