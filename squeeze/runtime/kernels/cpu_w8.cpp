@@ -352,6 +352,40 @@ inline void block(const uint8_t* tp, int64_t np, const int8_t* q, const float* s
     }
 }
 
+// the 16 lane sums of each of a[0..15], as the 16 lanes of one vector (integer: any order gives the same sums)
+inline __m512i reduce16(const __m512i* a) {
+    __m512i v[4];
+    for (int q = 0; q < 4; ++q) {  // rows 4q .. 4q+3: each 128-bit lane holds their partial sums
+        const __m512i* r = a + 4 * q;
+        const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(r[0], r[1]), _mm512_unpackhi_epi32(r[0], r[1]));
+        const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(r[2], r[3]), _mm512_unpackhi_epi32(r[2], r[3]));
+        v[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    }
+    const __m512i ab = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x44), _mm512_shuffle_i32x4(v[0], v[1], 0xEE));
+    const __m512i cd = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x44), _mm512_shuffle_i32x4(v[2], v[3], 0xEE));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(ab, cd, 0x88), _mm512_shuffle_i32x4(ab, cd, 0xDD));
+}
+
+// block<1> for one activation row without the transposed panel: each decoded 64-byte chunk of the 16 rows
+// meets the row's 64 quantized bytes in one vpdpbusd, and reduce16 gives the 16 rows' group sums (the same
+// integers, then the same float32 steps: the same bits as block<1>)
+inline void direct1(const sq_w8& w, const uint8_t* const* rows, const __m256i* tbl, int64_t ng, const int8_t* q,
+                    const float* sx, const int32_t* sumq, __m512* t) {
+    alignas(32) uint8_t buf[32];
+    *t = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+        const __m512i xv = _mm512_loadu_si512(q + GROUP * g);
+        __m512i a[16];
+        for (int i = 0; i < 16; ++i) {
+            __m256i v[2];
+            avx2::chunk(chunk_ptr(rows[i], w.row_bytes, g, w.bits, buf), w.bits, _mm256_load_si256(tbl + i), v);
+            a[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_inserti64x4(_mm512_castsi256_si512(v[0]), v[1], 1), xv);
+        }
+        const __m512i acc = _mm512_sub_epi32(reduce16(a), _mm512_set1_epi32(128 * sumq[g]));
+        *t = _mm512_add_ps(*t, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sx[g])));
+    }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -386,7 +420,8 @@ void avx512_rows(const Call& c, int64_t r0, int64_t r1) {
             tbl[i] = _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(w.levels + 16 * r))),
                                       _mm256_set1_epi8((char)0x80));
         }
-        for (int64_t k = 0; k < ng; ++k) avx512::decode_chunk16(w, rows, tbl, k, tp + 16 * GROUP * k);
+        if (c.m > 1)
+            for (int64_t k = 0; k < ng; ++k) avx512::decode_chunk16(w, rows, tbl, k, tp + 16 * GROUP * k);
         const __mmask16 mask = (__mmask16)((1u << live) - 1);
         const __m512 sw = _mm512_maskz_loadu_ps(mask, w.scale + g);
         const __m512 bias = c.bias ? _mm512_maskz_loadu_ps(mask, c.bias + g) : _mm512_setzero_ps();
@@ -397,7 +432,8 @@ void avx512_rows(const Call& c, int64_t r0, int64_t r1) {
             const float* sxb = c.sx + b0 * ng;
             const int32_t* sqb = c.sumq + b0 * ng;
             __m512 t[8];
-            switch (mb) {
+            switch (c.m == 1 ? 0 : mb) {
+                case 0: avx512::direct1(w, rows, tbl, ng, qb, sxb, sqb, t); break;
                 case 1: avx512::block<1>(tp, np, qb, sxb, sqb, t); break;
                 case 2: avx512::block<2>(tp, np, qb, sxb, sqb, t); break;
                 case 3: avx512::block<3>(tp, np, qb, sxb, sqb, t); break;
