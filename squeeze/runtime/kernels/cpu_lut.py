@@ -7,33 +7,32 @@ a prefill. Each panel of output rows is decoded once per call into a small cache
 multiplied by every row of x in register blocks. With ``activations="int8"``, 3- and 4-bit weights run the
 W4A8 kernel (:mod:`.cpu_w8`) instead, batch-invariant by its exact integer sums.
 
-Measured (2026-12-07, AMD EPYC Zen 4, 1 thread, 4-bit random codes, microseconds, min of 2 runs x 60 calls,
-beside ~12 other jobs on 2 cores; old = the GEMV <= 32 rows / tiles above and per-ROW int8 scales, main at
-36d08ab, run in turn with the new code by an ad-hoc loop over ``cpu_lut_linear``; bf16 GEMM = torch F.linear on
+Measured (2026-12-07 13:26 UTC, AMD EPYC Zen 4, 1 thread, 4-bit random codes, microseconds per call of
+``cpu_lut_linear``, min of 2 runs x 60 calls beside ~12 other jobs on 2 cores; old = main at 36d08ab (the GEMV up
+to 32 rows, tiles above; int8 with per-ROW scales), run in turn with this code; bf16 GEMM = torch F.linear on
 the dequantized weight at 32 rows; the same table in-tree: ``scripts/bench/bench_cpu_kernels.py --scaling-only
 --threads 1``):
 
-    out x in   form      t(1) new/old   t(16) new/old   t(32) new/old    t16/t1   t32 / bf16 GEMM
-    576x576    float32   23.4 / 22.1    143 / 136       264 / 263        6.1      2.06
-    576x576    bfloat16  20.8           115             189              5.5      1.48
-    576x576    int8      23.1 / 19.0    63 / 64         106 / 107        2.7      0.83
-    192x576    float32   12.7 / 12.1    56 / 53         98 / 99          4.4      1.89
-    192x576    bfloat16  11.9           46              74               3.9      1.45
-    192x576    int8      13.3 / 12.3    36 / 39         62 / 66          2.7      1.18
-    1536x576   float32   51.4 / 47.3    367 / 345       681 / 683        7.1      2.18
-    1536x576   bfloat16  44.9           286             479              6.4      1.54
-    1536x576   int8      48.3 / 40.1    129 / 126       217 / 210        2.7      0.70
-    576x1536   float32   45.1 / 44.9    349 / 525       637 / 1043       7.8      2.06
-    576x1536   bfloat16  36.8           230             389              6.3      1.28
-    576x1536   int8      49.1 / 30.3    150 / 151       263 / 259        3.1      0.86
+    out x in   form      t(1) new/old   t(16) new/old   t(32) new/old    t16/t1   t32 / bf16 GEMM (us)
+    576x576    float32   21.4 / 21.9    144 / 136       261 / 263        6.7      2.06 (126)
+    576x576    bfloat16  18.8           113             189              6.0      1.50
+    576x576    int8      17.8 / 19.1    60 / 63         102 / 107        3.4      0.81
+    192x576    float32   10.7 / 12.2    54 / 53         96 / 99          5.1      1.85 (52)
+    192x576    bfloat16   9.9           44              73               4.5      1.40
+    192x576    int8      14.9 / 12.4    47 / 39         79 / 65          3.2      1.52
+    1536x576   float32   49.8 / 47.4    362 / 345       673 / 682        7.3      2.18 (309)
+    1536x576   bfloat16  42.7           283             474              6.6      1.53
+    1536x576   int8      37.5 / 38.7    123 / 125       210 / 209        3.3      0.68
+    576x1536   float32   43.0 / 44.8    335 / 531       629 / 1066       7.8      2.07 (304)
+    576x1536   bfloat16  34.6           246             403              7.1      1.33
+    576x1536   int8      37.1 / 30.3    148 / 151       258 / 259        4.0      0.85
 
-So: one path, batch-invariant at every row count, at the old speeds (float32 t(1) within 0-9% of the GEMV,
-t(32) equal or 1.6x faster); float32 is compute-bound (16 FMAs per cycle), so its t16/t1 stays 4-8 and
-its t(32) about 2x torch's bf16 GEMM. int8 (per-group scales) meets t(32) <= bf16 on three of four shapes
-and t16/t1 2.7-3.1 (goal 2.0); its t(1) is 10-60% above the old per-row kernel's (the 16-row transpose it now
-runs at every row count). bfloat16 halves float32's t(16)/t(32) gap to torch's GEMM (1.3-1.5x) at equal or
-better t(1). Perplexity of bfloat16 and int8 not measured (no SmolLM2 artifact in this session): float32
-stays the default.
+So: one path, batch-invariant at every row count, at the old speeds (float32 t(1) within +-12% of the GEMV,
+t(32) equal or 1.7x faster). float32 is compute-bound (16 FMAs per cycle): its t16/t1 stays 5-8 and its
+t(32) about 2x torch's bf16 GEMM. bfloat16 (vdpbf16ps) is faster than float32 at every row count and 1.3-1.5x
+torch's bf16 GEMM at 32 rows. int8 (scales per 64 columns) beats torch's bf16 GEMM at 32 rows on three of four
+shapes (not k/v, 192 rows: the per-group float steps cost most there), t16/t1 3.2-4.0 (goal 2.0). Perplexity
+of bfloat16 and int8 not measured (no SmolLM2 artifact in this session): float32 stays the default.
 
 Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
 prepared form adds 12 bytes per sparse entry (position, exact value as float32, residual); the int8 form
