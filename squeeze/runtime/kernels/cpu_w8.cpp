@@ -336,19 +336,17 @@ inline void block(const uint8_t* tp, int64_t np, const int8_t* q, const float* s
 #pragma GCC unroll 8
     for (int b = 0; b < MB; ++b) t[b] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; ++g) {
-        __m512i a[MB];
+        __m512i a[MB];  // started at -128 * sum(q): the +128 of the weights' uint8 form cancels as the sums run
 #pragma GCC unroll 8
-        for (int b = 0; b < MB; ++b) a[b] = _mm512_setzero_si512();
+        for (int b = 0; b < MB; ++b) a[b] = _mm512_set1_epi32(-128 * sumq[b * ng + g]);
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 4) {
             const __m512i wv = _mm512_load_si512(tp + 16 * k);
 #pragma GCC unroll 8
             for (int b = 0; b < MB; ++b) a[b] = dpbusd_bcst(a[b], wv, q + b * np + k);
         }
 #pragma GCC unroll 8
-        for (int b = 0; b < MB; ++b) {
-            const __m512i acc = _mm512_sub_epi32(a[b], _mm512_set1_epi32(128 * sumq[b * ng + g]));
-            t[b] = _mm512_add_ps(t[b], _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sx[b * ng + g])));
-        }
+        for (int b = 0; b < MB; ++b)
+            t[b] = _mm512_add_ps(t[b], _mm512_mul_ps(_mm512_cvtepi32_ps(a[b]), _mm512_set1_ps(sx[b * ng + g])));
     }
 }
 
