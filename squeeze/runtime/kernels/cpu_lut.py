@@ -16,22 +16,22 @@ the dequantized weight at 32 rows; the same table in-tree: ``scripts/bench/bench
     out x in   form      t(1) new/old   t(16) new/old   t(32) new/old    t16/t1   t32 / bf16 GEMM (us)
     576x576    float32   21.4 / 21.9    144 / 136       261 / 263        6.7      2.06 (126)
     576x576    bfloat16  18.8           113             189              6.0      1.50
-    576x576    int8      17.8 / 19.1    60 / 63         102 / 107        3.4      0.81
+    576x576    int8      17.6 / 19.1    60 / 63         104 / 107        3.4      0.82
     192x576    float32   10.7 / 12.2    54 / 53         96 / 99          5.1      1.85 (52)
     192x576    bfloat16   9.9           44              73               4.5      1.40
-    192x576    int8      14.9 / 12.4    47 / 39         79 / 65          3.2      1.52
+    192x576    int8      10.3 / 12.4    34 / 39         60 / 65          3.3      1.15
     1536x576   float32   49.8 / 47.4    362 / 345       673 / 682        7.3      2.18 (309)
     1536x576   bfloat16  42.7           283             474              6.6      1.53
-    1536x576   int8      37.5 / 38.7    123 / 125       210 / 209        3.3      0.68
+    1536x576   int8      38.0 / 38.7    126 / 125       215 / 209        3.3      0.69
     576x1536   float32   43.0 / 44.8    335 / 531       629 / 1066       7.8      2.07 (304)
     576x1536   bfloat16  34.6           246             403              7.1      1.33
-    576x1536   int8      37.1 / 30.3    148 / 151       258 / 259        4.0      0.85
+    576x1536   int8      37.5 / 30.3    149 / 151       261 / 259        4.0      0.86
 
 So: one path, batch-invariant at every row count, at the old speeds (float32 t(1) within +-12% of the GEMV,
 t(32) equal or 1.7x faster). float32 is compute-bound (16 FMAs per cycle): its t16/t1 stays 5-8 and its
 t(32) about 2x torch's bf16 GEMM. bfloat16 (vdpbf16ps) is faster than float32 at every row count and 1.3-1.5x
-torch's bf16 GEMM at 32 rows. int8 (scales per 64 columns) beats torch's bf16 GEMM at 32 rows on three of four
-shapes (not k/v, 192 rows: the per-group float steps cost most there), t16/t1 3.2-4.0 (goal 2.0). Perplexity
+torch's bf16 GEMM at 32 rows. int8 (scales per 64 columns; its rows re-measured at b5ee68c in the same way)
+beats torch's bf16 GEMM at 32 rows on three of four shapes (k/v, 192 rows: 1.15x), t16/t1 3.3-4.0 (goal 2.0). Perplexity
 of bfloat16 and int8 not measured (no SmolLM2 artifact in this session): float32 stays the default.
 
 Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
