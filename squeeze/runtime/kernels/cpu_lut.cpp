@@ -29,10 +29,13 @@
 //   s = the fixed horizontal sum of acc; then s += w[r, p] * x[b, p] for p = nv .. n-1 in order (scalar:
 //   every p, from s = 0); then s += resid[j] * x[b, pcol[j]] over the row's sparse entries in CSR order;
 //   then y = s + bias[r].
-// How: threads split the output rows into panels (4 rows when m <= the block's rows of x, else up to 32);
+// How: threads split the output rows into panels (8 rows when m <= the block's rows of x, else up to 32);
 // a panel's rows are decoded ONCE per call into a small cache-resident float32 buffer, and every row of x
 // is multiplied against it in register blocks (4 rows of x x 4 weight rows of accumulators on AVX-512,
-// 2 x 4 on AVX2). The blocking changes which accumulators live together, never an accumulator's order.
+// 2 x 4 on AVX2). Up to 4 rows of x, AVX-512 decodes 3/4-bit codes in registers as it multiplies
+// (avx512::fused): the same vectors in the same order. The blocking changes which accumulators live
+// together, never an accumulator's order. The bfloat16 form (AVX-512 BF16, sq_lut_matmul's bf16 = 1) is
+// the same with 32-position steps of vdpbf16ps on weights and x rounded to bfloat16, nv = n - n % 32.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
