@@ -32,7 +32,8 @@ t(32) equal or 1.7x faster). float32 is compute-bound (16 FMAs per cycle): its t
 t(32) about 2x torch's bf16 GEMM. bfloat16 (vdpbf16ps) is faster than float32 at every row count and 1.3-1.5x
 torch's bf16 GEMM at 32 rows. int8 (scales per 64 columns; its rows re-measured at b5ee68c in the same way)
 beats torch's bf16 GEMM at 32 rows on three of four shapes (k/v, 192 rows: 1.15x), t16/t1 3.3-4.0 (goal 2.0). Perplexity
-of bfloat16 and int8 not measured (no SmolLM2 artifact in this session): float32 stays the default.
+of bfloat16 and int8 not measured on an artifact (no SmolLM2 artifact in this session; a torch emulation:
+squeeze.runtime.activations): float32 stays the default.
 
 Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
 prepared form adds 12 bytes per sparse entry (position, exact value as float32, residual); the int8 form
