@@ -20,6 +20,11 @@ another process stalls it (``--threads 1`` sidesteps that, for both sides).
     expanding the codes to an int8 matrix of levels (level - 128) and torch's int8 weight-only matmul
     ``torch.ops.aten._weight_int8pack_mm(x, w_int8 (R, N), scales (R,))`` = x @ (w_int8 * scales[:, None])^T,
     plus the per-row offset: y = that + sum(x) * (128 * scale + zero). Time and memory (8 bits/weight).
+(0) Row scaling of the one batch-invariant matmul, per SmolLM2-135M linear shape (576x576 q/o, 192x576 k/v,
+    1536x576 gate/up, 576x1536 down; 4-bit codes), for each activation form (float32, bfloat16, int8): t(1), t(16) and
+    t(32) rows, t(16)/t(1) (goal <= 2.0), and t(32) / torch's bf16 GEMM on the dequantized weight at 32 rows
+    (goal <= 1.0). Min of ``--repeats`` interleaved rounds, caches warm (a busy shared machine inflates medians
+    more than minima). ``--scaling-only`` runs just this table (under a minute).
 Every number is a ratio measured in this run; the absolute milliseconds move with the machine's load.
 """
 
@@ -177,6 +182,63 @@ def weight_bytes(prepared: CpuPreparedLut) -> int:
     """Bytes of every tensor the kernel reads for W: the packed codes, the LUT as the kernel reads it (and its
     scale / zero for 8-bit levels), the sparse part's kernel form."""
     return sum(t.numel() * t.element_size() for t in prepared.keep)
+
+
+#: SmolLM2-135M's LUT linear shapes (out x in): q/o, k/v, gate/up, down
+SCALING_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+SCALING_ROWS = (1, 16, 32)
+
+
+def min_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Minimum microseconds of each function over ``repeats`` interleaved rounds (after one warm-up call each)."""
+    for fn in fns.values():
+        fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: 1e6 * t for name, t in best.items()}
+
+
+def scaling_table(args: argparse.Namespace, gen: torch.Generator) -> list[dict[str, Any]]:
+    """(0): t(M rows) of the one matmul per SmolLM2 shape and activation form, against torch's bf16 GEMM."""
+    print(
+        f"\n(0) the one matmul by rows of x, {torch.get_num_threads()} threads, 4-bit, min of {args.repeats} rounds;"
+        " bf16 = F.linear(x.bf16, W.bf16) at 32 rows"
+    )
+    print(
+        f"{'shape':>11s} {'form':>7s} {'t1 us':>8s} {'t16 us':>8s} {'t32 us':>8s} {'t16/t1':>7s} {'bf16 us':>8s} "
+        f"{'t32/bf16':>8s}"
+    )
+    out = []
+    for rows, n in SCALING_SHAPES:
+        q = random_lut_weight(rows, n, 4, 0.0, gen)
+        wbf16 = q.dequantize(torch.float32).to(torch.bfloat16)
+        xs = {m: torch.randn(m, n, generator=gen) for m in SCALING_ROWS}
+        xb = xs[32].to(torch.bfloat16)
+        for form in ("float32", "bfloat16", "int8"):
+            prepared = prepare_cpu(q, activations=form)  # type: ignore[arg-type]
+            assert prepared is not None
+            fns: dict[str, Callable[[], object]] = {str(m): partial(cpu_lut_linear, x, prepared) for m, x in xs.items()}
+            fns["bf16"] = partial(F.linear, xb, wbf16)
+            us = min_us(fns, args.repeats)
+            row = {
+                "shape": [rows, n],
+                "form": form,
+                **{f"t{m}_us": us[str(m)] for m in SCALING_ROWS},
+                "bf16_t32_us": us["bf16"],
+                "t16_over_t1": us["16"] / us["1"],
+                "t32_over_bf16": us["32"] / us["bf16"],
+            }
+            out.append(row)
+            print(
+                f"{rows:>5d}x{n:<5d} {form:>7s} {us['1']:>8.1f} {us['16']:>8.1f} {us['32']:>8.1f} "
+                f"{row['t16_over_t1']:>7.2f} {us['bf16']:>8.1f} {row['t32_over_bf16']:>8.2f}",
+                flush=True,
+            )
+    return out
 
 
 def kernel_table(args: argparse.Namespace, gen: torch.Generator) -> list[dict[str, Any]]:
@@ -383,6 +445,7 @@ def main() -> None:
     parser.add_argument("--shapes", dest="shapes_arg", default=None, help="OUTxIN,... instead of the default shapes")
     parser.add_argument("--batches", dest="batches_arg", default=None, help="B,... instead of the default batches")
     parser.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads (default: torch's)")
+    parser.add_argument("--scaling-only", action="store_true", help="only (0), the row scaling per SmolLM2 shape")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)  # the kernels run torch.get_num_threads() threads too
@@ -409,6 +472,16 @@ def main() -> None:
         f"machine: {info['cpu']}, {info['cpus']} CPUs, torch {info['torch']} with {info['torch_threads']} threads, "
         f"kernels {kernels.isa}; load average at start {' '.join(info['loadavg'] or [])}; {info['date']}"
     )
+    scaling = scaling_table(args, gen)
+    if args.scaling_only:
+        if args.json:
+            out = Path(args.json)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(
+                json.dumps({"command": command_line(), "machine": info, "scaling": scaling}, indent=2) + "\n"
+            )
+            print(f"wrote {out}")
+        return
     print(f"caches flushed before every timed call: {args.flush_mib} MiB written (untimed)")
     started = time.perf_counter()
     args.copier = Copier()
@@ -449,6 +522,7 @@ def main() -> None:
             "flush_mib": args.flush_mib,
             "loadavg_end": loadavg_end,
             "copy_bandwidth_bps": {"start": copy_bps, "end": copy_end},
+            "scaling": scaling,
             "kernel": kernel,
             "isa": isa,
             "int8": int8,

@@ -4,8 +4,7 @@
 
 For each SmolLM2-135M linear shape (out x in: q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536) and
 M rows of activations: the median and best time of
-  * ``f32``   - the float32 LUT kernels (activations="float32", the default: the GEMV up to 32 rows, tiles +
-    GEMM above),
+  * ``f32``   - the float32 LUT kernels (activations="float32", the default: the one batch-invariant matmul),
   * ``int8``  - the W4A8 kernel (activations="int8"),
   * ``bf16``  - torch's bfloat16 F.linear on the dequantized weight,
   * ``fp32``  - torch's float32 F.linear on the dequantized weight;

@@ -78,8 +78,9 @@ ActivationsOpt = Annotated[
     str,
     typer.Option(
         "--activations",
-        help="Activation precision of the native LUT kernels: float32 (the exact LUT values; default) or int8 "
-        "(W4A8 for 3/4-bit weights: 2-4x faster at 16-32 rows, perplexity ~3% higher on SmolLM2-135M w4).",
+        help="Activation precision of the native LUT kernels: float32 (the exact LUT values; default), int8 "
+        "(W4A8 for 3/4-bit weights, activations per group of 64 columns: 2.5-3x faster at 16-32 rows) or bfloat16 "
+        "(AVX-512 BF16 CPUs; float32 elsewhere).",
     ),
 ]
 NoVerify = Annotated[

@@ -2,11 +2,9 @@
 its batch, so that ``squeeze serve``, which batches requests, gives the text ``squeeze run`` gives each alone.
 
 The module is an ``nn.Linear`` (same parameters, tied weights stay tied) whose forward runs the native dense
-kernel (:mod:`squeeze.runtime.kernels.cpu_dense`) for float32 inference on the CPU at up to GEMV_MAX_ROWS
-rows (decoding: one row per sequence; faster than torch's GEMV there), or at any number of rows inside a
-serving step (a :func:`~squeeze.runtime.kernels.cpu_lut.row_paths` block). Elsewhere it is ``F.linear``:
-more rows (prefill and perplexity, where torch's GEMM is 2-3x faster), another device or dtype, gradients,
-no C++ compiler.
+kernel (:mod:`squeeze.runtime.kernels.cpu_dense`, the LUT kernels' one matmul: one summation order at every
+number of rows) for float32 inference on the CPU. Elsewhere it is ``F.linear``: another device or dtype,
+gradients, no C++ compiler.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from torch import Tensor, nn
 
 from squeeze.runtime.kernels.cpu_build import cpu_kernels
 from squeeze.runtime.kernels.cpu_dense import DENSE_DTYPES, cpu_dense_linear
-from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS, serving_step
 
 #: float32 elements of one upcast tile of a stored-dtype weight on the F.linear path (4 MiB).
 UPCAST_TILE_ELEMENTS = 1 << 20
@@ -37,7 +34,6 @@ class RowStableLinear(nn.Linear):
             and weight.dtype in DENSE_DTYPES
             and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
-            and (input.numel() <= GEMV_MAX_ROWS * self.in_features or serving_step())
         ):
             kernels = cpu_kernels()
             if kernels is not None:

@@ -11,8 +11,8 @@ parameter's attribute name.
 Two ways to use it, both touching only the experts the batch routes to:
 
 * ``experts.gate_up_proj.linear(e, x)``: ``x @ W_e^T`` for expert e. On the CPU the native LUT kernels run
-  it on the packed codes (a GEMV for decoding: ~50x faster than dequantizing the expert first, 1536 x 2048
-  at 4 bits); elsewhere the expert is dequantized and multiplied. The experts forward the loaders select
+  it on the packed codes (their one matmul; at one row ~50x faster than dequantizing the expert first,
+  1536 x 2048 at 4 bits); elsewhere the expert is dequantized and multiplied. The experts forward the loaders select
   (:func:`~squeeze.runtime.experts_forward.squeeze_experts_forward`, registered with transformers'
   ``ExpertsInterface`` as "squeeze") computes each routed expert this way, with the family's own gate
   (``_apply_gate``), activation and biases.

@@ -2,8 +2,7 @@
 
 Block ``i`` of a prompt is named ``sha256(name of block i-1 | the block's token ids)``; block 0's parent is
 a root that folds in everything else that decides what the block stores: the pool's cache (bits, kind,
-sink tokens, block size, dtype) and the kernel path ``squeeze run`` takes for the prompt's tokens (the
-tile path for a prompt longer than GEMV_MAX_ROWS, the GEMV otherwise: the two give other bits). Two
+sink tokens, block size, dtype). Two
 prompts give block ``i`` the same name exactly when they share its tokens and every token before it under
 the same settings; its keys and values were then computed from the same tokens at the same positions (a
 rotating key centre included: squeeze.quant.kv.KeyRotation), so the quantized codes are reused as they
@@ -62,10 +61,9 @@ class PrefixCache:
         self.queries = 0
         self.hits = 0
 
-    def names(self, prompt_ids: Seq[int], tiled: bool) -> list[bytes]:
-        """The names of a prompt's full blocks; ``tiled``: whether its tokens run the kernels' tile path
-        (squeeze.serve.sequence.Sequence.prompt_tiled)."""
-        return block_names(cache_root(self._root, tiled), prompt_ids, self.block_size)
+    def names(self, prompt_ids: Seq[int]) -> list[bytes]:
+        """The names of a prompt's full blocks."""
+        return block_names(self._root, prompt_ids, self.block_size)
 
     def __len__(self) -> int:
         """Named blocks, held or not."""

@@ -20,11 +20,9 @@ every position of the rows whose prompt log-probabilities were asked for, :meth:
 
 Every token's bits are those ``squeeze run`` computes for it alone: per-row attention as above; the LM head
 (squeeze.runtime.dense_linear) gives each row the same bits at any batch size; and the quantized linears
-are batch-invariant: with int8 activations by construction (the W4A8 kernel's sums are exact
-integers at every row count), with float32 activations (the default) by sending each token down the path ``squeeze run``
-would (:func:`squeeze.runtime.kernels.cpu_lut.row_paths`: the tile path for the prompt tokens of a prompt
-longer than GEMV_MAX_ROWS, the GEMV for the rest). Tokens a preempted sequence generated are recomputed with
-attention one query at a time, as they were decoded (:class:`RowSpan`).
+are batch-invariant: one native matmul at every row count, each output summed in one fixed order
+(squeeze.runtime.kernels.cpu_lut; with int8 activations the W4A8 kernel's exact integer sums). Tokens a
+preempted sequence generated are recomputed with attention one query at a time, as they were decoded (:class:`RowSpan`).
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg, input_device
 from squeeze.runtime.attention import native_kernels, scaling_of
 from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend
-from squeeze.runtime.kernels.cpu_lut import RowPlan, row_paths
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import PagedKVPool, StepSlots
 from squeeze.serve.scheduler import ScheduledChunk
@@ -170,7 +167,6 @@ class _StepInputs:
     last: Tensor
     slots: StepSlots
     rows: tuple[RowSpan, ...]
-    paths: RowPlan
 
 
 class ModelRunner:
@@ -235,16 +231,15 @@ class ModelRunner:
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
         if native is not None:
             kwargs["squeeze_native"] = native
-        with row_paths(inputs.paths):
-            output = self.model(
-                input_ids=inputs.input_ids,
-                attention_mask=self._no_mask,
-                position_ids=inputs.position_ids,
-                return_dict=True,
-                squeeze_step=inputs.rows,
-                **({self._keep_kwarg: keep} if self._keep_kwarg else {}),
-                **kwargs,
-            )
+        output = self.model(
+            input_ids=inputs.input_ids,
+            attention_mask=self._no_mask,
+            position_ids=inputs.position_ids,
+            return_dict=True,
+            squeeze_step=inputs.rows,
+            **({self._keep_kwarg: keep} if self._keep_kwarg else {}),
+            **kwargs,
+        )
         logits = output.logits[0]  # (B, V) or the kept positions', or (N, V) for a model without logits_to_keep
         if not self._keep_kwarg:
             logits = logits[keep]
@@ -267,17 +262,11 @@ class ModelRunner:
         sink_entries: list[int] = []
         rows: list[RowSpan] = []
         last: list[int] = []
-        tiled: list[int] = []
-        gemv: list[int] = []
         q0 = k0 = 0
         for chunk in plan:
             seq = chunk.seq
             start, end = seq.computed, seq.computed + chunk.tokens
             q1, k1 = q0 + chunk.tokens, k0 + end
-            # squeeze run prefills a prompt longer than GEMV_MAX_ROWS on the tile path, everything else on the GEMV
-            split = q0 + (max(0, min(end, len(seq.prompt_ids)) - start) if seq.prompt_tiled else 0)
-            tiled += range(q0, split)
-            gemv += range(split, q1)
             tokens += seq.token_range(start, end)
             starts.append(start)
             ends.append(end)
@@ -310,8 +299,7 @@ class ModelRunner:
             new_positions,
             read_positions,
         )
-        paths = RowPlan(len(tokens), torch.tensor(tiled, dtype=torch.long), torch.tensor(gemv, dtype=torch.long))
-        return _StepInputs(as_tensor(tokens)[None], new_positions[None], as_tensor(last), slots, tuple(rows), paths)
+        return _StepInputs(as_tensor(tokens)[None], new_positions[None], as_tensor(last), slots, tuple(rows))
 
     def _row_span(self, chunk: ScheduledChunk, q0: int, k0: int) -> RowSpan:
         """The row of ``chunk`` whose queries start at ``q0`` and whose keys start at ``k0`` in the step."""

@@ -99,10 +99,10 @@ class Scheduler:
             return []
         if seq.params.prompt_logprobs is not None:
             if seq.block_names is None:
-                seq.block_names = cache.names(seq.prompt_ids, seq.prompt_tiled)
+                seq.block_names = cache.names(seq.prompt_ids)
             return []
         if seq.block_names is None:
-            seq.block_names = cache.names(seq.prompt_ids, seq.prompt_tiled)
+            seq.block_names = cache.names(seq.prompt_ids)
         return self.blocks.cached(seq.block_names, seq.length)
 
     def _make_room(self, seq: Sequence, tokens: int) -> bool:

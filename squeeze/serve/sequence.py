@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS
 from squeeze.runtime.text_stream import TextState, left_context
 from squeeze.serve.types import FinishReason, SamplingParams, TokenLogprob
 
@@ -67,13 +66,6 @@ class Sequence:
         if start >= prompt:
             return self.output_ids[start - prompt : stop - prompt]
         return self.prompt_ids[start:] + self.output_ids[: stop - prompt]
-
-    @property
-    def prompt_tiled(self) -> bool:
-        """Whether ``squeeze run`` prefills this prompt on the kernels' tile path (a prompt longer than
-        GEMV_MAX_ROWS tokens; shorter ones, and every generated token, take the GEMV): the engine sends each
-        prompt token down the same path, and the prefix cache keeps the two apart (their bits differ)."""
-        return len(self.prompt_ids) > GEMV_MAX_ROWS
 
     @property
     def length(self) -> int:

@@ -2,8 +2,8 @@
 
 Differential against the format's reference ``qweight.dequantize(torch.float32)``: every instruction set this
 CPU runs, every code width, row lengths that hit each part of the layout (whole blocks, the 3-bit half
-block, the scalar tail), with and without the sparse part, fp16 and 8-bit LUTs, the GEMV (decode) and the
-tiled prefill path. Golden values for the kernels' column order, the build cache, the fallbacks without a
+block, the scalar tail), with and without the sparse part, fp16 and 8-bit LUTs, the one matmul at every row
+count. Golden values for the kernels' column order, the build cache, the fallbacks without a
 compiler, and SqueezeLinear's choice of path.
 """
 
@@ -21,16 +21,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import squeeze.runtime.kernels.cpu_lut as cpu_lut
 from squeeze.quant.packing import pack_codes
 from squeeze.quant.schemes import WeightFormat
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight, quantize_lut
 from squeeze.quant.schemes.rtn import rtn_quantize
 from squeeze.runtime.kernels.cpu_build import ISAS, CpuKernels, KernelWarning, cpu_kernels
 from squeeze.runtime.kernels.cpu_lut import cpu_lut_linear, permuted_positions, prepare_cpu
+from squeeze.runtime.kernels.reference import dense_lut_values, sparse_residual
 from squeeze.runtime.linear import SqueezeLinear
 
-ROWS = 40  # output rows: not a multiple of the 16-row prefill tile, so the last tile is partial
+ROWS = 41  # output rows: not a multiple of the kernels' 4-row groups or 32-row panels
 IN_FEATURES = (1, 7, 33, 172, 200, 576, 1536)  # 200 at 3 bits: a 128-column block, a 64-column half block, 8 more
 BITS = (2, 3, 4, 8)
 LUT_DTYPES = ("float16", "int8")
@@ -111,28 +111,37 @@ SUBSET = [(b, n, True, "float16") for b in (3, 4) for n in IN_FEATURES] + [
 CASES = [("best", *case) for case in FULL] + [(isa, *case) for isa in ISAS for case in SUBSET]
 
 
+def float32_bound(x: torch.Tensor, q: LutWeight, bias: torch.Tensor | None, operands: float = 0.0) -> torch.Tensor:
+    """float64 (M, R): a rigorous bound on a float32 sum's error in ANY order: (N + nnz + 4) * 2^-24 * sum |terms|,
+    the terms being the LUT products, the sparse residual's products and the bias (each output goes through at
+    most N + nnz + 2 roundings: products, additions and the horizontal sum; each residual one more).
+    ``operands``: a relative error each product may carry besides (rounding both factors to bfloat16: 2^-8)."""
+    lut_part = dense_lut_values(q).double().abs()  # (R, N)
+    _, cols, resid = sparse_residual(q)
+    nnz = int(resid.numel())
+    if nnz:
+        rows = q.sparse.row_indices() if q.sparse is not None else torch.zeros(0, dtype=torch.int64)
+        lut_part = lut_part.index_put((rows, cols.to(torch.int64)), resid.double().abs(), accumulate=True)
+    mag = x.double().abs() @ lut_part.T + (bias.double().abs() if bias is not None else 0.0)
+    return ((q.in_features + nnz + 4) * 2.0**-24 + operands) * mag + 1e-30
+
+
 @pytest.mark.parametrize(("isa", "bits", "n", "sparse", "lut_dtype"), CASES)
 def test_linear_matches_the_reference(
-    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, n: int, sparse: bool, lut_dtype: str
+    kernels: CpuKernels, isa: str, bits: int, n: int, sparse: bool, lut_dtype: str
 ) -> None:
+    """The one matmul at every row count (the fused AVX-512 form up to 4 rows of x, panels above) against the
+    float64 product of the reference's dequantized weight, within the rigorous float32 bound."""
     q = lut_weight(bits, n, sparse, lut_dtype)
     prepared = prepare_cpu(q, kernels=kernels_for(kernels, isa), activations="float32")
     assert prepared is not None
     g = torch.Generator().manual_seed(n)
     bias = torch.randn(ROWS, generator=g)
-    for batch in range(1, 17):  # the GEMV: one chunk of rows of x up to 8, two above
+    for batch in (*range(1, 10), 16, 21):
         x = torch.randn(batch, n, generator=g)
-        assert_matches(cpu_lut_linear(x, prepared, bias), reference(x, q, bias), batch)
-    x = torch.randn(21, n, generator=g)
-    expected = reference(x, q, bias)
-    with monkeypatch.context() as m:
-        m.setattr(cpu_lut, "GEMV_MAX_ROWS", 8)  # 21 rows of x: the tile path
-        m.setattr(cpu_lut, "TILE_ELEMENTS", 1)
-        m.setattr(cpu_lut, "TILE_MIN_ROWS", 16)  # 16-row tiles: 16 + 16 + 8 rows
-        assert_matches(cpu_lut_linear(x, prepared, bias), expected, "tiles")
-    with monkeypatch.context() as m:
-        m.setattr(cpu_lut, "GEMV_MAX_ROWS", 64)  # the GEMV over 21 rows of x: chunks of 8, 8, 5
-        assert_matches(cpu_lut_linear(x, prepared, None), expected - bias.double(), "gemv chunks")
+        for b in (bias, None):
+            got, expected = cpu_lut_linear(x, prepared, b).double(), reference(x, q, b)
+            assert bool(((got - expected).abs() <= float32_bound(x, q, b)).all()), (batch, b is None)
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
@@ -172,53 +181,24 @@ def test_float16_luts_are_read_in_place_exactly(kernels: CpuKernels, isa: str, b
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit for bit, -0.0 included
 
 
-def test_prefill_dequantizes_row_tiles_never_the_whole_weight(
-    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tiles: list[tuple[int, int]] = []
-
-    class CountingLib:
-        """The library, with its tile calls recorded."""
-
-        def __init__(self, lib: ctypes.CDLL) -> None:
-            self._lib = lib
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._lib, name)
-
-        def sq_dequant_rows(self, weight: Any, start: int, stop: int, *rest: Any) -> None:
-            tiles.append((start, stop))
-            self._lib.sq_dequant_rows(weight, start, stop, *rest)
-
-    q = lut_weight(3, 200, True, "float16")
-    spy = CpuKernels(lib=CountingLib(kernels.lib), isa=kernels.isa, path=kernels.path)  # type: ignore[arg-type]
-    prepared = prepare_cpu(q, kernels=spy, activations="float32")
-    assert prepared is not None
-    x = torch.randn(12, 200)
-    monkeypatch.setattr(cpu_lut, "GEMV_MAX_ROWS", 8)  # 12 rows of x: the tile path
-    monkeypatch.setattr(cpu_lut, "TILE_ELEMENTS", 16 * 200)  # 16 rows of W per tile
-    monkeypatch.setattr(cpu_lut, "TILE_MIN_ROWS", 1)
-    assert_matches(cpu_lut_linear(x, prepared), reference(x, q, None))
-    assert tiles == [(0, 16), (16, 32), (32, 40)]
-
-
 def test_threads_split_output_rows_without_changing_the_result(kernels: CpuKernels) -> None:
-    """GEMV rows are independent: the same bits on 1 or 2 threads (the weight is large enough to split)."""
+    """Threads split output rows, never a sum: the same bits on 1 or 2 threads (the weight is large enough to
+    split), for the fused form (3 rows of x) and the panels (12)."""
     q = lut_weight(4, 1536, True, "float16", rows=300)  # 300 x 768 bytes of codes: above the 64 KiB threshold
     prepared = prepare_cpu(q, kernels=kernels, activations="float32")
     assert prepared is not None
-    x = torch.randn(3, 1536)
-    one = cpu_lut_linear(x, prepared)
-    torch.set_num_threads(2)  # the autouse fixture in tests/conftest.py restores the count
-    two = cpu_lut_linear(x, prepared)
-    assert torch.equal(one, two)
-    assert_matches(two, reference(x, q, None))
-    x = torch.randn(12, 1536)
-    assert_matches(cpu_lut_linear(x, prepared), reference(x, q, None), "prefill")
+    for batch in (3, 12):
+        x = torch.randn(batch, 1536)
+        torch.set_num_threads(1)  # the autouse fixture in tests/conftest.py restores the count
+        one = cpu_lut_linear(x, prepared)
+        torch.set_num_threads(2)
+        two = cpu_lut_linear(x, prepared)
+        assert torch.equal(one, two), batch
+        assert_matches(two, reference(x, q, None), batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("lead", [(2, 3), (2, 7)])  # 6 rows of x: the GEMV; 14: the tiled path
+@pytest.mark.parametrize("lead", [(2, 3), (2, 7)])  # 6 and 14 rows of x
 def test_leading_dims_and_dtypes(kernels: CpuKernels, dtype: torch.dtype, lead: tuple[int, int]) -> None:
     q = lut_weight(3, 200, True, "float16")
     prepared = prepare_cpu(q, kernels=kernels, activations="float32")
@@ -264,6 +244,27 @@ def test_empty_inputs_and_weights(kernels: CpuKernels) -> None:
         b = torch.randn(rows)
         for batch in (1, 12):
             assert torch.equal(cpu_lut_linear(torch.randn(batch, n), p, b), b.expand(batch, rows)), (rows, n, batch)
+
+
+@pytest.mark.parametrize(("bits", "n", "sparse"), [(4, 576, True), (3, 200, True), (4, 33, False), (2, 172, True)])
+def test_the_bfloat16_form_matches_the_reference(kernels: CpuKernels, bits: int, n: int, sparse: bool) -> None:
+    """activations="bfloat16" on AVX-512 BF16: within the float32 bound plus 2^-8 per product (both factors
+    rounded to bfloat16); elsewhere the float32 form, with the float32 bound."""
+    q = lut_weight(bits, n, sparse, "float16")
+    prepared = prepare_cpu(q, kernels=kernels, activations="bfloat16")
+    assert prepared is not None
+    expected_bf16 = kernels.isa == "avx512" and bool(kernels.lib.sq_bf16_supported())
+    assert prepared.bf16 == expected_bf16 and prepared.activations == ("bfloat16" if expected_bf16 else "float32")
+    g = torch.Generator().manual_seed(n)
+    bias = torch.randn(ROWS, generator=g)
+    for batch in (1, 3, 4, 5, 21):
+        x = torch.randn(batch, n, generator=g)
+        got, expected = cpu_lut_linear(x, prepared, bias).double(), reference(x, q, bias)
+        bound = float32_bound(x, q, bias, 2.0**-8 if expected_bf16 else 0.0)
+        assert bool(((got - expected).abs() <= bound).all()), batch
+    if expected_bf16:  # really another form: not the float32 bits
+        exact = prepare_cpu(q, kernels=kernels, activations="float32")
+        assert exact is not None and not torch.equal(cpu_lut_linear(x, prepared), cpu_lut_linear(x, exact))
 
 
 # ---------------------------------------------------------------------------------------------------------

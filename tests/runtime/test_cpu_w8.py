@@ -15,7 +15,12 @@ from squeeze.quant.schemes.lut import LutWeight, quantize_lut
 from squeeze.runtime.activations import check_activations
 from squeeze.runtime.kernels.cpu_build import ISAS, CpuKernels, cpu_kernels
 from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, prepare_cpu
-from squeeze.runtime.kernels.reference import lut_matmul_reference, w4a8_matmul_reference
+from squeeze.runtime.kernels.reference import (
+    W8_GROUP,
+    lut_matmul_reference,
+    quantize_groups_int8,
+    w4a8_matmul_reference,
+)
 from squeeze.runtime.linear import SqueezeLinear
 
 ROWS = 37  # not a multiple of the 4-row panels nor of the 16-row tasks
@@ -108,16 +113,32 @@ def test_every_instruction_set_gives_the_same_bits(kernels: CpuKernels) -> None:
     assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
-@pytest.mark.parametrize(("bits", "bound"), [(4, 0.02), (3, 0.02)])
-def test_int8_activations_stay_close_to_the_exact_product(kernels: CpuKernels, bits: int, bound: float) -> None:
-    """Per-row int8 activations (rounding error <= amax / 254 per element) and int8 LUT levels: on Gaussian
-    activations the output's relative L2 error against the float32-LUT product stays under 2%."""
+@pytest.mark.parametrize("bits", [4, 3])
+def test_int8_activations_stay_close_to_the_exact_product(kernels: CpuKernels, bits: int) -> None:
+    """int8 activations per group of 64 columns (rounding error <= the group's amax / 254 per element) and int8
+    LUT levels: against the float32-LUT product the relative L2 error stays under 1% on Gaussian activations
+    (measured 0.70%; per-row scales gave 0.83%) and under 2.5% with one channel 50x the others (1.7%; per-row
+    scales: 5.0%, every column of the row paid for the outlier)."""
     q = lut_weight(bits, 576, True, "float16")
     prepared = prepare_cpu(q, kernels=kernels, activations="int8")
     assert prepared is not None
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(5))
     got, exact = cpu_lut_linear(x, prepared), lut_matmul_reference(x, q)
-    assert float((got - exact).norm() / exact.norm()) < bound
+    assert float((got - exact).norm() / exact.norm()) < 0.01
+    x[:, 3] *= 50  # an outlier channel, as LLM activations have
+    got, exact = cpu_lut_linear(x, prepared), lut_matmul_reference(x, q)
+    assert float((got - exact).norm() / exact.norm()) < 0.025
+
+
+def test_activation_groups_are_64_columns_each_with_its_own_scale() -> None:
+    x = torch.zeros(1, 130)  # groups: columns 0-63, 64-127, 128-129
+    x[0, [0, 64, 65, 128, 129]] = torch.tensor([127.0, 1.0, -0.5, 2.0, 1.0])
+    q, sx = quantize_groups_int8(x)
+    expected = torch.tensor([[1.0, 1.0 / 127.0, 2.0 / 127.0]], dtype=torch.float32)  # amax / 127, in float32
+    assert sx.dtype == torch.float32 and torch.equal(sx, expected)
+    assert q[0, [0, 64, 65, 128, 129]].tolist() == [127.0, 127.0, -64.0, 127.0, 64.0]  # -63.5, 63.5: half to even
+    assert int(q.count_nonzero()) == 5
+    assert W8_GROUP == 64
 
 
 def test_zero_rows_and_empty_inputs(kernels: CpuKernels) -> None:

@@ -38,7 +38,10 @@ PROMPT = "Once upon a time"
         (lambda: SamplingParams(4, stop=["x"]), r"stop must be a tuple of strings"),  # type: ignore[arg-type]
         (lambda: SamplingParams(4, logprobs=-1), r"logprobs must be None or an integer >= 0, found -1"),
         (lambda: LoadOptions(dense_cache=True, low_memory=True), r"--dense and --low-memory contradict each other"),
-        (lambda: LoadOptions(activations="int4"), r"activations must be one of 'int8', 'float32', found 'int4'"),  # type: ignore[arg-type]
+        (
+            lambda: LoadOptions(activations="int4"),
+            r"activations must be one of 'int8', 'float32', 'bfloat16', found 'int4'",
+        ),  # type: ignore[arg-type]
         (lambda: LoadOptions(device="mps"), r"device 'mps' is not supported"),
         (lambda: LoadOptions(public_key="k.pem", verify=False), r"--public-key needs verification"),
         (lambda: LoadOptions(public_key="/nonexistent/k.pem"), r"cannot read the public key"),

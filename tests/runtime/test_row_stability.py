@@ -1,5 +1,5 @@
-"""Rows whose bits do not depend on their batch: the dense float32 kernel (the LM head) and the LUT kernels' row
-plan, which squeeze serve relies on to give each request the text squeeze run gives it alone."""
+"""Rows whose bits do not depend on their batch: the dense float32 kernel (the LM head) and the LUT kernels' one
+matmul, which squeeze serve relies on to give each request the text squeeze run gives it alone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.runtime.dense_linear import RowStableLinear, stabilise_dense_linears
 from squeeze.runtime.kernels.cpu_build import ISAS, CpuKernels, cpu_kernels
 from squeeze.runtime.kernels.cpu_dense import cpu_dense_linear
-from squeeze.runtime.kernels.cpu_lut import GEMV_MAX_ROWS, RowPlan, cpu_lut_linear, prepare_cpu, row_paths
+from squeeze.runtime.kernels.cpu_lut import cpu_lut_linear, prepare_cpu
 
 
 @pytest.fixture()
@@ -55,25 +55,39 @@ def test_row_stable_linear_is_an_nn_linear_that_keeps_its_parameters(kernels: Cp
     assert x.grad is not None
 
 
-def test_the_row_plan_gives_each_row_the_bits_of_its_own_path(kernels: CpuKernels) -> None:
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 576, generator=g)
-    prepared = prepare_cpu(quantize_lut(w, w.abs() + 0.1, 4, 0.01, 0.02), kernels=kernels, activations="float32")
+#: the batch sizes a row is compared at: the fused AVX-512 form (up to 4 rows of x), a partial block of x rows
+#: (3, 17), whole ones, panels with many blocks (100)
+BATCHES = (2, 3, 8, 16, 17, 32, 100)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("activations", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(
+    ("bits", "n", "sparse"),
+    [(4, 172, True), (4, 576, False), (3, 172, True), (3, 200, False), (3, 576, True), (2, 33, True)],
+)
+def test_lut_rows_do_not_depend_on_the_batch(
+    kernels: CpuKernels, isa: str, activations: str, bits: int, n: int, sparse: bool
+) -> None:
+    """Every form (float32, bfloat16 where AVX-512 BF16 runs it, int8) on every instruction set: a row of x gets
+    the same bits alone and in batches of 2 .. 100 (37
+    output rows: not a multiple of a 4-row group or a panel; odd N; 3 and 4 bits with and without a sparse
+    part; 2 bits: the scalar layout, and no int8 form, so the float32 kernels there too)."""
+    if not kernels.supports(isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    g = torch.Generator().manual_seed(7 * n + bits)
+    w = torch.randn(37, n, generator=g)
+    q = quantize_lut(w, w.abs() + 0.1, bits, 0.01, 0.02) if sparse else quantize_lut(w, None, bits)
+    assert (q.sparse is not None and q.sparse.nnz > 0) == sparse
+    prepared = prepare_cpu(q, kernels=kernels.with_isa(isa), activations=activations)  # type: ignore[arg-type]
     assert prepared is not None
-    bias = torch.randn(96, generator=g)
-    prompt = torch.randn(40, 576, generator=g)  # a prompt longer than GEMV_MAX_ROWS: squeeze run's tile path
-    decode = torch.randn(5, 576, generator=g)  # one token each: the GEMV
-    assert prompt.shape[0] > GEMV_MAX_ROWS
-    prefill_alone = cpu_lut_linear(prompt, prepared, bias)
-    decode_alone = [cpu_lut_linear(decode[i : i + 1], prepared, bias) for i in range(5)]
-    # a packed step: 3 decode rows, the prompt's last 7 tokens (a chunk), 2 more decode rows
-    x = torch.cat([decode[:3], prompt[33:], decode[3:]])
-    tiled = torch.arange(3, 10)
-    plan = RowPlan(12, tiled, torch.tensor([0, 1, 2, 10, 11]))
-    with row_paths(plan):
-        y = cpu_lut_linear(x, prepared, bias)
-    assert torch.equal(y[3:10], prefill_alone[33:])  # 7 rows padded to 16 for the GEMM: the same bits
-    for row, i in zip((0, 1, 2, 10, 11), range(5), strict=True):
-        assert torch.equal(y[row : row + 1], decode_alone[i])
-    without_plan = cpu_lut_linear(x, prepared, bias)  # 12 rows: all GEMV, so the chunk's bits differ
-    assert not torch.equal(without_plan[3:10], prefill_alone[33:])
+    bf16 = isa == "avx512" and bool(kernels.lib.sq_bf16_supported())
+    forms = {"int8": "int8" if bits in (3, 4) else "float32", "bfloat16": "bfloat16" if bf16 else "float32"}
+    assert prepared.activations == forms.get(activations, "float32")
+    bias = torch.randn(37, generator=g)
+    x = torch.randn(max(BATCHES), n, generator=g)
+    x[5] = 0.0  # an all-zero row (the int8 form's zero scale)
+    alone = torch.cat([cpu_lut_linear(x[i : i + 1], prepared, bias) for i in range(x.shape[0])])
+    for batch in BATCHES:
+        assert torch.equal(cpu_lut_linear(x[:batch], prepared, bias), alone[:batch]), batch
+    assert torch.equal(cpu_lut_linear(x[40:57], prepared, bias), alone[40:57])  # rows in other places of a batch

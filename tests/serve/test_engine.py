@@ -30,7 +30,7 @@ PROMPTS = [
     "She found a",
     "They played all day",
     "The old man",
-    # longer than GEMV_MAX_ROWS tokens: squeeze run prefills them on the kernels' tile path
+    # longer than 32 tokens: prompts of many rows, through the same kernels
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine with her "
     "friends. One day, she found a big red ball under a tree",
     "Tom and his dog went to the park. They played with a stick and ran around the big green trees until",
@@ -219,8 +219,8 @@ def test_a_tampered_artifact_is_refused(artifact_copy: Path) -> None:
 
 
 def test_a_row_gets_the_same_logits_bit_for_bit_alone_or_packed_with_others(wide32_artifact: Path) -> None:
-    """The packed step's rows take the paths squeeze run takes alone (a short prompt: the kernels' GEMV, a long
-    one: the tile path, the LM head: the row-stable kernel), so their logits are the same bits.
+    """A packed step's rows get the logits squeeze run gives them alone, bit for bit: the LUT linears and the LM
+    head sum each output in one order at every row count (a short prompt, a long one, both in one step).
 
     A tiny Llama whose widths are multiples of 32 (see the wide32_artifact fixture): at stories260K's
     intermediate size of 172, torch's SiLU gives a row's last elements other bits when they end the tensor.
@@ -245,7 +245,7 @@ def test_a_row_gets_the_same_logits_bit_for_bit_alone_or_packed_with_others(wide
                 engine.blocks.release(seq.seq_id)
 
     alone = [logits(short)[0], logits(long)[0]]
-    packed = logits(short, long, short)  # one step; without the row plan every row would take the tile path
+    packed = logits(short, long, short)  # one step of 2 + len(long) rows
     assert torch.equal(packed[0], alone[0]) and torch.equal(packed[1], alone[1]) and torch.equal(packed[2], alone[0])
 
 

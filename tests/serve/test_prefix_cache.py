@@ -19,7 +19,7 @@ def test_a_block_name_covers_its_tokens_and_every_token_before_them() -> None:
     assert b[0] != a[0] and b[1] != a[1]  # same tokens 4..7, another prefix
     assert block_names(cache_root("int8", 8), list(range(8)), 4) != a  # other settings
     cache = PrefixCache(4, "int4")
-    assert cache.names(list(range(8)), tiled=True) != cache.names(list(range(8)), tiled=False)
+    assert cache.names(list(range(8))) == block_names(cache_root(4, "int4"), list(range(8)), 4)
 
 
 def _cached_manager(blocks: int = 6, sink_slots: int = 2, sink_tokens: int = 2) -> BlockManager:

@@ -7,8 +7,11 @@ tensors of one checkpoint module until all of them have arrived, then rebuilds t
 format's full checks and keeps only this rank's part of it (:mod:`.sharding`). ``process_weights_after_loading``
 stacks adjacent parts of one format (q/k/v, gate/up) and turns each stack into squeeze's own runtime module
 (:class:`squeeze.runtime.linear.SqueezeLinear`), so
-``apply`` runs exactly what ``squeeze run`` runs: the native LUT kernels on CPU, the Triton LUT kernels on
-CUDA, the dequantized weight where no kernel covers the format.
+``apply`` runs exactly what ``squeeze run`` runs: on CPU the native LUT kernels' one batch-invariant matmul
+(every row count, one summation order per output; with int8 activations the W4A8 kernel, whose activation
+groups of 64 columns start at column 0 of each call's x: a row-parallel layer's call sees only its rank's
+shard of the input, so a group never crosses a shard boundary), the Triton LUT kernels on CUDA, the
+dequantized weight where no kernel covers the format.
 """
 
 from __future__ import annotations

@@ -233,8 +233,8 @@ def _load(path: Path) -> ctypes.CDLL:
     weight, f32, i64, i32 = ctypes.POINTER(SqWeight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.sq_isa_supported.argtypes, lib.sq_isa_supported.restype = [ctypes.c_int], ctypes.c_int
     lib.sq_permute_x.argtypes, lib.sq_permute_x.restype = [f32, f32, i64, i64, i32], None
-    lib.sq_gemv.argtypes, lib.sq_gemv.restype = [weight, f32, i64, f32, i32, i32], None
-    lib.sq_linear.argtypes, lib.sq_linear.restype = [weight, f32, i64, f32, f32, i32, i32], None
+    lib.sq_lut_matmul.argtypes, lib.sq_lut_matmul.restype = [weight, f32, i64, f32, f32, i32, i32, i32], None
+    lib.sq_bf16_supported.argtypes, lib.sq_bf16_supported.restype = [], ctypes.c_int
     lib.sq_dequant_rows.argtypes, lib.sq_dequant_rows.restype = [weight, i64, i64, f32, i32, i32], None
     lib.sq_dense_linear.argtypes = [f32, i64, i64, f32, i64, f32, f32, i32, i32]
     lib.sq_dense_linear.restype = None

@@ -1,10 +1,39 @@
 """The native CPU LUT kernels from Python: a weight's prepared form, and ``y = x @ W^T + b`` through it.
 
-With ``activations="int8"``, 3- and 4-bit weights run the W4A8 kernel (:mod:`.cpu_w8`) at every
-number of rows: one batch-invariant path. With ``activations="float32"`` (the default; and at other widths):
-Decode and small batches (at most GEMV_MAX_ROWS rows of x): a fused GEMV reads the codes once per 8 rows of x.
-Prefill (more rows): row tiles of W are dequantized into a reused float32 buffer of about 4 MiB and
-multiplied by torch's GEMM (compute-bound there; oneDNN/MKL do it well), so the dense weight never exists.
+One matmul for every number of rows of x (cpu_lut.cpp, ``sq_lut_matmul``): each output is summed in one order
+that depends neither on how many rows of x come together nor on the thread count, so a row's result is the same
+alone (decoding one sequence: M = 1 is the smallest case, not another kernel), in a serving step's batch and in
+a prefill. Each panel of output rows is decoded once per call into a small cache-resident float32 buffer and
+multiplied by every row of x in register blocks. With ``activations="int8"``, 3- and 4-bit weights run the
+W4A8 kernel (:mod:`.cpu_w8`) instead, batch-invariant by its exact integer sums.
+
+Measured (2026-12-07 13:26 UTC, AMD EPYC Zen 4, 1 thread, 4-bit random codes, microseconds per call of
+``cpu_lut_linear``, min of 2 runs x 60 calls beside ~12 other jobs on 2 cores; old = main at 36d08ab (the GEMV up
+to 32 rows, tiles above; int8 with per-ROW scales), run in turn with this code; bf16 GEMM = torch F.linear on
+the dequantized weight at 32 rows; the same table in-tree: ``scripts/bench/bench_cpu_kernels.py --scaling-only
+--threads 1``):
+
+    out x in   form      t(1) new/old   t(16) new/old   t(32) new/old    t16/t1   t32 / bf16 GEMM (us)
+    576x576    float32   21.4 / 21.9    144 / 136       261 / 263        6.7      2.06 (126)
+    576x576    bfloat16  18.8           113             189              6.0      1.50
+    576x576    int8      17.6 / 19.1    60 / 63         104 / 107        3.4      0.82
+    192x576    float32   10.7 / 12.2    54 / 53         96 / 99          5.1      1.85 (52)
+    192x576    bfloat16   9.9           44              73               4.5      1.40
+    192x576    int8      10.3 / 12.4    34 / 39         60 / 65          3.3      1.15
+    1536x576   float32   49.8 / 47.4    362 / 345       673 / 682        7.3      2.18 (309)
+    1536x576   bfloat16  42.7           283             474              6.6      1.53
+    1536x576   int8      38.0 / 38.7    126 / 125       215 / 209        3.3      0.69
+    576x1536   float32   43.0 / 44.8    335 / 531       629 / 1066       7.8      2.07 (304)
+    576x1536   bfloat16  34.6           246             403              7.1      1.33
+    576x1536   int8      37.5 / 30.3    149 / 151       261 / 259        4.0      0.86
+
+So: one path, batch-invariant at every row count, at the old speeds (float32 t(1) within +-12% of the GEMV,
+t(32) equal or 1.7x faster). float32 is compute-bound (16 FMAs per cycle): its t16/t1 stays 5-8 and its
+t(32) about 2x torch's bf16 GEMM. bfloat16 (vdpbf16ps) is faster than float32 at every row count and 1.3-1.5x
+torch's bf16 GEMM at 32 rows. int8 (scales per 64 columns; its rows re-measured at b5ee68c in the same way)
+beats torch's bf16 GEMM at 32 rows on three of four shapes (k/v, 192 rows: 1.15x), t16/t1 3.3-4.0 (goal 2.0). Perplexity
+of bfloat16 and int8 not measured on an artifact (no SmolLM2 artifact in this session; a torch emulation:
+squeeze.runtime.activations): float32 stays the default.
 
 Memory: the codes and the LUT ARE the module's own buffers (read in place, no copy); with a sparse part the
 prepared form adds 12 bytes per sparse entry (position, exact value as float32, residual); the int8 form
@@ -13,9 +42,6 @@ prepared form adds 12 bytes per sparse entry (position, exact value as float32, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -23,22 +49,9 @@ from torch import Tensor
 
 from squeeze.quant.schemes.lut import Lut8Weight, LutWeight
 from squeeze.runtime.kernels.cpu_build import CpuKernels, PreparedWeight, SqWeight, cpu_kernels
-from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, bias_f32, prepare_w8, w8_linear
+from squeeze.runtime.kernels.cpu_w8 import DEFAULT_ACTIVATIONS, Activations, W8Prepared, bias_f32, prepare_w8
 from squeeze.runtime.kernels.reference import sparse_residual
 
-#: Rows of x up to which the fused GEMV runs (in chunks of 8 rows, each chunk reading W once); above, the
-#: dequantize-a-tile + GEMM path. Caches flushed, 4-bit: at 12-32 rows the GEMV takes 0.3-0.8x the tile
-#: path's time on 1536x576, 576x1536 and 4096x4096 (and beats fp32 F.linear on all three).
-GEMV_MAX_ROWS = 32
-#: float32 elements of one dequantized tile of W (4 MiB), and the fewest rows a tile holds: torch's GEMM
-#: needs tall enough tiles (4096x11008 at 512 tokens, scripts/bench/bench_cpu_kernels.py: 1 MiB tiles of 23 rows
-#: ran at 0.5x fp32; 4 MiB tiles of at least 128 rows at 0.83x).
-TILE_ELEMENTS = 1 << 20
-TILE_MIN_ROWS = 128
-#: Fewest rows the tile path multiplies at once: torch's float32 GEMM gives each row the same bits at any
-#: batch of 16 rows or more (measured on this machine kind's torch 2.13: 8 rows differ from 16), so fewer
-#: rows are padded with zeros up to it (see :func:`row_paths`).
-TILED_MIN_ROWS = 16
 #: cpu_lut.cpp's LUT kinds (sq_weight.lut_kind).
 LUT_F32, LUT_F16, LUT_U8_AFFINE = 0, 1, 2
 #: Code widths whose blocks the SIMD paths decode (others run the kernels' scalar path).
@@ -60,11 +73,14 @@ class CpuPreparedLut(PreparedWeight):
     extra_bytes: int = 0
     #: the int8 (W4A8) form, which every call then runs; None: the float32 kernels
     w8: W8Prepared | None = None
+    #: the one matmul's bfloat16 form (AVX-512 BF16 only), which every call then runs
+    bf16: bool = False
 
     @property
     def activations(self) -> Activations:
-        """The activation precision the calls run: int8 when the weight has an int8 form, else float32."""
-        return "int8" if self.w8 is not None else "float32"
+        """The activation precision the calls run: int8 with an int8 form, bfloat16 with the bfloat16 form,
+        else float32."""
+        return "int8" if self.w8 is not None else ("bfloat16" if self.bf16 else "float32")
 
 
 def covers(qweight: object) -> bool:
@@ -79,7 +95,8 @@ def prepare_cpu(
 
     ``kernels``: a specific build or instruction set (tests pin one with :meth:`CpuKernels.with_isa`);
     default: this machine's, built on first use. ``activations``: "int8" adds the W4A8 form (3 and 4 bits),
-    which every call then runs; "float32" keeps the exact float32 kernels (:mod:`.cpu_w8`).
+    which every call then runs; "bfloat16" runs the one matmul's bfloat16 form where the kernels run AVX-512
+    with BF16 (elsewhere float32); "float32" keeps the exact float32 form (:mod:`.cpu_w8`).
     """
     if not covers(qweight):
         return None
@@ -94,7 +111,7 @@ def prepare_cpu(
     if qweight.sparse is not None and qweight.sparse.nnz:
         sparse = qweight.sparse
         _, cols, resid = sparse_residual(qweight)  # (nnz,) int32 columns, float32 exact - LUT value
-        vals = sparse.vals.to(torch.float32).contiguous()  # (nnz,) exact values (the tiles' replace)
+        vals = sparse.vals.to(torch.float32).contiguous()  # (nnz,) exact values (sq_dequant_rows writes them in)
         rowptr = sparse.rowptr.to(torch.int32).contiguous()  # (R+1,): the module's own, no copy
         pcols = permuted_positions(cols.to(torch.int64), n, bits).to(torch.int32).contiguous()  # (nnz,)
         keep += [rowptr, pcols, resid, vals]
@@ -123,6 +140,7 @@ def prepare_cpu(
         bits=bits,
         extra_bytes=extra + (w8.extra_bytes if w8 is not None else 0),
         w8=w8,
+        bf16=activations == "bfloat16" and kernels.isa == "avx512" and bool(kernels.lib.sq_bf16_supported()),
     )
 
 
@@ -139,114 +157,30 @@ def _lut_in_place(qweight: LutWeight) -> tuple[Tensor, int, Tensor | None, Tenso
     return qweight.lut_values(torch.float32).contiguous(), LUT_F32, None, None
 
 
-@dataclass(frozen=True)
-class RowPlan:
-    """Which path each of ``rows`` rows of x takes: ``tiled`` (int64 indices) the tile path, the rest the GEMV."""
-
-    rows: int
-    tiled: Tensor
-    gemv: Tensor
-
-
-_ROW_PLAN: ContextVar[RowPlan | None] = ContextVar("squeeze_row_plan", default=None)
-
-
-@contextmanager
-def row_paths(plan: RowPlan | None) -> Iterator[None]:
-    """Within the block, linears called with ``plan.rows`` rows of x send each row down the path ``plan`` names.
-
-    The two paths sum in different orders, and the tile path's GEMM (at TILED_MIN_ROWS rows or more) and the
-    GEMV give each row the same bits whatever else is in the batch. So a caller that knows where a row would
-    have gone when computed alone (squeeze serve: prompt tokens of a prompt longer than GEMV_MAX_ROWS take the
-    tile path, as in ``squeeze run``'s prefill; everything else the GEMV) gets exactly that row's bits.
-    """
-    token = _ROW_PLAN.set(plan)
-    try:
-        yield
-    finally:
-        _ROW_PLAN.reset(token)
-
-
-def serving_step() -> bool:
-    """Whether a :func:`row_paths` block is active (a serving step: every row must get its batch-free bits)."""
-    return _ROW_PLAN.get() is not None
-
-
 def cpu_lut_linear(x: Tensor, prepared: CpuPreparedLut, bias: Tensor | None = None) -> Tensor:
-    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias`` by the native kernels.
+    """(..., R) in x.dtype: ``x (..., N) @ W^T + bias`` by the native kernels, in one call at every row count.
 
-    The int8 form (``prepared.w8``) runs every row count, batch-invariant by construction (a :func:`row_paths`
-    plan is then moot). Float32: up to GEMV_MAX_ROWS rows of x run the GEMV, more the tile path, unless
-    :func:`row_paths` says otherwise.
+    Float32 activations: the one matmul (module docstring), its sums within float32 rounding of the
+    reference's and each row's bits independent of the batch; bfloat16: its bfloat16 form (operands rounded
+    to bfloat16, float32 sums, batch-invariant too); int8 (``prepared.w8``): the W4A8 kernel.
     """
-    lead, n, rows = x.shape[:-1], prepared.in_features, prepared.rows
-    x2 = x.reshape(lead.numel(), n)  # (B, N); not -1: N may be 0
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.to(torch.float32).contiguous()
-    batch = int(x2.shape[0])
-    plan = _ROW_PLAN.get()
-    if prepared.w8 is not None:
-        y = w8_linear(x2, prepared.w8, prepared.kernels, bias)
-    elif plan is not None and plan.rows == batch and plan.tiled.numel():
-        y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
-        y[plan.tiled] = _tiled_rows(x2[plan.tiled], prepared, bias)
-        if plan.gemv.numel():
-            y[plan.gemv] = _gemv(x2[plan.gemv], prepared, bias)
-    elif batch <= GEMV_MAX_ROWS or plan is not None:
-        y = _gemv(x2, prepared, bias)
-    else:
-        y = _tiled_rows(x2, prepared, bias)
-    return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, rows)
-
-
-def _gemv(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor:
-    """Decode: float32 (B, R), permute, GEMV and bias in one call (one ctypes crossing per linear)."""
-    batch, rows = int(x2.shape[0]), prepared.rows
-    y = torch.empty(batch, rows, dtype=torch.float32)  # (B, R)
-    if batch and rows:
+    lead, rows = x.shape[:-1], prepared.rows
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    # (..., N) contiguous is (M, N) in memory and (..., R) is (M, R): no reshapes (a decode step makes ~200
+    # calls of a few microseconds each, and two reshapes cost about 2.5 us)
+    y = torch.empty((*lead, rows), dtype=torch.float32)
+    batch = y.numel() // rows if rows else 0
+    if batch:
         b32 = bias_f32(bias)
-        prepared.kernels.lib.sq_linear(
-            prepared.weight_ref,
-            x2.data_ptr(),
-            batch,
-            y.data_ptr(),
-            b32.data_ptr() if b32 is not None else None,
-            prepared.kernels.isa_code,
-            torch.get_num_threads(),
-        )
-    return y
-
-
-def _tiled_rows(x2: Tensor, prepared: CpuPreparedLut, bias: Tensor | None) -> Tensor:
-    """Prefill: float32 (B, R) through the tile path, x padded with zero rows up to TILED_MIN_ROWS."""
-    batch = int(x2.shape[0])
-    if batch < TILED_MIN_ROWS:
-        x2 = torch.cat([x2, x2.new_zeros(TILED_MIN_ROWS - batch, x2.shape[1])])
-    y = _tiled_linear(x2.contiguous(), prepared, torch.get_num_threads())[:batch]
-    if bias is not None:
-        y += bias.to(torch.float32)
-    return y
-
-
-def _tiled_linear(x2: Tensor, prepared: CpuPreparedLut, threads: int) -> Tensor:
-    """Prefill: float32 (B, R) = x2 (B, N) @ W^T, W dequantized one row tile at a time (never whole)."""
-    lib, isa, n, rows, batch = (
-        prepared.kernels.lib,
-        prepared.kernels.isa_code,
-        prepared.in_features,
-        prepared.rows,
-        int(x2.shape[0]),
-    )
-    xp = torch.empty_like(x2)  # (B, N): x in the kernels' column order
-    lib.sq_permute_x(x2.data_ptr(), xp.data_ptr(), batch, n, prepared.bits)
-    y_t = torch.empty(rows, batch, dtype=torch.float32)  # (R, B): row tiles of W give contiguous row slices
-    tile_rows = max(1, min(rows, max(TILE_MIN_ROWS, TILE_ELEMENTS // max(n, 1))))
-    tile = torch.empty(tile_rows, n, dtype=torch.float32)  # (tile_rows, N), reused
-    for start in range(0, rows, tile_rows):
-        stop = min(start + tile_rows, rows)
-        lib.sq_dequant_rows(prepared.weight_ref, start, stop, tile.data_ptr(), isa, threads)
-        torch.mm(tile[: stop - start], xp.T, out=y_t[start:stop])  # (rows, N) @ (N, B)
-    return y_t.T.contiguous()
+        lib, bias_ptr = prepared.kernels.lib, b32.data_ptr() if b32 is not None else None
+        threads, isa = torch.get_num_threads(), prepared.kernels.isa_code
+        if prepared.w8 is not None:
+            lib.sq_w8_linear(prepared.w8.weight_ref, xf.data_ptr(), batch, y.data_ptr(), bias_ptr, isa, threads)
+        else:
+            lib.sq_lut_matmul(
+                prepared.weight_ref, xf.data_ptr(), batch, y.data_ptr(), bias_ptr, isa, threads, int(prepared.bf16)
+            )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:
@@ -266,11 +200,6 @@ def permuted_positions(cols: Tensor, n: int, bits: int) -> Tensor:
 
 __all__ = [
     "CpuPreparedLut",
-    "GEMV_MAX_ROWS",
-    "TILED_MIN_ROWS",
-    "RowPlan",
-    "row_paths",
-    "serving_step",
     "covers",
     "prepare_cpu",
     "cpu_lut_linear",

@@ -1,11 +1,14 @@
 """The W4A8 CPU kernel from Python (cpu_w8.cpp): a LUT weight's int8 form, and ``y = x @ W^T + b`` through it.
 
 Each weight row's LUT is held as int8 levels with one float32 scale (made once, here, at load time); each call
-quantizes every activation row to int8 with its own scale, decodes each weight panel once and multiplies it by
-all rows with int8 dot products (AVX-512 VNNI, AVX2, scalar). The integer sums are exact, so a row's result is
-the same at every batch size, on every instruction set and thread count: one path for decode, serving and
-prefill, batch-invariant by construction. :func:`~squeeze.runtime.kernels.reference.w4a8_matmul_reference` is
-the same math in torch, and the tests hold the kernel to it bit for bit.
+quantizes the activations to int8 per group of 64 columns (one scale per row of x and group: an outlier channel
+costs only its own group), decodes each weight panel once and multiplies it by all rows with int8 dot products
+(AVX-512 VNNI, AVX2, scalar). The integer sums per group are exact and the groups are combined in one fixed
+float32 order, so a row's result is the same at every batch size, on every instruction set and thread count:
+one path for decode, serving and prefill, batch-invariant by construction. A call's groups start at its own
+column 0, so a tensor-parallel shard's groups never cross the shard's boundary.
+:func:`~squeeze.runtime.kernels.reference.w4a8_matmul_reference` is the same math in torch, and the tests hold
+the kernel to it bit for bit.
 
 Which activation precision the LUT kernels use is the load option ``activations``
 (:mod:`squeeze.runtime.activations`): ``"float32"`` (the exact fp32-LUT kernels of cpu_lut.py, the default)
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from squeeze.quant.schemes.lut import LutWeight
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
-from squeeze.runtime.kernels.cpu_build import CpuKernels, PreparedWeight, SqW8
+from squeeze.runtime.kernels.cpu_build import PreparedWeight, SqW8
 from squeeze.runtime.kernels.reference import w8_lut, w8_sparse_residual
 
 #: Code widths the int8 kernel covers.
@@ -67,24 +70,6 @@ def prepare_w8(qweight: LutWeight, packed: Tensor) -> W8Prepared | None:
     return W8Prepared(weight=weight, keep=(packed, *keep), extra_bytes=extra)
 
 
-def w8_linear(x2: Tensor, w8: W8Prepared, kernels: CpuKernels, bias: Tensor | None) -> Tensor:
-    """float32 (M, R): ``x2 (M, N) float32 contiguous @ W^T + bias`` by the int8 kernel, in one native call."""
-    batch, rows = int(x2.shape[0]), int(w8.weight.rows)
-    y = torch.empty(batch, rows, dtype=torch.float32)  # (M, R)
-    if batch and rows:
-        b32 = bias_f32(bias)
-        kernels.lib.sq_w8_linear(
-            w8.weight_ref,
-            x2.data_ptr(),
-            batch,
-            y.data_ptr(),
-            b32.data_ptr() if b32 is not None else None,
-            kernels.isa_code,
-            torch.get_num_threads(),
-        )
-    return y
-
-
 def bias_f32(bias: Tensor | None) -> Tensor | None:
     """``bias`` (R,) as the kernels read it: float32 and contiguous (itself when it is already)."""
     if bias is None:
@@ -101,5 +86,4 @@ __all__ = [
     "W8Prepared",
     "check_activations",
     "prepare_w8",
-    "w8_linear",
 ]

@@ -7,8 +7,9 @@
   ``W = LUT-dense + S`` so it can add ``x @ S^T`` to its dense result. ``S[r, c] = vals[k] - lut[r, code]``.
 * :func:`csr_spmv_reference` - ``x @ S^T`` for a CSR matrix S, in float32.
 * :func:`w4a8_matmul_reference` - the W4A8 product the native int8 kernel (cpu_w8.cpp) computes, bit for bit:
-  int8 LUT levels with a per-row scale (:func:`w8_lut`), activations quantized per row to int8, an exact
-  integer matmul, one fixed float32 formula, and the sparse residual against the unquantized activations.
+  int8 LUT levels with a per-row scale (:func:`w8_lut`), activations quantized to int8 per group of 64 columns,
+  exact integer sums per group combined in one fixed float32 order, and the sparse residual against the
+  unquantized activations.
 """
 
 from __future__ import annotations
@@ -113,37 +114,52 @@ def w8_sparse_residual(qweight: LutWeight, levels: Tensor, scale: Tensor) -> tup
     return rowptr, cols, (sparse.vals.to(torch.float32) - approx).contiguous()
 
 
-def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(q float64 (M, N) of integers in [-127, 127], scale float32 (M,)): each row of float32 ``x (M, N)``
-    as ``round(x * (127 / amax))`` (half to even) with ``scale = amax / 127`` (0 and 0 for a zero row)."""
-    amax = x.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0])  # (M,)
+#: Columns per activation group of the W4A8 product (cpu_w8.cpp): each group of a row has its own int8 scale.
+W8_GROUP = 64
+
+
+def quantize_groups_int8(x: Tensor, group: int = W8_GROUP) -> tuple[Tensor, Tensor]:
+    """(q float64 (M, N) of integers in [-127, 127], scale float32 (M, G)): float32 ``x (M, N)`` quantized per
+    group of ``group`` columns (G = ceil(N / group); the last group may be shorter): ``round(x * (127 / amax))``
+    (half to even) with ``scale = amax / 127`` and amax the group's largest |x| (0 and 0 for a zero group)."""
+    m, n = x.shape
+    groups = -(-n // group)
+    padded = torch.zeros(m, groups * group, dtype=torch.float32)
+    padded[:, :n] = x
+    tiles = padded.view(m, groups, group)  # (M, G, group)
+    amax = tiles.abs().amax(dim=2) if n else torch.zeros(m, 0)  # (M, G)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(x * inv[:, None]).clamp(-127, 127)
+    q = torch.round(tiles * inv[:, :, None]).clamp(-127, 127).view(m, groups * group)[:, :n]
     return q.to(torch.float64), torch.where(amax > 0, amax / 127.0, torch.zeros_like(amax))
 
 
 def w4a8_matmul_reference(x: Tensor, qweight: LutWeight, bias: Tensor | None = None) -> Tensor:
     """float32 (..., R): what the W4A8 kernel computes for ``x (..., N) @ W^T + bias``, bit for bit.
 
-    ``y[b, r] = float32(acc) * (sx[b] * sw[r]) + s[b, r] + bias[r]``, with ``acc`` the exact integer dot
-    product of the int8 activations and the row's int8 levels (float64 holds it exactly), ``s`` the float32
-    sum, in CSR order from 0, of ``resid * x[b, col]`` over the row's sparse entries (:func:`w8_sparse_residual`).
+    Per group g of W8_GROUP columns, ``acc[b, r, g]`` is the exact integer dot product of the int8 activations
+    and the row's int8 levels (float64 holds it exactly); ``t = 0; t = t + float32(acc[.., g]) * sx[b, g]`` for
+    g in order; ``y = t * sw[r] + s + bias[r]``, with ``s`` the float32 sum, in CSR order from 0, of
+    ``resid * x[b, col]`` over the row's sparse entries (:func:`w8_sparse_residual`).
     """
     _check_x(x, qweight.in_features)
     lead, n, rows = x.shape[:-1], qweight.in_features, qweight.out_features
     x2 = x.reshape(-1, n).to(torch.float32)  # (M, N)
     levels, sw = w8_lut(qweight)
     weights = levels.to(torch.float64).gather(1, qweight.codes().to(torch.int64))  # (R, N) integers
-    q, sx = quantize_rows_int8(x2)
-    acc = q @ weights.T  # (M, R), exact: |sum| < 2^53
-    y = acc.to(torch.float32) * (sx[:, None] * sw[None, :])
-    rowptr, cols, resid = w8_sparse_residual(qweight, levels, sw)
+    q, sx = quantize_groups_int8(x2)  # (M, N), (M, G)
+    y = torch.zeros(x2.shape[0], rows, dtype=torch.float32)
+    for g in range(sx.shape[1]):
+        cols = slice(g * W8_GROUP, min((g + 1) * W8_GROUP, n))
+        acc = q[:, cols] @ weights[:, cols].T  # (M, R), exact: |sum| < 2^53
+        y = y + acc.to(torch.float32) * sx[:, g : g + 1]
+    y = y * sw[None, :]
+    rowptr, cols_, resid = w8_sparse_residual(qweight, levels, sw)
     counts = (rowptr[1:] - rowptr[:-1]).to(torch.int64)  # (R,)
     s = torch.zeros_like(y)
     for k in range(int(counts.max()) if rows and resid.numel() else 0):  # the k-th entry of every row, in order
         has = counts > k
         at = (rowptr[:-1].to(torch.int64) + k).clamp(max=max(resid.numel() - 1, 0))  # (R,)
-        term = resid[at] * x2[:, cols[at].to(torch.int64)]  # (M, R)
+        term = resid[at] * x2[:, cols_[at].to(torch.int64)]  # (M, R)
         s = torch.where(has[None, :], s + term, s)
     y = y + s
     if bias is not None:
@@ -166,6 +182,7 @@ __all__ = [
     "csr_spmv_reference",
     "w8_lut",
     "w8_sparse_residual",
-    "quantize_rows_int8",
+    "W8_GROUP",
+    "quantize_groups_int8",
     "w4a8_matmul_reference",
 ]
