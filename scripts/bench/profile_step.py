@@ -1,7 +1,7 @@
 """Per-op profile of one serving decode step (squeeze.serve.runner.ModelRunner) and the time outside the kernels.
 
     .venv/bin/python scripts/bench/profile_step.py --artifact DIR [--rows 1,16] [--context 256] [--repeats 20]
-        [--kv-dynamic 4] [--threads N] [--top 25]
+        [--kv-dynamic 4] [--threads N] [--cpu-time] [--top 25]
 
 For each row count: a paged pool holding ``--rows`` sequences of ``--context`` tokens (random keys / values,
 the artifact's calibrated KV spec, or ``--kv-dynamic BITS``'s uncalibrated per-token one, or ``--kv-bits 16``),
@@ -13,7 +13,9 @@ then one decode step of all rows (each feeding one token), repeated. Printed:
 - torch.profiler's table of one step's ops (self CPU time; the native calls appear as ``native::sq_*``).
 
 The machine is shared and noisy: every number is the MINIMUM over ``--repeats`` steps (the least-disturbed
-one), not a mean; compare ratios taken in one run, not absolute times across runs.
+one), not a mean; compare ratios taken in one run, not absolute times across runs. ``--cpu-time`` (with
+``--threads 1``) reads the calling thread's CPU time instead of the wall clock, which other processes inflate
+far less. ``SQUEEZE_FAST_PATH=0`` gives transformers' forward (the "before" of issue 45 item 2).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from squeeze.quant.kv_spec import KVSpec
 
 #: time spent inside native calls since the last reset, seconds
 SPENT = [0.0]
+#: what the timings read: the wall clock, or the calling thread's CPU time (--cpu-time)
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
 
 
 def _wrap_library(lib: Any, names: list[str]) -> None:
@@ -48,9 +52,9 @@ def _wrap_library(lib: Any, names: list[str]) -> None:
 
         def timed(*args: Any, _original: Callable[..., Any] = original, _name: str = name) -> Any:
             with torch.profiler.record_function(f"native::{_name}"):
-                start = time.perf_counter()
+                start = CLOCK[0]()
                 out = _original(*args)
-                SPENT[0] += time.perf_counter() - start
+                SPENT[0] += CLOCK[0]() - start
             return out
 
         timed._profiled = True  # type: ignore[attr-defined]
@@ -108,9 +112,9 @@ def profile_rows(model: Any, spec: KVSpec | None, rows: int, context: int, repea
                 runner.run(plan)  # warm-up (kernel builds, first-call allocations)
             for _ in range(repeats):
                 SPENT[0] = 0.0
-                start = time.perf_counter()
+                start = CLOCK[0]()
                 runner.run(plan)
-                elapsed = time.perf_counter() - start
+                elapsed = CLOCK[0]() - start
                 steps.append(elapsed * 1e3)
                 inside.append(SPENT[0] * 1e3)
                 outside.append((elapsed - SPENT[0]) * 1e3)
@@ -140,9 +144,14 @@ def main() -> None:
     parser.add_argument("--kv-bits", type=int, choices=(4, 8, 16), help="16: the full-precision pool")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--cpu-time", action="store_true", help="time the thread's CPU time (needs --threads 1)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if torch.get_num_threads() != 1:
+            parser.error("--cpu-time times the calling thread: pass --threads 1")
+        CLOCK[0] = time.thread_time
     from squeeze import api
     from squeeze.models.targets import attention_modules
 
@@ -162,6 +171,7 @@ def main() -> None:
         "context": args.context,
         "native_attention_env": os.environ.get("SQUEEZE_NATIVE_ATTENTION", "1"),
         "statistic": f"min over {args.repeats} steps (shared machine)",
+        "clock": "thread CPU time" if args.cpu_time else "wall",
     }
     print(json.dumps(header))
     for rows in (int(r) for r in args.rows.split(",")):

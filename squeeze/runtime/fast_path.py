@@ -85,10 +85,11 @@ def _llama_layer(layer: nn.Module) -> bool:
 def _rms_norm(norm: Any, x: Tensor) -> Tensor:
     """LlamaRMSNorm.forward's operations, in order (for float32 ``x``: its two dtype conversions are no-ops)."""
     dtype = x.dtype
-    x = x.to(torch.float32)
+    if dtype != torch.float32:
+        x = x.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)  # type: ignore[no-any-return]
+    return norm.weight * (x if dtype == torch.float32 else x.to(dtype))  # type: ignore[no-any-return]
 
 
 def fast_forward(
