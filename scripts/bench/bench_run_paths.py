@@ -2,9 +2,11 @@
 KV write (issue 45 items 2 and 4), same process, interleaved, best of ``--repeats`` (a shared machine).
 
     .venv/bin/python scripts/bench/bench_run_paths.py --artifact DIR [--tokens 64] [--repeats 3] [--threads N]
+        [--kv-dynamic 4]
 
 Both paths give the same text (checked here too); ``before`` sets SQUEEZE_FAST_PATH=0 and
-SQUEEZE_NATIVE_KV_WRITE=0, ``after`` leaves both on. The artifact's calibrated KV cache is used.
+SQUEEZE_NATIVE_KV_WRITE=0, ``after`` leaves both on. The artifact's calibrated KV cache is used (or
+``--kv-dynamic``'s uncalibrated one).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from bench_common import command_line, revision  # scripts/bench/ is on sys.path when a script runs
 
 from squeeze import api
+from squeeze.runtime.options import KVOptions
 from squeeze.runtime.sampling_params import SamplingParams
 
 MODES = {"before": {"SQUEEZE_FAST_PATH": "0", "SQUEEZE_NATIVE_KV_WRITE": "0"}, "after": {}}
@@ -30,10 +33,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--kv-dynamic", type=int, choices=(4, 8), help="uncalibrated per-token int KV of this width")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = api.load(args.artifact)
+    kv_options = KVOptions(kv_bits=args.kv_dynamic, kv_dynamic=True) if args.kv_dynamic else None
     print(json.dumps({"revision": revision(), "command": command_line(), "threads": torch.get_num_threads()}))
     best: dict[str, float] = {}
     texts: dict[str, str] = {}
@@ -42,7 +47,8 @@ def main() -> None:
             for name in ("SQUEEZE_FAST_PATH", "SQUEEZE_NATIVE_KV_WRITE"):
                 os.environ.pop(name, None)
             os.environ.update(env)
-            result = api.generate(loaded, PROMPT, SamplingParams(max_tokens=args.tokens, temperature=0))
+            sampling = SamplingParams(max_tokens=args.tokens, temperature=0)
+            result = api.generate(loaded, PROMPT, sampling, kv=kv_options)
             rate = result.tokens_per_second or 0.0
             best[mode] = max(best.get(mode, 0.0), rate)
             texts[mode] = result.text

@@ -7,10 +7,11 @@ For each row count: a paged pool holding ``--rows`` sequences of ``--context`` t
 the artifact's calibrated KV spec, or ``--kv-dynamic BITS``'s uncalibrated per-token one, or ``--kv-bits 16``),
 then one decode step of all rows (each feeding one token), repeated. Printed:
 
-- the step's wall time, and the time spent inside squeeze's native kernels (every ``sq_*`` function of the LUT /
-  int8 / dense library and of the attention library, timed around each ctypes call), and the difference:
+- the step's wall time, and the time spent inside the kernels (every ``sq_*`` function of the LUT / int8 /
+  dense library and of the attention library, timed around each ctypes call, and torch's ``F.linear`` for
+  linears no native kernel covers), and the difference:
   **the time outside the kernels** (Python, transformers' module tree, torch ops between the kernels);
-- torch.profiler's table of one step's ops (self CPU time; the native calls appear as ``native::sq_*``).
+- torch.profiler's table of one step's ops (self CPU time; kernel calls appear as ``kernel::sq_*``, ``kernel::linear``).
 
 The machine is shared and noisy: every number is the MINIMUM over ``--repeats`` steps (the least-disturbed
 one), not a mean; compare ratios taken in one run, not absolute times across runs. ``--cpu-time`` (with
@@ -51,7 +52,7 @@ def _wrap_library(lib: Any, names: list[str]) -> None:
             continue
 
         def timed(*args: Any, _original: Callable[..., Any] = original, _name: str = name) -> Any:
-            with torch.profiler.record_function(f"native::{_name}"):
+            with torch.profiler.record_function(f"kernel::{_name}"):
                 start = CLOCK[0]()
                 out = _original(*args)
                 SPENT[0] += CLOCK[0]() - start
@@ -62,7 +63,11 @@ def _wrap_library(lib: Any, names: list[str]) -> None:
 
 
 def instrument() -> None:
-    """Wrap the native libraries' entry points (LUT / int8 / dense linears, attention)."""
+    """Wrap the native libraries' entry points (LUT / int8 / dense linears, attention, KV write), and torch's
+    ``F.linear`` (the GEMM of linears no native kernel covers, e.g. an RTN artifact's dense path)."""
+    functional: Any = torch.nn.functional
+    if not getattr(functional.linear, "_profiled", False):
+        _wrap_library(functional, ["linear"])
     from squeeze.runtime.kernels.cpu_attention import attention_kernels
     from squeeze.runtime.kernels.cpu_build import cpu_kernels
 

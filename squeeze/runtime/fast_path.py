@@ -7,7 +7,8 @@ per-op profile). :func:`fast_forward` computes the same thing with a flat loop o
 
     embed -> per layer [RMSNorm; q/k/v (the model's own linear modules); (Qwen3: q/k RMSNorm); rotary (the
     model's own rotary module and apply_rotary_pos_emb); KV write + attention (the caller's ``attend``:
-    one native call over squeeze's cache); o_proj; residual; RMSNorm; gate/up, SiLU, mul; down; residual]
+    one native call over squeeze's cache); o_proj; residual; RMSNorm; gate/up, SiLU (F.silu, what
+    SiLUActivation computes, called past the hub-kernel wrapper), mul; down; residual]
     -> final RMSNorm -> the LM head on the kept positions only.
 
 Every operation is the one transformers runs, in the same order, on tensors of the same shapes and layouts
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 #: "0" turns the flat forward off (squeeze run and squeeze serve alike): transformers' forward everywhere.
@@ -72,10 +74,14 @@ def _is_rms(norm: object) -> bool:
 
 
 def _llama_layer(layer: nn.Module) -> bool:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
     if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim")):
         return False
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return False
+    # SiLUActivation / nn.SiLU compute F.silu, called directly (not through the hub-kernel layer wrapper)
+    if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
         return False
     norms = [layer.input_layernorm, layer.post_attention_layernorm]  # type: ignore[union-attr]
     norms += [getattr(attn, name) for name in ("q_norm", "k_norm") if hasattr(attn, name)]
@@ -109,7 +115,7 @@ def fast_forward(
         )
         mlp = layer.mlp
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        hidden = hidden + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     hidden = _rms_norm(inner.norm, hidden)
     index = slice(-keep, None) if isinstance(keep, int) else keep
     return model.lm_head(hidden[:, index, :])  # type: ignore[no-any-return, operator]
