@@ -15,6 +15,10 @@ needs the rows apart, and it gets them through two hooks transformers offers:
   Without the step's ``squeeze_step`` keyword it is plain SDPA, so the model behaves as before everywhere
   else (``squeeze run`` in the same process, perplexity, ``generate``).
 
+A natively attended step of a Llama-shaped model (squeeze.runtime.fast_path.fast_path_supported, as for squeeze
+run) runs squeeze.runtime.fast_path's flat forward instead: the same operations and bits, with each layer's KV
+write and native attention called directly instead of through the two hooks.
+
 ``logits_to_keep`` takes the index of each row's last token, so the LM head runs on B positions only (and on
 every position of the rows whose prompt log-probabilities were asked for, :meth:`ModelRunner.run_keeping`).
 
