@@ -25,6 +25,7 @@ from torch import nn
 from transformers import LogitsProcessorList
 
 from squeeze.models.modes import cache_kwarg
+from squeeze.runtime.fast_path import AttendFn, fast_forward, fast_path_supported
 from squeeze.runtime.sampling_params import SamplingParams
 
 #: Called with each step's chosen tokens, (B,) int64 on the CPU (the streamer that times and prints them).
@@ -73,6 +74,9 @@ class DecodeState:
     logits: torch.Tensor
     unfinished: torch.Tensor
     forward_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: set when the run attends natively and the model has the Llama shape: every forward is
+    #: squeeze.runtime.fast_path's flat one, with this ``attend`` (the cache's write, then the native kernel)
+    fast_attend: AttendFn | None = None
 
 
 def prefill(
@@ -98,6 +102,7 @@ def prefill(
         logits=torch.empty(0),
         unfinished=unfinished,
         forward_kwargs=_forward_kwargs(model, cache) | (extra_kwargs or {}),
+        fast_attend=_fast_attend(model, cache, (extra_kwargs or {}).get("squeeze_kv")),
     )
     state.logits = _forward(model, state, input_ids)
     state.positions = positions[:, -1:]
@@ -154,11 +159,28 @@ def decode(
 def _forward(model: nn.Module, state: DecodeState, input_ids: torch.Tensor) -> torch.Tensor:
     """One forward of ``input_ids`` ((B, t) int64) at ``state``'s mask, positions and cache; the last
     position's logits as (B, V) float32 (a copy: a view would keep the prefill's (B, T, V) logits alive)."""
+    if state.fast_attend is not None:
+        logits = fast_forward(model, input_ids.contiguous(), state.positions, state.fast_attend, 1)
+        return logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
     kwargs = dict(state.forward_kwargs)
     if "position_ids" in kwargs:
         kwargs["position_ids"] = state.positions
     output = model(input_ids=input_ids.contiguous(), attention_mask=state.attention_mask, return_dict=True, **kwargs)
     return output.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+
+
+def _fast_attend(model: nn.Module, cache: Any, native: Any) -> AttendFn | None:
+    """The flat forward's ``attend`` for a run whose forwards attend natively through ``native`` (a
+    squeeze.runtime.attention.RunAttention), when the model has the Llama shape; else None (transformers'
+    forward). The same decision squeeze serve takes (squeeze.serve.runner.ModelRunner)."""
+    if native is None or not fast_path_supported(model):
+        return None
+
+    def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        cache.update(key, value, module.layer_idx)  # stores the codes; the kernel reads them in place
+        return native.attend(module, query, getattr(module, "scaling", None))  # type: ignore[no-any-return]
+
+    return attend
 
 
 def _forward_kwargs(model: nn.Module, cache: Any) -> dict[str, Any]:

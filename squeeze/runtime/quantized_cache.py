@@ -31,7 +31,8 @@ from squeeze.quant.kv import (
     PARAM_BYTES,
 )
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
-from squeeze.runtime.kernels.cpu_attention import KVStore, quantized_store
+from squeeze.runtime.kernels.cpu_attention import KVStore, attention_kernels, quantized_store
+from squeeze.runtime.kernels.cpu_kv_write import MAX_HEAD_DIM, write_params, write_tokens
 from squeeze.runtime.kv_codecs import PARAM_DTYPE, EncodedTokens, FP8Codec, TokenCodec, layer_codecs
 
 
@@ -54,6 +55,9 @@ class QuantizedStream:
         n = x.shape[-2]
         if n == 0:
             return
+        if self._append_natively(x):
+            self.length += n
+            return
         encoded = self.codec.encode(x, self._positions(self.length, n, x.device))
         self._reserve(x, self.length + n, encoded.codes.dtype, groups=encoded.scale.shape[-1])
         assert self.codes is not None and self.scale is not None
@@ -63,6 +67,37 @@ class QuantizedStream:
         if self.offset is not None and encoded.offset is not None:
             self.offset[:, :, self.length : end] = encoded.offset
         self.length = end
+
+    def _append_natively(self, x: Tensor) -> bool:
+        """Quantize ``x (B, H, n, D)`` straight into the buffers with the native write (squeeze.runtime.kernels.
+        cpu_kv_write: the codec's bytes), one call per batch row; False (nothing done) where it does not apply."""
+        b, h, n, d = x.shape
+        usable = x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 and d <= MAX_HEAD_DIM
+        kernels = attention_kernels() if usable else None
+        params = write_params(self.codec, h) if kernels is not None else None
+        if kernels is None or params is None:
+            return False
+        self._reserve(x, self.length + n, self.codec.code_dtype, groups=self.codec.groups(d))
+        assert self.codes is not None and self.scale is not None
+        capacity = self.codes.shape[2]
+        store = quantized_store(
+            self.codec,
+            self.codes,
+            self.scale,
+            self.offset,
+            None,
+            head_stride=capacity,
+            sink_head_stride=0,
+            positions=self.origin + self.length + n,
+        )
+        if store is None:
+            return False
+        steps = torch.arange(self.length, self.length + n)
+        positions = steps + self.origin if self.codec.rotation is not None else None
+        for row in range(b):  # token t of row b: slot b * H * capacity + t (head stride: capacity)
+            if not write_tokens(kernels, params, store, x[row], steps + row * h * capacity, positions):
+                raise RuntimeError("the native KV write refused a float32 CPU tensor")  # checked above
+        return True
 
     def dequantize_into(self, out: Tensor) -> None:
         """Write the dequantized history into ``out (B, H, length, D)`` (any float dtype, may be a view)."""

@@ -25,7 +25,8 @@ from torch import Tensor
 from squeeze.errors import ConfigError
 from squeeze.quant.kv_bytes import fp_bytes_per_token
 from squeeze.quant.kv_spec import KVSpec
-from squeeze.runtime.kernels.cpu_attention import KVStore, full_store, quantized_store
+from squeeze.runtime.kernels.cpu_attention import KVStore, attention_kernels, full_store, quantized_store
+from squeeze.runtime.kernels.cpu_kv_write import write_params, write_tokens
 from squeeze.runtime.quantized_cache import TokenCodec, layer_codecs
 
 _PARAM_DTYPE = torch.float16  # per-token scales / offsets, as in squeeze run's cache
@@ -88,14 +89,31 @@ class _QuantizedLayerTensor:
 
     def write(self, new: Tensor, slots: StepSlots) -> None:
         """Store ``new (H, N, D)``: its codes into ``slots.new_slots``, sink tokens as given."""
-        encoded = self.codec.encode(new[None], slots.new_positions)  # (1, H, N, D) -> codes (1, H, N, Dc)
-        self.codes.index_copy_(1, slots.new_slots, encoded.codes[0])
-        self.scale.index_copy_(1, slots.new_slots, encoded.scale[0].to(_PARAM_DTYPE))
-        if self.offset is not None and encoded.offset is not None:
-            self.offset.index_copy_(1, slots.new_slots, encoded.offset[0].to(_PARAM_DTYPE))
+        if not self._write_natively(new, slots):
+            encoded = self.codec.encode(new[None], slots.new_positions)  # (1, H, N, D) -> codes (1, H, N, Dc)
+            self.codes.index_copy_(1, slots.new_slots, encoded.codes[0])
+            self.scale.index_copy_(1, slots.new_slots, encoded.scale[0].to(_PARAM_DTYPE))
+            if self.offset is not None and encoded.offset is not None:
+                self.offset.index_copy_(1, slots.new_slots, encoded.offset[0].to(_PARAM_DTYPE))
         if slots.new_sink_tokens.numel():
             kept = new.index_select(1, slots.new_sink_tokens).to(self.sink.dtype)
             self.sink.index_copy_(1, slots.new_sink_entries, kept)
+
+    def _write_natively(self, new: Tensor, slots: StepSlots) -> bool:
+        """The codes, scales and offsets of ``new`` written by the native kernel (squeeze.runtime.kernels.
+        cpu_kv_write: the torch codec's bytes) when it covers this layer; False: nothing written."""
+        if self.codes.device.type != "cpu" or new.dtype != torch.float32 or not slots.new_slots.numel():
+            return False
+        kernels = attention_kernels()
+        params = write_params(self.codec, self.codes.shape[0]) if kernels is not None else None
+        if kernels is None or params is None:
+            return False
+        positions = slots.new_positions
+        needed = int(positions.max()) + 1 if positions is not None else 1
+        store = self.kernel_store(needed)
+        if store is None:
+            return False
+        return write_tokens(kernels, params, store, new, slots.new_slots, positions)
 
     def read(self, slots: StepSlots, dtype: torch.dtype) -> Tensor:
         """The step's histories, (1, H, K, D) in ``dtype``: decoded codes, sink tokens as stored."""

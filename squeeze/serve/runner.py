@@ -15,6 +15,10 @@ needs the rows apart, and it gets them through two hooks transformers offers:
   Without the step's ``squeeze_step`` keyword it is plain SDPA, so the model behaves as before everywhere
   else (``squeeze run`` in the same process, perplexity, ``generate``).
 
+A natively attended step of a Llama-shaped model (squeeze.runtime.fast_path.fast_path_supported, as for squeeze
+run) runs squeeze.runtime.fast_path's flat forward instead: the same operations and bits, with each layer's KV
+write and native attention called directly instead of through the two hooks.
+
 ``logits_to_keep`` takes the index of each row's last token, so the LM head runs on B positions only (and on
 every position of the rows whose prompt log-probabilities were asked for, :meth:`ModelRunner.run_keeping`).
 
@@ -39,6 +43,7 @@ from transformers.cache_utils import Cache
 from squeeze.errors import ConfigError
 from squeeze.models.modes import cache_kwarg, input_device
 from squeeze.runtime.attention import native_kernels, scaling_of
+from squeeze.runtime.fast_path import fast_forward, fast_path_supported
 from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.kv_pool import PagedKVPool, StepSlots
@@ -200,6 +205,8 @@ class ModelRunner:
         # (squeeze.runtime.attention.native_kernels): the same kernel gives a request the same text
         kernels = native_kernels(model) if pool.spec is not None else None
         self._kernels = kernels if kernels is not None and pool.kernel_stores(0, 1) is not None else None
+        # natively attended steps of a Llama-shaped model skip transformers' module tree (squeeze run decides alike)
+        self._fast = self._kernels is not None and self._keep_kwarg is not None and fast_path_supported(model)
 
     def close(self) -> None:
         """Give the model back its previous attention implementation."""
@@ -231,22 +238,37 @@ class ModelRunner:
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
         if native is not None:
             kwargs["squeeze_native"] = native
-        output = self.model(
-            input_ids=inputs.input_ids,
-            attention_mask=self._no_mask,
-            position_ids=inputs.position_ids,
-            return_dict=True,
-            squeeze_step=inputs.rows,
-            **({self._keep_kwarg: keep} if self._keep_kwarg else {}),
-            **kwargs,
-        )
-        logits = output.logits[0]  # (B, V) or the kept positions', or (N, V) for a model without logits_to_keep
+        if native is not None and self._fast:
+            logits = self._fast_logits(native, inputs, keep)
+        else:
+            output = self.model(
+                input_ids=inputs.input_ids,
+                attention_mask=self._no_mask,
+                position_ids=inputs.position_ids,
+                return_dict=True,
+                squeeze_step=inputs.rows,
+                **({self._keep_kwarg: keep} if self._keep_kwarg else {}),
+                **kwargs,
+            )
+            logits = output.logits[0]  # (B, V) or the kept positions', or (N, V) without logits_to_keep
         if not self._keep_kwarg:
             logits = logits[keep]
         logits = logits.to(dtype=torch.float32, device="cpu", copy=True)
         if last is None:
             return logits, {}
         return logits[last], {b: logits[s:e] for b, (s, e) in spans.items()}
+
+    def _fast_logits(self, native: NativeStep, inputs: _StepInputs, keep: Tensor) -> Tensor:
+        """The kept positions' logits (k, V) by squeeze.runtime.fast_path: each layer writes its keys / values into
+        the pool and attends natively, as :class:`PagedStepCache` and :func:`paged_attention` do in the model's
+        forward."""
+        pool, slots = self.pool, inputs.slots
+
+        def attend(module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            pool.write(module.layer_idx, key, value, slots)  # type: ignore[arg-type]
+            return native.attend(module, query, getattr(module, "scaling", None))
+
+        return fast_forward(self.model, inputs.input_ids, inputs.position_ids, attend, keep)[0]
 
     def _inputs(self, plan: Seq[ScheduledChunk]) -> _StepInputs:
         """The step's tensors. Python work per row is constant (plus its new tokens): the slots of every row's

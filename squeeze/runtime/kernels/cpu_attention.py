@@ -39,6 +39,8 @@ from squeeze.runtime.kernels.cpu_build import (
 )
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+#: the KV write (squeeze.runtime.kernels.cpu_kv_write), linked into the same library
+WRITE_SOURCE = Path(__file__).with_name("cpu_kv_write.cpp")
 #: cpu_attention.cpp's sq_kv.kind values.
 KV_F32, KV_I8, KV_U8, KV_I4, KV_U4, KV_T8, KV_T4 = range(7)
 
@@ -78,7 +80,7 @@ def attention_kernels() -> AttentionKernels | None:
     """The attention kernel, built on first use; None (after one KernelWarning) when it cannot be built/loaded."""
     with _lock:
         try:
-            path = build_library((SOURCE,), "squeeze_cpu_attention")
+            path = build_library((SOURCE, WRITE_SOURCE), "squeeze_cpu_attention")
             lib = _load(path)
         except KernelBuildError as exc:
             warnings.warn(
@@ -98,6 +100,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.sq_attention.argtypes = [ptr, i32, i32, i32, ctypes.c_float, i64, ptr, ptr, ptr, ptr, ptr]
     lib.sq_attention.argtypes += [ctypes.POINTER(SqKV), ctypes.POINTER(SqKV), ptr, i32, i32]
     lib.sq_attention.restype = None
+    lib.sq_kv_write.argtypes = [ptr, i64, i64, i64, i32, i32, ptr, ptr, ctypes.POINTER(SqKV), ptr, ptr, ptr, i32, i32]
+    lib.sq_kv_write.restype = None
     return lib
 
 
