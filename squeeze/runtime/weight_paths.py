@@ -23,6 +23,9 @@ EXPERTS_SUFFIX = ":experts"
 #: Appended to a path whose kernels multiply int8 activations (``native-avx512 int8``): the W4A8 form that
 #: ``activations="int8"`` asks for, which only the native kernels of 3- and 4-bit LUT weights have.
 INT8_SUFFIX = " int8"
+#: Appended to a path whose kernels multiply bfloat16 operands (``native-avx512 bfloat16``): the one matmul's
+#: bfloat16 form, which ``activations="bfloat16"`` asks for and only AVX-512 BF16 CPUs run.
+BF16_SUFFIX = " bfloat16"
 
 
 def weight_paths(model: nn.Module) -> dict[str, int]:
@@ -32,13 +35,23 @@ def weight_paths(model: nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, SqueezeLinear):
-            path = module.weight_path + (INT8_SUFFIX if _runs_int8(module) else "")
+            path = module.weight_path + _suffix(module)
         elif isinstance(module, SqueezeExperts):
-            path = module.weight_path + (INT8_SUFFIX if _runs_int8(module) else "") + EXPERTS_SUFFIX
+            path = module.weight_path + _suffix(module) + EXPERTS_SUFFIX
         else:
             continue
         counts[path] = counts.get(path, 0) + 1
     return counts
+
+
+def _suffix(module: SqueezeLinear | SqueezeExperts) -> str:
+    """:data:`INT8_SUFFIX`, :data:`BF16_SUFFIX` or "" (float32): the activations ``module``'s kernels run."""
+    if _runs_int8(module):
+        return INT8_SUFFIX
+    forms = module._cpu if isinstance(module._cpu, list) else [module._cpu]
+    if module.weight_path.startswith("native-") and forms and all(getattr(f, "bf16", False) for f in forms):
+        return BF16_SUFFIX
+    return ""
 
 
 def _runs_int8(module: SqueezeLinear | SqueezeExperts) -> bool:
@@ -53,14 +66,19 @@ def _runs_int8(module: SqueezeLinear | SqueezeExperts) -> bool:
 
 def activation_precision(counts: Mapping[str, int]) -> str:
     """The activation precision a model's quantized linears ran in, from :func:`weight_paths`' counts: ``int8``,
-    ``float32`` or ``int8 (N of M quantized modules), float32 (the rest)``."""
+    ``bfloat16``, ``float32`` or a mix (``int8 (N of M quantized modules), float32 (the rest)``)."""
     total = sum(counts.values())
-    int8 = sum(n for key, n in counts.items() if key.partition(EXPERTS_SUFFIX)[0].endswith(INT8_SUFFIX))
-    if int8 == 0:
+    by_suffix = {
+        name: sum(n for key, n in counts.items() if key.partition(EXPERTS_SUFFIX)[0].endswith(suffix))
+        for name, suffix in (("int8", INT8_SUFFIX), ("bfloat16", BF16_SUFFIX))
+    }
+    ran = {name: n for name, n in by_suffix.items() if n}
+    if not ran:
         return "float32"
-    if int8 == total:
-        return "int8"
-    return f"int8 ({int8} of {total} quantized modules), float32 (the rest)"
+    if len(ran) == 1 and sum(ran.values()) == total:
+        return next(iter(ran))
+    parts = [f"{name} ({n} of {total} quantized modules)" for name, n in ran.items()]
+    return ", ".join(parts) + ", float32 (the rest)"
 
 
 def set_activations(model: nn.Module, activations: Activations) -> int:
