@@ -114,12 +114,7 @@ def bounded_peak_bytes(
     """Estimated peak resident bytes of a bounded run (module docstring) with routed experts streamed ``group`` at
     a time (None: each MoE block whole)."""
     embed, blocks, _norm, head = model_parts(skeleton)
-    config = getattr(skeleton, "config", None)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    inter = max(inter, top_k * int(getattr(config, "moe_intermediate_size", 0) or inter))
+    vocab, hidden, inter, top_k = _widths(skeleton)
     shapes = block_shapes(skeleton)
     streamed = group is not None and any(s.experts for s in shapes)
     edges = _numel(embed) + (0 if _tied(embed, head) else _numel(head))
@@ -153,12 +148,7 @@ def device_peak_bytes(
     boundaries), its head step (the LM head and final norm, one window's logits with log-probabilities and two
     gradients), and the k-means of the largest matrix quantized at once (weight, Fisher, about eight copies)."""
     embed, _blocks, _norm, head = model_parts(skeleton, option="--device")
-    config = getattr(skeleton, "config", None)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
-    inter = max(inter, top_k * int(getattr(config, "moe_intermediate_size", 0) or inter))
+    vocab, hidden, inter, top_k = _widths(skeleton)
     shapes = block_shapes(skeleton)
     by_rows = recipe is None or rows_independent(recipe)
     largest = _largest_matrix(targets, shapes, group if by_rows else None)
@@ -230,6 +220,18 @@ def check_expert_budget(plan: ExpertPlan, max_memory: int, force: bool = False) 
             hint=f"pass --max-memory {-(-plan.minimum_bytes // 10**6)}MB or more (shorter calibration windows lower "
             "it), or --force to try anyway",
         )
+
+
+def _widths(skeleton: nn.Module) -> tuple[int, int, int, int]:
+    """(vocab, hidden, MLP width, routed experts per token) from the skeleton's config; the MLP width is the
+    larger of the dense one and a token's routed experts together (0 where the config names none)."""
+    config = getattr(skeleton, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    inter = max(inter, top_k * int(getattr(config, "moe_intermediate_size", 0) or inter))
+    return vocab, hidden, inter, top_k
 
 
 def _size(n: int) -> str:
