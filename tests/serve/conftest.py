@@ -62,3 +62,27 @@ def half_serve_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: P
     api.compress(str(source), out, recipe="w4-s045", overrides={"weights.sensitivity": "uniform"})
     api.calibrate_kv(out, tinystories_file, bits=4, calibration_overrides={"num_samples": 2, "seq_len": 64})
     return out
+
+
+@pytest.fixture
+def attend_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Where each native attention call came from ("run": squeeze run's attention, "serve": the engine's runner),
+    in order; skips where the native kernel is not built."""
+    import squeeze.runtime.attention as run_attention
+    import squeeze.serve.runner as serve_runner
+    from squeeze.runtime.kernels.cpu_attention import attend, attention_kernels
+
+    if attention_kernels() is None:
+        pytest.skip("no C++ compiler: the native attention kernel is not built")
+    calls: list[str] = []
+
+    def counting(where: str) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append(where)
+            return attend(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(run_attention, "attend", counting("run"))
+    monkeypatch.setattr(serve_runner, "attend", counting("serve"))
+    return calls

@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-import squeeze.runtime.attention as run_attention
-import squeeze.serve.runner as serve_runner
 from squeeze import api
 from squeeze.eval.perplexity import token_nlls
 from squeeze.runtime.attention import native_kernels
-from squeeze.runtime.kernels.cpu_attention import attend, attention_kernels
+from squeeze.runtime.kernels.cpu_attention import attention_kernels
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.engine import Engine
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
@@ -85,20 +83,8 @@ def test_prompt_logprobs_match_the_loaded_model_whatever_the_chunking(
     assert torch.allclose(got, expected, atol=2e-5, rtol=0), (got - expected).abs().max()
 
 
-def test_run_and_serve_attend_natively_and_agree(half_serve_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if attention_kernels() is None:
-        pytest.skip("no C++ compiler: the native attention kernel is not built")
-    calls: list[str] = []
-
-    def counting(where: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(where)
-            return attend(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(run_attention, "attend", counting("run"))
-    monkeypatch.setattr(serve_runner, "attend", counting("serve"))
+def test_run_and_serve_attend_natively_and_agree(half_serve_artifact: Path, attend_calls: list[str]) -> None:
+    calls = attend_calls
     alone = api.generate(api.load(half_serve_artifact), "Once upon a time", max_new_tokens=8, kv_bits=4)
     engine = api.serve_engine(half_serve_artifact, config=EngineConfig(kv_bits=4, kv_memory_bytes=4 << 20))
     (outputs,) = _run(engine, [(engine.tokenize("Once upon a time"), SamplingParams(max_tokens=8))])

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-import squeeze.runtime.attention as run_attention
-import squeeze.serve.runner as serve_runner
 from squeeze import api
-from squeeze.runtime.kernels.cpu_attention import attend, attention_kernels
 from squeeze.serve.types import EngineConfig, SamplingParams
 
 
@@ -32,21 +28,9 @@ def _served(artifact: Path, prompt: str, kv_bits: int) -> str:
 
 @pytest.mark.parametrize("kv_bits", [4, 16])
 def test_run_and_serve_use_the_native_kernel_for_a_quantized_cache(
-    serve_artifact: Path, kv_bits: int, monkeypatch: pytest.MonkeyPatch
+    serve_artifact: Path, kv_bits: int, attend_calls: list[str]
 ) -> None:
-    if attention_kernels() is None:
-        pytest.skip("no C++ compiler: the native attention kernel is not built")
-    calls: list[str] = []
-
-    def counting(where: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(where)
-            return attend(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(run_attention, "attend", counting("run"))
-    monkeypatch.setattr(serve_runner, "attend", counting("serve"))
+    calls = attend_calls
     prompt = "Once upon a time"
     alone = api.generate(api.load(serve_artifact), prompt, max_new_tokens=8, kv_bits=kv_bits)
     served = _served(serve_artifact, prompt, kv_bits)
