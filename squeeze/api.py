@@ -32,6 +32,7 @@ from squeeze.quant.kv_spec import KV_FP8_E4M3
 from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activations, check_activations
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv, split_keywords
 from squeeze.runtime.sampling_params import SamplingParams
+from squeeze.runtime.speculation import SpeculationOptions
 from squeeze.serve.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.open_files import check_max_connections as check_serve_max_connections
 from squeeze.serve.types import EngineConfig
@@ -893,6 +894,7 @@ __all__ = [
     "set_activations",
     "loading",
     "SamplingParams",
+    "SpeculationOptions",
     "LoadOptions",
     "KVOptions",
 ]

@@ -74,6 +74,15 @@ LowMemory = Annotated[
         "(then it dequantizes row slices per call).",
     ),
 ]
+SpeculateOpt = Annotated[
+    str,
+    typer.Option(
+        "--speculate",
+        help="Speculative decoding over the same weights: ngram:K (K tokens copied from the prompt and output so "
+        "far), int8:K (K tokens drafted by the W4A8 path) or off (default). The same tokens either way; faster "
+        "where drafts are accepted.",
+    ),
+]
 ActivationsOpt = Annotated[
     str,
     typer.Option(

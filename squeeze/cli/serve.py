@@ -28,6 +28,7 @@ from squeeze.cli.run import (  # the options squeeze run has too, declared once
     KvDynamic,
     LowMemory,
     NoVerify,
+    SpeculateOpt,
 )
 from squeeze.cli.server import bind_socket, run_server, startup_info, startup_line, url_of
 from squeeze.errors import ConfigError
@@ -59,6 +60,7 @@ def engine_config(
     max_model_len: int | None,
     max_queue: int,
     prefix_cache: bool = True,
+    speculate: str = "off",
 ) -> Any:
     """The engine's options as an ``EngineConfig``, checked (api.check_engine_config); ConfigError naming the
     flag for a bad one."""
@@ -76,6 +78,7 @@ def engine_config(
         max_model_len=max_model_len,
         max_queue=max_queue,
         prefix_cache=prefix_cache,
+        speculation=api.SpeculationOptions.parse(speculate),
     )
     api.check_engine_config(config)
     return config
@@ -240,6 +243,7 @@ def serve(
     dense: Dense = False,
     low_memory: LowMemory = False,
     activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
+    speculate: SpeculateOpt = "off",
     threads: Threads = None,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
@@ -272,6 +276,7 @@ def serve(
             max_model_len=max_model_len,
             max_queue=max_queue,
             prefix_cache=not no_prefix_cache,
+            speculate=speculate,
         )
         check_server_options(
             port=port,

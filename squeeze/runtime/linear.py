@@ -20,7 +20,10 @@ kernels' layout for the new device is prepared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -31,11 +34,37 @@ from squeeze.errors import FormatError
 from squeeze.quant.schemes import WeightFormat
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.kernels.cpu_lut import CpuPreparedLut, cpu_lut_linear, prepare_cpu
+from squeeze.runtime.kernels.cpu_w8 import prepare_w8
 from squeeze.runtime.kernels.dispatch import drop_prepared, lut_forward, prepare_module, prepared_for
 from squeeze.runtime.qmodule import QuantizedModule
 
 #: Output rows dequantized at a time on the low-memory path (1024 x 4096 fp32 = 16 MiB per slice).
 DEFAULT_CHUNK_ROWS = 1024
+
+#: True inside :func:`drafting`: modules with a draft form (:meth:`SqueezeLinear.prepare_draft`) run it.
+_DRAFTING: ContextVar[bool] = ContextVar("squeeze_drafting", default=False)
+
+
+@contextmanager
+def drafting() -> Iterator[None]:
+    """Within: every SqueezeLinear that has a draft form runs it (speculative decoding's int8 drafter,
+    squeeze.runtime.speculation); the others run as always. Per thread / context, so a server's engine thread
+    drafting never changes another thread's forwards."""
+    token = _DRAFTING.set(True)
+    try:
+        yield
+    finally:
+        _DRAFTING.reset(token)
+
+
+def prepare_draft_forms(model: nn.Module) -> int:
+    """Give every SqueezeLinear of ``model`` on the native CPU path its W4A8 form for :func:`drafting` (3 and
+    4 bits; others draft with their usual path). Returns the bytes the draft forms hold beyond the weights."""
+    extra = 0
+    for module in model.modules():
+        if isinstance(module, SqueezeLinear):
+            extra += module.prepare_draft()
+    return extra
 
 
 class SqueezeLinear(QuantizedModule):
@@ -59,6 +88,7 @@ class SqueezeLinear(QuantizedModule):
         self.dense_cache = dense_cache
         self.low_memory = low_memory
         self._cpu: CpuPreparedLut | None = None
+        self._draft: CpuPreparedLut | None = None  # the int8 form :func:`drafting` runs (prepare_draft)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._dense: torch.Tensor | None = None
         #: rows per slice on the chunked path
@@ -69,12 +99,23 @@ class SqueezeLinear(QuantizedModule):
         """Drop the dense cache and kernel layouts; prepare the Triton (CUDA) or native (CPU) kernels' form."""
         self._dense = None
         self._cpu = None
+        self._draft = None
         drop_prepared(self)
         device = self.storage_device
         if device.type == "cuda":
             prepare_module(self, device)
         elif device.type == "cpu" and not self.dense_cache:
             self._cpu = prepare_cpu(self._qweight, activations=self.activations)  # type: ignore[arg-type]
+
+    def prepare_draft(self) -> int:
+        """Build the W4A8 form :func:`drafting` runs (native CPU path, 3 / 4 bits; idempotent); the bytes it holds
+        beyond the module's buffers (0 when the module has no such form: it then drafts with its usual path)."""
+        if self._cpu is None or self._cpu.w8 is not None:  # no native path, or int8 already
+            return 0
+        if self._draft is None:
+            w8 = prepare_w8(self._qweight, self._cpu.keep[0])  # type: ignore[arg-type]  # keep[0]: the packed codes
+            self._draft = dataclasses.replace(self._cpu, w8=w8) if w8 is not None else None
+        return self._draft.w8.extra_bytes if self._draft is not None and self._draft.w8 is not None else 0
 
     @property
     def weight_path(self) -> str:
@@ -92,7 +133,8 @@ class SqueezeLinear(QuantizedModule):
             if y is not None:
                 return y
         elif self._cpu is not None and not (torch.is_grad_enabled() and x.requires_grad):  # no backward
-            return cpu_lut_linear(x, self._cpu, self.bias)
+            prepared = self._draft if self._draft is not None and _DRAFTING.get() else self._cpu
+            return cpu_lut_linear(x, prepared, self.bias)
         if self.low_memory and not self.dense_cache:
             return self.chunked_forward(x)
         if self._dense is None or self._dense.dtype != x.dtype or self._dense.device != x.device:
@@ -149,4 +191,11 @@ def replace_linear(model: nn.Module, name: str, build: Callable[[nn.Linear], nn.
     replace_module(model, name, nn.Linear, build, error)
 
 
-__all__ = ["SqueezeLinear", "replace_linear", "replace_module", "DEFAULT_CHUNK_ROWS"]
+__all__ = [
+    "SqueezeLinear",
+    "drafting",
+    "prepare_draft_forms",
+    "replace_linear",
+    "replace_module",
+    "DEFAULT_CHUNK_ROWS",
+]

@@ -138,6 +138,20 @@ class BlockManager:
         if extra:
             self._append(seq_id, [self._new_block() for _ in range(extra)])
 
+    def shrink(self, seq_id: str, tokens: int) -> None:
+        """Keep only the blocks ``seq_id``'s first ``tokens`` tokens need (at least one); the rest go back to the
+        pool (speculative decoding's rejected drafts: their blocks were never named in the prefix cache, which
+        names full prompt blocks only)."""
+        table = self.tables.get(seq_id)
+        keep = max(1, self.blocks_for(tokens))
+        if table is None or len(table) <= keep:
+            return
+        for block in table[keep:]:
+            self._refs[block] -= 1
+            if self._refs[block] == 0 and not (self.cache is not None and self.cache.named(block)):
+                self._free.append(block)
+        del table[keep:]
+
     def release(self, seq_id: str) -> None:
         """Drop ``seq_id``'s hold on its blocks and sink entry (a no-op when it holds none). A block nobody
         holds any more goes to the free list, or idles in the prefix cache when it is named there."""

@@ -26,6 +26,8 @@ from squeeze.models.modes import input_device
 from squeeze.quant.kv_bytes import kv_geometry
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.generate import eos_token_ids
+from squeeze.runtime.linear import drafting, prepare_draft_forms
+from squeeze.runtime.speculation import NgramIndex, draft_length
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.blocks import BlockManager
 from squeeze.serve.context_length import check_block_size, model_context
@@ -115,6 +117,11 @@ class Engine(EngineTokenizer):
         self.vocab_size = int(model_config.vocab_size)
         self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_ids)
         self.masks = StepMasks(self.vocab_size, config.max_num_seqs)  # the constrained rows' masks, each step
+        self.speculation = config.speculation
+        #: bytes the int8 drafter's weight forms hold beyond the weights (0 without it)
+        self.draft_bytes = prepare_draft_forms(model) if self.speculation.drafter == "int8" else 0
+        self._drafted = 0
+        self._accepted = 0
         self._handles: dict[str, RequestHandle] = {}
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -198,6 +205,8 @@ class Engine(EngineTokenizer):
             kv_blocks_cached=self.blocks.cached_blocks,
             prefix_cache_queries_total=cache.queries if cache is not None else 0,
             prefix_cache_hits_total=cache.hits if cache is not None else 0,
+            spec_draft_tokens_total=self._drafted,
+            spec_accepted_tokens_total=self._accepted,
         )
 
     def start(self) -> None:
@@ -263,6 +272,9 @@ class Engine(EngineTokenizer):
                 stop = self._stop
             for kind, item in inbox:
                 if kind == "add":
+                    if self.speculation.drafter == "ngram" and item.grammar is None:
+                        item.ngram = NgramIndex()
+                        item.ngram.extend(item.tokens)
                     self._seqs[item.seq_id] = item
                     self._prompt_tokens += len(item.prompt_ids)
                     self.scheduler.add(item)
@@ -282,27 +294,109 @@ class Engine(EngineTokenizer):
                 self._cond.notify_all()  # shutdown() waits for the work to drain
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._room())
         if not plan:
             return
+        if any(chunk.room for chunk in plan):
+            try:
+                plan = self._draft(plan)
+            except Exception:  # noqa: BLE001 - a failed draft costs the speedup, never a request
+                log.exception("drafting failed; this step verifies no drafts")
+                plan = [ScheduledChunk(chunk.seq, chunk.tokens) for chunk in plan]
         live = sum(chunk.seq.computed + chunk.tokens for chunk in plan)
         allocated = sum(len(self.blocks.tables[c.seq.seq_id]) for c in plan) * self.blocks.block_size
         total, steps = self._utilisation
         self._utilisation = (total + live / allocated, steps + 1)
-        full = [_wants_prompt_logits(chunk) for chunk in plan]
+        full = [_wants_prompt_logits(chunk) or bool(chunk.draft) for chunk in plan]
         self.masks.start(plan)  # filled while the model runs
         try:
             with torch.inference_mode():
-                logits, prompt_logits = self.runner.run_keeping(plan, full)  # (B, V), {row: (tokens, V)}
+                logits, row_logits = self.runner.run_keeping(plan, full)  # (B, V), {row: (tokens, V)}
         except Exception as exc:  # noqa: BLE001 - one failed step fails its requests, not the server
             log.exception("engine step failed")
             for chunk in plan:
                 self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
             return
         for row, chunk in enumerate(plan):
-            if row in prompt_logits:
-                _record_prompt_logprobs(chunk, prompt_logits[row])
+            if chunk.draft:
+                self._verify(chunk, row_logits[row], row)
+                continue
+            if row in row_logits:
+                _record_prompt_logprobs(chunk, row_logits[row])
             self._advance(chunk, logits[row], row)
+
+    # --- speculative decoding (squeeze.runtime.speculation) ---------------------------------------------------
+
+    def _room(self) -> Callable[[Sequence], int] | None:
+        """How many draft tokens each decoding sequence may verify this step (None: speculation is off, or the
+        batch has too many decoding rows for drafts to pay)."""
+        if not self.speculation.enabled:
+            return None
+        decoding = sum(seq.pending == 1 for seq in self.scheduler.running)
+        k = draft_length(self.speculation.k, decoding)
+        if k == 0:
+            return None
+
+        def room(seq: Sequence) -> int:
+            if seq.grammar is not None:  # a constrained row's mask is known for its next position only
+                return 0
+            left = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.length)
+            cap = max(0, min(k, left))
+            return len(seq.ngram.propose(cap)) if seq.ngram is not None and cap else cap
+
+        return room
+
+    def _draft(self, plan: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """``plan`` with each chunk that has draft room turned into a verification row: its newest token and
+        up to ``room`` drafted tokens (the n-gram index's proposal, or the int8 path's greedy tokens)."""
+        drafts: dict[int, list[int]] = {}
+        if self.speculation.drafter == "ngram":
+            for row, chunk in enumerate(plan):
+                if chunk.room and chunk.seq.ngram is not None:
+                    drafts[row] = chunk.seq.ngram.propose(chunk.room)
+        else:
+            drafts = self._draft_int8(plan)
+        return [
+            ScheduledChunk(chunk.seq, chunk.tokens + len(drafts[row]), draft=tuple(drafts[row]))
+            if drafts.get(row)
+            else ScheduledChunk(chunk.seq, chunk.tokens)
+            for row, chunk in enumerate(plan)
+        ]
+
+    def _draft_int8(self, plan: list[ScheduledChunk]) -> dict[int, list[int]]:
+        """Greedy tokens of the W4A8 path (squeeze.runtime.linear.drafting) for the rows with draft room, one
+        batched step per draft position; their keys and values go to the rows' own blocks, where verification
+        overwrites them with the exact path's."""
+        drafts: dict[int, list[int]] = {row: [] for row, chunk in enumerate(plan) if chunk.room}
+        for i in range(max((chunk.room for chunk in plan), default=0)):
+            rows = [row for row in drafts if plan[row].room > i]
+            step = [ScheduledChunk(plan[row].seq, 1, draft=tuple(drafts[row]), skip=i) for row in rows]
+            with torch.inference_mode(), drafting():
+                chosen = self.runner.run(step).argmax(dim=-1).tolist()
+            for row, token in zip(rows, chosen, strict=True):
+                drafts[row].append(int(token))
+        return drafts
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, row: int) -> None:
+        """Choose the exact token at each position of a verification row (``logits (1 + k, V)``) as plain
+        decoding would, keeping drafts while they equal it; the KV of the rejected drafts is dropped (the
+        sequence's computed count stops before them, and blocks it no longer needs go back to the pool)."""
+        seq, draft = chunk.seq, chunk.draft
+        base = seq.computed
+        accepted = 0
+        finished = False
+        for i in range(len(draft) + 1):
+            seq.computed = base + i + 1  # positions through base + i hold the exact keys and values of seq's tokens
+            token, finished = self._emit(seq, logits[i], row)
+            if finished or i == len(draft) or token != draft[i]:
+                break
+            accepted += 1
+        self._drafted += len(draft)
+        self._accepted += accepted
+        if not finished:
+            self.blocks.shrink(seq.seq_id, seq.computed + 1)
+
+    # --- one token at a time --------------------------------------------------------------------------------
 
     def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor, row: int = 0) -> None:
         seq = chunk.seq
@@ -314,16 +408,23 @@ class Engine(EngineTokenizer):
         if seq.params.max_tokens == 0:  # score only: the prompt is in, nothing to generate
             self._finish(seq, "length")
             return
+        self._emit(seq, logits, row)
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor, row: int) -> tuple[int, bool]:
+        """Choose ``seq``'s next token from ``logits (V,)`` (row ``row`` of the step), append it and send it (or
+        finish the request); the token and whether the request finished."""
         token = choose_token(seq, logits if seq.grammar is None else self.masks.masked(row, logits))
         grammar_done = False
         if seq.grammar is not None:
             if not seq.grammar.accept_token(token):  # the mask allowed it: a grammar library defect
                 self._finish(seq, "error", error=f"the grammar refused token {token}, which its mask allowed")
-                return
+                return token, True
             grammar_done = seq.grammar.is_terminated()  # it accepted an end-of-sequence token
         top = seq.params.logprobs
         logprobs = () if top is None else tuple(token_logprobs(logits[None], [token], top))
         seq.output_ids.append(token)
+        if seq.ngram is not None:
+            seq.ngram.extend((token,))
         self._generated += 1
         now = time.perf_counter()
         if self.observer is not None:
@@ -343,6 +444,7 @@ class Engine(EngineTokenizer):
             self._send(seq, piece, (token,), None, logprobs=logprobs)
         else:
             self._finish(seq, reason, piece=piece, token_ids=(token,), logprobs=logprobs)
+        return token, reason is not None
 
     def _finish(
         self,

@@ -68,6 +68,12 @@ COUNTERS = (
         "prefix_cache_queries_total",
     ),
     ("squeeze_prefix_cache_hits", "Tokens found in the prefix cache (not computed again).", "prefix_cache_hits_total"),
+    ("squeeze_spec_draft_tokens", "Draft tokens speculative decoding verified since start.", "spec_draft_tokens_total"),
+    (
+        "squeeze_spec_accepted_tokens",
+        "Draft tokens speculative decoding kept (equal to the exact path's) since start.",
+        "spec_accepted_tokens_total",
+    ),
 )
 
 

@@ -287,9 +287,9 @@ class ModelRunner:
         q0 = k0 = 0
         for chunk in plan:
             seq = chunk.seq
-            start, end = seq.computed, seq.computed + chunk.tokens
+            start, end = chunk.start, chunk.start + chunk.tokens
             q1, k1 = q0 + chunk.tokens, k0 + end
-            tokens += seq.token_range(start, end)
+            tokens += chunk.token_ids()
             starts.append(start)
             ends.append(end)
             tables.append(self.blocks.table_tensor(seq.seq_id)[: self.blocks.blocks_for(end)])
@@ -326,9 +326,10 @@ class ModelRunner:
     def _row_span(self, chunk: ScheduledChunk, q0: int, k0: int) -> RowSpan:
         """The row of ``chunk`` whose queries start at ``q0`` and whose keys start at ``k0`` in the step."""
         seq = chunk.seq
-        start, end = seq.computed, seq.computed + chunk.tokens
+        start, end = chunk.start, chunk.start + chunk.tokens
         q1, k1 = q0 + chunk.tokens, k0 + end
-        # a chunk that runs past the prompt recomputes generated tokens (after a preemption): those attend alone
+        # a chunk that runs past the prompt recomputes generated tokens (after a preemption), or verifies drafts
+        # (speculative decoding): those attend alone, each over its own prefix, as when decoded one at a time
         in_prompt = max(0, min(end, len(seq.prompt_ids)) - start)
         if in_prompt == chunk.tokens:
             return RowSpan(q0, q1, k0, k1, self._row_mask(chunk.tokens, end))

@@ -18,6 +18,7 @@ they are planned first, and only preemption (youngest first) ever takes their bl
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from squeeze.serve.blocks import BlockManager
@@ -26,10 +27,31 @@ from squeeze.serve.sequence import Sequence
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``tokens`` tokens of ``seq`` to feed this step, from position ``seq.computed``."""
+    """``tokens`` tokens of ``seq`` to feed this step, from position ``seq.computed + skip``.
+
+    Speculative decoding (squeeze.runtime.speculation): ``room``, the draft tokens the row's blocks were grown
+    for (the scheduler's plan); ``draft``, the drafted tokens, which follow the sequence's own tokens (a
+    verification row feeds the newest token and every draft: ``tokens == 1 + len(draft)``; the int8 drafter's
+    row ``i`` feeds draft ``i - 1`` alone, ``skip == i``)."""
 
     seq: Sequence
     tokens: int
+    room: int = 0
+    draft: tuple[int, ...] = ()
+    skip: int = 0
+
+    @property
+    def start(self) -> int:
+        """The position of the chunk's first token."""
+        return self.seq.computed + self.skip
+
+    def token_ids(self) -> list[int]:
+        """The ids the chunk feeds: positions ``start .. start + tokens - 1`` of the sequence and its drafts."""
+        start, stop, length = self.start, self.start + self.tokens, self.seq.length
+        ids = self.seq.token_range(start, min(stop, length))
+        if stop > length:
+            ids += self.draft[max(0, start - length) : stop - length]
+        return ids
 
 
 class Scheduler:
@@ -58,8 +80,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.release(seq.seq_id)
 
-    def schedule(self) -> list[ScheduledChunk]:
-        """The next step's plan; grows the planned sequences' block tables (preempting when the pool is short)."""
+    def schedule(self, room: Callable[[Sequence], int] | None = None) -> list[ScheduledChunk]:
+        """The next step's plan; grows the planned sequences' block tables (preempting when the pool is short).
+
+        ``room(seq)``: draft tokens a decoding sequence may verify this step (speculative decoding); its blocks
+        grow for them too when the pool has them free and the budget allows (drafts never preempt)."""
         budget = self.max_batch_tokens
         plan: list[ScheduledChunk] = []
         decoding = [s for s in self.running if s.pending == 1]
@@ -71,8 +96,13 @@ class Scheduler:
                 continue
             tokens = min(seq.pending, budget)
             if self._make_room(seq, seq.computed + tokens):
-                plan.append(ScheduledChunk(seq, tokens))
-                budget -= tokens
+                extra = min(room(seq), budget - tokens) if room is not None and seq.pending == 1 else 0
+                if extra > 0 and self.blocks.can_grow(seq.seq_id, seq.computed + tokens + extra):
+                    self.blocks.grow(seq.seq_id, seq.computed + tokens + extra)
+                else:
+                    extra = 0
+                plan.append(ScheduledChunk(seq, tokens, room=extra))
+                budget -= tokens + extra
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]  # new or preempted: nothing computed
             cached = self._cached(seq)

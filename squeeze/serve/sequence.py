@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from squeeze.runtime.speculation import NgramIndex
 from squeeze.runtime.text_stream import TextState, left_context
 from squeeze.serve.types import FinishReason, SamplingParams, TokenLogprob
 
@@ -42,6 +43,9 @@ class Sequence:
     #: The request's grammar matcher (xgrammar, squeeze.serve.grammar), advanced with each chosen token; None
     #: without structured output. It is the sequence's: a preemption recomputes the KV and leaves it alone.
     grammar: Any = None
+    #: The n-gram drafter's index over the sequence's tokens (speculative decoding with ``ngram:K``), kept up to
+    #: date as tokens are chosen; None when the sequence does not speculate that way.
+    ngram: NgramIndex | None = None
 
     def __post_init__(self) -> None:
         # the output's text is read after the prompt's last tokens (its first word's leading space, a character

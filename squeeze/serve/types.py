@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 
 from squeeze.errors import ConfigError, SqueezeError
 from squeeze.runtime.sampling_params import SamplingParams, StructuredOutput  # one options class: run and serve
+from squeeze.runtime.speculation import SpeculationOptions
 
 #: Why a request stopped: an end-of-sequence token or a stop string ("stop"), max_tokens ("length"), the
 #: client went away or the server shut down ("abort"), or the engine failed on it ("error").
@@ -74,7 +75,8 @@ class EngineConfig:
     max_num_seqs: sequences in one batch at most. max_batch_tokens: tokens one step feeds the model at most
     (decode tokens first, then prompt chunks). max_model_len: the context a request may use (None: the
     model's). max_queue: requests waiting at most before new ones get 429. prefix_cache: reuse the KV blocks
-    of prompt prefixes computed before (squeeze.serve.prefix_cache; the same tokens either way).
+    of prompt prefixes computed before (squeeze.serve.prefix_cache; the same tokens either way). speculation:
+    speculative decoding (squeeze.runtime.speculation; the same tokens either way), off by default.
     """
 
     kv_bits: int | None = None
@@ -86,6 +88,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int = 256
     prefix_cache: bool = True
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
 
     def __post_init__(self) -> None:
         _check_engine_config(self)
@@ -112,6 +115,11 @@ def _check_engine_config(config: EngineConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             flag = "--" + name.replace("_bytes", "").replace("_", "-")
             raise ConfigError(f"{flag} must be a positive integer, found {value!r}", hint=f"e.g. {flag} {example}")
+    if not isinstance(config.speculation, SpeculationOptions):
+        raise ConfigError(
+            f"speculation must be a SpeculationOptions, found {type(config.speculation).__name__}",
+            hint="build it with SpeculationOptions.parse('ngram:4')",
+        )
     if not isinstance(config.prefix_cache, bool):
         raise ConfigError(
             f"prefix_cache must be True or False, found {config.prefix_cache!r}", hint="pass prefix_cache=False"
@@ -215,6 +223,9 @@ class EngineStats:
     #: Tokens of the requests admitted (looked up in the prefix cache), and those found there (vLLM's counts).
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    #: Speculative decoding: draft tokens verified, and those kept (equal to the exact path's tokens).
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
 
 
 class LatencyObserver(Protocol):

@@ -1,0 +1,136 @@
+"""Speculative decoding in the engine (squeeze.runtime.speculation): the n-gram and int8 drafters give the same
+tokens as plain decoding, greedy and seeded sampling, alone and in a batch; rejected drafts leave nothing behind
+(blocks back in the pool, the prefix cache holding no rejected token); the metrics count drafts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from squeeze import api
+from squeeze.runtime.speculation import SpeculationOptions
+from squeeze.serve.engine import Engine
+from squeeze.serve.types import EngineConfig, SamplingParams
+
+PROMPTS = [
+    "Once upon a time there was a little dog. The little dog liked to run. The little dog",
+    "The cat sat on the mat. The cat sat on the",
+    "Lily and Ben went to the park to play with a ball",
+]
+
+
+def _engine(artifact: Path, speculate: str, **options: Any) -> Engine:
+    options.setdefault("kv_memory_bytes", 4 << 20)
+    config = EngineConfig(speculation=SpeculationOptions.parse(speculate), **options)
+    return api.serve_engine(artifact, config=config)
+
+
+def _generate(engine: Engine, params: list[SamplingParams], prompts: list[str]) -> list[list[int]]:
+    """Every prompt submitted at once; each request's token ids."""
+
+    async def main() -> list[list[int]]:
+        engine.start()
+        try:
+            handles = [
+                engine.submit(engine.tokenize(p), sp, f"r{i}")
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+
+            async def collect(handle: Any) -> list[int]:
+                return [t async for out in handle for t in out.token_ids]
+
+            return list(await asyncio.gather(*(collect(h) for h in handles)))
+        finally:
+            engine.shutdown(5)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module", params=[16, 8], ids=["kv16-sdpa", "kv8-native"])
+def kv_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A full-precision pool (SDPA per row) and a dynamic int8 pool (the native attention kernel)."""
+    return {"kv_bits": 16} if request.param == 16 else {"kv_bits": 8, "kv_dynamic": True}
+
+
+@pytest.mark.parametrize("speculate", ["ngram:4", "int8:3"])
+def test_greedy_tokens_are_those_of_plain_decoding(
+    wide32_artifact: Path, kv_options: dict[str, Any], speculate: str
+) -> None:
+    greedy = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    plain = _generate(_engine(wide32_artifact, "off", **kv_options), greedy, PROMPTS)
+    engine = _engine(wide32_artifact, speculate, **kv_options)
+    together = _generate(engine, greedy, PROMPTS)
+    stats = engine.stats()
+    assert together == plain
+    assert stats.spec_draft_tokens_total > 0  # it did speculate
+    assert 0 <= stats.spec_accepted_tokens_total <= stats.spec_draft_tokens_total
+    assert stats.generation_tokens_total == 24 * len(PROMPTS)
+    alone = _generate(_engine(wide32_artifact, speculate, **kv_options), greedy[:1], PROMPTS[:1])
+    assert alone == plain[:1]
+
+
+def test_drafts_are_accepted_where_the_output_repeats(wide32_artifact: Path) -> None:
+    """A tiny random model falls into loops: the n-gram drafter's copies of them are kept."""
+    engine = _engine(wide32_artifact, "ngram:4", kv_bits=16)
+    _generate(engine, [SamplingParams(max_tokens=64, ignore_eos=True)], PROMPTS[:1])
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens_total > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total  # every block back (the cached ones count as free)
+    engine.blocks.check()
+
+
+def test_seeded_sampling_gives_the_same_tokens(wide32_artifact: Path) -> None:
+    """Each position draws from the request's generator as plain decoding does (rejection sampling for a
+    one-token proposal), so a seeded request's tokens are the same with and without speculation."""
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    plain = _generate(_engine(wide32_artifact, "off", kv_bits=16), params, PROMPTS)
+    for speculate in ("ngram:4", "int8:2"):
+        assert _generate(_engine(wide32_artifact, speculate, kv_bits=16), params, PROMPTS) == plain
+
+
+def test_stops_and_limits_hold_inside_an_accepted_draft(wide32_artifact: Path) -> None:
+    """max_tokens and stop strings end a request at the same token when a step would have emitted more."""
+    for max_tokens in (1, 2, 5, 13):
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)]
+        plain = _generate(_engine(wide32_artifact, "off", kv_bits=16), params, PROMPTS[:1])
+        assert _generate(_engine(wide32_artifact, "ngram:8", kv_bits=16), params, PROMPTS[:1]) == plain
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(wide32_artifact: Path) -> None:
+    engine = _engine(wide32_artifact, "int8:4", kv_bits=16, block_size=4)
+    prompt = PROMPTS[1]
+    _generate(engine, [SamplingParams(max_tokens=16, ignore_eos=True)], [prompt])
+    prompt_ids = engine.tokenize(prompt)
+    cache = engine.blocks.cache
+    assert cache is not None
+    engine.blocks.check()
+    # only full prompt blocks are ever named: a second request finds at most the prompt's blocks
+    cached = engine.blocks.cached(cache.names(prompt_ids + [5] * 16), len(prompt_ids) + 16)
+    assert len(cached) <= len(prompt_ids) // 4
+
+
+def test_many_rows_turn_speculation_off(wide32_artifact: Path) -> None:
+    """Beyond a few decoding rows the drafts' rows would be real compute: none are drafted."""
+    engine = _engine(wide32_artifact, "int8:4", kv_bits=16)
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(8)]
+    _generate(engine, [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, prompts)
+    # with eight rows decoding from the first step on, no step verifies drafts
+    assert engine.stats().spec_draft_tokens_total == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("off", "off"), ("ngram", "ngram:4"), ("ngram:2", "ngram:2"), ("int8:16", "int8:16")],
+)
+def test_the_option_parses(text: str, expected: str) -> None:
+    assert str(SpeculationOptions.parse(text)) == expected
+
+
+@pytest.mark.parametrize("text", ["ngram:0", "int8:17", "eagle:3", "ngram:x", "off:3", ""])
+def test_bad_options_are_refused_with_a_hint(text: str) -> None:
+    with pytest.raises(api.ConfigError, match="--speculate") as info:
+        SpeculationOptions.parse(text)
+    assert info.value.hint and "--speculate" in info.value.hint
