@@ -536,6 +536,7 @@ def generate(
     kv: KVOptions | None = None,
     chat: bool = False,
     stream: Callable[[str], None] | None = None,
+    speculate: str | SpeculationOptions | None = None,
     **options: Any,
 ) -> GenerationResult:
     """Load an artifact (verified unless ``verify=False``) and continue the prompts, all in one batch.
@@ -551,7 +552,9 @@ def generate(
     ``model``: an artifact directory, or a LoadedModel from :func:`load` (reused as is: the load options then
     only place it on the device; ``public_key`` is a ConfigError: pass it to :func:`load`).
     ``chat`` applies the tokenizer's chat template. ``stream(piece)`` receives the first prompt's text as it
-    is produced. Options, prompts and the device are checked (ConfigError), then whether the load fits in
+    is produced. ``speculate``: speculative decoding, ``"ngram:K"``, ``"int8:K"`` or ``"off"`` (default), or a
+    :class:`SpeculationOptions` (the same tokens; faster where drafts are accepted).
+    Options, prompts and the device are checked (ConfigError), then whether the load fits in
     memory (ResourceError, see :func:`load`), before anything loads.
     Returns texts plus load time, time to first token, tokens/s, peak memory and KV-cache bytes.
     """
@@ -563,6 +566,7 @@ def generate(
     elif sampling_keywords:
         raise ConfigError(f"pass sampling or its keywords, not both (found {', '.join(sorted(sampling_keywords))})")
     load, kv = LoadOptions.build(load, load_keywords), KVOptions.build(kv, kv_keywords)
+    speculation = SpeculationOptions.parse(speculate)
     prompt_list = check_prompts(prompts)
     loaded, load_seconds = _loaded_on(model, load)
     return _generate(
@@ -574,6 +578,7 @@ def generate(
         stream=stream,
         load_seconds=load_seconds,
         kv_spec=kv.spec_for(loaded.model, loaded.kv_spec),
+        speculation=speculation,
     )
 
 

@@ -288,3 +288,18 @@ def make_artifact(directory: Path, max_shard_bytes: int = 3000) -> Path:
 @pytest.fixture
 def artifact(tmp_path: Path) -> Path:
     return make_artifact(tmp_path / "artifact")
+
+
+@pytest.fixture(scope="session")
+def wide32_artifact(
+    tmp_path_factory: pytest.TempPathFactory,
+    resized_tiny_llama: Callable[..., Path],
+    compress_tiny: Callable[..., Path],
+) -> Path:
+    """The tiny Llama with every layer width a multiple of 32 (intermediate 128 instead of 144), compressed w4.
+
+    torch's elementwise CPU kernels run vectors of 32 floats and compute a leftover tail in scalar code, so
+    only at such widths (those of real models) is each row's activation independent of the tensor around it.
+    """
+    source = resized_tiny_llama(tmp_path_factory.mktemp("wide32") / "tiny-llama-128", intermediate_size=128)
+    return compress_tiny(source.parent / "tiny-llama-128-w4", "w4", source=source)

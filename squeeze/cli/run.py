@@ -123,6 +123,7 @@ def run(
     dense: Dense = False,
     low_memory: LowMemory = False,
     activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
+    speculate: SpeculateOpt = "off",
     no_verify: NoVerify = False,
     device: Device = "cpu",
     kv_bits: KvBits = None,
@@ -147,6 +148,7 @@ def run(
             device=device,
         )
         kv = api.KVOptions(kv_bits, kv_dynamic)
+        speculation = api.SpeculationOptions.parse(speculate)
         prompts = [prompt] if prompt is not None else []
         if prompts_file is not None:
             prompts += read_prompts_file(prompts_file)
@@ -156,7 +158,9 @@ def run(
         stream = None if json_out else _write
         with progress_bar("Pulling", not json_out, bytes_=True) as progress:
             local = api.local_artifact(model, public_key=public_key, progress=progress)
-        result = api.generate(local, prompts, sampling, load=load, kv=kv, chat=chat, stream=stream)
+        result = api.generate(
+            local, prompts, sampling, load=load, kv=kv, chat=chat, stream=stream, speculate=speculation
+        )
     ran = result.activations
     if json_out:
         extra = {
@@ -199,6 +203,16 @@ def _print_stats(result: api.GenerationResult, *, verified: bool) -> None:
     if result.kv_bytes_per_token:
         err_console.print(
             kv_bytes_line(result.kv_bytes_per_token), style="dim", soft_wrap=True, markup=False, highlight=False
+        )
+    if result.speculation != "off":
+        rate = result.spec_accepted_tokens / result.spec_draft_tokens if result.spec_draft_tokens else 0.0
+        err_console.print(
+            f"speculation {result.speculation}: {result.spec_accepted_tokens} of {result.spec_draft_tokens} draft "
+            f"tokens accepted ({rate:.0%})",
+            style="dim",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
         )
     err_console.print(
         f"load {result.load_seconds:.2f} s ({'verified' if verified else 'NOT verified'}) | "

@@ -27,8 +27,11 @@ from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.attention import native_run
 from squeeze.runtime.checks import check_context, check_prompts, resolve_device, validate_options
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
+from squeeze.runtime.linear import prepare_draft_forms
 from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
+from squeeze.runtime.speculation import SpeculationOptions
+from squeeze.runtime.speculative_decode import SpeculationCounts, decode_speculative
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.runtime.text_stream import TextState, continuation_text, left_context
 from squeeze.runtime.weight_paths import activation_precision, describe_weight_paths, weight_paths
@@ -73,6 +76,10 @@ class GenerationResult:
     kv_bytes_per_token: dict[str, int] | None = None
     #: SqueezeLinear modules per path: {"native-avx512": 210}; empty for a model without any.
     weight_paths: dict[str, int] = field(default_factory=dict)
+    #: Speculative decoding: the option ("off", "ngram:4"...), draft positions verified and kept.
+    speculation: str = "off"
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -213,6 +220,7 @@ def generate(
     stream: StreamFn | None = None,
     load_seconds: float = 0.0,
     kv_spec: KVSpec | None = None,
+    speculation: SpeculationOptions | None = None,
     **sampling_options: Any,
 ) -> GenerationResult:
     """Continue each prompt, all prompts as one left-padded batch (prefill, then one decode step per token).
@@ -224,7 +232,8 @@ def generate(
     ``temperature`` and nucleus ``top_p`` (top-k off), after ``torch.manual_seed(seed)`` when a seed is
     given. ``chat`` wraps each prompt as one user turn with the tokenizer's chat template (ConfigError when
     it has none). ``stream(piece)`` receives the first prompt's text as it is produced. ``kv_spec``: run
-    with squeeze's quantized KV cache (else transformers' DynamicCache). Raises ConfigError for bad options,
+    with squeeze's quantized KV cache (else transformers' DynamicCache). ``speculation``: speculative decoding
+    (squeeze.runtime.speculation; the same tokens, off by default). Raises ConfigError for bad options,
     an empty prompt or a prompt longer than the model's context.
     """
     if sampling is None:
@@ -242,7 +251,10 @@ def generate(
     if sampling.seed is not None:  # for greedy too: harmless, and keeps any stochastic module reproducible
         torch.manual_seed(sampling.seed)
     cache = SqueezeKVCache(kv_spec) if kv_spec is not None else DynamicCache(config=getattr(model, "config", None))
-    run = _Run(model, tokenizer, batch, options, cache, kv_spec, float(load_seconds))
+    speculation = speculation if speculation is not None else SpeculationOptions()
+    if speculation.drafter == "int8":
+        prepare_draft_forms(model)
+    run = _Run(model, tokenizer, batch, options, cache, kv_spec, float(load_seconds), speculation)
     streamer = _RunStreamer(tokenizer, stream, eos_ids, _prompt_ids(batch, 0))
     return _result(run, *_decode_timed(run, streamer))
 
@@ -259,6 +271,8 @@ class _Run:
     cache: Any
     kv_spec: KVSpec | None
     load_seconds: float
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
+    counts: SpeculationCounts = field(default_factory=SpeculationCounts)
 
 
 @dataclass(frozen=True)
@@ -323,7 +337,10 @@ def _decode_timed(run: _Run, streamer: _RunStreamer) -> tuple[torch.Tensor, _Clo
     start = time.perf_counter()
     with torch.inference_mode(), native_run(run.model, run.cache, run.batch.attention_mask) as extra:
         state = prefill(run.model, run.batch.input_ids, run.batch.attention_mask, run.cache, extra)
-        new = decode(run.model, state, run.options, on_tokens=streamer.put)
+        if run.speculation.enabled:
+            new = decode_speculative(run.model, state, run.options, run.speculation, streamer.put, run.counts)
+        else:
+            new = decode(run.model, state, run.options, on_tokens=streamer.put)
     streamer.end()
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -363,6 +380,9 @@ def _result(run: _Run, new: torch.Tensor, clock: _Clock) -> GenerationResult:
         kv_cache_bytes=_cache_bytes(run.cache),
         kv_bytes_per_token=_kv_table(run.model, run.kv_spec),
         weight_paths=paths,
+        speculation=str(run.speculation),
+        spec_draft_tokens=run.counts.drafted,
+        spec_accepted_tokens=run.counts.accepted,
     )
 
 

@@ -152,7 +152,7 @@ class QuantizedStream:
 class SqueezeKVLayer(DynamicLayer):
     """One attention layer's quantized cache: a full-precision sink plus quantized keys and values."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, bits: int, layer: LayerKV | LayerFP8 | None, sink_tokens: int):
         super().__init__()
@@ -266,7 +266,20 @@ class SqueezeKVLayer(DynamicLayer):
         self._reset_storage()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("the squeeze quantized KV cache cannot be cropped (assisted decoding)")
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count), as speculative
+        decoding drops rejected drafts; their codes stay in the buffers until the next tokens overwrite them."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, found {tokens_to_remove}")
+        remove = min(-tokens_to_remove, self.cumulative_length)
+        if remove == 0 or not self.is_initialized:
+            return
+        assert self.sink_keys is not None and self.sink_values is not None
+        from_stream = min(remove, self.k_stream.length)
+        self.k_stream.length -= from_stream
+        self.v_stream.length -= from_stream
+        keep = self.sink_keys.shape[-2] - (remove - from_stream)
+        self.sink_keys, self.sink_values = self.sink_keys[..., :keep, :], self.sink_values[..., :keep, :]
+        self.cumulative_length = self.sink_keys.shape[-2] + self.k_stream.length
 
     def _map_batch(self, fn: Callable[[Tensor], Tensor]) -> None:
         if not self.is_initialized:

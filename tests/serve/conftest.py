@@ -29,21 +29,6 @@ def artifact_copy(tmp_path: Path, serve_artifact: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def wide32_artifact(
-    tmp_path_factory: pytest.TempPathFactory,
-    resized_tiny_llama: Callable[..., Path],
-    compress_tiny: Callable[..., Path],
-) -> Path:
-    """The tiny Llama with every layer width a multiple of 32 (intermediate 128 instead of 144), compressed w4.
-
-    torch's elementwise CPU kernels run vectors of 32 floats and compute a leftover tail in scalar code, so
-    only at such widths (those of real models) is each row's activation independent of the tensor around it.
-    """
-    source = resized_tiny_llama(tmp_path_factory.mktemp("wide32") / "tiny-llama-128", intermediate_size=128)
-    return compress_tiny(source.parent / "tiny-llama-128-w4", "w4", source=source)
-
-
-@pytest.fixture(scope="session")
 def half_serve_artifact(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path, tinystories_file: Path) -> Path:
     """As :func:`serve_artifact`, from a float16 copy of stories260K: the artifact keeps its embedding in float16
     (as SmolLM2's does), so the model's first parameter is not the dtype it computes in."""
