@@ -48,7 +48,8 @@ def serve_engine(
     load = LoadOptions.build(load, split_keywords(load_options, LoadOptions)[0])
     # a URL or repo id names the model by its last part, not by its directory in the cache
     name = model_name or Path(os.fspath(path).rstrip("/")).resolve().name
-    loaded, _ = load_or_place(local_artifact(path, public_key=load.public_key), load)
+    source = local_artifact(path, public_key=load.public_key)  # a URL or hf:// id pulled into the cache first
+    loaded, _ = load_or_place(source, load)
     kv_spec = config.kv.spec_for(loaded.model, loaded.kv_spec)  # the KV options were checked when built
     try:
         return Engine(loaded.model, loaded.tokenizer, config, kv_spec, model_name=name)
