@@ -24,11 +24,13 @@ if TYPE_CHECKING:
 
 
 def load(path: str | os.PathLike[str], options: LoadOptions | None = None, **keywords: Any) -> LoadedModel:
-    """Verify an artifact against its manifest and load it on the CPU, weights kept compressed.
+    """Verify an artifact against its manifest and load it, weights kept compressed, on the CPU or ``device``.
 
     ``options``: a :class:`LoadOptions` (checked when it was built), or its keywords: ``verify``,
-    ``dense_cache``, ``low_memory``, ``check_memory``, ``public_key``, ``activations`` (ConfigError for a bad
-    one, before anything is read; TypeError for an unknown keyword).
+    ``dense_cache``, ``low_memory``, ``check_memory``, ``public_key``, ``activations``, ``device`` (ConfigError
+    for a bad one, before anything is read; TypeError for an unknown keyword). ``device`` ``cuda[:N]``: the model
+    is built on the host for the dense (or, with ``low_memory``, chunked) path a GPU runs, then moved there
+    (squeeze.runtime.loader decides it).
     Linears of a LUT format run the native CPU kernels on their packed codes (built on first use, once per
     machine). ``dense_cache=True`` caches every weight dequantized instead (the fastest prefill, 8x the
     memory at 4 bits); formats no kernel covers, or a machine without a C++ compiler, take that dense path
