@@ -148,7 +148,8 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
     [call] = built
     assert call == {
         "path": Path("artifact-dir"),
-        "config": squeeze.serve.types.EngineConfig(kv=KVOptions(4, True),
+        "config": squeeze.serve.types.EngineConfig(
+            kv=KVOptions(4, True),
             kv_memory_bytes=64 * 2**20,
             block_size=8,
             max_num_seqs=3,
