@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
-from squeeze.api import (  # noqa: E402
+from squeeze.api import (
+    builtin_calibration_specs,
+    builtin_recipes,
     calibrate_kv,
+    check_calibrate_kv_options,
+    check_engine_config,
+    check_generate_options,
+    check_prompts,
     compress,
+    compress_world,
+    create_serve_app,
     evaluate,
     evaluate_tasks,
     generate,
     inspect,
     load,
+    loading,
+    local_artifact,
+    plan_compress,
+    pull,
+    push,
     register,
+    serve_engine,
+    serve_uvicorn_config,
+    serve_uvicorn_server,
+    set_activations,
+    sign,
     verify_model_integrity,
 )
-from squeeze.errors import (  # noqa: E402
+from squeeze.errors import (
     CalibrationError,
     ConfigError,
     FormatError,
@@ -26,24 +44,40 @@ from squeeze.errors import (  # noqa: E402
     SqueezeError,
     TransferError,
 )
-from squeeze.runtime import hf_hook as _hf_hook  # noqa: E402
 from squeeze.version import __version__
 
-# `AutoModelForCausalLM.from_pretrained(artifact_dir)` after `import squeeze`: registers the "squeeze"
-# quantization method with transformers once its quantizer registry is imported (not before: seconds).
-_hf_hook.install()
+# `import squeeze` has no side effect on other libraries: `squeeze.register()` registers the "squeeze"
+# quantization method with transformers (and lm-eval), for `AutoModelForCausalLM.from_pretrained(artifact_dir)`.
 
 __all__ = [
     "__version__",
     "verify_model_integrity",
+    "sign",
     "inspect",
+    "pull",
+    "push",
+    "local_artifact",
     "compress",
+    "plan_compress",
+    "compress_world",
     "calibrate_kv",
+    "check_calibrate_kv_options",
+    "builtin_recipes",
+    "builtin_calibration_specs",
+    "load",
+    "loading",
+    "set_activations",
+    "generate",
+    "check_generate_options",
+    "check_prompts",
+    "register",
+    "serve_engine",
+    "check_engine_config",
+    "create_serve_app",
+    "serve_uvicorn_config",
+    "serve_uvicorn_server",
     "evaluate",
     "evaluate_tasks",
-    "register",
-    "generate",
-    "load",
     "SqueezeError",
     "ConfigError",
     "ModelError",

@@ -228,8 +228,8 @@ class WeightsConfig:
             raise ConfigError(
                 f"weights.generated_samples (--generated-samples) must be at most {MAX_GENERATED_SAMPLES}, found "
                 f"{self.generated_samples}",
-                hint="8 to 64 sampled sequences is the useful range (docs/guide.md); each costs a model run of "
-                "seq_len tokens",
+                hint="8 to 64 sampled sequences is the useful range (docs/guide/compress.md); each costs a model run "
+                "of seq_len tokens",
             )
 
     def _check_refit_rounds(self) -> None:

@@ -20,6 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import squeeze  # noqa: E402
 from missing_extras import (  # noqa: E402, F401 - in CI, a skip for a missing package fails the run
     pytest_collectreport,
     pytest_runtest_logreport,
@@ -27,6 +28,10 @@ from missing_extras import (  # noqa: E402, F401 - in CI, a skip for a missing p
     pytest_terminal_summary,
 )
 from squeeze.format import Provenance, seal_artifact, write_shards  # noqa: E402
+
+# the tests load artifacts with AutoModelForCausalLM.from_pretrained as a user does after squeeze.register()
+# (`import squeeze` registers nothing); lm-eval registers itself where a test needs it
+squeeze.register(lm_eval=False)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("SQUEEZE_SHARED", REPO.parent / "shared"))

@@ -73,3 +73,35 @@ def test_short_path_keeps_the_tail():
     assert api.short_path("a/b") == "a/b"
     long = "d/" * 100 + "model.safetensors"
     assert api.short_path(long).startswith("...") and api.short_path(long).endswith("model.safetensors")
+
+
+def test_every_verb_of_the_api_package_is_exported_by_squeeze():
+    """Issue 49 item 2: squeeze/api/ is split by verb; api/__init__ and squeeze/__init__ re-export every verb
+    (a function of a verb module), and importing a verb module by name does not shadow its verb."""
+    import importlib
+    import inspect
+
+    from squeeze import api
+
+    modules = [
+        importlib.import_module(f"squeeze.api.{name}") for name in ("artifact", "compress", "run", "serve", "eval")
+    ]
+    verbs = {name for module in modules for name in module.__all__ if inspect.isfunction(getattr(module, name))}
+    assert {"compress", "generate", "serve_engine", "evaluate", "verify_model_integrity", "register"} <= verbs
+    for name in verbs:
+        assert getattr(api, name) is getattr(squeeze, name) and name in squeeze.__all__ and name in api.__all__
+    assert callable(api.compress) and callable(squeeze.compress)  # the function, not the module api/compress.py
+
+
+def test_import_squeeze_registers_nothing_and_imports_no_heavy_library():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, squeeze\n"
+        "from squeeze.runtime import hf_hook\n"
+        "assert hf_hook._FINDER not in sys.meta_path, 'import squeeze installed the transformers hook'\n"
+        "assert 'transformers' not in sys.modules and 'lm_eval' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

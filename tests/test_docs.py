@@ -77,3 +77,47 @@ MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|tmp|Users|private/var
 def test_no_page_names_an_absolute_path_of_the_machine_it_ran_on(page: Path) -> None:
     found = [line.strip() for line in page.read_text().splitlines() if MACHINE_PATH.search(line)]
     assert not found, f"{page.relative_to(REPO)}: repository-relative commands only, found {found[:3]}"
+
+
+#: A path in architecture.md's code spans and blocks: `runtime/loader.py`, `serve/scheduler`, `compression/pipelines/`,
+#: a bare `lut.py`; a module named with a function after it (`runtime/loader.load_artifact`) counts as its module.
+_ARCH_PATH = re.compile(r"(?<![\w./-])((?:[a-z_]\w*/)+(?:[a-z_]\w*(?:\.py|\.json|\.sh)?)?|[a-z_]\w*\.py)")
+
+
+def architecture_paths(text: str) -> set[str]:
+    """Every path-like name in ``text``'s `code spans` and fenced blocks (where architecture.md names modules)."""
+    spans = re.findall(r"`([^`\n]+)`", text) + re.findall(r"```\n(.*?)```", text, flags=re.DOTALL)
+    return {m.group(1) for span in spans for m in _ARCH_PATH.finditer(span)}
+
+
+def missing_from_tree(path: str, package: Path = REPO / "squeeze") -> bool:
+    """Whether ``path`` (relative to squeeze/ or the repository; a module may leave out ``.py``; a bare file name
+    may sit anywhere in the package or tests/) names nothing in the tree. Names whose first folder is no folder of
+    the tree (``int8/int4``) are not paths."""
+    roots = (package, package.parent)
+    if "/" not in path:
+        return not any(package.rglob(path)) and not any((package.parent / "tests").rglob(path))
+    if not any((root / path.split("/")[0]).is_dir() for root in roots):
+        return False
+    return not any((root / path).exists() or (root / f"{path}.py").exists() for root in roots)
+
+
+def test_every_module_architecture_md_names_exists() -> None:
+    """Issue 49 item 7: architecture.md names modules that exist (it named a removed api.py, for one)."""
+    named = architecture_paths((REPO / "docs" / "architecture.md").read_text())
+    assert len(named) >= 40, sorted(named)  # the check reads the page's paths at all
+    missing = sorted(path for path in named if missing_from_tree(path))
+    assert not missing, f"docs/architecture.md names paths that are not in the tree: {missing}"
+
+
+def test_the_architecture_check_sees_a_missing_module() -> None:
+    text = "`runtime/loader.py`, `serve/scheduler`, `api.py`, `int8/int4`, `runtime/gone.py`:\n"
+    text += "```\nserve/nowhere.step\n```"
+    assert {"runtime/loader.py", "serve/scheduler", "api.py", "runtime/gone.py", "serve/nowhere"} <= architecture_paths(
+        text
+    )
+    assert [p for p in sorted(architecture_paths(text)) if missing_from_tree(p)] == [
+        "api.py",
+        "runtime/gone.py",
+        "serve/nowhere",
+    ]

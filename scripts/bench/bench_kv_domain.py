@@ -40,9 +40,10 @@ VARIANTS = {
 
 def load(model: str):  # noqa: ANN201
     from squeeze.runtime.loader import is_artifact, load_artifact
+    from squeeze.runtime.options import LoadOptions
 
     if is_artifact(model):
-        loaded = load_artifact(model, verify=True, dense_cache=True)
+        loaded = load_artifact(model, LoadOptions(verify=True, dense_cache=True))
         return loaded.model, loaded.tokenizer
     from squeeze.models.source import load_model, resolve_model
 

@@ -36,6 +36,7 @@ from squeeze.eval.perplexity import perplexity  # noqa: E402
 from squeeze.quant.kv_bytes import fp_bytes_per_token, kv_geometry  # noqa: E402
 from squeeze.quant.kv_spec import KVSpec, LayerFP8  # noqa: E402
 from squeeze.runtime.loader import load_artifact  # noqa: E402
+from squeeze.runtime.options import LoadOptions  # noqa: E402
 from squeeze.runtime.quantized_cache import SqueezeKVCache  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     print(revision())
     print(command_line(), flush=True)
     copies = calibrated_copies(args)
-    loaded = load_artifact(copies["fp8"], verify=True)
+    loaded = load_artifact(copies["fp8"], LoadOptions(verify=True))
     model, tokenizer = loaded.model, loaded.tokenizer
     fp8 = loaded.kv_spec
     assert fp8 is not None and fp8.label == "fp8"
@@ -92,7 +93,7 @@ def main() -> None:
         ),
     }
     for name in ("int8", "int4"):
-        spec = load_artifact(copies[name], verify=True).kv_spec
+        spec = load_artifact(copies[name], LoadOptions(verify=True)).kv_spec
         assert spec is not None and spec.label == name
         specs[f"{name}, calibrated (squeeze)"] = spec
     text = read_text_file(args.eval_text, "evaluation text", ConfigError)

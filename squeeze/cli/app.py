@@ -6,6 +6,7 @@ import warnings
 
 import typer
 
+from squeeze import api
 from squeeze.cli import calibrate_kv as calibrate_kv_cmd
 from squeeze.cli import compress as compress_cmd
 from squeeze.cli import eval as eval_cmd
@@ -94,4 +95,5 @@ _python_format = warnings.formatwarning
 def main() -> None:
     """Console-script entry point."""
     warnings.formatwarning = _squeeze_warnings_on_one_line
+    api.register(lm_eval=False)  # transformers, lazily (`import squeeze` registers nothing); eval registers lm-eval
     app()

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
-from squeeze.api import DEFAULT_SINK_TOKENS, MIN_SEQ_LEN
+from squeeze.api.support import DEFAULT_SINK_TOKENS, MIN_SEQ_LEN
 from squeeze.cli.common import cli_errors, err_console, kv_bytes_line, out_console, print_json, stage_progress
 
 # The options as Annotated aliases, so that the command's signature is one short line per option.

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from squeeze import api
+from squeeze.api import support
 from squeeze.cli.common import cli_errors, err_console, out_console, print_json, stage_progress
 from squeeze.errors import ConfigError, Interrupted
 
@@ -298,7 +299,7 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _print_plan(plan: api.CompressPlan) -> None:
+def _print_plan(plan: support.CompressPlan) -> None:
     """The plan as a header, one line per rank (memory, work, seconds per stage) and the notes (stdout)."""
     windows = f"{plan.num_samples} x {plan.seq_len} tokens" if plan.seq_len else "no calibration"
     out_console.print(
@@ -334,7 +335,7 @@ def _resume_hint(model: str, flags: dict[str, Any], *, overwrite: bool, resumabl
     )
 
 
-def _print_summary(result: api.CompressResult) -> None:
+def _print_summary(result: support.CompressResult) -> None:
     """What was written and how much smaller it is (stdout); stage times and the root digest (stderr)."""
     stages = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.timings.items())
     out_console.print(

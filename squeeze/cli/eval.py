@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from squeeze import api
+from squeeze.api import support
 from squeeze.cli.common import PublicKey, cli_errors, err_console, out_console, print_json, stage_progress
 from squeeze.cli.run import ActivationsOpt
 from squeeze.errors import ConfigError
@@ -70,7 +71,7 @@ def eval_(
     kv_dynamic: KvDynamic = False,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
-    activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = support.DEFAULT_ACTIVATIONS,
 ) -> None:
     """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity.
     Or, with --tasks, lm-evaluation-harness tasks."""
@@ -88,8 +89,8 @@ def eval_(
         return
     assert text is not None  # checked above
     with cli_errors():
-        load = api.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
-        kv_options = api.KVOptions(kv_bits, kv_dynamic)
+        load = support.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
+        kv_options = support.KVOptions(kv_bits, kv_dynamic)
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
         with stage_progress(not json_out, labels) as progress:
             result = api.evaluate(
@@ -159,7 +160,7 @@ def _eval_tasks(
     """``squeeze eval MODEL --tasks NAMES``: lm-eval's results as a table (or JSON)."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     with cli_errors():
-        load = api.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
+        load = support.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
         result = api.evaluate_tasks(
             model,
             names,
@@ -168,7 +169,7 @@ def _eval_tasks(
             num_fewshot=num_fewshot,
             batch_size=batch_size,
             load=load,
-            kv=api.KVOptions(kv_bits, kv_dynamic),
+            kv=support.KVOptions(kv_bits, kv_dynamic),
         )
     if json_out:
         print_json(result.to_dict())

@@ -9,7 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from squeeze import api
-from squeeze.api import short_path
+from squeeze.api import support
+from squeeze.api.support import short_path
 from squeeze.cli.common import cli_errors, kv_bytes_line, out_console, print_json
 
 
@@ -54,7 +55,7 @@ def inspect(
         out_console.print("quantization: none")
     if info.kv_bytes_per_token:
         kv = dict(info.quantization.kv_cache or {}) if info.quantization is not None else None
-        if isinstance(kv, dict) and kv.get("format") == api.KV_FP8_E4M3:
+        if isinstance(kv, dict) and kv.get("format") == support.KV_FP8_E4M3:
             calibrated = "calibrated for fp8 (per-layer scales, vLLM kv_cache_dtype=fp8)"
         else:
             calibrated = (

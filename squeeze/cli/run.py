@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from squeeze import api
+from squeeze.api import support
 from squeeze.cli.common import PublicKey, cli_errors, err_console, kv_bytes_line, print_json, progress_bar
 from squeeze.errors import ConfigError
 
@@ -122,7 +123,7 @@ def run(
     prompts_file: PromptsFile = None,
     dense: Dense = False,
     low_memory: LowMemory = False,
-    activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = support.DEFAULT_ACTIVATIONS,
     speculate: SpeculateOpt = "off",
     no_verify: NoVerify = False,
     device: Device = "cpu",
@@ -138,8 +139,8 @@ def run(
     with cli_errors():
         # everything cheap is checked before the model loads, so a bad option costs nothing and prints nothing;
         # each options object is checked once, when built here: api.generate and the runtime take them as they are
-        sampling = api.SamplingParams.for_generate(max_new_tokens, temperature, top_p, seed)
-        load = api.LoadOptions(
+        sampling = support.SamplingParams.for_generate(max_new_tokens, temperature, top_p, seed)
+        load = support.LoadOptions(
             verify=not no_verify,
             dense_cache=dense,
             low_memory=low_memory,
@@ -147,8 +148,8 @@ def run(
             activations=activations,  # type: ignore[arg-type]  # checked when the options are built
             device=device,
         )
-        kv = api.KVOptions(kv_bits, kv_dynamic)
-        speculation = api.SpeculationOptions.parse(speculate)
+        kv = support.KVOptions(kv_bits, kv_dynamic)
+        speculation = support.SpeculationOptions.parse(speculate)
         prompts = [prompt] if prompt is not None else []
         if prompts_file is not None:
             prompts += read_prompts_file(prompts_file)
@@ -195,7 +196,7 @@ def _warn_activations(asked: str, ran: str, *, dense: bool) -> None:
     )
 
 
-def _print_stats(result: api.GenerationResult, *, verified: bool) -> None:
+def _print_stats(result: support.GenerationResult, *, verified: bool) -> None:
     """The KV bytes line (when known) and the stats line, which stays the last line of stderr and ends with
     the path the weights ran (``weights: native-avx512 (210 linears)``)."""
     tps = f"{result.tokens_per_second:.1f} tok/s" if result.tokens_per_second is not None else "- tok/s"

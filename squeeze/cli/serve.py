@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from squeeze import api
+from squeeze.api import support
 from squeeze.cli.common import PublicKey, cli_errors, err_console
 from squeeze.cli.run import (  # the options squeeze run has too, declared once
     UNVERIFIED_WARNING,
@@ -65,12 +66,11 @@ def engine_config(
     """The engine's options as an ``EngineConfig``, checked (api.check_engine_config); ConfigError naming the
     flag for a bad one."""
     try:
-        kv_memory_bytes = api.parse_size(kv_memory)
+        kv_memory_bytes = support.parse_size(kv_memory)
     except ConfigError as exc:
         raise ConfigError(f"--kv-memory: {exc.message}", hint=exc.hint or "e.g. --kv-memory 1GiB") from None
-    config = api.EngineConfig(
-        kv_bits=kv_bits,
-        kv_dynamic=kv_dynamic,
+    config = support.EngineConfig(
+        kv=support.KVOptions(kv_bits, kv_dynamic),
         kv_memory_bytes=kv_memory_bytes,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -78,7 +78,7 @@ def engine_config(
         max_model_len=max_model_len,
         max_queue=max_queue,
         prefix_cache=prefix_cache,
-        speculation=api.SpeculationOptions.parse(speculate),
+        speculation=support.SpeculationOptions.parse(speculate),
     )
     api.check_engine_config(config)
     return config
@@ -90,7 +90,7 @@ def check_server_options(
     shutdown_grace: float,
     api_key: str | None,
     max_connections: int | None = None,
-    idle_timeout: float = api.SERVE_IDLE_TIMEOUT,
+    idle_timeout: float = support.SERVE_IDLE_TIMEOUT,
     threads: int | None = None,
 ) -> None:
     """ConfigError for a port outside 0-65535, a negative or infinite grace, an empty API key, a connection cap
@@ -98,11 +98,11 @@ def check_server_options(
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be at least 1, found {threads}", hint="leave it out to use every core")
     if max_connections is not None:
-        api.check_serve_max_connections(max_connections)  # at least 1, and below the open-file limit
+        support.check_serve_max_connections(max_connections)  # at least 1, and below the open-file limit
     if not (math.isfinite(idle_timeout) and idle_timeout > 0):
         raise ConfigError(
             f"--idle-timeout must be a finite number of seconds > 0, found {idle_timeout}",
-            hint=f"e.g. --idle-timeout {api.SERVE_IDLE_TIMEOUT:g} (the default)",
+            hint=f"e.g. --idle-timeout {support.SERVE_IDLE_TIMEOUT:g} (the default)",
         )
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in 0-65535, found {port}", hint="0 picks a free port")
@@ -123,7 +123,7 @@ def request_bytes(text: str | None) -> int | None:
     if text is None:
         return None
     try:
-        value = api.parse_size(text)
+        value = support.parse_size(text)
     except ConfigError as exc:
         raise ConfigError(f"--max-request-bytes: {exc.message}", hint=exc.hint or "e.g. 4MB") from None
     if value < 1024:
@@ -242,14 +242,14 @@ def serve(
     shutdown_grace: ShutdownGrace = 10.0,
     dense: Dense = False,
     low_memory: LowMemory = False,
-    activations: ActivationsOpt = api.DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = support.DEFAULT_ACTIVATIONS,
     speculate: SpeculateOpt = "off",
     threads: Threads = None,
     json_out: JsonOut = False,
     public_key: PublicKey = None,
     max_request_bytes: MaxRequestBytes = None,
     max_connections: MaxConnections = None,
-    idle_timeout: IdleTimeout = api.SERVE_IDLE_TIMEOUT,
+    idle_timeout: IdleTimeout = support.SERVE_IDLE_TIMEOUT,
 ) -> None:
     """Serve an artifact over OpenAI's HTTP API: /v1/completions, /v1/chat/completions (streaming or not; n,
     logprobs, echo), /v1/models, vLLM's /tokenize, /detokenize and /tokenizer_info, /health and /metrics.
@@ -259,7 +259,7 @@ def serve(
     """
     with cli_errors():
         # every load option checked once, here: api.serve_engine and the loader take the object as it is
-        load = api.LoadOptions(
+        load = support.LoadOptions(
             verify=not no_verify,
             dense_cache=dense,
             low_memory=low_memory,

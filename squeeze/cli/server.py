@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from squeeze import api
+from squeeze.api import support
 from squeeze.errors import ConfigError
 
 #: uvicorn's default listen backlog.
@@ -90,7 +91,7 @@ def run_server(
     *,
     engine: Any = None,
     max_connections: int | None = None,
-    idle_timeout: float = api.SERVE_IDLE_TIMEOUT,
+    idle_timeout: float = support.SERVE_IDLE_TIMEOUT,
 ) -> bool:
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM; False when the app failed to start (uvicorn logged why).
 

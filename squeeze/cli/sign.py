@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from squeeze import api
-from squeeze.api import short_path
+from squeeze.api.support import short_path
 from squeeze.cli.common import cli_errors, err_console, print_json, progress_bar
 from squeeze.errors import ConfigError
 

@@ -255,11 +255,11 @@ class _Inputs:
 def _load(inputs: _Inputs) -> None:
     """Load the model: an artifact verified against its manifest, or a plain model in fp32."""
     from squeeze.models.source import load_model, resolve_model
-    from squeeze.runtime.loader import load_artifact
+    from squeeze.runtime.loader import LoadOptions, load_artifact
 
     if inputs.artifact:
         inputs.manifest = read_manifest(inputs.path)
-        loaded = load_artifact(inputs.path, verify=True, dense_cache=True)  # IntegrityError before any work
+        loaded = load_artifact(inputs.path, LoadOptions(dense_cache=True))  # verified: IntegrityError before any work
         inputs.model, inputs.tokenizer = loaded.model, loaded.tokenizer
         inputs.config = _verified_config(loaded)
     else:

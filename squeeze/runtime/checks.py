@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch
 
 from squeeze.errors import ConfigError
-from squeeze.runtime.sampling_params import SamplingParams
 
 
 class Prompts(list[str]):
@@ -32,14 +31,6 @@ def _checked_prompts(prompts: list[str]) -> list[str]:
         if not isinstance(prompt, str) or not prompt.strip():
             where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
             raise ConfigError(f"{where} is empty; expected some text to continue", hint="pass a non-empty prompt")
-    return prompts
-
-
-def validate_options(prompts: Sequence[str], *, max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
-    """Deprecated: :func:`check_prompts` and :meth:`SamplingParams.for_generate` (which checks the options
-    when it is built). Returns the prompts as a list; ConfigError as those two raise it."""
-    prompts = check_prompts(prompts)
-    SamplingParams.for_generate(max_new_tokens, temperature, top_p)
     return prompts
 
 
@@ -97,4 +88,4 @@ def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: in
     )
 
 
-__all__ = ["Prompts", "check_prompts", "validate_options", "resolve_device", "check_context"]
+__all__ = ["Prompts", "check_prompts", "resolve_device", "check_context"]

@@ -25,7 +25,7 @@ from squeeze.errors import ConfigError
 from squeeze.quant.kv_bytes import kv_bytes_table
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.attention import native_run
-from squeeze.runtime.checks import check_context, check_prompts, resolve_device, validate_options
+from squeeze.runtime.checks import check_context, check_prompts, resolve_device
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.linear import prepare_draft_forms
 from squeeze.runtime.quantized_cache import SqueezeKVCache
@@ -412,7 +412,6 @@ __all__ = [
     "generate",
     "eos_token_ids",
     "check_prompts",
-    "validate_options",
     "resolve_device",
     "check_context",
 ]

@@ -1,9 +1,9 @@
 """transformers integration: ``AutoModelForCausalLM.from_pretrained(artifact_dir)`` loads a squeeze artifact.
 
-``import squeeze`` registers the "squeeze" quantization method (config class and quantizer) with
-transformers' quantizer registry (see :mod:`squeeze.runtime.hf_hook` for when). transformers then reads
-``config.json``, finds ``quantization_config.quant_method == "squeeze"`` and hands the model skeleton to
-:class:`SqueezeHfQuantizer`, which
+``squeeze.register()`` (not ``import squeeze`` alone) registers the "squeeze" quantization method (config class
+and quantizer) with transformers' quantizer registry (see :mod:`squeeze.runtime.hf_hook` for when).
+transformers then reads ``config.json``, finds ``quantization_config.quant_method == "squeeze"`` and hands the
+model skeleton to :class:`SqueezeHfQuantizer`, which
 
 1. verifies the whole artifact against its manifest (size and SHA-256 of every file; IntegrityError on any
    mismatch) before a single weight is read, and checks the config's dimensions against the verified
@@ -276,7 +276,7 @@ def _untie_quantized_heads(model: nn.Module, tied: dict[str, str]) -> None:
 
 
 def register() -> None:
-    """Register the "squeeze" method with transformers (idempotent; ``import squeeze`` arranges the call)."""
+    """Register the "squeeze" method with transformers (idempotent; ``squeeze.register()`` arranges the call)."""
     # the registry refuses a second registration of a name: drop a stale one (this module re-imported) first
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(QUANT_METHOD) is not SqueezeQuantConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)

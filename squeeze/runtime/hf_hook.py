@@ -1,8 +1,9 @@
-"""Register squeeze with transformers without importing transformers at ``import squeeze``.
+"""Register squeeze with transformers without importing transformers at ``squeeze.register()``.
 
 Importing transformers' quantizer registry (``transformers.quantizers.auto``) costs seconds (it pulls in
 every quantization config), more than the rest of ``import squeeze``, and ``squeeze verify`` never needs
-it. So ``import squeeze`` calls :func:`install`: if the registry is already imported it registers at once;
+it. So ``squeeze.register()`` (not ``import squeeze``: it has no side effect on other libraries; the CLI and the
+vLLM plugin call it) calls :func:`install`: if the registry is already imported it registers at once;
 otherwise a one-shot import hook registers right after the registry module first executes, which every
 ``from_pretrained`` does before reading a config's ``quantization_config``.
 """

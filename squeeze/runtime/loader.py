@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.errors import FormatError, IntegrityError, ModelError
+from squeeze.errors import ConfigError, FormatError, IntegrityError
 from squeeze.format.manifest import MANIFEST_NAME
 from squeeze.format.paths import (
     path_error,
@@ -34,11 +34,11 @@ from squeeze.format.quant_config import SECTION, QuantizationConfig
 from squeeze.format.signature import SignatureInfo, check_signature
 from squeeze.format.strict_json import strict_json_loads
 from squeeze.format.verify import VerifyReport, verify_artifact
-from squeeze.models.remote_code import is_remote_code_refusal
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.quant.schemes import WeightFormat, format_for_module, methods, stored_roles
 from squeeze.runtime.activations import DEFAULT_ACTIVATIONS, Activations
 from squeeze.runtime.artifact_tensors import read_unverified, read_verified
+from squeeze.runtime.artifact_tokenizer import tokenizer_from_files
 from squeeze.runtime.buffers import materialise_computed_buffers, no_init_weights
 from squeeze.runtime.config_shapes import check_config_shapes
 from squeeze.runtime.dense_linear import stabilise_dense_linears
@@ -207,29 +207,29 @@ def verified_report(directory: Path, *, capture: bool | Callable[[str], bool] = 
     return report
 
 
-def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywords: Any) -> LoadedModel:
-    """Load a squeeze artifact on CPU, hashing exactly the bytes it loads (unless ``options.verify`` is False).
+def load_artifact(path: str | Path, options: LoadOptions | None = None) -> LoadedModel:
+    """Load a squeeze artifact on ``options.device`` (default the CPU), hashing exactly the bytes it loads
+    (unless ``options.verify`` is False).
 
-    ``options``: :class:`~squeeze.runtime.options.LoadOptions` (checked when built: trusted here), or its
-    keywords (``verify``, ``dense_cache``, ``low_memory``, ``check_memory``, ``public_key``, ``activations``).
+    ``options``: :class:`~squeeze.runtime.options.LoadOptions` (checked when built: trusted here; default
+    ``LoadOptions()``). Off the CPU (``device="cuda[:N]"``) the host memory the load holds is checked first,
+    the model is built on the host for the dense (or, with ``low_memory``, chunked) weights a GPU runs (the
+    native kernels are CPU code), then moved to the device.
     Every file is read once into private memory while it is hashed; tensors are views of those bytes,
     and the config and tokenizer are read from them too, so a file swapped or rewritten after any earlier
     ``squeeze verify`` is caught here (IntegrityError) before a single output is produced. Nothing sized
     by the artifact (skeleton, tokenizer) is built before verification succeeded, and config.json must
     agree with the tensors' shapes (FormatError) before the skeleton is built; its ``quantization_config``
     is read by :class:`QuantizationConfig` (FormatError for a ``format_version`` this squeeze cannot read).
-    ``dense_cache`` / ``low_memory``: the weights' path, as in SqueezeLinear (default: the native kernels
-    on the packed codes). ``check_memory``: first estimate the memory the load will hold (artifact bytes,
-    plus the dense cache when ``dense_cache``) from the manifest and config, and raise ResourceError if it
-    is not available.
-    ``public_key``: the artifact's ``model.sig`` must be a signature by this key (PEM, EC) over exactly the
-    verified bytes (IntegrityError otherwise, before anything is built); it reuses the digests verification
-    computed, so no file is hashed twice.
+    ``dense_cache`` / ``low_memory`` / ``activations``: the weights' path, as in SqueezeLinear. ``check_memory``:
+    first estimate the memory the load will hold from the manifest and config (ResourceError if it is not
+    available). ``public_key``: the artifact's ``model.sig`` must be a signature by this key over exactly the
+    verified bytes (IntegrityError otherwise, before anything is built), from verification's own digests.
     ``path`` may be a symlink to the artifact (``current -> v3``); it is resolved once, here.
-    ``activations``: the native LUT kernels' activation precision, "float32" (the exact LUT values, the
-    default) or "int8" (W4A8).
     """
-    options = LoadOptions.build(options, keywords)
+    options = options if options is not None else LoadOptions()
+    if options.torch_device.type != "cpu":
+        return _load_on_device(path, options)
     verify, dense_cache, low_memory = options.verify, options.dense_cache, options.low_memory
     public_key = options.public_key
     directory = resolve_root(path)
@@ -256,7 +256,7 @@ def load_artifact(path: str | Path, options: LoadOptions | None = None, **keywor
     kv_spec = KVSpec.from_config(dict(kv_entry), kv_tensors) if kv_entry else None
     loaded = LoadedModel(
         model=model,
-        tokenizer=_tokenizer_from_files(files),
+        tokenizer=tokenizer_from_files(files),
         quantization=quant,
         report=report,
         kv_spec=kv_spec,
@@ -308,10 +308,33 @@ def _finish_model(
     model.eval()
 
 
-def check_signing_options(public_key: str | os.PathLike[str], *, verify: bool) -> None:
-    """ConfigError when a signature check is asked for without verification, or the key cannot check one
-    (what :class:`LoadOptions` checks when built with a ``public_key``)."""
-    LoadOptions(public_key=public_key, verify=verify)
+def _load_on_device(path: str | Path, options: LoadOptions) -> LoadedModel:
+    """The load for a GPU: host memory checked for the compressed weights alone (a dense cache, if any, is
+    built on the device), the model built on the host, then moved to ``options.torch_device``."""
+    directory = resolve_root(path)
+    if options.check_memory:
+        check_load_memory(directory, dense_cache=False, low_memory=True)
+    loaded = load_artifact(directory, options.staged_on_host())
+    loaded.model.to(options.torch_device)
+    return loaded
+
+
+def load_or_place(model: str | Path | LoadedModel, options: LoadOptions) -> tuple[LoadedModel, float]:
+    """``model`` loaded as :func:`load_artifact` does (a path), or a LoadedModel taken as it is and moved to
+    ``options.device``; with the seconds loading took (0 for a LoadedModel). ConfigError for a
+    ``public_key`` with a LoadedModel: the signature is checked while loading, which is over."""
+    if isinstance(model, LoadedModel):
+        if options.public_key is not None:
+            raise ConfigError(
+                "public_key applies while loading an artifact, and this model is already loaded",
+                hint="pass public_key to squeeze.load(), or pass the artifact's path here",
+            )
+        if options.torch_device.type != "cpu":
+            model.model.to(options.torch_device)
+        return model, 0.0
+    start = time.perf_counter()
+    loaded = load_artifact(model, options)
+    return loaded, time.perf_counter() - start
 
 
 def _load_other_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -352,27 +375,6 @@ def _runtime_dtype(tensor: torch.Tensor) -> torch.Tensor:
 COMPUTED_BUFFER_BYTES = 256 * 2**20
 
 
-def _tokenizer_from_files(files: dict[str, bytes]) -> Any:
-    """The tokenizer, built from the verified bytes (copied to a private temp dir, never re-read in place)."""
-    from transformers import AutoTokenizer
-
-    with tempfile.TemporaryDirectory(prefix="squeeze-tokenizer-") as tmp:
-        for name, data in files.items():
-            if "/" not in name:
-                (Path(tmp) / name).write_bytes(data)
-        try:
-            return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
-        except ValueError as exc:
-            if not is_remote_code_refusal(exc):
-                raise
-            # tokenizer_config.json's auto_map names a tokenizer class shipped as Python files: never run
-            raise ModelError(
-                "the artifact's tokenizer needs its own Python code to load (tokenizer_config.json has an "
-                "auto_map); that would take trust_remote_code=True, and squeeze never runs a model's own code",
-                hint="compress a model whose tokenizer transformers supports natively",
-            ) from None
-
-
 def _is_quantized_param(model: nn.Module, key: str) -> bool:
     parent, _, _ = key.rpartition(".")
     try:
@@ -385,7 +387,7 @@ __all__ = [
     "LoadedModel",
     "load_artifact",
     "verified_report",
-    "check_signing_options",
+    "load_or_place",
     "is_artifact",
     "parse_config",
     "build_skeleton",

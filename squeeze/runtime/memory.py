@@ -320,7 +320,45 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def check_kv_memory_available(kv_memory_bytes: int) -> None:
+    """ResourceError when a KV pool of ``kv_memory_bytes`` alone is more than this process can allocate now: the
+    least of the available memory, its address-space limit (``ulimit -v``) and its cgroup's limit (the pool is
+    allocated at start, on the CPU: a pool that cannot fit failed there with "can't allocate memory")."""
+    from squeeze.system import memory_headroom
+
+    headroom = memory_headroom()
+    if headroom is not None and kv_memory_bytes > headroom.bytes:
+        raise ResourceError(
+            f"--kv-memory {kv_memory_bytes / 2**30:,.2f} GiB is more than the {headroom.bytes / 2**30:,.2f} GiB of "
+            f"{headroom.describe()} (and the model needs room too)",
+            hint=_kv_memory_hint(headroom.source),
+        )
+
+
+def _kv_memory_hint(source: str) -> str:
+    smaller = "pass a smaller --kv-memory, e.g. 1GiB (it must hold one full-context sequence)"
+    if source == "RLIMIT_AS":
+        return f"{smaller}, or raise the limit (ulimit -v unlimited)"
+    if source == "cgroup":
+        return f"{smaller}, or give the container more memory (its memory limit)"
+    return smaller
+
+
+def allocation_refused(exc: BaseException, kv_memory_bytes: int) -> ResourceError | None:
+    """The ResourceError for a KV pool (or model) the system would not allocate, from torch's "can't allocate
+    memory" RuntimeError or a MemoryError; None for any other error."""
+    if not isinstance(exc, MemoryError) and "can't allocate memory" not in str(exc):
+        return None
+    return ResourceError(
+        f"the system refused the memory for the KV pool and the model (--kv-memory {kv_memory_bytes / 2**30:,.2f} "
+        "GiB): out of memory, or over a limit of this process (ulimit -v, a cgroup)",
+        hint="pass a smaller --kv-memory, e.g. 1GiB, or raise the limit",
+    )
+
+
 __all__ = [
+    "check_kv_memory_available",
+    "allocation_refused",
     "LoadEstimate",
     "available_memory_bytes",
     "estimate_load",

@@ -12,9 +12,11 @@ Torch-free at import: the checks that need torch or the key file import them whe
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from squeeze.errors import ConfigError
@@ -67,6 +69,23 @@ class LoadOptions:
         if key and "public_key" not in keywords:
             keywords["public_key"] = key
         return cls(**keywords)
+
+    def staged_on_host(self) -> LoadOptions:
+        """These options for the host-side load of a model that then moves to ``device`` (a GPU): the CPU, no
+        memory check of their own (the loader checked the host already), and the dense (or, with ``low_memory``,
+        chunked) weights a device runs, since the native CPU kernels do not run there. A copy of options that
+        were checked when built: not checked again."""
+        staged = copy.copy(self)
+        for name, value in (
+            ("dense_cache", self.dense_cache or not self.low_memory),
+            ("check_memory", False),
+            ("device", "cpu"),
+        ):
+            object.__setattr__(staged, name, value)
+        import torch
+
+        object.__setattr__(staged, "torch_device", torch.device("cpu"))
+        return staged
 
 
 def _check_load(options: LoadOptions) -> None:
@@ -135,17 +154,24 @@ def _build(cls: type[_T], options: _T | None, keywords: Mapping[str, Any]) -> _T
     return cls(**keywords)
 
 
-def split_keywords(keywords: Mapping[str, Any], *classes: type) -> list[dict[str, Any]]:
-    """``keywords`` dealt to the option classes whose fields they name (one dict per class, in order);
-    TypeError for a keyword none of them has, as for any unexpected keyword argument."""
-    names = [{f.name for f in fields(cls) if f.init} for cls in classes]
-    dealt: list[dict[str, Any]] = [{} for _ in classes]
+def split_keywords(keywords: Mapping[str, Any], *builders: type | Callable[..., Any]) -> list[dict[str, Any]]:
+    """``keywords`` dealt to the option builders whose parameters they name (one dict per builder, in order): an
+    options dataclass (its fields) or a builder function such as ``SamplingParams.for_generate`` (its
+    parameters); TypeError for a keyword none of them has, as for any unexpected keyword argument."""
+    names = [_parameter_names(builder) for builder in builders]
+    dealt: list[dict[str, Any]] = [{} for _ in builders]
     for key, value in keywords.items():
         index = next((i for i, own in enumerate(names) if key in own), None)
         if index is None:
             raise TypeError(f"unexpected keyword argument {key!r}")
         dealt[index][key] = value
     return dealt
+
+
+def _parameter_names(builder: type | Callable[..., Any]) -> set[str]:
+    if isinstance(builder, type) and is_dataclass(builder):
+        return {f.name for f in fields(builder) if f.init}
+    return set(inspect.signature(builder).parameters)
 
 
 def load_and_kv(

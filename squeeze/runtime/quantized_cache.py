@@ -11,7 +11,7 @@ has no sink and stores every element as float8_e4m3fn(x / scale) with the layer'
 most one layer's float K/V exists at a time.
 
 Keys arrive post-RoPE: since transformers 5, attention modules hand the cache rotated keys and no position
-embeddings, so calibration and quantization both work on post-RoPE keys (see docs/guide.md).
+embeddings, so calibration and quantization both work on post-RoPE keys (see docs/guide/calibrate-kv.md).
 
 All new tokens are returned dequantized too, prefill included, so perplexity measured through this cache
 sees exactly the error that generation sees.

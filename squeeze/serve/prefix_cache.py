@@ -8,7 +8,7 @@ the same settings; its keys and values were then computed from the same tokens a
 rotating key centre included: squeeze.quant.kv.KeyRotation), so the quantized codes are reused as they
 are: the bits a whole prefill stores. The rest of the prompt is then computed as a chunk over them, which
 gives a whole prefill's bits only where attention and the linears are invariant to the number of queries
-(the test models; on SmolLM2 they differ by float rounding: docs/guide.md, "Serve"). The pool belongs to
+(the test models; on SmolLM2 they differ by float rounding: docs/guide/serve.md). The pool belongs to
 one server run: a cache with other settings is another pool, never reused.
 
 Only full blocks of prompt tokens are named (generated tokens were computed one step at a time, a prompt

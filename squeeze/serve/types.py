@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from squeeze.errors import ConfigError, SqueezeError
+from squeeze.runtime.options import KVOptions
 from squeeze.runtime.sampling_params import SamplingParams, StructuredOutput  # one options class: run and serve
 from squeeze.runtime.speculation import SpeculationOptions
 
@@ -69,8 +70,8 @@ class EngineStoppedError(RequestError):
 class EngineConfig:
     """How the engine sizes its KV cache and batches.
 
-    kv_bits: 16 (full precision) or 4 / 8 (the artifact's calibrated int4 / int8 cache); None: what the
-    artifact was calibrated for, else 16. kv_dynamic: 4 / 8 bits without calibration (per-token absmax).
+    kv: the KV cache (:class:`~squeeze.runtime.options.KVOptions`, checked when built: ``kv_bits`` 16, 4 / 8 or
+    None for what the artifact was calibrated for; ``kv_dynamic`` for 4 / 8 bits without calibration).
     kv_memory_bytes: the KV pool (all layers, sink tokens included). block_size: tokens per KV block.
     max_num_seqs: sequences in one batch at most. max_batch_tokens: tokens one step feeds the model at most
     (decode tokens first, then prompt chunks). max_model_len: the context a request may use (None: the
@@ -79,8 +80,7 @@ class EngineConfig:
     speculative decoding (squeeze.runtime.speculation; the same tokens either way), off by default.
     """
 
-    kv_bits: int | None = None
-    kv_dynamic: bool = False
+    kv: KVOptions = field(default_factory=KVOptions)
     kv_memory_bytes: int = 1 << 30
     block_size: int = 16
     max_num_seqs: int = 32
@@ -107,9 +107,10 @@ _POSITIVE_OPTIONS = {
 def _check_engine_config(config: EngineConfig) -> None:
     """ConfigError for engine options that are wrong whatever the model: what :class:`EngineConfig` checks when
     built (before anything loads), naming the ``squeeze serve`` flag."""
-    from squeeze.runtime.quantized_cache import check_kv_options
-
-    check_kv_options(config.kv_bits, config.kv_dynamic)
+    if not isinstance(config.kv, KVOptions):
+        raise ConfigError(
+            f"kv must be a KVOptions, found {type(config.kv).__name__}", hint="pass kv=KVOptions(kv_bits, kv_dynamic)"
+        )
     for name, example in _POSITIVE_OPTIONS.items():
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -42,3 +42,33 @@ def test_the_check_sees_a_bypass(tmp_path: Path) -> None:
     module = tmp_path / "bad.py"
     module.write_text("def f():\n    from squeeze.runtime.generate import generate\nfrom squeeze import api\n")
     assert sorted(_squeeze_imports(module)) == ["squeeze.api", "squeeze.runtime.generate"]
+
+
+def _api_uses(path: Path) -> tuple[set[str], set[str]]:
+    """The names a CLI module takes from the face: ``api.NAME`` attributes, and ``from squeeze.api import NAME``."""
+    attributes, imported = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "api":
+            attributes.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module == "squeeze.api":
+            imported |= {alias.name for alias in node.names}
+    return attributes, imported
+
+
+def test_the_cli_takes_verbs_from_api_and_everything_else_from_support() -> None:
+    """Issue 49 item 2: ``api.NAME`` in the CLI is a verb (a function of squeeze/api's verb modules); what the CLI
+    needs beyond the verbs comes from the one module squeeze.api.support."""
+    import inspect
+
+    from squeeze import api
+
+    verb_modules = {f"squeeze.api.{name}" for name in ("artifact", "compress", "run", "serve", "eval")}
+    not_verbs = set()
+    for path in sorted(CLI_DIR.glob("*.py")):
+        attributes, imported = _api_uses(path)
+        not_verbs |= {f"{path.name}: from squeeze.api import {name}" for name in imported - {"support"}}
+        for name in attributes:
+            value = getattr(api, name, None)
+            if not (inspect.isfunction(value) and value.__module__ in verb_modules):
+                not_verbs.add(f"{path.name}: api.{name}")
+    assert not not_verbs, sorted(not_verbs)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from squeeze import api, errors
+import squeeze
+from squeeze import errors
 from squeeze.cli.app import app
 from squeeze.cli.common import cli_errors
 from squeeze.cli.compress import _print_summary
@@ -71,7 +72,7 @@ def test_a_tuning_seed_too_large_is_refused_before_any_work(tmp_path: Path, tiny
 def _tuned_recipe_with_seed(seed: int) -> str:
     import yaml
 
-    data = yaml.safe_load((Path(api.__file__).parent / "recipes" / "w3-tuned.yaml").read_text())
+    data = yaml.safe_load((Path(squeeze.__file__).parent / "recipes" / "w3-tuned.yaml").read_text())
     data["weights"]["tuning"]["seed"] = seed
     return yaml.safe_dump(data)
 

@@ -25,6 +25,7 @@ from squeeze import api
 from squeeze.cli import serve as serve_cmd
 from squeeze.cli.app import app
 from squeeze.cli.run import UNVERIFIED_WARNING
+from squeeze.runtime.options import KVOptions
 
 runner = CliRunner()
 SERVE_TESTS = Path(__file__).resolve().parent.parent / "serve"
@@ -40,7 +41,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def serve_engine(path: Any, **options: Any) -> FakeEngine:
         calls.append({"path": path, **options})
-        return FakeEngine(model_name="stories", kv_bits=options["config"].kv_bits or 8)
+        return FakeEngine(model_name="stories", kv_bits=options["config"].kv.kv_bits or 8)
 
     monkeypatch.setattr(api, "serve_engine", serve_engine, raising=False)
     return calls
@@ -148,8 +149,7 @@ def test_the_engine_is_built_from_the_options_and_the_startup_line(built: list, 
     assert call == {
         "path": Path("artifact-dir"),
         "config": squeeze.serve.types.EngineConfig(
-            kv_bits=4,
-            kv_dynamic=True,
+            kv=KVOptions(4, True),
             kv_memory_bytes=64 * 2**20,
             block_size=8,
             max_num_seqs=3,

@@ -330,9 +330,10 @@ def test_fp8_scales_are_those_of_a_direct_calibration(fp8_artifact, tinystories_
     from squeeze.calibrate.windows import calibration_windows
     from squeeze.config import load_calibration_spec
     from squeeze.runtime.loader import load_artifact
+    from squeeze.runtime.options import LoadOptions
 
     out, _ = fp8_artifact
-    loaded = load_artifact(out, dense_cache=True)  # the model calibrate-kv ran
+    loaded = load_artifact(out, LoadOptions(dense_cache=True))  # the model calibrate-kv ran
     windows = calibration_windows(
         load_calibration_spec(str(tinystories_file), num_samples=4, seq_len=64), loaded.tokenizer
     )

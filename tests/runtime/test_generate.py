@@ -12,7 +12,8 @@ from squeeze import api
 from squeeze.errors import ConfigError
 from squeeze.quant.schemes.lut import quantize_lut
 from squeeze.quant.schemes.rtn import rtn_quantize
-from squeeze.runtime.generate import GenerationResult, generate, resolve_device, validate_options
+from squeeze.runtime.checks import check_prompts
+from squeeze.runtime.generate import GenerationResult, generate, resolve_device
 from squeeze.runtime.linear import SqueezeLinear
 
 PROMPT = "Once upon a time"
@@ -247,7 +248,7 @@ def test_api_generate_checks_options_before_loading(tmp_path: Path) -> None:
     # the artifact does not exist: a bad option must be reported first, without touching it
     with pytest.raises(ConfigError, match="max_new_tokens"):
         api.generate(tmp_path / "missing", PROMPT, max_new_tokens=0)
-    assert validate_options(PROMPT, max_new_tokens=1, temperature=0.0, top_p=1.0) == [PROMPT]
+    assert check_prompts(PROMPT) == [PROMPT]
 
 
 def test_result_to_dict_is_json(loaded) -> None:

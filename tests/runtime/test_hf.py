@@ -147,10 +147,25 @@ def test_save_pretrained_is_refused(artifacts: dict[str, Path], tmp_path: Path) 
     assert not list(tmp_path.rglob("*.safetensors"))
 
 
-def test_import_squeeze_registers_lazily_without_importing_transformers() -> None:
+def test_import_squeeze_registers_nothing() -> None:
+    """Issue 49 item 2: `import squeeze` has no side effect on transformers; squeeze.register() is explicit."""
     code = (
         "import sys; import squeeze\n"
-        "assert 'transformers' not in sys.modules, 'import squeeze imported transformers'\n"
+        "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as Q\n"
+        "assert 'squeeze' not in Q, 'import squeeze registered with transformers'\n"
+        "squeeze.register(lm_eval=False)  # the registry is imported: registers at once\n"
+        "assert 'squeeze' in Q\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_register_is_lazy_without_importing_transformers() -> None:
+    code = (
+        "import sys; import squeeze; squeeze.register(lm_eval=False)\n"
+        "assert 'transformers' not in sys.modules, 'squeeze.register() imported transformers'\n"
         "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as Q, AUTO_QUANTIZATION_CONFIG_MAPPING as C\n"
         "from squeeze.runtime.hf import SqueezeHfQuantizer, SqueezeQuantConfig\n"
         "assert Q['squeeze'] is SqueezeHfQuantizer and C['squeeze'] is SqueezeQuantConfig\n"

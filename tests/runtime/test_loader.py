@@ -132,7 +132,7 @@ def test_skeleton_and_tokenizer_are_built_once_after_verification(artifacts, mon
     real_verify, real_build = loader.verify_artifact, loader.build_skeleton
     monkeypatch.setattr(loader, "verify_artifact", lambda *a, **k: events.append("verified") or real_verify(*a, **k))
     monkeypatch.setattr(loader, "build_skeleton", lambda *a, **k: events.append("skeleton") or real_build(*a, **k))
-    tokenizers = _count(monkeypatch, loader, "_tokenizer_from_files")
+    tokenizers = _count(monkeypatch, loader, "tokenizer_from_files")
     loaded = api.load(a)
     assert events == ["verified", "skeleton"] and tokenizers == [1]  # nothing built from unverified bytes
     assert loaded.tokenizer("Once upon a time")["input_ids"]

@@ -49,7 +49,7 @@ PROMPT = "Once upon a time"
         (lambda: KVOptions(kv_dynamic=True), r"--kv-dynamic needs --kv-bits 8 or 4"),
         (lambda: LoadOptions.build(LoadOptions(), {"verify": False}), r"pass LoadOptions or its keywords, not both"),
         (lambda: api.EngineConfig(block_size=0), r"--block-size must be a positive integer, found 0"),
-        (lambda: api.EngineConfig(kv_bits=3), r"--kv-bits must be 4, 8 or 16"),
+        (lambda: api.EngineConfig(kv=KVOptions(3)), r"--kv-bits must be 4, 8 or 16"),
     ],
 )
 def test_bad_options_are_config_errors_when_built(build: Callable[[], Any], message: str) -> None:

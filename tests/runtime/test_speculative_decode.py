@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from squeeze import api
+from squeeze.errors import ConfigError
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.quantized_cache import SqueezeKVCache
 
@@ -54,7 +55,7 @@ def test_the_limit_ends_a_run_inside_an_accepted_draft(loaded: Any) -> None:
 
 
 def test_a_bad_option_is_refused_before_loading(tmp_path: Path) -> None:
-    with pytest.raises(api.ConfigError, match="--speculate"):
+    with pytest.raises(ConfigError, match="--speculate"):
         api.generate(tmp_path / "missing", "hi", speculate="ngram:0")
 
 

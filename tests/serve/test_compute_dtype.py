@@ -17,6 +17,7 @@ from squeeze import api
 from squeeze.eval.perplexity import token_nlls
 from squeeze.runtime.attention import native_kernels
 from squeeze.runtime.kernels.cpu_attention import attention_kernels
+from squeeze.runtime.options import KVOptions
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.engine import Engine
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
@@ -59,7 +60,7 @@ def test_from_pretrained_records_the_dtype_it_loaded_in(half_serve_artifact: Pat
 
 
 def test_the_full_precision_pool_is_float32_and_says_so(half_serve_artifact: Path) -> None:
-    engine = api.serve_engine(half_serve_artifact, config=EngineConfig(kv_bits=16, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(half_serve_artifact, config=EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20))
     stats = engine.stats()
     config: Any = engine.model.config
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
@@ -72,7 +73,7 @@ def test_the_full_precision_pool_is_float32_and_says_so(half_serve_artifact: Pat
 def test_prompt_logprobs_match_the_loaded_model_whatever_the_chunking(
     half_serve_artifact: Path, max_batch_tokens: int
 ) -> None:
-    config = EngineConfig(kv_bits=16, kv_memory_bytes=4 << 20, max_batch_tokens=max_batch_tokens)
+    config = EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20, max_batch_tokens=max_batch_tokens)
     engine = api.serve_engine(half_serve_artifact, config=config)
     ids = engine.tokenize(TEXT)
     ((last,),) = _run(engine, [(ids, SamplingParams(max_tokens=0, temperature=0, prompt_logprobs=1))])
@@ -86,7 +87,7 @@ def test_prompt_logprobs_match_the_loaded_model_whatever_the_chunking(
 def test_run_and_serve_attend_natively_and_agree(half_serve_artifact: Path, attend_calls: list[str]) -> None:
     calls = attend_calls
     alone = api.generate(api.load(half_serve_artifact), "Once upon a time", max_new_tokens=8, kv_bits=4)
-    engine = api.serve_engine(half_serve_artifact, config=EngineConfig(kv_bits=4, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(half_serve_artifact, config=EngineConfig(kv=KVOptions(4), kv_memory_bytes=4 << 20))
     (outputs,) = _run(engine, [(engine.tokenize("Once upon a time"), SamplingParams(max_tokens=8))])
     assert calls.count("run") == calls.count("serve") == 5 * 8  # stories260K's 5 layers, 8 forwards each
     assert outputs[-1].finished and "".join(o.text for o in outputs) == alone.text

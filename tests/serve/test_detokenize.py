@@ -15,6 +15,7 @@ import pytest
 from fake_engine import serving
 
 from squeeze import api
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.engine import Engine
 from squeeze.serve.http import create_app
 from squeeze.serve.types import EngineConfig
@@ -26,7 +27,7 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def engine(serve_artifact: Path) -> Engine:
-    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv_bits=16, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20))
     engine.tokenizer.chat_template = TEMPLATE  # this engine's own tokenizer: stories260K has no template
     return engine
 

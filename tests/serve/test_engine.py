@@ -10,6 +10,7 @@ import torch
 
 from squeeze import api
 from squeeze.errors import ConfigError
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.engine import Engine
 from squeeze.serve.types import EngineConfig, QueueFullError, RequestError, RequestOutput, SamplingParams
 
@@ -39,7 +40,9 @@ PROMPTS = [
 
 def _engine(artifact: Path, activations: str = "float32", **options) -> Engine:  # noqa: ANN003
     options.setdefault("kv_memory_bytes", 4 << 20)
-    return api.serve_engine(artifact, config=EngineConfig(**options), activations=activations)  # type: ignore[arg-type]
+    kv = KVOptions(options.pop("kv_bits", None), options.pop("kv_dynamic", False))
+    config = EngineConfig(kv=kv, **options)
+    return api.serve_engine(artifact, config=config, activations=activations)  # type: ignore[arg-type]
 
 
 async def _collect(engine: Engine, prompt: str, params: SamplingParams, request_id: str) -> list[RequestOutput]:
@@ -189,7 +192,7 @@ def test_bad_engine_options_are_refused_before_loading(serve_artifact: Path, tmp
     with pytest.raises(ConfigError, match="prefix_cache must be True or False, found 'yes'"):
         api.serve_engine(missing, config=EngineConfig(prefix_cache="yes"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="--kv-bits must be 4, 8 or 16"):
-        api.serve_engine(missing, config=EngineConfig(kv_bits=5))
+        api.serve_engine(missing, config=EngineConfig(kv=KVOptions(5)))
     with pytest.raises(ConfigError, match="--kv-memory .* one sequence of the full context"):
         _engine(serve_artifact, kv_memory_bytes=1000)
     with pytest.raises(ConfigError, match="--max-model-len 100000 is more than the model's context of 512"):
@@ -202,7 +205,7 @@ def test_bad_engine_options_are_refused_before_loading(serve_artifact: Path, tmp
 def test_int4_kv_without_calibration_is_refused_with_the_calibrate_kv_hint(compress_tiny, tmp_path: Path) -> None:
     artifact = compress_tiny(tmp_path / "tiny-w4")
     with pytest.raises(ConfigError, match="needs calibrated KV scales") as caught:
-        api.serve_engine(artifact, config=EngineConfig(kv_bits=4))
+        api.serve_engine(artifact, config=EngineConfig(kv=KVOptions(4)))
     assert "squeeze calibrate-kv" in (caught.value.hint or "")
     assert api.serve_engine(artifact).stats().kv_bits == 16  # default: what the artifact has (no KV: full precision)
 
@@ -228,7 +231,7 @@ def test_a_row_gets_the_same_logits_bit_for_bit_alone_or_packed_with_others(wide
     from squeeze.serve.scheduler import ScheduledChunk
     from squeeze.serve.sequence import Sequence
 
-    engine = api.serve_engine(wide32_artifact, config=EngineConfig(kv_bits=4, kv_dynamic=True, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(wide32_artifact, config=EngineConfig(kv=KVOptions(4, True), kv_memory_bytes=4 << 20))
     short = engine.tokenize("once upon a time")
     long = engine.tokenize(" ".join(["the little dog found a big red ball under the tree"] * 4))
     assert len(short) < 32 < len(long)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from squeeze import api
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.engine import Engine
 from squeeze.serve.sequence import Sequence
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
@@ -22,7 +23,8 @@ ENDINGS = ["She", "Tom said", "The ball was", "Lily and her mom went to the park
 def _engine(artifact: Path, **options) -> Engine:  # noqa: ANN003
     options.setdefault("kv_memory_bytes", 4 << 20)
     options.setdefault("block_size", 8)
-    return api.serve_engine(artifact, config=EngineConfig(**options))
+    kv = KVOptions(options.pop("kv_bits", None), options.pop("kv_dynamic", False))
+    return api.serve_engine(artifact, config=EngineConfig(kv=kv, **options))
 
 
 def _serve(engine: Engine, waves: list[list[tuple[str, SamplingParams]]]) -> list[list[RequestOutput]]:
@@ -104,7 +106,7 @@ def test_shared_blocks_survive_preemption_under_a_tiny_pool(serve_artifact: Path
 def test_a_cached_prefix_gives_the_logits_bit_for_bit(wide32_artifact: Path) -> None:
     """The suffix computed over cached blocks gets the logits a whole prefill gets (a model whose widths are
     multiples of 32: see the wide32_artifact fixture)."""
-    config = EngineConfig(kv_bits=4, kv_dynamic=True, kv_memory_bytes=4 << 20, block_size=8)
+    config = EngineConfig(kv=KVOptions(4, True), kv_memory_bytes=4 << 20, block_size=8)
     words = "the little dog found a big red ball under the tree and ran home to show his mother "
     order = iter(range(100))
 

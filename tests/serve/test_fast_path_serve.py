@@ -12,6 +12,7 @@ import torch
 import squeeze.serve.runner as serve_runner
 from squeeze import api
 from squeeze.runtime.kernels.cpu_attention import attention_kernels
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.scheduler import ScheduledChunk
 from squeeze.serve.sequence import Sequence
 from squeeze.serve.types import EngineConfig, SamplingParams
@@ -26,7 +27,7 @@ def _kernel() -> None:
 
 
 def _engine(artifact: Path) -> Any:
-    return api.serve_engine(artifact, config=EngineConfig(kv_bits=4, kv_dynamic=True, kv_memory_bytes=4 << 20))
+    return api.serve_engine(artifact, config=EngineConfig(kv=KVOptions(4, True), kv_memory_bytes=4 << 20))
 
 
 def _decode_logits(engine: Any, prompts: list[list[int]], tag: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from squeeze.cli.app import app
 from squeeze.errors import ConfigError
 from squeeze.eval.harness import HarnessModel, load_harness_model
 from squeeze.eval.perplexity import token_nlls
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.http import create_app
 from squeeze.serve.types import EngineConfig
 
@@ -60,7 +61,7 @@ def test_loglikelihoods_are_squeeze_evals_nll(core: HarnessModel) -> None:
 def test_the_server_scores_what_the_adapter_scores(serve_artifact: Path, core: HarnessModel) -> None:
     """lm-eval's local-completions request (token ids, echo, logprobs 1, max_tokens 1) against the in-process
     adapter: the same log-likelihoods to 1e-4 and the same greedy flags."""
-    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv_bits=16, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20))
     encoded = [core.encode_pair(c, x) for c, x in PAIRS]
     request = {
         "prompt": [c + x for c, x in encoded],

@@ -13,6 +13,7 @@ import torch
 
 from squeeze import api
 from squeeze.eval.perplexity import token_nlls
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.engine import Engine
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
 
@@ -26,7 +27,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def engine16(serve_artifact: Path) -> Engine:
     # a small batch budget: the long prompt is fed in several chunks, its log-probabilities gathered across them
-    config = EngineConfig(kv_bits=16, kv_memory_bytes=4 << 20, max_batch_tokens=8)
+    config = EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20, max_batch_tokens=8)
     return api.serve_engine(serve_artifact, config=config)
 
 
@@ -93,7 +94,7 @@ def test_echo_over_http_gives_the_nll_squeeze_eval_gives(serve_artifact: Path) -
 
     from squeeze.serve.http import create_app
 
-    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv_bits=16, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(serve_artifact, config=EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20))
     loaded = api.load(serve_artifact)
     prompts = [engine.tokenize(t) for t in TEXTS[:2]]
     request = {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
@@ -116,12 +117,14 @@ def test_preempted_requests_keep_their_prompt_logprobs(serve_artifact: Path) -> 
     """A sequence preempted mid-prompt or mid-generation is recomputed; its prompt log-probabilities are
     neither lost nor recorded twice."""
     roomy = api.serve_engine(
-        serve_artifact, config=EngineConfig(kv_bits=16, max_model_len=256, kv_memory_bytes=4 << 20)
+        serve_artifact, config=EngineConfig(kv=KVOptions(16), max_model_len=256, kv_memory_bytes=4 << 20)
     )
     pool = roomy.pool
     tight = api.serve_engine(
         serve_artifact,
-        config=EngineConfig(kv_bits=16, max_model_len=256, kv_memory_bytes=18 * pool.block_bytes, max_batch_tokens=32),
+        config=EngineConfig(
+            kv=KVOptions(16), max_model_len=256, kv_memory_bytes=18 * pool.block_bytes, max_batch_tokens=32
+        ),
     )
     prompts = [tight.tokenize(t) for t in TEXTS * 3]
     params = SamplingParams(max_tokens=96, temperature=0, logprobs=1, prompt_logprobs=1, ignore_eos=True)

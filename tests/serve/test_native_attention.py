@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from squeeze import api
+from squeeze.runtime.options import KVOptions
 from squeeze.serve.types import EngineConfig, SamplingParams
 
 
 def _served(artifact: Path, prompt: str, kv_bits: int) -> str:
-    engine = api.serve_engine(artifact, config=EngineConfig(kv_bits=kv_bits, kv_memory_bytes=4 << 20))
+    engine = api.serve_engine(artifact, config=EngineConfig(kv=KVOptions(kv_bits), kv_memory_bytes=4 << 20))
 
     async def main() -> str:
         engine.start()

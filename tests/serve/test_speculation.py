@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from squeeze import api
+from squeeze.errors import ConfigError
+from squeeze.runtime.options import KVOptions
 from squeeze.runtime.speculation import SpeculationOptions
 from squeeze.serve.engine import Engine
 from squeeze.serve.types import EngineConfig, SamplingParams
@@ -22,22 +24,25 @@ PROMPTS = [
 ]
 
 
-def _engine(artifact: Path, speculate: str, **options: Any) -> Engine:
+def _engine(
+    artifact: Path, speculate: str, *, kv_bits: int | None = None, kv_dynamic: bool = False, **options: Any
+) -> Engine:
     options.setdefault("kv_memory_bytes", 4 << 20)
-    config = EngineConfig(speculation=SpeculationOptions.parse(speculate), **options)
+    kv = KVOptions(kv_bits, kv_dynamic)
+    config = EngineConfig(kv=kv, speculation=SpeculationOptions.parse(speculate), **options)
     return api.serve_engine(artifact, config=config)
 
 
 def _generate(engine: Engine, params: list[SamplingParams], prompts: list[str]) -> list[list[int]]:
-    """Every prompt submitted at once; each request's token ids."""
+    """Every prompt submitted before the engine starts (so the first step admits them all); each request's ids."""
 
     async def main() -> list[list[int]]:
-        engine.start()
         try:
             handles = [
                 engine.submit(engine.tokenize(p), sp, f"r{i}")
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
             ]
+            engine.start()
 
             async def collect(handle: Any) -> list[int]:
                 return [t async for out in handle for t in out.token_ids]
@@ -131,6 +136,6 @@ def test_the_option_parses(text: str, expected: str) -> None:
 
 @pytest.mark.parametrize("text", ["ngram:0", "int8:17", "eagle:3", "ngram:x", "off:3", ""])
 def test_bad_options_are_refused_with_a_hint(text: str) -> None:
-    with pytest.raises(api.ConfigError, match="--speculate") as info:
+    with pytest.raises(ConfigError, match="--speculate") as info:
         SpeculationOptions.parse(text)
     assert info.value.hint and "--speculate" in info.value.hint

@@ -24,7 +24,9 @@ def register() -> None:
     from squeeze.format.quant_config import QUANT_METHOD
     from squeeze.integrations.vllm.load_format import LOAD_FORMAT, SqueezeModelLoader
     from squeeze.integrations.vllm.quant_method import SqueezeVllmConfig
+    from squeeze.runtime import hf_hook
 
+    hf_hook.install()  # squeeze.register()'s transformers half: `import squeeze` registers nothing by itself
     register_quantization_config(QUANT_METHOD)(SqueezeVllmConfig)
     register_model_loader(LOAD_FORMAT)(SqueezeModelLoader)
     _registered = True
