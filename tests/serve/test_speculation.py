@@ -139,3 +139,42 @@ def test_bad_options_are_refused_with_a_hint(text: str) -> None:
     with pytest.raises(ConfigError, match="--speculate") as info:
         SpeculationOptions.parse(text)
     assert info.value.hint and "--speculate" in info.value.hint
+
+
+@pytest.mark.parametrize("kv", [{"kv_bits": 16}, {"kv_bits": 8, "kv_dynamic": True}], ids=["sdpa", "native"])
+def test_a_verification_row_gives_each_position_the_bits_of_decoding_it_alone(
+    wide32_artifact: Path, kv: dict[str, Any]
+) -> None:
+    """The runner's logits for a row of 1 + d queries equal, bit for bit, those of d + 1 single-token steps."""
+    import torch
+
+    from squeeze.serve.scheduler import ScheduledChunk
+    from squeeze.serve.sequence import Sequence
+
+    fed = [5, 9, 12, 7, 30]
+
+    def prefilled(engine: Engine) -> Sequence:
+        seq = Sequence("s", engine.tokenize(PROMPTS[0]), SamplingParams(max_tokens=16), order=1)
+        engine.scheduler.add(seq)
+        (chunk,) = engine.scheduler.schedule()
+        engine.runner.run([chunk])
+        seq.computed += chunk.tokens
+        seq.output_ids.append(fed[0])
+        return seq
+
+    with torch.inference_mode():
+        one = _engine(wide32_artifact, "off", **kv)
+        seq = prefilled(one)
+        alone = []
+        for token in fed[1:] + [0]:
+            (chunk,) = one.scheduler.schedule()
+            alone.append(one.runner.run([chunk])[0])
+            seq.computed += 1
+            seq.output_ids.append(token)
+        together = _engine(wide32_artifact, "off", **kv)
+        seq = prefilled(together)
+        (chunk,) = together.scheduler.schedule(lambda s: len(fed) - 1)
+        assert chunk.room == len(fed) - 1
+        verify = ScheduledChunk(seq, len(fed), draft=tuple(fed[1:]))
+        _, rows = together.runner.run_keeping([verify], [True])
+    assert torch.equal(rows[0], torch.stack(alone))
