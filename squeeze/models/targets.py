@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from squeeze.errors import ModelError
-from squeeze.models.expert_params import EXPERT_PARAM_NAMES, ExpertWeight, is_experts_module
+from squeeze.models.expert_params import ExpertWeight, is_experts_module
+from squeeze.models.families import expert_param_names
 
 
 def _matches_suffix(name: str, suffix: str) -> bool:
@@ -66,7 +67,7 @@ def _find(model: nn.Module, targets: Sequence[str], ignore: Sequence[str], *, ex
                 found[name] = module
         elif experts and is_experts_module(module):
             for attr, param in module.named_parameters(recurse=False):
-                if attr in EXPERT_PARAM_NAMES and param.ndim == 3:
+                if attr in expert_param_names() and param.ndim == 3:
                     path = f"{name}.{attr}" if name else attr
                     seen_names.append(path)
                     if picked(path):
@@ -91,7 +92,7 @@ def target_at(model: nn.Module, name: str) -> Target:
         return module
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if _has_submodule(model, parent_name) else None
-    if parent is not None and is_experts_module(parent) and attr in EXPERT_PARAM_NAMES:
+    if parent is not None and is_experts_module(parent) and attr in expert_param_names():
         param = getattr(parent, attr, None)
         if isinstance(param, nn.Parameter) and param.ndim == 3:
             return ExpertWeight(parent, attr)
