@@ -8,6 +8,8 @@ A :class:`ModelFamily` names the ``config.model_type`` values it covers and says
   recipe names targets only to change them;
 - ``expert_params``: the 3-D parameter names of a MoE experts module that hold projection matrices
   (squeeze.models.expert_params; :func:`expert_param_names` is the union);
+- ``fused``: groups of projections a runtime fuses into one matrix (vLLM's qkv_proj and gate_up_proj), which a
+  ``weights.target_bpw`` plan gives one setting (squeeze.compression.bit_budget; :func:`fused_groups`);
 - ``parts``: how its causal LM splits into ``(input embedding, decoder blocks, final norm, LM head)`` for the
   block-by-block passes of ``--max-memory`` / ``--device`` (:func:`model_parts`; ConfigError when a model is
   not that shape);
@@ -77,6 +79,7 @@ class ModelFamily:
     model_types: frozenset[str] = frozenset()
     projections: tuple[str, ...] = ()
     expert_params: tuple[str, ...] = ()
+    fused: tuple[tuple[str, ...], ...] = ()
     parts: PartsFn = field(default=llama_parts)
     fast_path: bool = False
 
@@ -87,6 +90,7 @@ DECODER = ModelFamily(
     name="decoder",
     projections=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"),
     expert_params=("gate_up_proj", "down_proj", "gate_proj", "up_proj"),
+    fused=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
 )
 #: Llama's decoder layer (Qwen3 adds q/k norms): the families the flat forward computes.
 LLAMA = ModelFamily(
@@ -95,11 +99,13 @@ LLAMA = ModelFamily(
     projections=DECODER.projections[:7],
     fast_path=True,
 )
+#: The projections only multi-head latent attention has (its cache holds keys and values of different sizes).
+MLA_KV_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj")
 #: Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): its low-rank query and key/value projections.
 MLA = ModelFamily(
     name="mla",
     model_types=frozenset({"deepseek_v2", "deepseek_v3"}),  # Kimi K2 is deepseek_v3
-    projections=("o_proj", *DECODER.projections[4:7], "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+    projections=("o_proj", *DECODER.projections[4:7], "q_a_proj", "q_b_proj", *MLA_KV_PROJECTIONS),
     expert_params=DECODER.expert_params,
 )
 
@@ -148,6 +154,11 @@ def expert_param_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for family in _REGISTRY.values() for name in family.expert_params))
 
 
+def fused_groups() -> tuple[tuple[str, ...], ...]:
+    """Every registered family's fused projection groups, each once, in order."""
+    return tuple(dict.fromkeys(group for family in _REGISTRY.values() for group in family.fused))
+
+
 def model_parts(model: nn.Module, option: str = "--max-memory") -> DecoderParts:
     """``(input embedding, decoder blocks, final norm, LM head)`` of a causal LM, as its family splits it;
     ConfigError if it has another shape (or post-processes its logits), which the block-by-block passes cannot
@@ -168,6 +179,7 @@ __all__ = [
     "DEFAULT_TARGETS",
     "LLAMA",
     "MLA",
+    "MLA_KV_PROJECTIONS",
     "DecoderParts",
     "ModelFamily",
     "PartsFn",
@@ -175,6 +187,7 @@ __all__ = [
     "default_targets",
     "expert_param_names",
     "families",
+    "fused_groups",
     "family_of",
     "llama_parts",
     "model_parts",

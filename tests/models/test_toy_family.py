@@ -109,3 +109,16 @@ def test_a_toy_family_compresses_and_loads(
     ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
     with torch.no_grad():
         assert (loaded.model(ids).logits - reference(ids).logits).abs().max() < 1e-4
+
+
+def test_a_family_s_fused_groups_share_one_budget_setting() -> None:
+    from squeeze.compression.bit_budget import fused_units
+
+    names = ["l.0.q_proj", "l.0.k_proj", "l.0.v_proj", "l.0.fc1", "l.0.fc2"]
+    assert fused_units(names) == [("l.0.q_proj", "l.0.k_proj", "l.0.v_proj"), ("l.0.fc1",), ("l.0.fc2",)]
+    families.register_family(families.ModelFamily(name="toy-fused", fused=(("fc1", "fc2"),)))
+    try:
+        assert fused_units(names) == [("l.0.q_proj", "l.0.k_proj", "l.0.v_proj"), ("l.0.fc1", "l.0.fc2")]
+    finally:
+        families.unregister_family("toy-fused")
+    assert fused_units(names)[-1] == ("l.0.fc2",)
