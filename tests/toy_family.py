@@ -25,4 +25,5 @@ TOY_OPT = ModelFamily(
     model_types=frozenset({"opt"}),
     projections=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
     parts=opt_parts,
+    before_blocks=lambda model: (model.get_decoder().embed_positions,),
 )

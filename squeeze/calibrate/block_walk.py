@@ -17,7 +17,7 @@ from torch import nn
 
 from squeeze.errors import ConfigError
 from squeeze.models.expert_params import ExpertWeight
-from squeeze.models.families import model_parts  # noqa: F401 - the block passes' import (the family decides)
+from squeeze.models.families import family_of, model_parts  # noqa: F401 - the block passes' import (the family decides)
 from squeeze.models.placement import on_device, to_device
 
 #: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
@@ -158,7 +158,8 @@ def prologue(
     try:
         for index, block in enumerate(blocks):
             block.forward = stub(index)  # type: ignore[method-assign]
-        with materialize(embed), torch.no_grad():
+        # the family's other modules before block 0 (OPT's position embeddings) run with the embedding
+        with materialize(embed, *family_of(model).before_blocks(model)), torch.no_grad():
             for w, row in enumerate(windows):
                 with contextlib.suppress(_Stop):
                     model(input_ids=row[None], use_cache=False)

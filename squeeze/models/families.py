@@ -12,7 +12,8 @@ A :class:`ModelFamily` names the ``config.model_type`` values it covers and says
   ``weights.target_bpw`` plan gives one setting (squeeze.compression.bit_budget; :func:`fused_groups`);
 - ``parts``: how its causal LM splits into ``(input embedding, decoder blocks, final norm, LM head)`` for the
   block-by-block passes of ``--max-memory`` / ``--device`` (:func:`model_parts`; ConfigError when a model is
-  not that shape);
+  not that shape); ``before_blocks``: the modules besides the input embedding that the model runs before its
+  first block (OPT's learned position embeddings), loaded with the embedding when the blocks are streamed;
 - ``fast_path``: whether ``squeeze run`` / ``squeeze serve`` may take the flat forward
   (squeeze.runtime.fast_path, which still checks the model's modules one by one).
 
@@ -81,6 +82,7 @@ class ModelFamily:
     expert_params: tuple[str, ...] = ()
     fused: tuple[tuple[str, ...], ...] = ()
     parts: PartsFn = field(default=llama_parts)
+    before_blocks: Callable[[nn.Module], tuple[nn.Module, ...]] = field(default=lambda _model: ())
     fast_path: bool = False
 
 

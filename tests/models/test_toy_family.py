@@ -1,8 +1,7 @@
 """A model family registered from outside squeeze (tests/toy_family.py, one ModelFamily) is quantized by the
-built-in recipes and loads, and its parts are what the block-by-block passes walk; without it, OPT's own
-linears are not default targets and --max-memory / --device refuse its shape. The family registry's
-acceptance test. (OPT's learned position embeddings sit outside the four parts, so its --max-memory run is not
-exercised here: the prologue materializes the input embedding alone.)
+built-in recipes, streams under --max-memory to the in-memory run's bytes (its parts, and its position
+embeddings before the blocks), and loads; without it, OPT's own linears are not default targets and
+--max-memory / --device refuse its shape. The family registry's acceptance test.
 """
 
 from __future__ import annotations
@@ -91,13 +90,16 @@ def test_the_family_splits_opt_into_its_parts(toy_family: families.ModelFamily, 
     )
 
 
-def test_a_toy_family_compresses_and_loads(
+def test_a_toy_family_compresses_streams_and_loads(
     toy_family: families.ModelFamily,
     tiny_opt_dir: Path,
     tmp_path: Path,
     compress_tiny: Any,
 ) -> None:
     artifact = compress_tiny(tmp_path / "opt-w4", "w4", source=tiny_opt_dir)  # Fisher-calibrated
+    bounded = compress_tiny(tmp_path / "bounded", "w4", source=tiny_opt_dir, max_memory="64GB")  # streamed
+    shards = sorted(artifact.glob("*.safetensors"))
+    assert shards and all((bounded / p.name).read_bytes() == p.read_bytes() for p in shards)  # block by block
     loaded = api.load(artifact)
     linears = {n: m for n, m in loaded.model.named_modules() if isinstance(m, SqueezeLinear)}
     suffixes = sorted({name.rsplit(".", 1)[-1] for name in linears})
