@@ -34,8 +34,8 @@ from squeeze.limits import (
     check_choice,
     check_seed,
 )
+from squeeze.models.families import DEFAULT_TARGETS  # noqa: F401 - re-exported (older callers)
 from squeeze.weights_config import (  # noqa: F401 - re-exported: squeeze.config is the public home
-    DEFAULT_TARGETS,
     EMBEDDING_AUTO,
     EMBEDDING_BITS,
     ERROR_COMPENSATION_OPTIONS,

@@ -24,6 +24,7 @@ from squeeze.limits import (
     check_sparse_fractions,
     check_weight_bits,
 )
+from squeeze.models.families import default_targets
 from squeeze.quant.schemes import format_for_recipe, formats, methods, recipe_options
 
 #: Kept for callers of the old name; the table is squeeze.limits.
@@ -37,22 +38,6 @@ EMBEDDING_AUTO: EmbeddingAuto = "auto"
 ERROR_COMPENSATION_OPTIONS = ("damp", "refit_lut", "refit_rounds", "act_order", "generated_samples")
 #: The most rounds ``weights.refit_rounds`` may ask for (each is one more compensation pass per linear).
 MAX_REFIT_ROUNDS = 8
-#: Dense and shared-expert MLP linears, fused gate_up_proj (Phi-3 linears; MoE expert parameters, see
-#: squeeze.models.expert_params), and the MLA projections of DeepSeek-V3 / Kimi K2 attention.
-DEFAULT_TARGETS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "gate_up_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-)
 
 # Package data (shipped in the wheel), not the repository root: an installed squeeze has its built-ins too.
 
@@ -136,8 +121,10 @@ class WeightsConfig:
     #: compensation is not fitted to the calibration text's domain alone (squeeze.calibrate.generated;
     #: SmolLM2-135M w3-ec, WikiText-2: 50.2 with 8 of them, 47.9 with 32, 54.4 with sotu.txt alone). 0: none.
     generated_samples: int = 0
-    #: Module-name suffixes of the nn.Linear layers to quantize.
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    #: Module-name suffixes of the nn.Linear layers (and 3-D expert parameters) to quantize; default: every
+    #: registered model family's projections (squeeze.models.families.default_targets). A recipe names targets
+    #: only to change them: the resolved list is what recipe.yaml, hashes and fingerprints hold.
+    targets: tuple[str, ...] = field(default_factory=default_targets)
     #: Module-name substrings never quantized, even when they match a target.
     ignore: tuple[str, ...] = ("lm_head",)
     #: Quantize the token embedding and an untied LM head too: 8 / 6 (int8 / int6 per row, RTN) or 4 (a 4-bit

@@ -17,6 +17,7 @@ from torch import nn
 
 from squeeze.errors import ConfigError
 from squeeze.models.expert_params import ExpertWeight
+from squeeze.models.families import family_of, model_parts  # noqa: F401 - the block passes' import (the family decides)
 from squeeze.models.placement import on_device, to_device
 
 #: ``materialized(*modules)``: a context in which those modules' weights are resident (LazyModel.materialized)
@@ -48,36 +49,6 @@ def placed(materialize: Materializer, device: torch.device | None) -> Materializ
             yield
 
     return place
-
-
-def model_parts(
-    model: nn.Module, option: str = "--max-memory"
-) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
-    """``(input embedding, decoder blocks, final norm, LM head)`` of a causal LM; ConfigError if it has
-    another shape (or post-processes its logits), which the block-by-block Fisher cannot reproduce. ``option``:
-    the command-line option the message names (``--max-memory`` or ``--device``)."""
-    arch = type(model).__name__
-    get_decoder = getattr(model, "get_decoder", None)
-    base = get_decoder() if callable(get_decoder) else None
-    blocks = getattr(base, "layers", None)
-    norm = getattr(base, "norm", None)
-    get_embed, get_head = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embed = get_embed() if callable(get_embed) else None
-    head = get_head() if callable(get_head) else None
-    config = getattr(model, "config", None)
-    scaled = any(getattr(config, key, None) not in (None, 1, 1.0) for key in ("final_logit_softcapping", "logit_scale"))
-    if not isinstance(blocks, nn.ModuleList) or not isinstance(norm, nn.Module) or not isinstance(head, nn.Linear):
-        raise ConfigError(
-            f"{option} streams decoder blocks of models shaped like Llama (model.layers, model.norm, lm_head); "
-            f"{arch} is not",
-            hint=f"drop {option} for this model",
-        )
-    if scaled or not isinstance(embed, nn.Module):
-        raise ConfigError(
-            f"{option} cannot stream {arch}: its logits are not lm_head(norm(hidden))",
-            hint=f"drop {option} for this model",
-        )
-    return embed, blocks, norm, head
 
 
 class Store:
@@ -187,7 +158,8 @@ def prologue(
     try:
         for index, block in enumerate(blocks):
             block.forward = stub(index)  # type: ignore[method-assign]
-        with materialize(embed), torch.no_grad():
+        # the family's other modules before block 0 (OPT's position embeddings) run with the embedding
+        with materialize(embed, *family_of(model).before_blocks(model)), torch.no_grad():
             for w, row in enumerate(windows):
                 with contextlib.suppress(_Stop):
                     model(input_ids=row[None], use_cache=False)

@@ -37,7 +37,8 @@ from torch.overrides import TorchFunctionMode
 
 from squeeze.calibrate.block_walk import Combine, Materializer, Store, block_out
 from squeeze.calibrate.fisher import finish_sums, new_sums, square_and_drop_hooks
-from squeeze.models.expert_params import EXPERT_PARAM_NAMES, is_experts_module, per_expert_parameters
+from squeeze.models.expert_params import is_experts_module, per_expert_parameters
+from squeeze.models.families import expert_param_names
 from squeeze.models.placement import on_device, to_device
 
 #: The fewest experts in a group: transformers' expert-parallel path counts one local expert's rows with
@@ -397,7 +398,7 @@ def expert_targets(experts: nn.Module, targets: Mapping[str, Any]) -> dict[str, 
     """``{target name: parameter attribute}`` of the targets that are ``experts``' 3-D projections."""
     found: dict[str, str] = {}
     for name, target in targets.items():
-        if getattr(target, "module", None) is experts and getattr(target, "attr", None) in EXPERT_PARAM_NAMES:
+        if getattr(target, "module", None) is experts and getattr(target, "attr", None) in expert_param_names():
             found[name] = target.attr
     return found
 

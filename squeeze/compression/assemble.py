@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from squeeze.compression.writer import (
 from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
-from squeeze.format.quant_config import EmbeddingsEntry, QuantizationConfig, RecipeSummary, module_entries
+from squeeze.format.quant_config import EmbeddingsEntry, ModuleEntry, QuantizationConfig, RecipeSummary
 from squeeze.models.expert_params import UnroutedExpertsWarning, unrouted_message
 from squeeze.models.source import keep_dtype, source_dtype
 from squeeze.models.targets import embedding_modules
@@ -148,9 +148,9 @@ def artifact_tensors(
         remaining[index] -= 1
         if not remaining[index]:
             del loaded[index]
-        spec = dict(meta["specs"][module_name])  # written by the weight's format when it was quantized
-        job.modules[module_name] = spec
-        job.n_weights += int(spec["out_features"]) * int(spec["in_features"])
+        # written by the weight's format when it was quantized; checked once here, as a loader checks it
+        entry = job.modules[module_name] = ModuleEntry.from_dict(module_name, meta["specs"][module_name])
+        job.n_weights += entry.n_weights
         job.storage_bits += int(meta["storage_bits"][module_name])
 
 
@@ -188,7 +188,7 @@ def write_metadata(
     net: nn.Module,
     tokenizer: Any,
     recipe: Recipe,
-    quantized: dict[str, dict[str, Any]],
+    quantized: Mapping[str, ModuleEntry],
     storage_bits: int,
     n_weights: int,
     staging: Path,
@@ -201,7 +201,7 @@ def write_metadata(
     quant = QuantizationConfig(
         squeeze_version=__version__,
         method=w.method,
-        modules=module_entries(quantized),
+        modules=dict(quantized),
         summary=RecipeSummary(
             # a budget recipe has no one width: each module entry carries its own, and target_bpw the average asked
             bits=None if w.target_bpw is not None else w.bits,

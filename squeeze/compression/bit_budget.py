@@ -28,10 +28,9 @@ from squeeze.compression.embeddings import embedding_recipe
 from squeeze.config import EMBEDDING_AUTO, EMBEDDING_BITS, ERROR_COMPENSATION_OPTIONS, Recipe, WeightsConfig
 from squeeze.errors import ConfigError
 from squeeze.limits import WEIGHT_BITS
+from squeeze.models.families import fused_groups
 from squeeze.quant.schemes import format_for_recipe
 
-#: Module-name suffixes a runtime fuses into one matrix (vLLM's qkv_proj and gate_up_proj): one setting each.
-FUSED_SUFFIXES: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 #: Budget steps of the dynamic program: the plan may leave up to (units / resolution) of the budget unused
 #: before the greedy top-up (120 units of SmolLM2: 0.2%); time and memory grow linearly with it.
 DEFAULT_RESOLUTION = 1 << 16
@@ -127,7 +126,8 @@ def candidate_settings(weights: WeightsConfig) -> tuple[Setting, ...]:
 def fused_units(names: Sequence[str]) -> list[tuple[str, ...]]:
     """``names`` (module names, model order) grouped into units that share one setting, in model order.
 
-    Linears of one parent module whose suffixes form one of FUSED_SUFFIXES are one unit (only those of the
+    Linears of one parent module whose suffixes form one of the model families' fused groups (squeeze.models.
+    families.fused_groups: vLLM's qkv_proj and gate_up_proj) are one unit (only those of the
     set that are present: a model quantizing q and k but not v fuses q and k); every other linear is its own.
     """
     units: list[tuple[str, ...]] = []
@@ -138,7 +138,7 @@ def fused_units(names: Sequence[str]) -> list[tuple[str, ...]]:
             continue
         parent, _, leaf = name.rpartition(".")
         unit: tuple[str, ...] = (name,)
-        for fused in FUSED_SUFFIXES:
+        for fused in fused_groups():
             if leaf in fused:
                 members = [f"{parent}.{sub}" if parent else sub for sub in fused]
                 unit = tuple(m for m in names if m in members and m in by_name)
@@ -329,7 +329,6 @@ def plan_summary(plan: Mapping[str, Setting], sizes: Mapping[str, int]) -> dict[
 
 
 __all__ = [
-    "FUSED_SUFFIXES",
     "DEFAULT_RESOLUTION",
     "Setting",
     "KEPT",

@@ -28,6 +28,7 @@ from squeeze.compression.signals import SignalGuard
 from squeeze.compression.workarea import WorkArea
 from squeeze.config import CalibrationSpec, Recipe
 from squeeze.format.manifest import Manifest
+from squeeze.format.quant_config import ModuleEntry
 from squeeze.models.source import ModelSource
 from squeeze.models.targets import Target
 from squeeze.quant.schemes import WeightFormat, format_for_recipe
@@ -198,7 +199,7 @@ class CompressJob:
     #: and the (layer, expert) pairs quantized
     unrouted: dict[str, list[int]] = field(default_factory=dict)
     n_experts: int = 0
-    modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # write: quantization_config.modules
+    modules: dict[str, ModuleEntry] = field(default_factory=dict)  # write: quantization_config.modules
     n_weights: int = 0  # write: quantized weights
     storage_bits: int = 0  # write: bits they take in the artifact
     original_bytes: int = 0  # write

@@ -10,10 +10,11 @@ with a string ``method``, ``embeddings`` and ``kv_cache`` are objects. Everythin
 its weight format's (squeeze.quant.schemes checks it when it rebuilds the weight). ``strict=False`` (inspect,
 memory estimates: unverified input summarised, never refused): nothing raises, junk reads as absent.
 
-Typed entries: :class:`ModuleEntry` (one quantized module), :class:`EmbeddingsEntry` (quantized token
-embeddings and tied LM heads), :class:`RecipeSummary` (the recipe's options and measured bits per weight that
-``squeeze compress`` records). The KV-cache entry stays a mapping here: squeeze.quant.kv_spec.KVSpec owns its
-layout, and this package imports nothing above it.
+Typed entries, each validated once here (a loader then iterates them and trusts their fields):
+:class:`ModuleEntry` (one quantized module) and :class:`KVCacheEntry` (the calibrated KV cache; its per-layer
+layout is squeeze.quant.kv_spec.KVSpec's, as this package imports nothing above it), both in
+squeeze.format.quant_entries; :class:`EmbeddingsEntry` (quantized token embeddings and tied LM heads),
+:class:`RecipeSummary` (the recipe's options and measured bits per weight that ``squeeze compress`` records).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from squeeze.errors import FormatError
+from squeeze.format.quant_entries import KVCacheEntry, ModuleEntry
 from squeeze.limits import is_int
 
 #: Version of the layout of ``quantization_config`` and the tensors it names; readers refuse any other.
@@ -45,63 +47,6 @@ def check_format_version(version: object) -> None:
             f"{SECTION}.format_version is {shown}; this squeeze reads {FORMAT_VERSION}",
             hint="install the squeeze version that wrote the artifact, or re-create it with this one",
         )
-
-
-def _positive(value: object) -> int:
-    """An integer dimension from (possibly junk) JSON: the value when a positive integer, else 0."""
-    return value if is_int(value) and value > 0 else 0
-
-
-@dataclass(frozen=True)
-class ModuleEntry:
-    """One ``quantization_config.modules`` entry: a quantized linear, embedding, or 3-D expert parameter.
-
-    ``spec`` is the entry as stored (its weight format reads its own keys from it, squeeze.quant.schemes);
-    the fields are its common keys, typed: ``method`` (the format's name), ``bits``, ``in_features``,
-    ``out_features`` (0 when absent or not a positive integer: summaries never fail on junk; the format checks
-    them strictly when it rebuilds the weight) and ``experts`` (E of an expert parameter, else 0).
-    """
-
-    spec: Mapping[str, Any]
-    method: str = ""
-    bits: int = 0
-    in_features: int = 0
-    out_features: int = 0
-    experts: int = 0
-
-    @property
-    def is_experts(self) -> bool:
-        """True for a 3-D expert parameter of a MoE layer (the entry carries ``experts``)."""
-        return "experts" in self.spec
-
-    @property
-    def n_weights(self) -> int:
-        """Weights of this module (out x in; for an expert parameter the entry's sizes cover all its experts)."""
-        return self.in_features * self.out_features
-
-    @classmethod
-    def from_dict(cls, name: str, value: object, *, strict: bool = True) -> ModuleEntry:
-        if not isinstance(value, dict):
-            if strict:
-                raise FormatError(
-                    f"{SECTION}.modules must map module names to objects, found {name!r}: {value!r}"[:200]
-                )
-            return cls(spec={})
-        method = value.get("method")
-        if strict and not isinstance(method, str):
-            raise FormatError(f"{SECTION}.modules[{name!r}].method must be a string, found {method!r}"[:200])
-        return cls(
-            spec=copy.deepcopy(value),
-            method=method if isinstance(method, str) else "",
-            bits=_positive(value.get("bits")),
-            in_features=_positive(value.get("in_features")),
-            out_features=_positive(value.get("out_features")),
-            experts=_positive(value.get("experts")),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """The entry as stored (a deep copy: formats may keep nested values)."""
-        return copy.deepcopy(dict(self.spec))
 
 
 @dataclass(frozen=True)
@@ -205,7 +150,7 @@ class QuantizationConfig:
     summary: RecipeSummary | None = None
     unquantized_dtype: str | None = None
     embeddings: EmbeddingsEntry | None = None
-    kv_cache: Mapping[str, Any] | None = None
+    kv_cache: KVCacheEntry | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     quant_method: str = QUANT_METHOD
 
@@ -233,7 +178,7 @@ class QuantizationConfig:
             embeddings=EmbeddingsEntry.from_dict(e, strict=strict)
             if (e := section.get("embeddings")) is not None
             else None,
-            kv_cache=_kv_cache(section.get("kv_cache"), strict),
+            kv_cache=KVCacheEntry.from_dict(kv, strict=strict) if (kv := section.get("kv_cache")) is not None else None,
             extra=copy.deepcopy(_extra(section)),
             quant_method=method_tag if isinstance(method_tag, str) else "",
         )
@@ -263,7 +208,7 @@ class QuantizationConfig:
 
     def with_kv_cache(self, entry: Mapping[str, Any]) -> QuantizationConfig:
         """This section with its ``kv_cache`` entry set (what calibrate-kv writes)."""
-        return replace(self, kv_cache=copy.deepcopy(dict(entry)))
+        return replace(self, kv_cache=KVCacheEntry.from_dict(dict(entry)))
 
     def to_dict(self) -> dict[str, Any]:
         """The section as config.json stores it: ``from_dict(d).to_dict() == d`` for every section a squeeze
@@ -283,14 +228,10 @@ class QuantizationConfig:
         if self.embeddings is not None:
             out["embeddings"] = self.embeddings.to_dict()
         if self.kv_cache is not None:
-            out["kv_cache"] = copy.deepcopy(dict(self.kv_cache))
+            out["kv_cache"] = self.kv_cache.to_dict()
         return out
 
     # -- what loaders ask --------------------------------------------------------------------------------------
-
-    def module_specs(self) -> dict[str, dict[str, Any]]:
-        """Module name -> its entry as stored (what the weight formats and shape checks read)."""
-        return {name: entry.to_dict() for name, entry in self.modules.items()}
 
     @property
     def tied_heads(self) -> dict[str, str]:
@@ -311,16 +252,6 @@ def module_entries(value: object, *, strict: bool = True) -> Mapping[str, Module
     return {str(name): ModuleEntry.from_dict(str(name), spec, strict=strict) for name, spec in value.items()}
 
 
-def _kv_cache(value: object, strict: bool) -> Mapping[str, Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        if strict:
-            raise FormatError(f"config.json: {SECTION}.kv_cache must be an object")
-        return None
-    return copy.deepcopy(value)
-
-
 def _extra(section: Mapping[str, Any]) -> dict[str, Any]:
     """The keys no typed field owns (the summary's, when it is incomplete, included)."""
     summary = set(RecipeSummary.keys()) if RecipeSummary.from_dict(section) is not None else set()
@@ -335,6 +266,7 @@ __all__ = [
     "check_format_version",
     "QuantizationConfig",
     "ModuleEntry",
+    "KVCacheEntry",
     "EmbeddingsEntry",
     "RecipeSummary",
     "module_entries",

@@ -12,8 +12,9 @@ one LUT per (expert, output row). Its Fisher is reshaped the same way. The artif
 path (``model.layers.1.mlp.experts.gate_up_proj``, no ``.weight``) and its module entry carries
 ``"experts": E`` and ``"transposed": bool`` beside the format's own spec (docs/format.md).
 
-Experts modules whose class is not decorated (their layout cannot be known without running their code) are
-not found here: their parameters stay unquantized.
+Which 3-D parameter names hold projection matrices is the model families' (squeeze.models.families.
+expert_param_names; biases never match). Experts modules whose class is not decorated (their layout cannot be
+known without running their code) are not found here: their parameters stay unquantized.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-#: The 3-D parameter names of an experts module that hold projection matrices (biases never match).
-EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_proj", "up_proj")
+from squeeze.models.families import expert_param_names
 
 
 class ExpertWeight:
@@ -106,7 +106,7 @@ def unstack_experts(matrix: torch.Tensor, experts: int, transposed: bool) -> tor
 
 def expert_count(module: nn.Module) -> int:
     """The number of experts of an experts module: dim 0 of its 3-D projection parameters (0 when it has none)."""
-    for name in EXPERT_PARAM_NAMES:
+    for name in expert_param_names():
         param = module._parameters.get(name)
         if param is not None and param.ndim == 3:
             return int(param.shape[0])
@@ -133,7 +133,7 @@ def expert_parameters(model: nn.Module) -> Iterator[tuple[str, ExpertWeight]]:
         if not is_experts_module(module):
             continue
         for attr, param in module.named_parameters(recurse=False):
-            if attr in EXPERT_PARAM_NAMES and param.ndim == 3:
+            if attr in expert_param_names() and param.ndim == 3:
                 yield (f"{module_name}.{attr}" if module_name else attr), ExpertWeight(module, attr)
 
 
@@ -192,7 +192,6 @@ def unrouted_message(found: Mapping[str, Sequence[int]], total: int) -> str:
 
 
 __all__ = [
-    "EXPERT_PARAM_NAMES",
     "ExpertWeight",
     "UnroutedExpertsWarning",
     "expert_count",

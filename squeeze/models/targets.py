@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from squeeze.errors import ModelError
-from squeeze.models.expert_params import EXPERT_PARAM_NAMES, ExpertWeight, is_experts_module
+from squeeze.models.expert_params import ExpertWeight, is_experts_module
+from squeeze.models.families import MLA_KV_PROJECTIONS, expert_param_names
 
 
 def _matches_suffix(name: str, suffix: str) -> bool:
@@ -66,7 +67,7 @@ def _find(model: nn.Module, targets: Sequence[str], ignore: Sequence[str], *, ex
                 found[name] = module
         elif experts and is_experts_module(module):
             for attr, param in module.named_parameters(recurse=False):
-                if attr in EXPERT_PARAM_NAMES and param.ndim == 3:
+                if attr in expert_param_names() and param.ndim == 3:
                     path = f"{name}.{attr}" if name else attr
                     seen_names.append(path)
                     if picked(path):
@@ -91,7 +92,7 @@ def target_at(model: nn.Module, name: str) -> Target:
         return module
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if _has_submodule(model, parent_name) else None
-    if parent is not None and is_experts_module(parent) and attr in EXPERT_PARAM_NAMES:
+    if parent is not None and is_experts_module(parent) and attr in expert_param_names():
         param = getattr(parent, attr, None)
         if isinstance(param, nn.Parameter) and param.ndim == 3:
             return ExpertWeight(parent, attr)
@@ -179,16 +180,12 @@ def _short_names(names: list[str], limit: int = 8) -> list[str]:
     return shown
 
 
-#: The projections only multi-head latent attention (DeepSeek-V2/V3, Kimi K2) has.
-_MLA_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj")
-
-
 def attention_modules(model: nn.Module) -> tuple[str, ...]:
     """Names of the attention modules in cache order (their ``layer_idx``): ModelError if there are none, or
     if the model's attention is MLA (its cache's keys and values differ in size: see the message)."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
-        if name.endswith("attn") and any(hasattr(module, p) for p in _MLA_PROJECTIONS):
+        if name.endswith("attn") and any(hasattr(module, p) for p in MLA_KV_PROJECTIONS):
             raise ModelError(
                 f"calibrate-kv does not support the multi-head latent attention (MLA) of {_architecture(model)}: "
                 "its cache holds per-head keys (nope + rope dimensions) and values (v_head_dim) of different sizes, "

@@ -32,7 +32,7 @@ adds 12 bytes per sparse entry, and its int8 form (``activations="int8"``) 20 by
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ EXPERTS_KEY, TRANSPOSED_KEY = "experts", "transposed"
 def experts_layout(spec: Any, name: str) -> tuple[int, bool] | None:
     """(E, transposed) of a ``quantization_config.modules`` entry naming an expert parameter, or None for an
     ordinary linear / embedding entry (no "experts" key). FormatError for malformed values."""
-    if not isinstance(spec, dict) or EXPERTS_KEY not in spec:
+    if not isinstance(spec, Mapping) or EXPERTS_KEY not in spec:
         return None
     experts, transposed = spec.get(EXPERTS_KEY), spec.get(TRANSPOSED_KEY, False)
     if not is_int(experts) or experts < 1:
@@ -69,7 +69,7 @@ def experts_layout(spec: Any, name: str) -> tuple[int, bool] | None:
     return int(experts), transposed
 
 
-def format_spec(spec: dict[str, Any]) -> dict[str, Any]:
+def format_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The module entry without the experts keys: what the weight format's ``from_spec`` reads."""
     return {k: v for k, v in spec.items() if k not in (EXPERTS_KEY, TRANSPOSED_KEY)}
 

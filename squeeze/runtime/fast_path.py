@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from squeeze.models.families import takes_fast_path
+
 #: "0" turns the flat forward off (squeeze run and squeeze serve alike): transformers' forward everywhere.
 ENV = "SQUEEZE_FAST_PATH"
-#: model_type values whose decoder layer is Llama's (Qwen3 adds q/k norms, which the path applies).
-FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 #: RoPE types whose cos / sin depend on the positions only (the rotary module's own computation is used).
 ROPE_TYPES = frozenset({"default", "llama3"})
 
@@ -50,7 +50,8 @@ def fast_path_supported(model: nn.Module) -> bool:
     if os.environ.get(ENV, "1").strip() == "0" or model.training:
         return False
     config: Any = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in FAMILIES or getattr(config, "hidden_act", None) != "silu":
+    # the model family says whether its decoder layer is Llama's (squeeze.models.families: Qwen3's q/k norms too)
+    if not takes_fast_path(getattr(config, "model_type", None)) or getattr(config, "hidden_act", None) != "silu":
         return False
     if any(getattr(config, name, None) for name in ("sliding_window", "attn_logit_softcapping")):
         return False
@@ -133,4 +134,4 @@ def _attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, rotate: Callable[
     return attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())  # type: ignore[no-any-return]
 
 
-__all__ = ["ENV", "FAMILIES", "ROPE_TYPES", "AttendFn", "fast_forward", "fast_path_supported"]
+__all__ = ["ENV", "ROPE_TYPES", "AttendFn", "fast_forward", "fast_path_supported"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from squeeze.errors import ConfigError, FormatError
 from squeeze.format.dtypes import torch_dtype
 from squeeze.format.paths import resolve_root
-from squeeze.format.quant_config import QUANT_METHOD, QuantizationConfig
+from squeeze.format.quant_config import QUANT_METHOD, ModuleEntry, QuantizationConfig
 from squeeze.format.safetensors_header import TensorInfo
 from squeeze.format.signature import check_signature
 from squeeze.format.verify import VerifyReport
@@ -57,8 +57,6 @@ from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, tie_quantized_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
-    experts_layout,
-    format_spec,
     replace_expert_parameter,
 )
 from squeeze.runtime.experts_forward import experts_implementation, use_squeeze_experts
@@ -149,8 +147,8 @@ class SqueezeHfQuantizer(HfQuantizer):
         name = getattr(config, "name_or_path", None)
         if isinstance(name, str) and name and is_artifact(name):
             self._verified = _verified(resolve_root(name))
-            _check_shapes(config.to_dict(), self._verified, self.quantization_config.squeeze.module_specs())
-        if any(experts_layout(spec, key) for key, spec in self.quantization_config.squeeze.module_specs().items()):
+            _check_shapes(config.to_dict(), self._verified, self.quantization_config.squeeze.modules)
+        if any(entry.is_experts for entry in self.quantization_config.squeeze.modules.values()):
             # quantized experts run one routed expert at a time (squeeze_experts_forward; transformers' default
             # grouped forward reads whole 3-D tensors); set before the skeleton checks it
             config._experts_implementation = experts_implementation()
@@ -164,12 +162,12 @@ class SqueezeHfQuantizer(HfQuantizer):
         if report is None or Path(report.artifact_dir) != directory:
             report = _verified(directory)
         config: Any = model.config  # a PreTrainedModel's config (nn.Module's typing knows no such attribute)
-        specs = self.quantization_config.squeeze.module_specs()
+        specs = self.quantization_config.squeeze.modules  # typed entries (mappings of the stored keys)
         _check_shapes(config.to_dict(), report, specs)
         infos = {name: info for header in report.headers.values() for name, info in header.tensors.items()}
         options = _options()
-        for name, spec in specs.items():
-            _swap_in_squeeze_linear(model, name, spec, infos, options)
+        for name, entry in specs.items():
+            _swap_in_squeeze_linear(model, name, entry, infos, options)
         _untie_quantized_heads(model, self.quantization_config.squeeze.tied_heads)
         self._stored_dtypes = {  # the embedding and LM head go back to these after loading (stored_dtype)
             name: torch_dtype(infos[name].dtype) for name in stored_dtype_names(model) if name in infos
@@ -208,7 +206,7 @@ class SqueezeHfQuantizer(HfQuantizer):
         return False
 
 
-def _check_shapes(config: dict[str, Any], report: VerifyReport, modules: dict[str, Any]) -> None:
+def _check_shapes(config: dict[str, Any], report: VerifyReport, modules: Mapping[str, ModuleEntry]) -> None:
     """The loader's config-vs-tensor check (``check_config_shapes``) against the verified headers."""
     shapes = {name: info.shape for header in report.headers.values() for name, info in header.tensors.items()}
     check_config_shapes(config, shapes, modules)
@@ -251,13 +249,13 @@ def _verified(directory: Path) -> VerifyReport:
 
 
 def _swap_in_squeeze_linear(
-    model: nn.Module, name: str, spec: dict[str, Any], infos: dict[str, TensorInfo], options: LoadOptions
+    model: nn.Module, name: str, entry: ModuleEntry, infos: dict[str, TensorInfo], options: LoadOptions
 ) -> None:
-    layout = experts_layout(spec, name)
+    layout = entry.layout
     if layout is not None:  # a 3-D expert parameter: a SqueezeExperts in the parameter's dtype
-        replace_expert_parameter(model, name, meta_qweight(name, format_spec(spec), infos), *layout)
+        replace_expert_parameter(model, name, meta_qweight(name, entry.format_spec(), infos), *layout)
         return
-    qweight, bias = meta_qweight(name, spec, infos), _meta(infos, f"{name}.bias")
+    qweight, bias = meta_qweight(name, entry.format_spec(), infos), _meta(infos, f"{name}.bias")
     swap_in_quantized(model, name, qweight, bias, dense_cache=options.dense_cache, low_memory=options.low_memory)
 
 

@@ -30,7 +30,8 @@ from squeeze.format.paths import (
     short_path,
     short_repr,
 )
-from squeeze.format.quant_config import SECTION, QuantizationConfig
+from squeeze.format.quant_config import SECTION, ModuleEntry, QuantizationConfig
+from squeeze.format.quant_entries import COMMON_KEYS
 from squeeze.format.signature import SignatureInfo, check_signature
 from squeeze.format.strict_json import strict_json_loads
 from squeeze.format.verify import VerifyReport, verify_artifact
@@ -45,8 +46,6 @@ from squeeze.runtime.dense_linear import stabilise_dense_linears
 from squeeze.runtime.embedding import SqueezeEmbedding, replace_embedding, tie_quantized_heads
 from squeeze.runtime.experts import (
     SqueezeExperts,
-    experts_layout,
-    format_spec,
     replace_expert_parameter,
 )
 from squeeze.runtime.experts_forward import use_squeeze_experts
@@ -143,6 +142,13 @@ def quantized_weight_from(
         raise FormatError(
             f"quantization_config.modules[{name!r}] has unknown method {short_repr(spec.get('method'), 60)}",
             hint="this squeeze reads methods " + ", ".join(repr(m) for m in methods()),
+        )
+    # the entry's common keys were checked when the config was read (ModuleEntry); the rest are the format's own
+    if unknown := sorted(set(spec) - {*COMMON_KEYS, *cls.module_params}):
+        raise FormatError(
+            f"quantization_config.modules[{name!r}] has keys {unknown} that method {cls.method} does not define "
+            f"(it defines {[*COMMON_KEYS, *cls.module_params]})"[:300],
+            hint="the artifact's config.json was edited, or written by a newer squeeze: re-create it with this one",
         )
     return cls.from_spec(tensors, name, spec, check_values=check_values)
 
@@ -247,13 +253,13 @@ def load_artifact(path: str | Path, options: LoadOptions | None = None) -> Loade
         )
     config = parse_config(files["config.json"], "config.json")
     quant = QuantizationConfig.from_model_config(config)  # FormatError for a format_version it cannot read
-    modules = quant.module_specs() if quant is not None else {}
+    modules = quant.modules if quant is not None else {}  # typed entries, checked when the config was read
     check_config_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, modules)
     model = build_skeleton(config)
     _swap_in_modules(model, tensors, modules, options)
     _finish_model(model, tensors, tensor_bytes, quant, options)
     kv_entry = quant.kv_cache if quant is not None else None
-    kv_spec = KVSpec.from_config(dict(kv_entry), kv_tensors) if kv_entry else None
+    kv_spec = KVSpec.from_config(kv_entry.to_dict(), kv_tensors) if kv_entry else None
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer_from_files(files),
@@ -267,14 +273,14 @@ def load_artifact(path: str | Path, options: LoadOptions | None = None) -> Loade
 
 
 def _swap_in_modules(
-    model: nn.Module, tensors: dict[str, torch.Tensor], modules: Mapping[str, Any], options: LoadOptions
+    model: nn.Module, tensors: dict[str, torch.Tensor], modules: Mapping[str, ModuleEntry], options: LoadOptions
 ) -> None:
     """Each entry of ``quantization_config.modules`` rebuilt from ``tensors`` (its tensors, and a linear's
     bias, taken out of them) and swapped into ``model``: a SqueezeLinear, or a 3-D expert parameter."""
     dense_cache, low_memory, activations = options.dense_cache, options.low_memory, options.activations
-    for name, spec in modules.items():
-        layout = experts_layout(spec, name)  # (E, transposed) of a 3-D expert parameter, None for a linear
-        qweight = quantized_weight_from(tensors, name, format_spec(spec) if layout else spec)
+    for name, entry in modules.items():
+        layout = entry.layout  # (E, transposed) of a 3-D expert parameter, None for a linear
+        qweight = quantized_weight_from(tensors, name, entry.format_spec())
         for key in qweight.to_tensors(name):  # exactly the tensors it consumed (a prefix scan is O(n^2))
             del tensors[key]
         if layout is not None:  # the runtime computes in float32 (unquantized tensors are upcast below)

@@ -48,7 +48,7 @@ def parse_quant_config(config: Mapping[str, Any]) -> QuantizationConfig:
     quant = QuantizationConfig.from_dict(dict(config))
     for name, entry in quant.modules.items():
         where = f"quantization_config.modules[{name!r}]"
-        spec = entry.spec
+        spec = entry  # a mapping of the stored keys (ModuleEntry checked their types when it was built)
         if not formats_of(entry.method):
             raise FormatError(
                 f"{where}.method is {short_repr(entry.method, 60)}, which this squeeze cannot run",
@@ -65,7 +65,7 @@ def parse_quant_config(config: Mapping[str, Any]) -> QuantizationConfig:
 def check_quant_config(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The ``modules`` of a squeeze ``quantization_config`` (module name -> entry), checked by
     :func:`parse_quant_config`."""
-    return parse_quant_config(config).module_specs()
+    return {name: entry.to_dict() for name, entry in parse_quant_config(config).modules.items()}
 
 
 def embedding_modules(quant: QuantizationConfig) -> list[str]:

@@ -85,8 +85,8 @@ class SqueezeVllmConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SqueezeVllmConfig:
         quant = parse_quant_config(config)
-        kv_cache = dict(quant.kv_cache) if quant.kv_cache is not None else None
-        made = cls(quant.module_specs(), kv_cache, quant.tied_heads)
+        kv_cache = quant.kv_cache.to_dict() if quant.kv_cache is not None else None
+        made = cls({name: entry.to_dict() for name, entry in quant.modules.items()}, kv_cache, quant.tied_heads)
         made.embeddings = embedding_modules(quant)
         return made
 

@@ -61,7 +61,7 @@ def tiny_w3(
         ),
         (
             {"modules": {"m.o_proj": {"method": "squeeze", "bits": 4, "in_features": "8", "out_features": 8}}},
-            r"modules\['m.o_proj'\].in_features must be an integer >= 0, found '8'",
+            r"modules\['m.o_proj'\].in_features must be an integer >= 1, found '8'",  # ModuleEntry's check
         ),
         (  # an expert parameter's layout, checked from the config alone
             {
@@ -122,7 +122,7 @@ def test_module_roles_come_from_the_verified_headers(tiny_w3: Path) -> None:
     report = verify(tiny_w3)
     quant = QuantizationConfig.from_model_config(json.loads((tiny_w3 / "config.json").read_text()))
     assert quant is not None
-    modules = quant.module_specs()
+    modules = dict(quant.modules)
     specs = module_specs(
         report, check_quant_config(json.loads((tiny_w3 / "config.json").read_text())["quantization_config"])
     )
