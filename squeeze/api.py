@@ -40,8 +40,8 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
     from fastapi import FastAPI
 
     from squeeze.compression.calibrate_kv import CalibrateKVResult
-    from squeeze.compression.pipeline import CompressResult as CompressResult
     from squeeze.compression.plan import CompressPlan as CompressPlan
+    from squeeze.compression.runner import CompressResult as CompressResult
     from squeeze.distribution.pull import PullResult
     from squeeze.distribution.push import PushResult
     from squeeze.eval.compare import EvalResult
@@ -253,7 +253,7 @@ def compress(
     computed on the host (unquantized tensors, calibration windows, rotary tables) is the same bits.
     """
     from squeeze.compression.job import needs_calibration
-    from squeeze.compression.pipeline import run_compress
+    from squeeze.compression.runner import run_compress
 
     if seed is not None:  # one rule for every seed (squeeze.limits.check_seed), before anything is read
         check_seed(seed, "seed (--seed)")
