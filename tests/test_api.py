@@ -4,7 +4,7 @@ import squeeze
 
 
 def test_compress_stays_a_function_after_the_pipeline_is_imported():
-    import squeeze.compression.pipeline  # noqa: F401 - importing a subpackage must not shadow api names
+    import squeeze.compression.runner  # noqa: F401 - importing a subpackage must not shadow api names
 
     assert callable(squeeze.compress) and callable(squeeze.evaluate) and callable(squeeze.load)
     assert callable(squeeze.verify_model_integrity)

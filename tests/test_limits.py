@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from squeeze import limits
 from squeeze.cli.app import app
 from squeeze.compression import calibrate_kv as calibrate_kv_stage
-from squeeze.compression import pipeline
+from squeeze.compression import runner as compress_runner
 from squeeze.config import WeightsConfig, load_recipe
 from squeeze.errors import ConfigError, FormatError
 from squeeze.quant import kv_spec as quant_kv
@@ -148,7 +148,7 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("bad options must be refused before any work starts")
 
-    monkeypatch.setattr(pipeline, "run_compress", fail)
+    monkeypatch.setattr(compress_runner, "run_compress", fail)
     monkeypatch.setattr(calibrate_kv_stage, "run_calibrate_kv", fail)
 
 
@@ -206,7 +206,7 @@ def test_a_bug_inside_is_an_internal_error_not_a_usage_error(tmp_path: Path, mon
 
     with pytest.raises(ValueError, match="2-D"):
         misuse()
-    monkeypatch.setattr(pipeline, "run_compress", misuse)
+    monkeypatch.setattr(compress_runner, "run_compress", misuse)
     result = runner.invoke(app, ["compress", str(tmp_path / "model"), "-o", str(tmp_path / "out"), "--recipe", "w4"])
     assert result.exit_code == 3, result.output
     assert result.stderr.startswith("Error: internal error: ValueError: weight must be a 2-D")

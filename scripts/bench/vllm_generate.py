@@ -1,6 +1,7 @@
 """Greedy generation through vLLM, printed as one JSON object (run in the vLLM environment, scripts/check_vllm.sh).
 
-    python scripts/bench/vllm_generate.py MODEL --prompts-json '["Once upon a time"]' --max-tokens 32 [--tp 3]
+    python scripts/bench/vllm_generate.py MODEL --prompts-json '["Once upon a time"]' --max-tokens 32 [--tp 3] \
+        [--enable-expert-parallel]
 
 Prints {"tokens": [[ids...]...], "texts": [...], "prompt_tokens": [[ids...]...], "logprobs": [[{id: logprob}...]...],
 "load_seconds": s, "generate_seconds": s}. Used by tests/integrations/vllm and scripts/bench/bench_vllm.py: vLLM
@@ -22,6 +23,9 @@ def main() -> int:
     parser.add_argument("--prompts-json", required=True, help="a JSON list of prompts")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument(
+        "--enable-expert-parallel", action="store_true", help="MoE experts dealt to the --tp ranks, not cut"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--logprobs", type=int, default=0, help="top logprobs to return per step")
@@ -45,6 +49,7 @@ def main() -> int:
         # on CPU: the fraction of the machine's memory EACH rank reserves for its KV cache
         gpu_memory_utilization=0.24 / args.tp,
         tensor_parallel_size=args.tp,
+        enable_expert_parallel=args.enable_expert_parallel,
         distributed_executor_backend="mp" if args.tp > 1 else None,
         load_format=args.load_format,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -106,8 +106,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # `X as X`: the result types, for type checkers (squeeze.api.support holds them too)
-    from squeeze.compression.pipeline import CompressResult as CompressResult
     from squeeze.compression.plan import CompressPlan as CompressPlan
+    from squeeze.compression.runner import CompressResult as CompressResult
     from squeeze.format.signature import SignatureInfo as SignatureInfo
     from squeeze.format.signature import SignResult as SignResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult

@@ -23,8 +23,8 @@ from squeeze.limits import KvChoice, check_kv_calibration, check_seed
 
 if TYPE_CHECKING:
     from squeeze.compression.calibrate_kv import CalibrateKVResult
-    from squeeze.compression.pipeline import CompressResult
     from squeeze.compression.plan import CompressPlan
+    from squeeze.compression.runner import CompressResult
 
 
 def compress(
@@ -84,7 +84,7 @@ def compress(
     computed on the host (unquantized tensors, calibration windows, rotary tables) is the same bits.
     """
     from squeeze.compression.job import needs_calibration
-    from squeeze.compression.pipeline import run_compress
+    from squeeze.compression.runner import run_compress
 
     if seed is not None:  # one rule for every seed (squeeze.limits.check_seed), before anything is read
         check_seed(seed, "seed (--seed)")

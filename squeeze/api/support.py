@@ -24,8 +24,8 @@ from squeeze.serve.open_files import check_max_connections as check_serve_max_co
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
-    from squeeze.compression.pipeline import CompressResult as CompressResult
     from squeeze.compression.plan import CompressPlan as CompressPlan
+    from squeeze.compression.runner import CompressResult as CompressResult
     from squeeze.format.signature import SignatureInfo as SignatureInfo
     from squeeze.format.signature import SignResult as SignResult
     from squeeze.runtime.generate import GenerationResult as GenerationResult

@@ -68,7 +68,7 @@ def write_artifact(
 ) -> None:
     """Shards from ``tensors`` (:func:`artifact_tensors`), then the warning about unrouted experts and the metadata
     of ``net`` into ``staging``; a failure discards ``staging``. The write stage of both an unbounded and a
-    bounded (streaming.py) run."""
+    bounded (pipelines/bounded.py) run."""
     job.modules, job.n_weights, job.storage_bits = {}, 0, 0  # filled while the shards stream out
     job.unrouted, job.n_experts = {}, 0  # likewise, from the group checkpoints (experts modules)
     with _discarded_on_error(staging):
@@ -128,7 +128,7 @@ def artifact_tensors(
     """The artifact's tensors from ``state`` ((state-dict key, its tensor's reader), tied ones once, in order):
     a target's weight replaced by its quantized tensors from the group checkpoint, every other floating tensor
     read and cast to ``kept``. Fills ``job.modules``, ``n_weights``, ``storage_bits`` and the experts counts.
-    The loaded model's state here; the source's, read tensor by tensor, in a bounded run (streaming.py)."""
+    The loaded model's state here; the source's, read tensor by tensor, in a bounded run (pipelines/bounded.py)."""
     group_of = {name: index for index, names in enumerate(job.groups) for name in names}
     remaining = {index: len(names) for index, names in enumerate(job.groups)}
     loaded: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}

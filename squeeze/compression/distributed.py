@@ -5,8 +5,8 @@ the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER
 torch.distributed process group (gloo for CPU tensors, NCCL for CUDA tensors when CUDA is present). Without
 torchrun (WORLD_SIZE unset or 1) the run is one process and nothing here communicates.
 
-How the data-parallel pipelines share the work (squeeze.compression.pipelines: data_parallel.py, and
-bounded_parallel.py for ``--max-memory``, where each rank streams block by block):
+How the data-parallel pipelines share the work (squeeze.compression.pipelines.torchrun derives them from the
+one-process pipelines; with ``--max-memory`` each rank streams block by block):
 - every rank runs preflight and computes the job fingerprint; :func:`check_same_job` refuses, on every rank,
   a world whose ranks disagree on it (model digest, recipe, calibration, seed, versions, output, flags);
 - rank 0 alone creates and locks the work area and writes the fingerprint; the work area must be on a
@@ -184,23 +184,27 @@ class _HasWorld(Protocol):
 J = TypeVar("J", bound=_HasWorld)
 
 
-def every_rank(stage: Callable[[J], None]) -> Callable[[J], None]:
-    """``stage`` run by every rank, then a :meth:`World.step` (``stage`` must not communicate)."""
-    return lambda job: job.world.step(_name(stage), lambda: stage(job))[0]
+def every_rank(stage: Callable[[J], None], what: str | None = None) -> Callable[[J], None]:
+    """``stage`` run by every rank, then a :meth:`World.step` (``stage`` must not communicate); ``what`` names
+    the step in a failing peer's error (default: the stage function's name)."""
+    label = what or _name(stage)
+    return lambda job: job.world.step(label, lambda: stage(job))[0]
 
 
-def main_rank(stage: Callable[[J], None]) -> Callable[[J], None]:
+def main_rank(stage: Callable[[J], None], what: str | None = None) -> Callable[[J], None]:
     """``stage`` run by rank 0 alone (writing, sealing, publishing); the others wait for it."""
-    return lambda job: job.world.step(_name(stage), lambda: stage(job) if job.world.is_main else None)[0]
+    label = what or _name(stage)
+    return lambda job: job.world.step(label, lambda: stage(job) if job.world.is_main else None)[0]
 
 
-def main_first(stage: Callable[[J], None]) -> Callable[[J], None]:
+def main_first(stage: Callable[[J], None], what: str | None = None) -> Callable[[J], None]:
     """``stage`` run by rank 0, then by the others: rank 0 commits its checkpoint, the others read it back."""
+    label = what or _name(stage)
 
     def run(job: J) -> None:
         world = job.world
-        world.step(_name(stage), lambda: stage(job) if world.is_main else None)
-        world.step(_name(stage), lambda: None if world.is_main else stage(job))
+        world.step(label, lambda: stage(job) if world.is_main else None)
+        world.step(label, lambda: None if world.is_main else stage(job))
 
     return run
 

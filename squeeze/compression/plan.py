@@ -4,7 +4,7 @@ The model is built on the meta device (preflight.meta_model), which gives every 
 recipe quantizes, the exact artifact size and the layer groups. From those, per rank of a torchrun world:
 
 * host memory at the peak: the preflight estimates the run itself checks (unbounded:
-  preflight.estimate_peak_memory; ``--max-memory``: streaming.streaming_peak_bytes), and with ``--device`` the
+  preflight.estimate_peak_memory; ``--max-memory``: bounded_preflight.streaming_peak_bytes), and with ``--device`` the
   GPU's: one block's fp32 weights, their float64 Fisher sums and one gradient, one window's activations, or the
   LM head with one window's logits, or one target's k-means scratch, whichever is largest;
 * the work area's disk at the peak (the Fisher checkpoint, the group checkpoints, the spilled activations of a
@@ -33,7 +33,7 @@ from torch import nn
 from squeeze.calibrate.block_walk import model_parts
 from squeeze.calibrate.expert_groups import group_bounds
 from squeeze.calibrate.hessian import hessian_bytes_bound
-from squeeze.compression import expert_plan, streaming
+from squeeze.compression import bounded_preflight, expert_plan
 from squeeze.compression.machine import Machine, this_machine
 from squeeze.compression.preflight import (
     BASE_PROCESS_BYTES,
@@ -167,7 +167,7 @@ def plan_compress(
     if seq_len is not None:
         check_context_length(skeleton, seq_len)
     if max_memory is not None:
-        streaming.check_streamable(source, recipe, skeleton, targets)
+        bounded_preflight.check_streamable(source, recipe, skeleton, targets)
     elif compute is not None and seq_len is not None:
         model_parts(skeleton, option="--device")
     size = estimate_size(skeleton, recipe, targets=targets)
@@ -324,7 +324,7 @@ def _host_peak(
         return estimate_peak_memory(skeleton, recipe, seq_len, targets=targets)
     params = _numel(skeleton) * 4
     fisher = sum(t.weight.numel() for t in targets.values()) * 4
-    boundaries = streaming.spill_bytes(skeleton, num_samples or 1, seq_len)
+    boundaries = bounded_preflight.spill_bytes(skeleton, num_samples or 1, seq_len)
     return BASE_PROCESS_BYTES + params + max(params, fisher + boundaries)
 
 
@@ -346,7 +346,7 @@ def _work_disk(
         if _uses_hessians(recipe):
             total += hessian_bytes_bound(linear_targets(targets))
         if max_memory is not None:
-            total += streaming.spill_bytes(skeleton, num_samples or 1, seq_len)
+            total += bounded_preflight.spill_bytes(skeleton, num_samples or 1, seq_len)
     return total
 
 

@@ -2,8 +2,9 @@
 information of every target weight, or the activation weights of ``weights.sensitivity: activation``, and with
 error compensation the input Hessians, from one pass).
 
-Both run in the plain pipeline and, placed on every rank, in the data-parallel one (whose sensitivity stage
-splits the windows: pipelines/data_parallel.py); a bounded run has its own block-by-block sensitivity stage
+Both run in the plain pipeline (pipelines/plain.py); under torchrun (pipelines/torchrun.py) ``calibrate`` runs on
+every rank and :func:`world_sensitivity_stage` takes the sensitivity stage's place (the windows split across
+ranks, the partial sums added in rank order). A bounded run has its own block-by-block sensitivity stages
 (pipelines/bounded.py). What the recipe needs is read from ``job.needs`` (job.py), never from the recipe.
 """
 
@@ -17,10 +18,11 @@ from torch import nn
 from squeeze.calibrate.activation import activation_sensitivity, blockwise_activation_sensitivity
 from squeeze.calibrate.blockwise import blockwise_fisher
 from squeeze.calibrate.expert_groups import ExpertStreaming
-from squeeze.calibrate.fisher import fisher_information
+from squeeze.calibrate.fisher import finish_sums, fisher_information, fisher_sums, new_sums
 from squeeze.calibrate.generated import sample_windows_from_model, start_token
 from squeeze.calibrate.hessian import input_hessians
 from squeeze.calibrate.windows import calibration_windows
+from squeeze.compression.distributed import broadcast_tensors, sum_in_rank_order, window_range
 from squeeze.compression.job import CompressJob, timed
 from squeeze.models.source import load_tokenizer
 from squeeze.models.targets import linear_targets
@@ -66,6 +68,50 @@ def sensitivity_stage(job: CompressJob) -> None:
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
     job.windows = None
+
+
+def world_sensitivity_stage(job: CompressJob) -> None:
+    """The sensitivity stage under torchrun: each rank sums the squared gradients of its contiguous share of the
+    windows (float64), rank 0 adds the shares in rank order, rounds once to fp32 and commits the Fisher; every
+    rank gets it (the bits one process computes). Error compensation is refused before (check_world_options)."""
+    world = job.world
+    if job.calibration is None:
+        return
+    modules = fisher_modules(job)
+
+    def read() -> dict[str, torch.Tensor] | None:
+        with timed(job.timings, "checkpoint"):
+            return job.work.load_fisher(list(modules))
+
+    loaded, flags = world.step("reading the Fisher", read, lambda f: b"\x01" if f is not None else b"")
+    if loaded is not None and all(flag[:1] == b"\x01" for flag in flags):
+        job.fisher, job.windows = loaded, None
+        return
+    sums, _ = world.step("the Fisher", lambda: _partial_sums(job))
+    sum_in_rank_order(world, sums)  # rank 0: the total; the others keep their share (then overwritten)
+    job.fisher = finish_sums(sums)
+    broadcast_tensors(world, job.fisher)
+    job.windows = None
+
+    def commit() -> None:
+        with timed(job.timings, "checkpoint"):
+            job.work.save_fisher(job.fisher)
+
+    world.step("committing the Fisher", lambda: commit() if world.is_main else None)
+
+
+def _partial_sums(job: CompressJob) -> dict[str, torch.Tensor]:
+    """This rank's float64 sums of squared gradients over its share of the windows (zeros for no share)."""
+    calibration = job.calibration
+    assert calibration is not None  # world_sensitivity_stage returns first without one
+    modules = fisher_modules(job)
+    windows = job.windows if job.windows is not None else calibration_windows(calibration, load_tokenizer(job.source))
+    start, stop = window_range(len(windows), job.world)
+    if start == stop:  # more ranks than windows: this rank adds nothing
+        return new_sums({name: module.weight for name, module in modules.items()})
+    progress = job.progress
+    report = (lambda done, total: progress("fisher", done, total)) if progress else None
+    return fisher_sums(job.loaded_model(), windows[start:stop], modules, progress=report)
 
 
 def _fisher(job: CompressJob, windows: torch.Tensor, report: Any) -> dict[str, torch.Tensor]:
@@ -122,4 +168,4 @@ def _sample_for_hessians(job: CompressJob, seq_len: int) -> None:
         )
 
 
-__all__ = ["calibrate_stage", "fisher_modules", "sensitivity_stage"]
+__all__ = ["calibrate_stage", "fisher_modules", "sensitivity_stage", "world_sensitivity_stage"]

@@ -14,7 +14,7 @@ from torch import nn
 
 import squeeze
 from squeeze import api
-from squeeze.compression import pipeline, preflight
+from squeeze.compression import preflight, runner
 from squeeze.compression.pipelines import STAGES
 from squeeze.compression.writer import quantization_header, state_bytes, unique_tensors
 
@@ -50,13 +50,13 @@ def test_an_rtn_job_runs_its_stages_and_searches_the_targets_on_the_meta_model_o
     tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     searched: list[str] = []
-    real = pipeline.find_targets
+    real = runner.find_targets
 
     def counting(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         searched.append(next(model.parameters()).device.type)
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "find_targets", counting)
+    monkeypatch.setattr(runner, "find_targets", counting)
     monkeypatch.setattr(preflight, "find_targets", counting)
     result = api.compress(str(tiny_llama_dir), tmp_path / "out", "rtn-w4")
     # once for the job, on the meta-device build; the loaded model is never searched again, and estimate_size

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from squeeze import api
 from squeeze.calibrate.expert_groups import group_bounds
 from squeeze.cli.app import app
-from squeeze.compression import expert_plan, streaming
+from squeeze.compression import bounded_preflight, expert_plan
 from squeeze.compression.plan import load_rates
 from squeeze.compression.preflight import estimate_peak_memory, estimate_size, meta_model
 from squeeze.config import load_recipe
@@ -59,11 +59,11 @@ def test_bounded_plan_is_the_streaming_estimate_and_counts_spills(config_only: P
     skeleton = meta_model(resolve_model(str(config_only)))
     recipe = load_recipe("w4")
     targets = find_targets(skeleton, recipe.weights.targets, recipe.weights.ignore)
-    peak = streaming.streaming_peak_bytes(skeleton, recipe, targets, 32, plan.artifact_bytes)
+    peak = bounded_preflight.streaming_peak_bytes(skeleton, recipe, targets, 32, plan.artifact_bytes)
     assert plan.ranks[0].host_peak_bytes == peak
     assert any("below this run's minimum" in note for note in plan.notes)
     unbounded = api.plan_compress(str(config_only), "w4", calibration_overrides={"num_samples": 4, "seq_len": 32})
-    assert plan.work_disk_bytes - unbounded.work_disk_bytes == streaming.spill_bytes(skeleton, 4, 32)
+    assert plan.work_disk_bytes - unbounded.work_disk_bytes == bounded_preflight.spill_bytes(skeleton, 4, 32)
 
 
 def test_ranks_split_windows_and_deal_groups(config_only: Path) -> None:
@@ -153,7 +153,7 @@ def test_expert_groups_are_sized_to_the_budget_and_the_minimum_is_one_group() ->
     small, large, whole = plan(120e9), plan(200e9), plan(10e12)
     assert small.group is not None and large.group is not None and small.group < large.group
     assert small.peak_bytes <= 120e9 and large.peak_bytes <= 200e9
-    assert whole.group is None and whole.peak_bytes == streaming.streaming_peak_bytes(
+    assert whole.group is None and whole.peak_bytes == bounded_preflight.streaming_peak_bytes(
         skeleton, recipe, targets, 512, size
     )
     assert small.minimum_bytes == expert_plan.bounded_peak_bytes(skeleton, recipe, targets, 512, size, 2)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import squeeze.compression.pipeline as pipeline
+import squeeze.compression.runner as runner
 import squeeze.compression.workarea as workarea
 import squeeze.format.shards as shards
 from log_lines import without_progress
@@ -257,10 +257,10 @@ def test_a_publish_cut_short_is_finished_by_the_rerun(tmp_path, stories_dir, tin
                 raise Killed  # like a SIGKILL between two renames
         return real_replace(src, dst)
 
-    monkeypatch.setattr(pipeline.os, "replace", dying_replace)
+    monkeypatch.setattr(runner.os, "replace", dying_replace)
     with pytest.raises(Killed):
         compress(stories_dir, tinystories_file, out)
-    monkeypatch.setattr(pipeline.os, "replace", real_replace)
+    monkeypatch.setattr(runner.os, "replace", real_replace)
     names = {p.name for p in out.iterdir()}
     assert MANIFEST_NAME not in names and len(names) == 3  # two files moved, and the work area
     compress(stories_dir, tinystories_file, out)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from squeeze import api
-from squeeze.compression import quantize, streaming
+from squeeze.compression import bounded_preflight, quantize
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.errors import ConfigError, ResourceError
 from squeeze.format.manifest import MANIFEST_NAME
@@ -146,10 +146,10 @@ def test_peak_estimate_grows_with_the_window_length(bf16_llama: Path) -> None:
     skeleton = meta_model(resolve_model(str(bf16_llama)))
     recipe = load_recipe("w4")
     targets = find_target_linears(skeleton, ["q_proj", "down_proj"])
-    rtn = streaming.streaming_peak_bytes(skeleton, recipe, targets, None, 10**6)
-    short = streaming.streaming_peak_bytes(skeleton, recipe, targets, 32, 10**6)
-    long = streaming.streaming_peak_bytes(skeleton, recipe, targets, 512, 10**6)
-    assert streaming.STREAMING_BASE_BYTES < rtn <= short < long
+    rtn = bounded_preflight.streaming_peak_bytes(skeleton, recipe, targets, None, 10**6)
+    short = bounded_preflight.streaming_peak_bytes(skeleton, recipe, targets, 32, 10**6)
+    long = bounded_preflight.streaming_peak_bytes(skeleton, recipe, targets, 512, 10**6)
+    assert bounded_preflight.STREAMING_BASE_BYTES < rtn <= short < long
 
 
 def test_a_gguf_source_is_refused_with_the_conversion_hint(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_spill_bytes_count_every_block_input(bf16_llama: Path) -> None:
 
     skeleton = meta_model(resolve_model(str(bf16_llama)))
     # 2 blocks: their 2 inputs, the last output, one boundary of gradients; 4 windows x 32 tokens x 64 fp32
-    assert streaming.spill_bytes(skeleton, 4, 32) == 4 * 4 * 32 * 64 * 4
+    assert bounded_preflight.spill_bytes(skeleton, 4, 32) == 4 * 4 * 32 * 64 * 4
 
 
 def _save_moe(root: Path, family: str, tokenizer: Any) -> Path:
@@ -268,8 +268,8 @@ def test_the_peak_estimate_counts_a_moe_block_with_its_experts(tmp_path: Path, t
     experts = sum(p.numel() for n, p in skeleton.named_parameters() if n.startswith("model.layers.0.mlp.experts."))
     block = sum(p.numel() for p in skeleton.model.layers[0].parameters())
     assert experts > block / 2  # the experts are most of the block
-    peak = streaming.streaming_peak_bytes(skeleton, load_recipe("w4"), targets, 32, 10**6)
-    assert peak - streaming.STREAMING_BASE_BYTES >= block * (4 + 8 + 4)
+    peak = bounded_preflight.streaming_peak_bytes(skeleton, load_recipe("w4"), targets, 32, 10**6)
+    assert peak - bounded_preflight.STREAMING_BASE_BYTES >= block * (4 + 8 + 4)
 
 
 def test_a_moe_budget_below_the_minimum_is_refused_naming_it(tmp_path: Path, tiny_tokenizer: Any) -> None:
@@ -294,10 +294,10 @@ def test_a_moe_bounded_run_with_expert_groups_is_byte_identical(
     pinned to 2, as a budget between the two peaks of so tiny a model cannot be told apart.)"""
     from dataclasses import replace
 
-    from squeeze.compression import expert_plan, pipeline
+    from squeeze.compression import expert_plan, runner
 
     chosen = expert_plan.plan_expert_groups
-    monkeypatch.setattr(pipeline.expert_plan, "plan_expert_groups", lambda *a, **k: replace(chosen(*a, **k), group=2))
+    monkeypatch.setattr(runner.expert_plan, "plan_expert_groups", lambda *a, **k: replace(chosen(*a, **k), group=2))
     slices: list[tuple[int, int]] = []
     original = LazyModel.experts_slice
 
@@ -334,9 +334,9 @@ def test_a_moe_device_run_with_expert_groups_is_byte_identical(
     """--device without --max-memory: when the device cannot hold a whole MoE block, preflight streams its experts
     in groups (here the device's memory is pinned to 1 byte, so the smallest group, 2, is used on device="cpu"):
     the same artifact as the host run."""
-    from squeeze.compression import pipeline, sensitivity
+    from squeeze.compression import runner, sensitivity
 
-    monkeypatch.setattr(pipeline, "_device_bytes", lambda device: 1)
+    monkeypatch.setattr(runner, "_device_bytes", lambda device: 1)
     used: list[int | None] = []
     fisher = sensitivity.blockwise_fisher
 

@@ -4,30 +4,32 @@ A **stage** is a function ``stage(job: CompressJob) -> None`` (job.py's ``Stage`
 stages put on the job and fills its own fields (job.py says which stage fills which). It reads what the
 recipe needs from ``job.needs`` (a :class:`~squeeze.compression.job.RecipeNeeds`: the weight format, Fisher,
 Hessians, calibration), never from the recipe's method string; it commits its results to the work area
-(``job.work``) so a rerun resumes, and it adds sub-timings with ``timed(job.timings, part)``. A stage of the
-data-parallel mode must not communicate itself unless it is written for the world: wrap a plain stage in
-``every_rank`` / ``main_rank`` / ``main_first`` (squeeze.compression.distributed), which end it with a
-status exchange so a failing rank stops the others.
+(``job.work``) so a rerun resumes, and it adds sub-timings with ``timed(job.timings, part)``. A stage does not
+communicate: under torchrun it is placed on its ranks by a wrapper that ends it with a status exchange
+(torchrun.py), except the sensitivity stage, which has a world-wide form written for the world.
 
 A **pipeline** (:class:`Pipeline`) is one mode: a name and its named stages, which every run executes after
 the ``fingerprint`` stage; each stage's seconds are kept under its name in ``CompressResult.timings``. The
-modes, one module each, registered at import:
+modes are a 2 x 2 product, registered at import:
 
-- ``plain`` (plain.py): one process, the whole model loaded;
-- ``bounded`` (bounded.py): ``--max-memory``, one decoder block resident at a time, byte-identical to plain;
-- ``data_parallel`` (data_parallel.py): a torchrun world, windows and layer groups split across ranks;
-- ``bounded_data_parallel`` (bounded_parallel.py): both, every rank streaming block by block.
+- memory: ``plain`` (plain.py: one process, the whole model loaded) or ``bounded`` (bounded.py:
+  ``--max-memory``, one decoder block resident at a time, byte-identical to plain; its own stages are named
+  ``bounded_*``);
+- processes: one, or a torchrun world (torchrun.py): ``data_parallel`` and ``bounded_data_parallel`` are
+  derived from the two one-process pipelines, each stage placed on its ranks, with one override (the
+  world-wide sensitivity stage: windows split across ranks, the partial sums added in rank order).
 
 :func:`mode_of` chooses the mode from the job (its one place), :func:`pipeline_for` returns its pipeline.
 
-To add a stage: write ``stage(job)`` in the module of its concern, and list it, under a new name, in each
-mode that runs it (placed with a wrapper in data_parallel.py). To add a mode: a module here that calls
-``register(Pipeline(name, stages))``, imported below, and a case in :func:`mode_of`.
+To add a stage: write ``stage(job)`` in the module of its concern, list it under a new name in plain.py (and in
+bounded.py, with a ``bounded_`` form if it needs the whole model), and give that name a placement in
+torchrun.PLACEMENT. To add a mode: a module here that calls ``register(Pipeline(name, stages))``, imported
+below, and a case in :func:`mode_of`.
 """
 
 from __future__ import annotations
 
-from squeeze.compression.pipelines import bounded, bounded_parallel, data_parallel, plain
+from squeeze.compression.pipelines import bounded, plain, torchrun
 from squeeze.compression.pipelines.registry import (
     CALIBRATION_STAGES,
     NamedStage,
@@ -47,11 +49,10 @@ __all__ = [
     "Pipeline",
     "STAGES",
     "bounded",
-    "bounded_parallel",
-    "data_parallel",
     "mode_of",
     "pipeline_for",
     "plain",
     "register",
     "registered",
+    "torchrun",
 ]

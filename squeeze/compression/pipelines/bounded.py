@@ -1,11 +1,15 @@
 """The bounded compress mode (``--max-memory``): one decoder block resident at a time.
 
+Its stages are the plain mode's (plain.py) where those hold no whole model (calibrate, tune, seal, publish) and
+its own, named ``bounded_*``, where the plain ones would (load, sensitivity, quantize, write); under torchrun
+(torchrun.py) :func:`bounded_world_sensitivity_stage` takes the sensitivity stage's place.
+
 The model is built on the meta device and each block's weights are read from the source safetensors only
 while that block is in use (squeeze.models.lazy); the Fisher is computed block by block from the end
 backwards (squeeze.calibrate.blockwise) and committed per layer group; the quantize stage reads each group's
 weights and Fisher back, and the write stage takes every unquantized tensor straight from the source. Each
 number is computed by the same code as in the plain run, so the artifact is byte-identical to it. What a
-bounded run refuses and the peak it reaches are checked in preflight (squeeze.compression.streaming); a
+bounded run refuses and the peak it reaches are checked in preflight (squeeze.compression.bounded_preflight); a
 bits-per-weight plan is refused there, so this mode has no plan stage.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ from squeeze.calibrate.expert_groups import ExpertStreaming
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
 from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact
-from squeeze.compression.distributed import owns_group
+from squeeze.compression.distributed import owns_group, sum_in_rank_order, window_range
 from squeeze.compression.embeddings import embedding_targets
 from squeeze.compression.expert_plan import rows_independent
 from squeeze.compression.job import CompressJob, timed
@@ -42,7 +46,7 @@ from squeeze.models.source import keep_dtype, load_tokenizer, source_dtype
 from squeeze.models.targets import target_at
 
 
-def load_stage(job: CompressJob) -> None:
+def bounded_load_stage(job: CompressJob) -> None:
     """The model on the meta device (weights stay in the source), its tokenizer, targets and embeddings."""
     lazy = LazyModel(job.source)
     job.lazy, job.model = lazy, lazy.model
@@ -52,13 +56,34 @@ def load_stage(job: CompressJob) -> None:
     job.groups = quantize.layer_groups(lazy.model, {**job.targets, **job.embeddings})
 
 
-def sensitivity_stage(job: CompressJob) -> None:
+def bounded_sensitivity_stage(job: CompressJob) -> None:
     """The Fisher of every group not yet quantized, block by block, each group committed as it is done;
     skipped when every such group's Fisher (or quantized checkpoint) is already in the work area."""
     if job.calibration is None:
         return
     if missing_fisher(job):
         fisher_pass(job, window_share=(0, None), spill_dir=job.work.activations)
+    job.windows = None
+
+
+def bounded_world_sensitivity_stage(job: CompressJob) -> None:
+    """The bounded sensitivity stage under torchrun: the windows split across ranks, each group's float64 sums
+    added in rank order inside the pass (rank 0 commits the totals); skipped on every rank when no rank sees a
+    group left without its Fisher."""
+    world = job.world
+    if job.calibration is None:
+        return
+    _, flags = world.step("reading the Fisher", lambda: missing_fisher(job), lambda m: b"\x01" if m else b"")
+    if any(flag[:1] == b"\x01" for flag in flags):  # every rank takes part: the pass exchanges sums per group
+        job.windows = windows_of(job)
+        fisher_pass(
+            job,
+            window_share=window_range(len(job.windows), world),
+            spill_dir=job.work.activations / f"rank-{world.rank:05d}",
+            combine=lambda sums: sum_in_rank_order(world, sums),
+            commit=world.is_main,  # rank 0 holds the totals
+        )
+        world.step("committing the Fisher", lambda: None)  # no rank quantizes before rank 0 has committed
     job.windows = None
 
 
@@ -93,18 +118,7 @@ def fisher_pass(
     rank other than 0 only adds its share: ``combine``, see squeeze.calibrate.blockwise)."""
     windows = windows_of(job)
     start, stop = window_share
-    group_of = {name: index for index, names in enumerate(job.groups) for name in names}
-    pending: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_group(part: dict[str, torch.Tensor]) -> None:
-        for name, tensor in part.items():
-            pending.setdefault(group_of[name], {})[name] = tensor
-        for index in [i for i, got in pending.items() if len(got) == len(job.groups[i])]:
-            group = pending.pop(index)
-            if commit:
-                with timed(job.timings, "checkpoint"):
-                    job.work.save_fisher_group(index, group)
-
+    on_group, pending = _group_committer(job, commit)
     progress = job.progress
     report = (lambda done, total: progress("fisher", done, total)) if progress else None
     lazy: LazyModel = job.lazy
@@ -144,7 +158,27 @@ def fisher_pass(
         raise ValueError(f"the Fisher of group(s) {sorted(pending)} came back incomplete")
 
 
-def quantize_stage(job: CompressJob) -> None:
+def _group_committer(
+    job: CompressJob, commit: bool
+) -> tuple[Callable[[dict[str, torch.Tensor]], None], dict[int, dict[str, torch.Tensor]]]:
+    """(on_group, pending): ``on_group`` gathers the Fisher parts a blockwise pass hands back into their layer
+    groups and commits each group once complete (when ``commit``); ``pending`` holds the incomplete ones."""
+    group_of = {name: index for index, names in enumerate(job.groups) for name in names}
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_group(part: dict[str, torch.Tensor]) -> None:
+        for name, tensor in part.items():
+            pending.setdefault(group_of[name], {})[name] = tensor
+        for index in [i for i, got in pending.items() if len(got) == len(job.groups[i])]:
+            group = pending.pop(index)
+            if commit:
+                with timed(job.timings, "checkpoint"):
+                    job.work.save_fisher_group(index, group)
+
+    return on_group, pending
+
+
+def bounded_quantize_stage(job: CompressJob) -> None:
     """Each group without a committed checkpoint: its weights read from the source, its Fisher from the work
     area, quantized by quantize.py's own group function and committed."""
     lazy: LazyModel = job.lazy
@@ -205,7 +239,7 @@ def _group_fisher(job: CompressJob, index: int, names: list[str]) -> dict[str, t
     return fisher
 
 
-def write_stage(job: CompressJob) -> None:
+def bounded_write_stage(job: CompressJob) -> None:
     """The artifact as the unbounded write stage builds it, with every unquantized tensor read from the source."""
     staging = job.work.staging
     if staging.exists():
@@ -256,11 +290,11 @@ BOUNDED = register(
         "bounded",
         (
             ("calibrate", calibrate_stage),
-            ("load", load_stage),
-            ("sensitivity", sensitivity_stage),
-            ("quantize", quantize_stage),
+            ("load", bounded_load_stage),
+            ("sensitivity", bounded_sensitivity_stage),
+            ("quantize", bounded_quantize_stage),
             ("tune", tune_stage),
-            ("write", write_stage),
+            ("write", bounded_write_stage),
             ("seal", seal_stage),
             ("publish", publish_stage),
         ),
@@ -269,11 +303,12 @@ BOUNDED = register(
 
 __all__ = [
     "BOUNDED",
+    "bounded_load_stage",
+    "bounded_quantize_stage",
+    "bounded_sensitivity_stage",
+    "bounded_world_sensitivity_stage",
+    "bounded_write_stage",
     "fisher_pass",
-    "load_stage",
     "missing_fisher",
-    "quantize_stage",
-    "sensitivity_stage",
     "windows_of",
-    "write_stage",
 ]

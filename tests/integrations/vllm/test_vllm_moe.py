@@ -6,7 +6,8 @@ shaped for vLLM's CPU attention: head_dim 64) compressed at 4 bits, their routed
 (expert, row); and the tiny vLLM-shaped Llama with tied embeddings compressed with ``weights.embedding_bits``
 4 (recipe w4-e4: one quantized table serves the embedding and the LM head). At tensor parallel 1 vLLM must
 give ``squeeze run``'s greedy text, and at tensor parallel 2 (experts split by intermediate channel, the
-vocabulary by rows) the same tokens as at 1. Mixtral's modules are renamed by transformers (block_sparse_moe
+vocabulary by rows) the same tokens as at 1; with ``enable_expert_parallel`` at tensor parallel 2 (each rank 2 whole
+experts) ``squeeze run``'s greedy text again. Mixtral's modules are renamed by transformers (block_sparse_moe
 -> mlp): its artifact loads with ``load_format="squeeze"``, and vLLM's own loader is refused in one line.
 Each engine starts in a process of its own (15-60 s on 2 idle cores).
 """
@@ -90,6 +91,18 @@ def test_moe_artifacts_give_squeeze_runs_text_at_tensor_parallel_1_and_2(moe: tu
     tp2, log = run_vllm(artifact, tp=2, load_format="squeeze")
     assert tp2 is not None, log[-4000:]
     assert tp2["tokens"] == tp1["tokens"]
+
+
+def test_moe_artifacts_give_squeeze_runs_text_with_expert_parallelism_at_tensor_parallel_2(
+    moe: tuple[str, Path],
+) -> None:
+    # --enable-expert-parallel: each of the 2 ranks holds 2 whole experts (all their channels) and skips the
+    # tokens routed to the other rank's; vLLM's all-reduce adds the two ranks' sums
+    _name, artifact = moe
+    ep, log = run_vllm(artifact, tp=2, load_format="squeeze", enable_expert_parallel=True)
+    assert ep is not None, log[-4000:]
+    assert "Expert parallelism is enabled" in log and "Local/global number of experts: 2/4" in log, log[-4000:]
+    assert_squeeze_run_text(artifact, ep)
 
 
 def test_a_renamed_moe_artifact_on_vllms_own_loader_is_refused_in_one_line(moe: tuple[str, Path]) -> None:

@@ -24,8 +24,9 @@ def run_vllm(
     """(result, log) of scripts/bench/vllm_generate.py on ``model``; result None when vLLM failed to start."""
     cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "vllm_generate.py"), str(model)]
     cmd += ["--prompts-json", json.dumps(list(prompts)), "--max-tokens", str(tokens), "--max-model-len", "128"]
-    for key, value in options.items():
-        cmd += ["--" + key.replace("_", "-"), str(value)]
+    for key, value in options.items():  # True: a flag (enable_expert_parallel=True); False: left out
+        flag = "--" + key.replace("_", "-")
+        cmd += [flag] if value is True else [] if value is False else [flag, str(value)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     log = proc.stderr + proc.stdout  # vLLM logs to stdout
     for line in proc.stdout.splitlines():

@@ -1,7 +1,7 @@
 """What a compress run within a memory budget (``--max-memory``) can do, and the peak it reaches.
 
 The bounded run itself (one decoder block resident at a time) is the "bounded" pipeline
-(pipelines/bounded.py). Here, for preflight: :func:`check_streamable` refuses, before any work, what a
+(pipelines/bounded.py). Here, for preflight (runner.py): :func:`check_streamable` refuses, before any work, what a
 bounded run cannot do (GGUF sources, error compensation, a bits-per-weight budget, a model not shaped like
 Llama); :func:`streaming_peak_bytes` is the estimated peak that preflight compares with the budget.
 """

@@ -1,9 +1,9 @@
-"""The compress pipeline: preflight -> lock -> the job's stages -> a sealed artifact in the output.
+"""The compress run: preflight -> lock -> the stages of the job's mode -> a sealed artifact in the output.
 
 Preflight runs every cheap check first (output rules, architecture on the meta device, target linears,
 size, disk, memory, context length); only then is the output locked and the job run as named stages: the
-fingerprint (fingerprint.py), then the stages of the job's mode (squeeze.compression.pipelines: plain,
-bounded by ``--max-memory``, or data-parallel under torchrun). Work happens in the
+fingerprint (fingerprint.py), then the stages of the job's mode (squeeze.compression.pipelines: the whole
+model or bounded by ``--max-memory``, in one process or under torchrun). Work happens in the
 resumable work area ``<output>/.squeeze-work`` (see workarea.py): the Fisher information and each quantized
 layer group are committed there as checkpoints, so a rerun of an interrupted job skips what is done. The
 artifact is assembled and sealed in the work area and moved into the output only when complete (manifest
@@ -21,7 +21,7 @@ import torch
 
 from squeeze.calibrate.block_walk import model_parts
 from squeeze.calibrate.hessian import hessian_bytes_bound
-from squeeze.compression import expert_plan, streaming
+from squeeze.compression import bounded_preflight, expert_plan
 from squeeze.compression.distributed import (
     World,
     check_visible,
@@ -193,7 +193,7 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     """Size, disk, memory and context checks on the meta-device model; finds the target linears (once)."""
     check_visible(job.world, job.work.root)  # torchrun: the work area rank 0 made is on a shared filesystem
     if job.max_memory is not None:  # before the architecture is read (a GGUF file's takes long)
-        streaming.check_source(job.source)
+        bounded_preflight.check_source(job.source)
     skeleton = meta_model(job.source)
     weights = job.recipe.weights
     # linears and 3-D expert parameters (MoE); ModelError when there is none
@@ -204,12 +204,12 @@ def _preflight(job: CompressJob, force: bool) -> SizeEstimate:
     if job.needs.hessians:
         checkpoint_bytes += hessian_bytes_bound(linear_targets(targets))
     if job.max_memory is not None and calibration is not None:  # the hidden states a bounded run spills
-        checkpoint_bytes += streaming.spill_bytes(skeleton, calibration.num_samples, calibration.seq_len)
+        checkpoint_bytes += bounded_preflight.spill_bytes(skeleton, calibration.num_samples, calibration.seq_len)
     already = 0 if job.restart else job.work.disk_bytes()
     check_disk(job.work.output, estimate, checkpoint_bytes - already, force)
     seq_len = calibration.seq_len if calibration else None
-    if job.max_memory is not None:  # a bounded run streams block by block (streaming.py): its own, lower peak
-        streaming.check_streamable(job.source, job.recipe, skeleton, targets)
+    if job.max_memory is not None:  # a bounded run streams block by block (bounded_preflight.py): its own, lower peak
+        bounded_preflight.check_streamable(job.source, job.recipe, skeleton, targets)
         plan = expert_plan.plan_expert_groups(
             skeleton, job.recipe, targets, seq_len, estimate.total_bytes, job.max_memory, _device_bytes(job.device)
         )
@@ -247,7 +247,7 @@ def _run_locked(job: CompressJob) -> CompressResult:
     # every rank reads the record before rank 0 may act on it; rank 0's reading decides
     record, flags = job.world.step("resuming", job.work.publishing, lambda r: b"\x01" if r is not None else b"")
     if flags[0][:1] == b"\x01":  # killed while publishing: the artifact is complete in the work area
-        run_stages(job, (("publish", main_rank(lambda j: finish_publish(j, record or {}))),))
+        run_stages(job, (("publish", main_rank(lambda j: finish_publish(j, record or {}), "publish")),))
     else:
         run_stages(job, pipeline_for(job).for_job(job))
     job.summary = share_json(job.world, job.summary)  # torchrun: rank 0 sealed; every rank returns its result
