@@ -79,8 +79,9 @@ def test_no_page_names_an_absolute_path_of_the_machine_it_ran_on(page: Path) -> 
     assert not found, f"{page.relative_to(REPO)}: repository-relative commands only, found {found[:3]}"
 
 
-#: A path in architecture.md's code spans and blocks: `runtime/loader.py`, `serve/scheduler`, `compression/pipelines/`,
-#: a bare `lut.py`; a module named with a function after it (`runtime/loader.load_artifact`) counts as its module.
+#: A path in architecture.md's code spans and blocks: `runtime/loader.py`, `serve/engine/scheduler`,
+#: `compression/pipelines/`, a bare `lut.py`; a module named with a function after it
+#: (`runtime/loader.load_artifact`) counts as its module.
 _ARCH_PATH = re.compile(r"(?<![\w./-])((?:[a-z_]\w*/)+(?:[a-z_]\w*(?:\.py|\.json|\.sh)?)?|[a-z_]\w*\.py)")
 
 
@@ -111,11 +112,15 @@ def test_every_module_architecture_md_names_exists() -> None:
 
 
 def test_the_architecture_check_sees_a_missing_module() -> None:
-    text = "`runtime/loader.py`, `serve/scheduler`, `api.py`, `int8/int4`, `runtime/gone.py`:\n"
+    text = "`runtime/loader.py`, `serve/engine/scheduler`, `api.py`, `int8/int4`, `runtime/gone.py`:\n"
     text += "```\nserve/nowhere.step\n```"
-    assert {"runtime/loader.py", "serve/scheduler", "api.py", "runtime/gone.py", "serve/nowhere"} <= architecture_paths(
-        text
-    )
+    assert {
+        "runtime/loader.py",
+        "serve/engine/scheduler",
+        "api.py",
+        "runtime/gone.py",
+        "serve/nowhere",
+    } <= architecture_paths(text)
     assert [p for p in sorted(architecture_paths(text)) if missing_from_tree(p)] == [
         "api.py",
         "runtime/gone.py",

@@ -9,7 +9,7 @@
     normalised per channel with grids of 32, values on a 16-level codebook, 4 sink tokens). Timed: the native
     kernel on the int4 pool and on a float32 pool, and today's path (the pool dequantizes every row's history,
     then transformers' SDPA once per row) on both. Each is called alternately, medians.
-(2) With --artifact: one whole decode step of the model (squeeze.serve.runner.ModelRunner) for the same rows,
+(2) With --artifact: one whole decode step of the model (squeeze.serve.engine.runner.ModelRunner) for the same rows,
     the pool filled with random keys / values: int4 KV (native attention), int4 KV with
     SQUEEZE_NATIVE_ATTENTION=0 (today's path) and 16-bit KV (SDPA, as squeeze run attends a DynamicCache).
     Attention's share: the time inside the model's attention function, and with the KV cache's writes/reads.
@@ -35,9 +35,9 @@ from bench_common import command_line, revision  # scripts/bench/ is on sys.path
 
 from squeeze.quant.kv_spec import KVSpec, LayerKV
 from squeeze.runtime.kernels.cpu_attention import RaggedRows, attend, attention_kernels
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots
-from squeeze.serve.runner import RowSpan, paged_attention
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.kv_pool import AttentionShape, PagedKVPool, StepSlots
+from squeeze.serve.engine.runner import RowSpan, paged_attention
 
 BLOCK = 16
 #: what the timings read: the wall clock, or the calling thread's CPU time (--cpu-time)
@@ -177,10 +177,10 @@ def step_bench(artifact: Path, spec: KVSpec, rows: int, context: int, repeats: i
 
     from squeeze import api
     from squeeze.quant.kv_bytes import kv_geometry
-    from squeeze.serve import runner as runner_module
-    from squeeze.serve.runner import ATTENTION, ModelRunner, PagedStepCache
-    from squeeze.serve.scheduler import ScheduledChunk
-    from squeeze.serve.sequence import Sequence
+    from squeeze.serve.engine import runner as runner_module
+    from squeeze.serve.engine.runner import ATTENTION, ModelRunner, PagedStepCache
+    from squeeze.serve.engine.scheduler import ScheduledChunk
+    from squeeze.serve.engine.sequence import Sequence
     from squeeze.serve.types import SamplingParams
 
     loaded = api.load(artifact)

@@ -9,7 +9,7 @@ Default artifacts: artifacts/smollm2-135m-w4-kv4 and artifacts/smollm2-135m-w4-k
 int4 / int8 KV calibrated by ``squeeze calibrate-kv``); each runs with its calibrated cache, and the first
 also with the full-precision paged cache (``--kv-bits 16``).
 
-Everything runs in this process, through the engine squeeze serve runs (squeeze.serve.engine), without HTTP:
+Everything runs in this process, through the engine squeeze serve runs (squeeze.serve.engine.engine), without HTTP:
 clients are coroutines on an event loop in a second thread, the engine runs in the main thread (as in
 squeeze serve). The workload is fixed by ``--seed``: ``clients x --requests-per-client`` requests,
 prompt lengths and output lengths drawn uniformly from the ranges given (prompts are windows of sotu.txt;
@@ -156,7 +156,7 @@ def _measure(engine: Any, runner: Any, requests: list, clients: int) -> float:
 
 def make_engine(loaded: Any, kv_spec: Any, args: argparse.Namespace, observer: Latencies | None = None) -> Any:
     from squeeze.config import parse_size
-    from squeeze.serve.engine import Engine
+    from squeeze.serve.engine.engine import Engine
     from squeeze.serve.types import EngineConfig
 
     config = EngineConfig(
@@ -286,8 +286,8 @@ def capacity(loaded: Any, specs: dict[str, Any], args: argparse.Namespace) -> di
 
     from squeeze.config import parse_size
     from squeeze.quant.kv_bytes import kv_geometry
-    from squeeze.serve.blocks import BlockManager
-    from squeeze.serve.kv_pool import AttentionShape, block_bytes, sink_bytes
+    from squeeze.serve.engine.blocks import BlockManager
+    from squeeze.serve.engine.kv_pool import AttentionShape, block_bytes, sink_bytes
 
     memory = parse_size(args.capacity_memory)
     shape = AttentionShape(*kv_geometry(loaded.model.config))

@@ -22,8 +22,8 @@ from typing import Any
 import jsonschema
 import torch
 
-from squeeze.serve.engine import Engine
-from squeeze.serve.grammar import StepMasks
+from squeeze.serve.engine.engine import Engine
+from squeeze.serve.engine.grammar import StepMasks
 from squeeze.serve.types import EngineConfig, SamplingParams, StructuredOutput
 
 SCHEMA: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Per-op profile of one serving decode step (squeeze.serve.runner.ModelRunner) and the time outside the kernels.
+"""Per-op profile of one serving decode step (squeeze.serve.engine.runner.ModelRunner) and the time outside the kernels.
 
     .venv/bin/python scripts/bench/profile_step.py --artifact DIR [--rows 1,16] [--context 256] [--repeats 20]
         [--kv-dynamic 4] [--threads N] [--cpu-time] [--top 25]
@@ -88,8 +88,8 @@ def _exported(path: Path) -> list[str]:
 
 def decode_plan(rows: int, context: int) -> list[Any]:
     """One decode step of ``rows`` sequences, each at position ``context``."""
-    from squeeze.serve.scheduler import ScheduledChunk
-    from squeeze.serve.sequence import Sequence
+    from squeeze.serve.engine.scheduler import ScheduledChunk
+    from squeeze.serve.engine.sequence import Sequence
     from squeeze.serve.types import SamplingParams
 
     plan = []
@@ -103,8 +103,8 @@ def decode_plan(rows: int, context: int) -> list[Any]:
 def profile_rows(model: Any, spec: KVSpec | None, rows: int, context: int, repeats: int, top: int) -> dict[str, Any]:
     """Min step time, min time in native kernels, min time outside them (ms), and the profiler's table."""
     from squeeze.quant.kv_bytes import kv_geometry
-    from squeeze.serve.kv_pool import AttentionShape
-    from squeeze.serve.runner import ModelRunner
+    from squeeze.serve.engine.kv_pool import AttentionShape
+    from squeeze.serve.engine.runner import ModelRunner
 
     layers, kv_heads, d = kv_geometry(model.config)
     pool, blocks, _ = _filled_pool(spec, AttentionShape(layers, kv_heads, d), rows, context)

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from squeeze.api.artifact import local_artifact
 from squeeze.runtime.options import LoadOptions, split_keywords
-from squeeze.serve.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
+from squeeze.serve.http.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from squeeze.serve.engine import Engine
+    from squeeze.serve.engine.engine import Engine
     from squeeze.serve.types import EngineClient
 
 
@@ -28,7 +28,7 @@ def serve_engine(
 ) -> Engine:
     """Load an artifact (verified unless ``verify=False``) into a serving engine: continuous batching over a
     paged KV cache (squeeze.serve). Start it with ``engine.start()``, or hand it to
-    ``squeeze.serve.http.create_app`` (what ``squeeze serve`` does).
+    ``squeeze.serve.http.app.create_app`` (what ``squeeze serve`` does).
 
     ``config``: the KV cache and batching options (EngineConfig; checked before anything loads, ConfigError).
     Its ``kv_bits`` None takes the artifact's calibrated KV cache when it has one, else full precision;
@@ -41,7 +41,7 @@ def serve_engine(
 
     from squeeze.runtime.loader import load_or_place
     from squeeze.runtime.memory import allocation_refused
-    from squeeze.serve.engine import Engine
+    from squeeze.serve.engine.engine import Engine
 
     config = config if config is not None else EngineConfig()
     check_engine_config(config)
@@ -77,10 +77,10 @@ def create_serve_app(
     shutdown_grace_seconds: float = 10.0,
     max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible HTTP app over ``engine`` (:func:`squeeze.serve.http.create_app`; needs the
+    """The OpenAI-compatible HTTP app over ``engine`` (:func:`squeeze.serve.http.app.create_app`; needs the
     ``serve`` extra: fastapi, uvicorn, prometheus-client). ``max_request_bytes``: the body cap (default: from
-    the engine's context, squeeze.serve.connection_limits.default_max_request_bytes)."""
-    from squeeze.serve.http import create_app
+    the engine's context, squeeze.serve.http.connection_limits.default_max_request_bytes)."""
+    from squeeze.serve.http.app import create_app
 
     return create_app(
         engine,
@@ -98,11 +98,12 @@ def serve_uvicorn_config(
     max_connections: int | None = None,
     idle_timeout: float = SERVE_IDLE_TIMEOUT,
 ) -> Any:
-    """The ``uvicorn.Config`` squeeze serve runs ``app`` under (:func:`squeeze.serve.connection_limits.uvicorn_config`):
-    a connection that sends no whole request head within ``idle_timeout`` seconds is closed (a body that does
-    not follow its head within as long plus 1 s per 64 KiB is answered 408 and closed), connections past
-    ``max_connections`` (default: the open-file limit less 64) are answered 503."""
-    from squeeze.serve.connection_limits import uvicorn_config
+    """The ``uvicorn.Config`` squeeze serve runs ``app`` under
+    (:func:`squeeze.serve.http.connection_limits.uvicorn_config`): a connection that sends no whole request head
+    within ``idle_timeout`` seconds is closed (a body that does not follow its head within as long plus 1 s per
+    64 KiB is answered 408 and closed), connections past ``max_connections``
+    (default: the open-file limit less 64) are answered 503."""
+    from squeeze.serve.http.connection_limits import uvicorn_config
 
     return uvicorn_config(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
@@ -119,7 +120,7 @@ def serve_uvicorn_server(
     """The ``uvicorn.Server`` squeeze serve runs: :func:`serve_uvicorn_config`'s, on an event loop that logs
     failed accepts (out of open files) as one line per 10 s rather than a traceback per try. ConfigError when
     ``max_connections`` is more than the open-file limit less 64 allows."""
-    from squeeze.serve.connection_limits import uvicorn_server
+    from squeeze.serve.http.connection_limits import uvicorn_server
 
     config = serve_uvicorn_config(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout

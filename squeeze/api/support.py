@@ -19,8 +19,8 @@ from squeeze.runtime.activations import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activa
 from squeeze.runtime.options import KVOptions, LoadOptions
 from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.speculation import SpeculationOptions
-from squeeze.serve.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
-from squeeze.serve.open_files import check_max_connections as check_serve_max_connections
+from squeeze.serve.http.connection_limits import DEFAULT_IDLE_TIMEOUT as SERVE_IDLE_TIMEOUT
+from squeeze.serve.http.open_files import check_max_connections as check_serve_max_connections
 from squeeze.serve.types import EngineConfig
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time

@@ -95,7 +95,7 @@ def run_server(
 ) -> bool:
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM; False when the app failed to start (uvicorn logged why).
 
-    With an ``engine`` that can run its loop in the calling thread (squeeze.serve.engine.Engine.run), the
+    With an ``engine`` that can run its loop in the calling thread (squeeze.serve.engine.engine.Engine.run), the
     engine runs here, in the main thread, and uvicorn in a second thread (the engine steps ~1.5x faster in
     the thread that loaded the model: see Engine.run); the signals then stop uvicorn, whose shutdown stops
     the engine. Otherwise uvicorn runs here, and re-raises the signal that stopped it once it has restored

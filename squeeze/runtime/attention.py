@@ -2,7 +2,7 @@
 ``squeeze serve``.
 
 ``squeeze serve`` attends a whole ragged step per layer with squeeze.runtime.kernels.cpu_attention, reading
-the paged pool's codes in place (squeeze.serve.runner). A request's greedy text must equal what ``squeeze
+the paged pool's codes in place (squeeze.serve.engine.runner). A request's greedy text must equal what ``squeeze
 run`` gives it alone, so ``squeeze run`` attends through the same kernel whenever serve would:
 :func:`native_kernels` is the one decision for both (the model, not the call, decides), and :func:`native_run`
 switches a run over a :class:`SqueezeKVCache` to it. The kernel's result for a row depends on nothing but that

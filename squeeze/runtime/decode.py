@@ -172,7 +172,7 @@ def _forward(model: nn.Module, state: DecodeState, input_ids: torch.Tensor) -> t
 def _fast_attend(model: nn.Module, cache: Any, native: Any) -> AttendFn | None:
     """The flat forward's ``attend`` for a run whose forwards attend natively through ``native`` (a
     squeeze.runtime.attention.RunAttention), when the model has the Llama shape; else None (transformers'
-    forward). The same decision squeeze serve takes (squeeze.serve.runner.ModelRunner)."""
+    forward). The same decision squeeze serve takes (squeeze.serve.engine.runner.ModelRunner)."""
     if native is None or not fast_path_supported(model):
         return None
 

@@ -31,7 +31,7 @@ STRUCTURED_KINDS = ("json_schema", "regex", "choice")
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A grammar the generated text must match (squeeze.serve.grammar compiles it into a token mask per step).
+    """A grammar the generated text must match (squeeze.serve.engine.grammar compiles it into a token mask per step).
 
     ``kind`` is one of STRUCTURED_KINDS; ``spec`` the schema as JSON text, the regular expression, or the
     choices as a JSON list of strings. Hashable, so compiled grammars are cached by it.

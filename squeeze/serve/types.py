@@ -1,6 +1,6 @@
 """What the serving engine and its HTTP front share: options, per-request parameters, outputs, errors.
 
-The engine (squeeze.serve.engine) runs the model; the HTTP layer (squeeze.serve.http) speaks the OpenAI
+The engine (squeeze.serve.engine.engine) runs the model; the HTTP layer (squeeze.serve.http.app) speaks the OpenAI
 protocol. Neither imports the other's internals: they meet here, and the HTTP layer talks to any object with
 the :class:`EngineClient` interface (tests drive it with a fake one).
 """
@@ -76,7 +76,7 @@ class EngineConfig:
     max_num_seqs: sequences in one batch at most. max_batch_tokens: tokens one step feeds the model at most
     (decode tokens first, then prompt chunks). max_model_len: the context a request may use (None: the
     model's). max_queue: requests waiting at most before new ones get 429. prefix_cache: reuse the KV blocks
-    of prompt prefixes computed before (squeeze.serve.prefix_cache; the same tokens either way). speculation:
+    of prompt prefixes computed before (squeeze.serve.engine.prefix_cache; the same tokens either way). speculation:
     speculative decoding (squeeze.runtime.speculation; the same tokens either way), off by default.
     """
 
@@ -147,7 +147,7 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class TokenNames:
-    """How the log-probabilities of one position name their tokens (:mod:`squeeze.serve.token_names`).
+    """How the log-probabilities of one position name their tokens (:mod:`squeeze.serve.engine.token_names`).
 
     ``text``: what the chosen token adds to the response's text, which ``text_offset`` counts ("" for a
     special token the text drops and for a byte of a character not yet complete; the character on its last

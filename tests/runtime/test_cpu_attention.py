@@ -25,8 +25,8 @@ from squeeze.runtime.kernels.cpu_attention import (
 )
 from squeeze.runtime.kernels.cpu_build import KernelWarning
 from squeeze.runtime.quantized_cache import SqueezeKVCache
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.kv_pool import AttentionShape, PagedKVPool, StepSlots
 
 BOUND = 1e-5
 SCALING = 0.3

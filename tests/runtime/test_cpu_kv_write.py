@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-import squeeze.serve.kv_pool as kv_pool
+import squeeze.serve.engine.kv_pool as kv_pool
 from squeeze.quant.kv import KeyRotation
 from squeeze.quant.kv_spec import KVSpec, LayerKV
 from squeeze.runtime.kernels.cpu_attention import attention_kernels
 from squeeze.runtime.kernels.cpu_kv_write import write_params
 from squeeze.runtime.kv_codecs import FP8Codec, layer_codecs
-from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots
+from squeeze.serve.engine.kv_pool import AttentionShape, PagedKVPool, StepSlots
 
 H, D, SLOTS = 3, 64, 64
 

@@ -54,7 +54,7 @@ def attend_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Where each native attention call came from ("run": squeeze run's attention, "serve": the engine's runner),
     in order; skips where the native kernel is not built."""
     import squeeze.runtime.attention as run_attention
-    import squeeze.serve.runner as serve_runner
+    import squeeze.serve.engine.runner as serve_runner
     from squeeze.runtime.kernels.cpu_attention import attend, attention_kernels
 
     if attention_kernels() is None:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from squeeze import api
 from squeeze.cli.app import app
 from squeeze.errors import ConfigError
-from squeeze.serve.context_length import check_block_size
+from squeeze.serve.engine.context_length import check_block_size
 from squeeze.serve.types import EngineConfig
 
 

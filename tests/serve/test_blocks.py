@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from squeeze.serve.blocks import BlockManager
+from squeeze.serve.engine.blocks import BlockManager
 
 
 def test_blocks_grow_lazily_and_slots_follow_the_table() -> None:

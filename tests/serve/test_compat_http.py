@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeEngine, serving
 from test_http import TIMEOUT, assert_error, events
 
-from squeeze.serve.http import create_app
+from squeeze.serve.http.app import create_app
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from squeeze.runtime.attention import native_kernels
 from squeeze.runtime.kernels.cpu_attention import attention_kernels
 from squeeze.runtime.options import KVOptions
 from squeeze.runtime.stored_dtype import compute_dtype
-from squeeze.serve.engine import Engine
+from squeeze.serve.engine.engine import Engine
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
 
 TEXT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine."

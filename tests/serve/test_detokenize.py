@@ -16,8 +16,8 @@ from fake_engine import serving
 
 from squeeze import api
 from squeeze.runtime.options import KVOptions
-from squeeze.serve.engine import Engine
-from squeeze.serve.http import create_app
+from squeeze.serve.engine.engine import Engine
+from squeeze.serve.http.app import create_app
 from squeeze.serve.types import EngineConfig
 
 PROMPT = "Once upon a time,"

@@ -11,7 +11,7 @@ import torch
 from squeeze import api
 from squeeze.errors import ConfigError
 from squeeze.runtime.options import KVOptions
-from squeeze.serve.engine import Engine
+from squeeze.serve.engine.engine import Engine
 from squeeze.serve.types import EngineConfig, QueueFullError, RequestError, RequestOutput, SamplingParams
 
 PROMPTS = [
@@ -228,8 +228,8 @@ def test_a_row_gets_the_same_logits_bit_for_bit_alone_or_packed_with_others(wide
     A tiny Llama whose widths are multiples of 32 (see the wide32_artifact fixture): at stories260K's
     intermediate size of 172, torch's SiLU gives a row's last elements other bits when they end the tensor.
     """
-    from squeeze.serve.scheduler import ScheduledChunk
-    from squeeze.serve.sequence import Sequence
+    from squeeze.serve.engine.scheduler import ScheduledChunk
+    from squeeze.serve.engine.sequence import Sequence
 
     engine = api.serve_engine(wide32_artifact, config=EngineConfig(kv=KVOptions(4, True), kv_memory_bytes=4 << 20))
     short = engine.tokenize("once upon a time")

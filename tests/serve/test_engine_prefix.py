@@ -9,8 +9,8 @@ import torch
 
 from squeeze import api
 from squeeze.runtime.options import KVOptions
-from squeeze.serve.engine import Engine
-from squeeze.serve.sequence import Sequence
+from squeeze.serve.engine.engine import Engine
+from squeeze.serve.engine.sequence import Sequence
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
 
 SYSTEM = (

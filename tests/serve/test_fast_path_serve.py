@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-import squeeze.serve.runner as serve_runner
+import squeeze.serve.engine.runner as serve_runner
 from squeeze import api
 from squeeze.runtime.kernels.cpu_attention import attention_kernels
 from squeeze.runtime.options import KVOptions
-from squeeze.serve.scheduler import ScheduledChunk
-from squeeze.serve.sequence import Sequence
+from squeeze.serve.engine.scheduler import ScheduledChunk
+from squeeze.serve.engine.sequence import Sequence
 from squeeze.serve.types import EngineConfig, SamplingParams
 
 PROMPTS = ("once upon a time", "the little dog found a big red ball", "she saw a cat and the cat saw a bird in a tree")

@@ -19,7 +19,7 @@ from squeeze.errors import ConfigError
 from squeeze.eval.harness import HarnessModel, load_harness_model
 from squeeze.eval.perplexity import token_nlls
 from squeeze.runtime.options import KVOptions
-from squeeze.serve.http import create_app
+from squeeze.serve.http.app import create_app
 from squeeze.serve.types import EngineConfig
 
 TASKS = Path(__file__).parents[1] / "data" / "lm_eval"

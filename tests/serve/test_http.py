@@ -17,7 +17,7 @@ from fake_engine import FakeEngine, serving
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from squeeze.serve.http import create_app
+from squeeze.serve.http.app import create_app
 from squeeze.serve.types import EngineStoppedError, QueueFullError, RequestError, SamplingParams
 
 PROMPT = "the cat sat"

@@ -13,14 +13,14 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, serving
 
-from squeeze.serve.connection_limits import (
+from squeeze.serve.http.app import create_app
+from squeeze.serve.http.connection_limits import (
     MIN_BODY_RATE,
     body_deadline,
     default_max_connections,
     default_max_request_bytes,
     uvicorn_config,
 )
-from squeeze.serve.http import create_app
 
 TIMEOUT = 20.0
 PROMPT = "the cat sat"

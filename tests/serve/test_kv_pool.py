@@ -9,8 +9,8 @@ from squeeze.errors import ConfigError
 from squeeze.quant.kv import KeyRotation
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
 from squeeze.runtime.quantized_cache import SqueezeKVLayer
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.kv_pool import AttentionShape, PagedKVPool, StepSlots, block_bytes
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.kv_pool import AttentionShape, PagedKVPool, StepSlots, block_bytes
 
 H, D = 2, 8
 SHAPE = AttentionShape(layers=1, kv_heads=H, head_dim=D)

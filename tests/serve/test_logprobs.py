@@ -14,7 +14,7 @@ import torch
 from squeeze import api
 from squeeze.eval.perplexity import token_nlls
 from squeeze.runtime.options import KVOptions
-from squeeze.serve.engine import Engine
+from squeeze.serve.engine.engine import Engine
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
 
 TEXTS = [
@@ -92,7 +92,7 @@ def test_echo_over_http_gives_the_nll_squeeze_eval_gives(serve_artifact: Path) -
     import httpx
     from fake_engine import serving
 
-    from squeeze.serve.http import create_app
+    from squeeze.serve.http.app import create_app
 
     engine = api.serve_engine(serve_artifact, config=EngineConfig(kv=KVOptions(16), kv_memory_bytes=4 << 20))
     loaded = api.load(serve_artifact)

@@ -51,7 +51,7 @@ def test_serve_under_ulimit_v_is_one_error_with_a_hint(tmp_path: Path) -> None:
 
 def test_an_allocation_the_system_refuses_is_a_resource_error(compress_tiny, tmp_path, monkeypatch) -> None:
     """What the preflight cannot foresee (overcommit off, another process's growth) is still no internal error."""
-    import squeeze.serve.engine
+    import squeeze.serve.engine.engine
 
     artifact = compress_tiny(tmp_path / "tiny-w4")
 
@@ -61,7 +61,7 @@ def test_an_allocation_the_system_refuses_is_a_resource_error(compress_tiny, tmp
             "allocate 4294967296 bytes. Error code 12 (Cannot allocate memory)"
         )
 
-    monkeypatch.setattr(squeeze.serve.engine, "Engine", refuse)
+    monkeypatch.setattr(squeeze.serve.engine.engine, "Engine", refuse)
     with pytest.raises(ResourceError, match="refused the memory for the KV pool") as caught:
         api.serve_engine(artifact, config=EngineConfig(kv_memory_bytes=4 << 20))
     assert "--kv-memory" in (caught.value.hint or "")
@@ -69,7 +69,7 @@ def test_an_allocation_the_system_refuses_is_a_resource_error(compress_tiny, tmp
     def broken(*args, **kwargs):
         raise RuntimeError("a bug of squeeze's own")
 
-    monkeypatch.setattr(squeeze.serve.engine, "Engine", broken)
+    monkeypatch.setattr(squeeze.serve.engine.engine, "Engine", broken)
     with pytest.raises(RuntimeError, match="a bug of squeeze's own"):  # other errors stay what they are
         api.serve_engine(artifact, config=EngineConfig(kv_memory_bytes=4 << 20))
 

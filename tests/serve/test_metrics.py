@@ -7,7 +7,7 @@ import threading
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from squeeze.serve.metrics import LATENCY_BUCKETS, ServeMetrics
+from squeeze.serve.http.metrics import LATENCY_BUCKETS, ServeMetrics
 from squeeze.serve.types import EngineStats
 
 STATS = EngineStats(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.prefix_cache import PrefixCache, block_names, cache_root
-from squeeze.serve.runner import step_slots
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.prefix_cache import PrefixCache, block_names, cache_root
+from squeeze.serve.engine.runner import step_slots
 
 
 def test_a_block_name_covers_its_tokens_and_every_token_before_them() -> None:

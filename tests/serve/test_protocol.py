@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from squeeze.serve import protocol
-from squeeze.serve.request_schema import ChatRequest, CompletionRequest
+from squeeze.serve.http import protocol
+from squeeze.serve.http.request_schema import ChatRequest, CompletionRequest
 from squeeze.serve.types import EngineStoppedError, QueueFullError, RequestError, RequestOutput, SamplingParams
 
 

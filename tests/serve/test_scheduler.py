@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.scheduler import Scheduler
-from squeeze.serve.sequence import Sequence
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.scheduler import Scheduler
+from squeeze.serve.engine.sequence import Sequence
 from squeeze.serve.types import SamplingParams
 
 

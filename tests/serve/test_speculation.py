@@ -14,7 +14,7 @@ from squeeze import api
 from squeeze.errors import ConfigError
 from squeeze.runtime.options import KVOptions
 from squeeze.runtime.speculation import SpeculationOptions
-from squeeze.serve.engine import Engine
+from squeeze.serve.engine.engine import Engine
 from squeeze.serve.types import EngineConfig, SamplingParams
 
 PROMPTS = [
@@ -148,8 +148,8 @@ def test_a_verification_row_gives_each_position_the_bits_of_decoding_it_alone(
     """The runner's logits for a row of 1 + d queries equal, bit for bit, those of d + 1 single-token steps."""
     import torch
 
-    from squeeze.serve.scheduler import ScheduledChunk
-    from squeeze.serve.sequence import Sequence
+    from squeeze.serve.engine.scheduler import ScheduledChunk
+    from squeeze.serve.engine.sequence import Sequence
 
     fed = [5, 9, 12, 7, 30]
 

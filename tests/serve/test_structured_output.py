@@ -15,8 +15,8 @@ import pytest
 from fake_engine import FakeEngine, serving
 from tiny_engine import make_engine, tiny_model
 
-from squeeze.serve.engine import Engine
-from squeeze.serve.http import create_app
+from squeeze.serve.engine.engine import Engine
+from squeeze.serve.http.app import create_app
 from squeeze.serve.types import RequestError, RequestOutput, SamplingParams, StructuredOutput
 
 pytest.importorskip("xgrammar")

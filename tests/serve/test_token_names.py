@@ -1,4 +1,4 @@
-"""How log-probabilities name tokens (squeeze.serve.token_names, issue 50 item 5) on a SentencePiece-like
+"""How log-probabilities name tokens (squeeze.serve.engine.token_names, issue 50 item 5) on a SentencePiece-like
 tokenizer: read in context, distinct at each position, offsets that index the text. No model: milliseconds."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from sentencepiece_tokenizer import build_sentencepiece_tokenizer
 from squeeze.runtime.text_stream import continuation_text
+from squeeze.serve.engine.token_names import token_names
 from squeeze.serve.logprobs import LegacyLogprobs, chat_logprobs
-from squeeze.serve.token_names import token_names
 from squeeze.serve.types import TokenLogprob
 
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from fake_engine import FakeEngine, serving
 
-from squeeze.serve.http import create_app
+from squeeze.serve.http.app import create_app
 
 
 @pytest.fixture

@@ -15,11 +15,10 @@ import pytest
 from fake_engine import serving
 from tiny_engine import make_engine, tiny_model
 
-from squeeze.serve import protocol
-from squeeze.serve.http import create_app
-from squeeze.serve.request_schema import ChatRequest
-from squeeze.serve.tool_calls import ParsedCall, ParsedReply, _ToolStream, parse_reply
-from squeeze.serve.tool_schema import ToolDefinition, ToolPlan, tool_plan
+from squeeze.serve.http.app import create_app, protocol
+from squeeze.serve.http.request_schema import ChatRequest
+from squeeze.serve.http.tool_calls import ParsedCall, ParsedReply, _ToolStream, parse_reply
+from squeeze.serve.http.tool_schema import ToolDefinition, ToolPlan, tool_plan
 from squeeze.serve.types import RequestError
 
 pytest.importorskip("xgrammar")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from squeeze.serve.engine import Engine
+from squeeze.serve.engine.engine import Engine
 from squeeze.serve.types import EngineConfig
 from tests.conftest import build_tiny_tokenizer, tiny_llama_config
 

@@ -276,7 +276,7 @@ def reference_attention(
     query: Tensor, keys: Tensor, values: Tensor, rows: RaggedRows, scaling: float, *, dtype: torch.dtype = torch.float64
 ) -> Tensor:
     """What :func:`attend` computes, in torch: ``query (N, Hq, D)``, the step's histories ``keys`` / ``values
-    (Hkv, K, D)`` as the caches dequantize them (squeeze.serve.kv_pool.PagedKVPool.update reads them so), row
+    (Hkv, K, D)`` as the caches dequantize them (squeeze.serve.engine.kv_pool.PagedKVPool.update reads them so), row
     after row as in ``rows`` (``slots`` / ``sink_of`` unused). Softmax attention in ``dtype``; (N, Hq, D) float32."""
     n, hq, d = query.shape
     group = hq // keys.shape[0]

@@ -1,8 +1,8 @@
 """The serving engine: requests in, tokens out, one continuously batched model step at a time.
 
 The engine owns a thread that loops: take new requests and cancellations from its inbox, plan a step
-(squeeze.serve.scheduler), run it through the model over the paged KV pool (squeeze.serve.runner), choose
-the next token of every sequence whose pending tokens are all in (squeeze.serve.sampling), and send each
+(squeeze.serve.engine.scheduler), run it through the model over the paged KV pool (squeeze.serve.engine.runner), choose
+the next token of every sequence whose pending tokens are all in (squeeze.serve.engine.sampling), and send each
 request its update. Requests live on the asyncio side as :class:`RequestHandle` objects: updates reach
 their queue through ``loop.call_soon_threadsafe``, and cancelling one (a client that went away) is a
 message in the inbox, handled before the next step, which returns its blocks to the pool.
@@ -29,18 +29,18 @@ from squeeze.runtime.generate import eos_token_ids
 from squeeze.runtime.linear import drafting, prepare_draft_forms
 from squeeze.runtime.speculation import NgramIndex, draft_length
 from squeeze.runtime.stored_dtype import compute_dtype
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.context_length import check_block_size, model_context
-from squeeze.serve.engine_tokenizer import EngineTokenizer
-from squeeze.serve.grammar import GrammarBackend, StepMasks
-from squeeze.serve.kv_pool import AttentionShape, PagedKVPool
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.context_length import check_block_size, model_context
+from squeeze.serve.engine.grammar import GrammarBackend, StepMasks
+from squeeze.serve.engine.kv_pool import AttentionShape, PagedKVPool
+from squeeze.serve.engine.prefix_cache import PrefixCache
+from squeeze.serve.engine.request_handle import RequestHandle
+from squeeze.serve.engine.runner import ModelRunner
+from squeeze.serve.engine.sampling import choose_token
+from squeeze.serve.engine.scheduler import ScheduledChunk, Scheduler
+from squeeze.serve.engine.sequence import Sequence
+from squeeze.serve.engine.tokenizer import EngineTokenizer
 from squeeze.serve.logprobs import token_logprobs
-from squeeze.serve.prefix_cache import PrefixCache
-from squeeze.serve.request_handle import RequestHandle
-from squeeze.serve.runner import ModelRunner
-from squeeze.serve.sampling import choose_token
-from squeeze.serve.scheduler import ScheduledChunk, Scheduler
-from squeeze.serve.sequence import Sequence
 from squeeze.serve.types import (
     EngineConfig,
     EngineStats,

@@ -46,7 +46,7 @@ class StepSlots:
     """Where one step's tokens go and what attention reads, as int64 index tensors on the pool's device.
 
     A step's rows are packed into one sequence of N new tokens, and their histories into one of K tokens
-    (row after row, each from its position 0; squeeze.serve.runner). ``new_slots`` (N,): the token slot of
+    (row after row, each from its position 0; squeeze.serve.engine.runner). ``new_slots`` (N,): the token slot of
     each new token. ``new_sink_tokens`` / ``new_sink_entries`` (m,): which of the new tokens are sink tokens,
     and their index in the sink area. ``read_slots`` (K,): the slot of each history token.
     ``sink_positions`` / ``sink_entries`` (s,): where in the K history tokens a sink token sits, and its

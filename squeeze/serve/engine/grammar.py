@@ -35,7 +35,7 @@ from squeeze.serve.types import RequestError
 if TYPE_CHECKING:
     import torch
 
-    from squeeze.serve.scheduler import ScheduledChunk
+    from squeeze.serve.engine.scheduler import ScheduledChunk
 
 #: The JSON schema of ``response_format: {"type": "json_object"}``: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'

@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from squeeze.serve import protocol
-from squeeze.serve.choices import Choices
+from squeeze.serve.http import protocol
+from squeeze.serve.http.choices import Choices
 from squeeze.serve.types import EngineStoppedError, RequestStream
 
 logger = logging.getLogger("squeeze.serve")

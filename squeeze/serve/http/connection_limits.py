@@ -18,7 +18,12 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from squeeze.serve.open_files import RESERVED_FILES, check_max_connections, default_max_connections, limit_accept_errors
+from squeeze.serve.http.open_files import (
+    RESERVED_FILES,
+    check_max_connections,
+    default_max_connections,
+    limit_accept_errors,
+)
 
 if TYPE_CHECKING:  # squeeze's CLI imports this module without the serve extra
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -317,7 +322,7 @@ def uvicorn_config(
 
 def uvicorn_server(config: Any) -> Any:
     """A ``uvicorn.Server`` over ``config`` whose event loop logs failed accepts (out of open files) once per
-    ACCEPT_ERROR_LOG_SECONDS instead of a traceback per try (squeeze.serve.open_files.AcceptErrorLimiter)."""
+    ACCEPT_ERROR_LOG_SECONDS instead of a traceback per try (squeeze.serve.http.open_files.AcceptErrorLimiter)."""
     import uvicorn
 
     class GuardedServer(uvicorn.Server):  # type: ignore[misc]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from squeeze.runtime.text_stream import CONTEXT_TOKENS
-from squeeze.serve import protocol
+from squeeze.serve.http import protocol
 from squeeze.serve.logprobs import LegacyLogprobs, chat_logprobs, merge_legacy
 from squeeze.serve.types import EngineClient, RequestError, RequestOutput, RequestStream, SamplingParams, TokenLogprob
 

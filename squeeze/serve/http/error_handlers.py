@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from squeeze.serve import protocol
+from squeeze.serve.http import protocol
 from squeeze.serve.types import QueueFullError, RequestError
 
 

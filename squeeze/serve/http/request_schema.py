@@ -1,12 +1,12 @@
 """The OpenAI request schemas of ``squeeze serve``: /v1/completions and /v1/chat/completions (pydantic), and
-their conversion to :class:`~squeeze.serve.types.SamplingParams` (the responses are squeeze.serve.protocol).
+their conversion to :class:`~squeeze.serve.types.SamplingParams` (the responses are squeeze.serve.http.protocol).
 
 Requests: fields this server does not know are ignored (OpenAI clients send ``user``, ``metadata``, penalties
 ...), but the known ones are checked strictly (``"0.5"`` is not a float), so a mistyped field is a 400 that
 names it. Fields that would change the response's shape or meaning and are not implemented (``best_of``
 other than ``n``, ``suffix``, the legacy ``functions``, ``echo`` with ``stream``) are refused rather than
 ignored. Structured output (``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``)
-becomes the parameters' :class:`StructuredOutput`; tools are squeeze.serve.tool_schema's. Defaults are
+becomes the parameters' :class:`StructuredOutput`; tools are squeeze.serve.http.tool_schema's. Defaults are
 OpenAI's: temperature 1.0, top_p 1.0, max_tokens 16 for completions and the rest of the context for chat.
 """
 
@@ -18,9 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from squeeze.serve.grammar import JSON_OBJECT_SCHEMA
+from squeeze.serve.engine.grammar import JSON_OBJECT_SCHEMA
+from squeeze.serve.http.tool_schema import ToolCall, ToolDefinition, ToolPlan, tool_plan
 from squeeze.serve.logprobs import MAX_LOGPROBS
-from squeeze.serve.tool_schema import ToolCall, ToolDefinition, ToolPlan, tool_plan
 from squeeze.serve.types import RequestError, SamplingParams, StructuredOutput
 
 #: OpenAI's defaults for the sampling fields.
@@ -356,7 +356,7 @@ class ChatRequest(_GenerationRequest):
         return [m.template_entry() for m in self.messages]
 
     def tool_plan(self) -> ToolPlan:
-        """What the request's tools mean (squeeze.serve.tool_schema); RequestError for a ``required`` or named
+        """What the request's tools mean (squeeze.serve.http.tool_schema); RequestError for a ``required`` or named
         choice beside a structured-output field (both would constrain the reply)."""
         plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
         found = self.structured_output()

@@ -1,5 +1,5 @@
 """The OpenAI wire format of ``squeeze serve``'s answers: the response, streaming chunk and error objects, and
-the refusals OpenAI names with a ``code``. The request schemas are squeeze.serve.request_schema.
+the refusals OpenAI names with a ``code``. The request schemas are squeeze.serve.http.request_schema.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A request submitted to the serving engine, on the event loop's side (squeeze.serve.engine): its updates
+"""A request submitted to the serving engine, on the event loop's side (squeeze.serve.engine.engine): its updates
 reach an asyncio queue through ``loop.call_soon_threadsafe``, and cancelling it is a message to the engine."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The tool-calling half of a chat request: ``tools``, ``tool_choice``, ``parallel_tool_calls`` and the tool
 turns of a conversation (assistant ``tool_calls``, ``tool`` messages), checked once (pydantic) and turned into
 a :class:`ToolPlan`: what the chat template is given, and the grammar that ``required`` and named choices
-constrain the reply with (squeeze.serve.grammar). Replies are parsed by squeeze.serve.tool_calls.
+constrain the reply with (squeeze.serve.engine.grammar). Replies are parsed by squeeze.serve.http.tool_calls.
 
 The constrained replies follow vLLM: ``tool_choice: "required"`` makes the model write a JSON array of
 ``{"name": ..., "parameters": {...}}`` (one to many, or exactly one without ``parallel_tool_calls``), and a

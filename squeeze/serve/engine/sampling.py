@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList
 
 from squeeze.runtime.sampling_params import warpers
-from squeeze.serve.sequence import Sequence
+from squeeze.serve.engine.sequence import Sequence
 
 
 @lru_cache(maxsize=256)

@@ -1,4 +1,4 @@
-"""How many tokens the serving engine lets a request's prompt and completion use (squeeze.serve.engine)."""
+"""How many tokens the serving engine lets a request's prompt and completion use (squeeze.serve.engine.engine)."""
 
 from __future__ import annotations
 

@@ -2,20 +2,20 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1/models/{id}), GET /health,
 GET /metrics, and vLLM's tokenizer endpoints POST /tokenize, POST /detokenize, GET /tokenizer_info
-(squeeze.serve.tokenization). A request's choices (prompts x ``n``) are engine requests held as one stream
-(squeeze.serve.choices). Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), schema
-violations and malformed JSON included (400, not FastAPI's 422; squeeze.serve.error_handlers).
+(squeeze.serve.http.tokenization). A request's choices (prompts x ``n``) are engine requests held as one stream
+(squeeze.serve.http.choices). Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``), schema
+violations and malformed JSON included (400, not FastAPI's 422; squeeze.serve.http.error_handlers).
 
 A request is tokenized and submitted before its response starts, so a refusal (400, 429 + Retry-After, 503)
 comes back as a JSON error even for ``stream: true``; an engine failure in the middle of a stream becomes an
-``error`` event before ``[DONE]`` (squeeze.serve.responses). A client that goes away cancels its request (its KV
+``error`` event before ``[DONE]`` (squeeze.serve.http.responses). A client that goes away cancels its request (its KV
 blocks are freed):
 Starlette's disconnect watch cancels a streamed body, whose response cancels the request in ``finally``;
 a non-streamed handler waits for the result and the disconnect together. Requests whose responses the
 server cut at shutdown are cancelled before the engine shuts down. Handlers are coroutines, so the engine's
 methods are called on the event loop's thread (its contract), except tokenization, which runs on one worker
 thread so that a long prompt does not hold up /health and the other requests. A body over
-``max_request_bytes`` is refused with 413 before it is read (squeeze.serve.connection_limits).
+``max_request_bytes`` is refused with 413 before it is read (squeeze.serve.http.connection_limits).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from squeeze.serve import protocol, tokenization
-from squeeze.serve.choices import Choices, check_n, completion_body, completion_events
-from squeeze.serve.connection_limits import BodyLimit, default_max_request_bytes
-from squeeze.serve.error_handlers import error_response, install_error_handlers
-from squeeze.serve.metrics import ServeMetrics
-from squeeze.serve.request_schema import ChatRequest, CompletionRequest
-from squeeze.serve.responses import release, respond
-from squeeze.serve.tokenization import DetokenizeRequest, TokenizeRequest
-from squeeze.serve.tool_calls import tool_chat_body, tool_chat_events
+from squeeze.serve.http import protocol, tokenization
+from squeeze.serve.http.choices import Choices, check_n, completion_body, completion_events
+from squeeze.serve.http.connection_limits import BodyLimit, default_max_request_bytes
+from squeeze.serve.http.error_handlers import error_response, install_error_handlers
+from squeeze.serve.http.metrics import ServeMetrics
+from squeeze.serve.http.request_schema import ChatRequest, CompletionRequest
+from squeeze.serve.http.responses import release, respond
+from squeeze.serve.http.tokenization import DetokenizeRequest, TokenizeRequest
+from squeeze.serve.http.tool_calls import tool_chat_body, tool_chat_events
 from squeeze.serve.types import EngineClient, RequestError, RequestStream, StructuredOutput
 
 logger = logging.getLogger("squeeze.serve")
@@ -137,8 +137,8 @@ def create_app(
     engine's). The app's lifespan starts the engine and, at shutdown, calls ``engine.shutdown`` with
     ``shutdown_grace_seconds``; /health answers 503 from then on. Sets ``engine.observer`` to the app's
     :class:`ServeMetrics`. max_request_bytes: bodies over it are refused with 413 before they are read (default:
-    squeeze.serve.connection_limits.default_max_request_bytes of the engine's context). Prompts are tokenized on one
-    worker thread, not on the event loop: /health and the streams keep answering while a long one is.
+    squeeze.serve.http.connection_limits.default_max_request_bytes of the engine's context). Prompts are tokenized
+    on one worker thread, not on the event loop: /health and the streams keep answering while a long one is.
     """
     model_name = served_model_name or engine.model_name
     metrics = ServeMetrics(engine.stats)
@@ -291,7 +291,7 @@ def _add_generation_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -
 
 
 def _add_tokenizer_routes(app: FastAPI, state: _AppState, guarded: list[Any]) -> None:
-    """vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (squeeze.serve.tokenization)."""
+    """vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (squeeze.serve.http.tokenization)."""
     engine = state.engine
 
     @app.post("/tokenize", dependencies=guarded)

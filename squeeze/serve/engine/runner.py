@@ -45,9 +45,9 @@ from squeeze.models.modes import cache_kwarg, input_device
 from squeeze.runtime.attention import native_kernels, scaling_of
 from squeeze.runtime.fast_path import fast_forward, fast_path_supported
 from squeeze.runtime.kernels.cpu_attention import AttentionKernels, RaggedRows, attend
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.kv_pool import PagedKVPool, StepSlots
-from squeeze.serve.scheduler import ScheduledChunk
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.kv_pool import PagedKVPool, StepSlots
+from squeeze.serve.engine.scheduler import ScheduledChunk
 
 #: The attention implementation name the engine registers with transformers and sets on the model it serves.
 ATTENTION = "squeeze_paged"

@@ -1,5 +1,5 @@
 """A chat reply read as tool calls: parsing the model's text into OpenAI's ``tool_calls``, and the response
-body and event stream of a request with tools (squeeze.serve.choices' own, rewritten choice by choice).
+body and event stream of a request with tools (squeeze.serve.http.choices' own, rewritten choice by choice).
 
 Replies with ``tool_choice: "auto"`` are parsed in the two formats chat templates teach models:
 
@@ -9,7 +9,7 @@ Replies with ``tool_choice: "auto"`` are parsed in the two formats chat template
   reply, optionally after ``<|python_tag|>``: what Llama 3.1-3.3 templates ask for.
 
 A call must name one of the request's tools; a reply that does not parse is plain content. ``required`` and
-named choices are constrained by the grammar (squeeze.serve.tool_schema), so their replies parse by
+named choices are constrained by the grammar (squeeze.serve.http.tool_schema), so their replies parse by
 construction: a JSON array of ``{"name", "parameters"}``, or the named function's arguments. A reply with
 calls that ended naturally finishes with ``"tool_calls"``.
 
@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from squeeze.serve import protocol
-from squeeze.serve.choices import Choices, chat_body, chat_events
-from squeeze.serve.tool_schema import ToolPlan
+from squeeze.serve.http import protocol
+from squeeze.serve.http.choices import Choices, chat_body, chat_events
+from squeeze.serve.http.tool_schema import ToolPlan
 from squeeze.serve.types import EngineClient
 
 HERMES_OPEN = "<tool_call>"
@@ -113,7 +113,7 @@ def _call_entry(call: ParsedCall, call_id: str) -> dict[str, Any]:
 
 
 def tool_chat_body(engine: EngineClient, choices: Choices, model: str, created: int, plan: ToolPlan) -> dict[str, Any]:
-    """squeeze.serve.choices.chat_body with each choice's reply parsed into ``content`` and ``tool_calls``
+    """squeeze.serve.http.choices.chat_body with each choice's reply parsed into ``content`` and ``tool_calls``
     (the body as it is without tools, or with ``tool_choice: "none"``)."""
     body = chat_body(engine, choices, model, created)
     if plan.mode == "none":
@@ -153,7 +153,7 @@ class _StreamState:
 
 
 class _ToolStream:
-    """Rewrites one request's chat chunks (parsed back from squeeze.serve.choices.chat_events) for tools."""
+    """Rewrites one request's chat chunks (parsed back from squeeze.serve.http.choices.chat_events) for tools."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -226,7 +226,7 @@ class _ToolStream:
 async def tool_chat_events(
     engine: EngineClient, choices: Choices, model: str, created: int, include_usage: bool, plan: ToolPlan
 ) -> AsyncIterator[bytes]:
-    """squeeze.serve.choices.chat_events with each choice's reply streamed as content and tool-call deltas
+    """squeeze.serve.http.choices.chat_events with each choice's reply streamed as content and tool-call deltas
     (the events as they are without tools, or with ``tool_choice: "none"``)."""
     stream = _ToolStream(plan)
     async for event in chat_events(engine, choices, model, created, include_usage):

@@ -1,7 +1,7 @@
-"""The serving engine's tokenizer side (squeeze.serve.engine): prompts and chat messages to token ids, ids back
-to text (whole, each token alone, or each token's name in context for log-probabilities, squeeze.serve.token_names),
-and what /tokenizer_info reports. These run on the event loop's side (tokenization on the HTTP layer's worker
-thread), never on the engine's."""
+"""The serving engine's tokenizer side (squeeze.serve.engine.engine): prompts and chat messages to token ids, ids
+back to text (whole, each token alone, or each token's name in context for log-probabilities,
+squeeze.serve.engine.token_names), and what /tokenizer_info reports. These run on the event loop's side
+(tokenization on the HTTP layer's worker thread), never on the engine's."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import re
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from squeeze.serve.token_names import token_names
+from squeeze.serve.engine.token_names import token_names
 from squeeze.serve.types import RequestError, TokenLogprob, TokenNames
 
 
 class EngineTokenizer:
-    """The tokenizer methods of :class:`~squeeze.serve.engine.Engine` (its base): they read the engine's
+    """The tokenizer methods of :class:`~squeeze.serve.engine.engine.Engine` (its base): they read the engine's
     ``tokenizer``, ``vocab_size`` and ``max_model_len``."""
 
     tokenizer: Any

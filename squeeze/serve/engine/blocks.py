@@ -1,8 +1,8 @@
 """Which KV blocks and sink entries each sequence holds: reference counts, block tables, token slots.
 
 A sequence's block table lists its blocks in order; its token at position ``p`` lives in slot
-``table[p // block_size] * block_size + p % block_size`` of the pool (squeeze.serve.kv_pool). Blocks are
-counted: a block holding a cached prompt prefix (squeeze.serve.prefix_cache) may be in several tables at
+``table[p // block_size] * block_size + p % block_size`` of the pool (squeeze.serve.engine.kv_pool). Blocks are
+counted: a block holding a cached prompt prefix (squeeze.serve.engine.prefix_cache) may be in several tables at
 once. A block nobody holds is free: in the free list, or, when it still holds a named prefix block, idle
 in the prefix cache until it is reused or evicted (least recently released first) for a block the pool
 needs. So after any run every block is free again, and the idle ones are counted apart
@@ -26,7 +26,7 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from squeeze.serve.prefix_cache import PrefixCache
+from squeeze.serve.engine.prefix_cache import PrefixCache
 
 
 class BlockManager:
@@ -82,7 +82,7 @@ class BlockManager:
 
     def cached(self, names: Seq[bytes], tokens: int) -> list[int]:
         """The cached blocks a new sequence of ``tokens`` tokens whose full prompt blocks are ``names``
-        (squeeze.serve.prefix_cache.block_names) can start from: never the block of its last token (it must
+        (squeeze.serve.engine.prefix_cache.block_names) can start from: never the block of its last token (it must
         compute that token), and none unless they cover every sink token. Takes nothing."""
         if self.cache is None or tokens < 1:
             return []

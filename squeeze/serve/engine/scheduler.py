@@ -7,7 +7,7 @@ Every step is planned afresh, so requests join and leave between steps. Under a 
 2. the next prompt chunk of every running sequence still prefilling (chunked prefill), oldest first;
 3. waiting sequences, first come first served, while fewer than ``max_num_seqs`` run and the pool has the
    blocks for their first chunk. A sequence whose prompt starts with blocks in the prefix cache
-   (squeeze.serve.prefix_cache) takes them and starts computing after them.
+   (squeeze.serve.engine.prefix_cache) takes them and starts computing after them.
 
 A running sequence whose next tokens need a block the pool no longer has takes it from the youngest running
 sequence: that one is preempted (its blocks go back to the pool, its cache is dropped) and returns to the
@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from squeeze.serve.blocks import BlockManager
-from squeeze.serve.sequence import Sequence
+from squeeze.serve.engine.blocks import BlockManager
+from squeeze.serve.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ one server run: a cache with other settings is another pool, never reused.
 Only full blocks of prompt tokens are named (generated tokens were computed one step at a time, a prompt
 as one prefill: their bits may differ), and a request always computes its last prompt token (it needs
 that token's logits), so a hit stops at the block before the one holding it: a request never writes into
-a block it shares, and no copy on write is needed. The block manager (squeeze.serve.blocks) counts who
+a block it shares, and no copy on write is needed. The block manager (squeeze.serve.engine.blocks) counts who
 holds each block; this module only knows names and the blocks nobody holds that are still named (the
 least recently released is evicted first when the pool needs a block).
 """

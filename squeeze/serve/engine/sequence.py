@@ -36,11 +36,11 @@ class Sequence:
     last_token_time: float | None = None
     finish_reason: FinishReason | None = None
     preemptions: int = 0
-    #: The names of the prompt's full blocks in the prefix cache (squeeze.serve.prefix_cache), once looked up.
+    #: The names of the prompt's full blocks in the prefix cache (squeeze.serve.engine.prefix_cache), once looked up.
     block_names: list[bytes] | None = None
     #: The prompt's log-probabilities so far (requests with ``prompt_logprobs``), the first token's None.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    #: The request's grammar matcher (xgrammar, squeeze.serve.grammar), advanced with each chosen token; None
+    #: The request's grammar matcher (xgrammar, squeeze.serve.engine.grammar), advanced with each chosen token; None
     #: without structured output. It is the sequence's: a preemption recomputes the KV and leaves it alone.
     grammar: Any = None
     #: The n-gram drafter's index over the sequence's tokens (speculative decoding with ``ngram:K``), kept up to
