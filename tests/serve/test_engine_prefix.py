@@ -10,6 +10,7 @@ import torch
 from squeeze import api
 from squeeze.runtime.options import KVOptions
 from squeeze.serve.engine.engine import Engine
+from squeeze.serve.engine.sampling import sample_step
 from squeeze.serve.engine.sequence import Sequence
 from squeeze.serve.types import EngineConfig, RequestOutput, SamplingParams
 
@@ -117,7 +118,8 @@ def test_a_cached_prefix_gives_the_logits_bit_for_bit(wide32_artifact: Path) -> 
         assert [c.seq for c in plan] == [seq]
         with torch.inference_mode():
             out = engine.runner.run(plan)[0]
-        engine._advance(plan[0], out)  # names its blocks, and finishes it (max_tokens 1)
+        # names its blocks, and finishes it (max_tokens 1)
+        engine.scheduler.update(plan, sample_step(plan, out[None], {}, engine.masks))
         return out, plan[0].tokens
 
     cached = api.serve_engine(wide32_artifact, config=config)

@@ -1,11 +1,14 @@
 """The serving engine: requests in, tokens out, one continuously batched model step at a time.
 
 The engine owns a thread that loops: take new requests and cancellations from its inbox, plan a step
-(squeeze.serve.engine.scheduler), run it through the model over the paged KV pool (squeeze.serve.engine.runner), choose
-the next token of every sequence whose pending tokens are all in (squeeze.serve.engine.sampling), and send each
-request its update. Requests live on the asyncio side as :class:`RequestHandle` objects: updates reach
-their queue through ``loop.call_soon_threadsafe``, and cancelling one (a client that went away) is a
-message in the inbox, handled before the next step, which returns its blocks to the pool.
+(squeeze.serve.engine.scheduler), with drafts to verify when speculating (squeeze.serve.engine.speculation),
+run it through the model over the paged KV pool (squeeze.serve.engine.runner), choose the next token of every
+sequence whose pending tokens are all in (squeeze.serve.engine.sampling), let the scheduler do the step's
+bookkeeping (its ``update``: tokens appended, stop checks), and send each request its outputs.
+Requests live on the asyncio side as :class:`RequestHandle` objects: updates reach their queue through
+``loop.call_soon_threadsafe``, and cancelling one (a client that went away) is a message in the inbox, handled
+before the next step, which returns its blocks to the pool. The tokenizer is composed
+(squeeze.serve.engine.tokenizer), for the HTTP layer's calls.
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ from squeeze.models.modes import input_device
 from squeeze.quant.kv_bytes import kv_geometry
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.generate import eos_token_ids
-from squeeze.runtime.linear import drafting, prepare_draft_forms
-from squeeze.runtime.speculation import NgramIndex, draft_length
 from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.serve.engine.blocks import BlockManager
 from squeeze.serve.engine.context_length import check_block_size, model_context
@@ -36,11 +37,11 @@ from squeeze.serve.engine.kv_pool import AttentionShape, PagedKVPool
 from squeeze.serve.engine.prefix_cache import PrefixCache
 from squeeze.serve.engine.request_handle import RequestHandle
 from squeeze.serve.engine.runner import ModelRunner
-from squeeze.serve.engine.sampling import choose_token
-from squeeze.serve.engine.scheduler import ScheduledChunk, Scheduler
+from squeeze.serve.engine.sampling import sample_step, wants_prompt_logits
+from squeeze.serve.engine.scheduler import Scheduler, StopRule
 from squeeze.serve.engine.sequence import Sequence
+from squeeze.serve.engine.speculation import Speculator
 from squeeze.serve.engine.tokenizer import EngineTokenizer
-from squeeze.serve.logprobs import token_logprobs
 from squeeze.serve.types import (
     EngineConfig,
     EngineStats,
@@ -53,13 +54,14 @@ from squeeze.serve.types import (
     SamplingParams,
     StructuredOutput,
     TokenLogprob,
+    TokenNames,
     check_prompt,
 )
 
 log = logging.getLogger(__name__)
 
 
-class Engine(EngineTokenizer):
+class Engine:
     """Continuous batching over a paged KV cache for one loaded causal LM (see the module docstring).
 
     ``kv_spec``: the quantized cache (int8 / int4, calibrated or dynamic), or None for full precision.
@@ -84,44 +86,20 @@ class Engine(EngineTokenizer):
         self.max_model_len = model_context(model_config, config.max_model_len)
         check_block_size(config.block_size, self.max_model_len)
         self.observer: LatencyObserver | None = None
-        layers, kv_heads, head_dim = kv_geometry(model_config)
-        # the full-precision pool holds what the layers compute (float32 for squeeze.load), decided at load: the
-        # first parameter is the embedding, which an artifact may keep in float16
-        dtype = compute_dtype(model)
-        self.pool = PagedKVPool.sized(
-            kv_spec,
-            AttentionShape(layers, kv_heads, head_dim),
-            memory_bytes=config.kv_memory_bytes,
-            block_size=config.block_size,
-            sequences=config.max_num_seqs,
-            dtype=dtype,
-            min_tokens=self.max_model_len,
-            device=input_device(model),
-        )
-        sink_slots = config.max_num_seqs if self.pool.sink_tokens else 0
-        cache = None
-        if config.prefix_cache:  # what a block holds besides its tokens' keys and values: see prefix_cache
-            cache = PrefixCache(config.block_size, self.pool.label, self.pool.bits, self.pool.sink_tokens, str(dtype))
-        self.blocks = BlockManager(
-            self.pool.num_blocks,
-            config.block_size,
-            sink_slots,
-            sink_tokens=self.pool.sink_tokens,
-            prefix_cache=cache,
-        )
-        self.scheduler = Scheduler(
-            self.blocks, max_num_seqs=config.max_num_seqs, max_batch_tokens=config.max_batch_tokens
-        )
-        self.runner = ModelRunner(model, self.pool, self.blocks)
+        self.pool = _pool(model, config, kv_spec, self.max_model_len)
+        self.blocks = _blocks(self.pool, config)
         self.eos_ids = frozenset(eos_token_ids(model, tokenizer))
         self.vocab_size = int(model_config.vocab_size)
+        #: the tokenizer's side: prompts and messages to ids, ids to text (the HTTP layer's calls below)
+        self.tokenization = EngineTokenizer(tokenizer, self.vocab_size, self.max_model_len)
+        stops = StopRule(self.eos_ids, self.max_model_len, tokenizer)
+        self.scheduler = Scheduler(
+            self.blocks, max_num_seqs=config.max_num_seqs, max_batch_tokens=config.max_batch_tokens, stops=stops
+        )
+        self.runner = ModelRunner(model, self.pool, self.blocks)
         self.grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_ids)
         self.masks = StepMasks(self.vocab_size, config.max_num_seqs)  # the constrained rows' masks, each step
-        self.speculation = config.speculation
-        #: bytes the int8 drafter's weight forms hold beyond the weights (0 without it)
-        self.draft_bytes = prepare_draft_forms(model) if self.speculation.drafter == "int8" else 0
-        self._drafted = 0
-        self._accepted = 0
+        self.speculator = Speculator(config.speculation, self.runner, self.max_model_len)
         self._handles: dict[str, RequestHandle] = {}
         self._seqs: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -132,10 +110,28 @@ class Engine(EngineTokenizer):
         self._accepting = True
         self._stop = False
         self._order = 0
-        self._finished = 0
         self._prompt_tokens = 0
-        self._generated = 0
         self._utilisation = (0.0, 0)  # sum of per-step shares, steps
+
+    # --- the tokenizer side (squeeze.serve.engine.tokenizer), for the HTTP layer ------------------------------
+
+    def tokenize(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenization.tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    def tokenize_chat(self, messages: Seq[dict[str, Any]], tools: Seq[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenization.tokenize_chat(messages, tools)
+
+    def detokenize(self, ids: Seq[int]) -> str:
+        return self.tokenization.detokenize(ids)
+
+    def token_strings(self, ids: Seq[int]) -> list[str]:
+        return self.tokenization.token_strings(ids)
+
+    def token_names(self, context: Seq[int], entries: Seq[TokenLogprob], *, specials: bool = False) -> list[TokenNames]:
+        return self.tokenization.token_names(context, entries, specials=specials)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self.tokenization.tokenizer_info()
 
     # --- the event loop's side --------------------------------------------------------------------------
 
@@ -198,15 +194,15 @@ class Engine(EngineTokenizer):
             kv_cache=self.pool.label,
             kv_bytes_per_token=self.pool.bytes_per_token,
             preemptions_total=self.scheduler.preemptions,
-            requests_finished_total=self._finished,
+            requests_finished_total=self.scheduler.finished,
             prompt_tokens_total=self._prompt_tokens,
-            generation_tokens_total=self._generated,
+            generation_tokens_total=self.scheduler.generated,
             kv_block_utilisation=total / steps if steps else 0.0,  # nothing used yet
             kv_blocks_cached=self.blocks.cached_blocks,
             prefix_cache_queries_total=cache.queries if cache is not None else 0,
             prefix_cache_hits_total=cache.hits if cache is not None else 0,
-            spec_draft_tokens_total=self._drafted,
-            spec_accepted_tokens_total=self._accepted,
+            spec_draft_tokens_total=self.scheduler.drafted,
+            spec_accepted_tokens_total=self.scheduler.accepted,
         )
 
     def start(self) -> None:
@@ -272,9 +268,7 @@ class Engine(EngineTokenizer):
                 stop = self._stop
             for kind, item in inbox:
                 if kind == "add":
-                    if self.speculation.drafter == "ngram" and item.grammar is None:
-                        item.ngram = NgramIndex()
-                        item.ngram.extend(item.tokens)
+                    self.speculator.admit(item)
                     self._seqs[item.seq_id] = item
                     self._prompt_tokens += len(item.prompt_ids)
                     self.scheduler.add(item)
@@ -294,20 +288,15 @@ class Engine(EngineTokenizer):
                 self._cond.notify_all()  # shutdown() waits for the work to drain
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule(self._room())
+        plan = self.scheduler.schedule(self.speculator.room(self.scheduler.running))
         if not plan:
             return
-        if any(chunk.room for chunk in plan):
-            try:
-                plan = self._draft(plan)
-            except Exception:  # noqa: BLE001 - a failed draft costs the speedup, never a request
-                log.exception("drafting failed; this step verifies no drafts")
-                plan = [ScheduledChunk(chunk.seq, chunk.tokens) for chunk in plan]
+        plan = self.speculator.draft(plan)
         live = sum(chunk.seq.computed + chunk.tokens for chunk in plan)
         allocated = sum(len(self.blocks.tables[c.seq.seq_id]) for c in plan) * self.blocks.block_size
         total, steps = self._utilisation
         self._utilisation = (total + live / allocated, steps + 1)
-        full = [_wants_prompt_logits(chunk) or bool(chunk.draft) for chunk in plan]
+        full = [wants_prompt_logits(chunk) or bool(chunk.draft) for chunk in plan]
         self.masks.start(plan)  # filled while the model runs
         try:
             with torch.inference_mode():
@@ -317,209 +306,63 @@ class Engine(EngineTokenizer):
             for chunk in plan:
                 self._finish(chunk.seq, "error", error=f"{type(exc).__name__}: {exc}")
             return
-        for row, chunk in enumerate(plan):
-            if chunk.draft:
-                self._verify(chunk, row_logits[row], row)
-                continue
-            if row in row_logits:
-                _record_prompt_logprobs(chunk, row_logits[row])
-            self._advance(chunk, logits[row], row)
+        sampled = sample_step(plan, logits, row_logits, self.masks)
+        for seq, output in self.scheduler.update(plan, sampled):
+            self._deliver(seq, output)
 
-    # --- speculative decoding (squeeze.runtime.speculation) ---------------------------------------------------
-
-    def _room(self) -> Callable[[Sequence], int] | None:
-        """How many draft tokens each decoding sequence may verify this step (None: speculation is off, or the
-        batch has too many decoding rows for drafts to pay)."""
-        if not self.speculation.enabled:
-            return None
-        decoding = sum(seq.pending == 1 for seq in self.scheduler.running)
-        k = draft_length(self.speculation.k, decoding)
-        if k == 0:
-            return None
-
-        def room(seq: Sequence) -> int:
-            if seq.grammar is not None:  # a constrained row's mask is known for its next position only
-                return 0
-            left = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.length)
-            cap = max(0, min(k, left))
-            return len(seq.ngram.propose(cap)) if seq.ngram is not None and cap else cap
-
-        return room
-
-    def _draft(self, plan: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """``plan`` with each chunk that has draft room turned into a verification row: its newest token and
-        up to ``room`` drafted tokens (the n-gram index's proposal, or the int8 path's greedy tokens)."""
-        drafts: dict[int, list[int]] = {}
-        if self.speculation.drafter == "ngram":
-            for row, chunk in enumerate(plan):
-                if chunk.room and chunk.seq.ngram is not None:
-                    drafts[row] = chunk.seq.ngram.propose(chunk.room)
-        else:
-            drafts = self._draft_int8(plan)
-        return [
-            ScheduledChunk(chunk.seq, chunk.tokens + len(drafts[row]), draft=tuple(drafts[row]))
-            if drafts.get(row)
-            else ScheduledChunk(chunk.seq, chunk.tokens)
-            for row, chunk in enumerate(plan)
-        ]
-
-    def _draft_int8(self, plan: list[ScheduledChunk]) -> dict[int, list[int]]:
-        """Greedy tokens of the W4A8 path (squeeze.runtime.linear.drafting) for the rows with draft room, one
-        batched step per draft position; their keys and values go to the rows' own blocks, where verification
-        overwrites them with the exact path's."""
-        drafts: dict[int, list[int]] = {row: [] for row, chunk in enumerate(plan) if chunk.room}
-        for i in range(max((chunk.room for chunk in plan), default=0)):
-            rows = [row for row in drafts if plan[row].room > i]
-            step = [ScheduledChunk(plan[row].seq, 1, draft=tuple(drafts[row]), skip=i) for row in rows]
-            with torch.inference_mode(), drafting():
-                chosen = self.runner.run(step).argmax(dim=-1).tolist()
-            for row, token in zip(rows, chosen, strict=True):
-                drafts[row].append(int(token))
-        return drafts
-
-    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, row: int) -> None:
-        """Choose the exact token at each position of a verification row (``logits (1 + k, V)``) as plain
-        decoding would, keeping drafts while they equal it; the KV of the rejected drafts is dropped (the
-        sequence's computed count stops before them, and blocks it no longer needs go back to the pool)."""
-        seq, draft = chunk.seq, chunk.draft
-        base = seq.computed
-        accepted = 0
-        finished = False
-        for i in range(len(draft) + 1):
-            seq.computed = base + i + 1  # positions through base + i hold the exact keys and values of seq's tokens
-            token, finished = self._emit(seq, logits[i], row)
-            if finished or i == len(draft) or token != draft[i]:
-                break
-            accepted += 1
-        self._drafted += len(draft)
-        self._accepted += accepted
-        if not finished:
-            self.blocks.shrink(seq.seq_id, seq.computed + 1)
-
-    # --- one token at a time --------------------------------------------------------------------------------
-
-    def _advance(self, chunk: ScheduledChunk, logits: torch.Tensor, row: int = 0) -> None:
-        seq = chunk.seq
-        seq.computed += chunk.tokens
-        if seq.block_names:
-            self.blocks.commit(seq.seq_id, seq.block_names, seq.computed)
-        if seq.pending:  # mid-prompt: no token to choose yet
-            return
-        if seq.params.max_tokens == 0:  # score only: the prompt is in, nothing to generate
-            self._finish(seq, "length")
-            return
-        self._emit(seq, logits, row)
-
-    def _emit(self, seq: Sequence, logits: torch.Tensor, row: int) -> tuple[int, bool]:
-        """Choose ``seq``'s next token from ``logits (V,)`` (row ``row`` of the step), append it and send it (or
-        finish the request); the token and whether the request finished."""
-        token = choose_token(seq, logits if seq.grammar is None else self.masks.masked(row, logits))
-        grammar_done = False
-        if seq.grammar is not None:
-            if not seq.grammar.accept_token(token):  # the mask allowed it: a grammar library defect
-                self._finish(seq, "error", error=f"the grammar refused token {token}, which its mask allowed")
-                return token, True
-            grammar_done = seq.grammar.is_terminated()  # it accepted an end-of-sequence token
-        top = seq.params.logprobs
-        logprobs = () if top is None else tuple(token_logprobs(logits[None], [token], top))
-        seq.output_ids.append(token)
-        if seq.ngram is not None:
-            seq.ngram.extend((token,))
-        self._generated += 1
-        now = time.perf_counter()
-        if self.observer is not None:
-            if seq.first_token_time is None:
-                self.observer.observe_ttft(now - seq.arrival)
-            elif seq.last_token_time is not None:
-                self.observer.observe_itl(now - seq.last_token_time)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        eos = (token in self.eos_ids and not seq.params.ignore_eos) or grammar_done
-        text_ids = seq.output_ids[:-1] if eos else seq.output_ids
-        out_of_room = len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_model_len
-        piece, stopped = seq.text.update(self.tokenizer, text_ids, final=eos or out_of_room)
-        reason: FinishReason | None = "stop" if (eos or stopped) else ("length" if out_of_room else None)
-        if reason is None:
-            self._send(seq, piece, (token,), None, logprobs=logprobs)
-        else:
-            self._finish(seq, reason, piece=piece, token_ids=(token,), logprobs=logprobs)
-        return token, reason is not None
-
-    def _finish(
-        self,
-        seq: Sequence,
-        reason: FinishReason,
-        *,
-        piece: str = "",
-        token_ids: tuple[int, ...] = (),
-        error: str | None = None,
-        logprobs: tuple[TokenLogprob, ...] = (),
-    ) -> None:
-        self.scheduler.remove(seq)
-        self._seqs.pop(seq.seq_id, None)
-        self._finished += 1
-        prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None:
-            prompt_logprobs = tuple(seq.prompt_logprobs) or (TokenLogprob(seq.prompt_ids[0], None),)
-        self._send(seq, piece, token_ids, reason, error=error, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        self._handles.pop(seq.seq_id, None)
+    def _finish(self, seq: Sequence, reason: FinishReason, *, error: str | None = None) -> None:
+        self._deliver(seq, self.scheduler.finish(seq, reason, error=error))
 
     def _abort(self, seq_id: str) -> None:
         seq = self._seqs.get(seq_id)
         if seq is not None:
             self._finish(seq, "abort")
 
-    def _send(
-        self,
-        seq: Sequence,
-        piece: str,
-        token_ids: tuple[int, ...],
-        reason: FinishReason | None,
-        *,
-        error: str | None = None,
-        logprobs: tuple[TokenLogprob, ...] = (),
-        prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
-    ) -> None:
-        handle = self._handles.get(seq.seq_id)
-        if handle is None:
-            return
-        handle.deliver(
-            RequestOutput(
-                request_id=seq.seq_id,
-                text=piece,
-                token_ids=token_ids,
-                finished=reason is not None,
-                finish_reason=reason,
-                prompt_tokens=len(seq.prompt_ids),
-                completion_tokens=len(seq.output_ids),
-                error=error,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
-        )
+    def _deliver(self, seq: Sequence, output: RequestOutput) -> None:
+        """Send ``seq``'s request ``output`` (timing its token for the observer); a finished one is forgotten."""
+        if output.token_ids:
+            now = time.perf_counter()
+            if self.observer is not None:
+                if seq.first_token_time is None:
+                    self.observer.observe_ttft(now - seq.arrival)
+                elif seq.last_token_time is not None:
+                    self.observer.observe_itl(now - seq.last_token_time)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+        if output.finished:
+            self._seqs.pop(seq.seq_id, None)
+        handle = self._handles.pop(seq.seq_id, None) if output.finished else self._handles.get(seq.seq_id)
+        if handle is not None:
+            handle.deliver(output)
 
 
-def _wants_prompt_logits(chunk: ScheduledChunk) -> bool:
-    """Whether ``chunk`` covers prompt positions whose log-probabilities its request asked for and lacks."""
-    seq = chunk.seq
-    prompt = len(seq.prompt_ids)
-    return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < prompt and seq.computed < prompt - 1
+def _pool(model: nn.Module, config: EngineConfig, kv_spec: KVSpec | None, max_model_len: int) -> PagedKVPool:
+    """The engine's paged KV pool, sized by ``config`` and holding at least one full-context sequence."""
+    layers, kv_heads, head_dim = kv_geometry(model.config)
+    # the full-precision pool holds what the layers compute (float32 for squeeze.load), decided at load: the
+    # first parameter is the embedding, which an artifact may keep in float16
+    return PagedKVPool.sized(
+        kv_spec,
+        AttentionShape(layers, kv_heads, head_dim),
+        memory_bytes=config.kv_memory_bytes,
+        block_size=config.block_size,
+        sequences=config.max_num_seqs,
+        dtype=compute_dtype(model),
+        min_tokens=max_model_len,
+        device=input_device(model),
+    )
 
 
-def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
-    """Add the prompt log-probabilities ``logits`` (every position of ``chunk``, ``(tokens, V)``) give: position
-    p predicts prompt token p + 1. A preempted sequence's recomputed positions are not recorded twice."""
-    seq = chunk.seq
-    start, prompt = seq.computed, seq.prompt_ids
-    recorded = seq.prompt_logprobs
-    if not recorded:
-        recorded.append(TokenLogprob(prompt[0], None))
-    first = max(start, len(recorded) - 1)
-    stop = min(start + chunk.tokens, len(prompt) - 1)
-    if stop > first:
-        top = seq.params.prompt_logprobs or 0
-        recorded += token_logprobs(logits[first - start : stop - start], prompt[first + 1 : stop + 1], top)
+def _blocks(pool: PagedKVPool, config: EngineConfig) -> BlockManager:
+    """The block tables over ``pool``, with the prefix cache when ``config`` asks for it."""
+    cache = None
+    if config.prefix_cache:  # what a block holds besides its tokens' keys and values: see prefix_cache
+        cache = PrefixCache(config.block_size, pool.label, pool.bits, pool.sink_tokens, str(pool.dtype))
+    sink_slots = config.max_num_seqs if pool.sink_tokens else 0
+    return BlockManager(
+        pool.num_blocks, config.block_size, sink_slots, sink_tokens=pool.sink_tokens, prefix_cache=cache
+    )
 
 
 __all__ = ["Engine", "RequestHandle", "model_context"]

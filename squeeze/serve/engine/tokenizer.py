@@ -14,12 +14,14 @@ from squeeze.serve.types import RequestError, TokenLogprob, TokenNames
 
 
 class EngineTokenizer:
-    """The tokenizer methods of :class:`~squeeze.serve.engine.engine.Engine` (its base): they read the engine's
-    ``tokenizer``, ``vocab_size`` and ``max_model_len``."""
+    """The tokenizer side of :class:`~squeeze.serve.engine.engine.Engine`, which holds one and answers the HTTP
+    layer's tokenizer calls (squeeze.serve.types.EngineClient) with it. ``tokenizer``: the model's (transformers);
+    ``vocab_size``: the model's, which ids are checked against; ``max_model_len``: the engine's context."""
 
-    tokenizer: Any
-    vocab_size: int
-    max_model_len: int
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
 
     def tokenize(self, prompt: str | Seq[int], *, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
