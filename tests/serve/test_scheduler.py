@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from squeeze.serve.engine.blocks import BlockManager
-from squeeze.serve.engine.scheduler import Scheduler
+from squeeze.serve.engine.scheduler import Sampled, ScheduledChunk, Scheduler, StopRule
 from squeeze.serve.engine.sequence import Sequence
 from squeeze.serve.types import SamplingParams
 
@@ -70,3 +70,54 @@ def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_youngest() -
     young.computed = 3  # young decodes into its own block; old needs a new one: young goes
     assert _run(scheduler) == [("s1", 1)]
     assert [s.seq_id for s in scheduler.waiting] == ["s2"] and old.computed == 5
+
+
+class _Letters:
+    """A tokenizer whose token ``t`` reads as one letter (``a`` + t % 26)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+EOS = 99
+
+
+def _verifying(draft: tuple[int, ...], max_tokens: int = 64) -> tuple[Scheduler, ScheduledChunk]:
+    """A scheduler whose one sequence (prompt 1..5, decoding) is planned as a verification row of ``draft``."""
+    scheduler = Scheduler(
+        BlockManager(64, 4, 0), max_num_seqs=4, max_batch_tokens=100, stops=StopRule(frozenset({EOS}), 64, _Letters())
+    )
+    seq = Sequence("v", [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens), order=1)
+    scheduler.add(seq)
+    scheduler.update(scheduler.schedule(), [Sampled((6,), ((),))])  # the prompt in, token 6 chosen
+    [chunk] = scheduler.schedule(lambda s: len(draft))
+    assert chunk.room == len(draft)
+    return scheduler, ScheduledChunk(seq, 1 + len(draft), draft=draft)
+
+
+def test_an_update_keeps_the_drafts_that_held_and_drops_the_blocks_of_the_rest() -> None:
+    """Issue 49 item 6: the scheduler's update does a verification row's bookkeeping: tokens through the first
+    differing one appended and sent one by one, the computed count stopping before the rejected drafts, the
+    blocks past them returned, the counters."""
+    scheduler, chunk = _verifying((7, 8, 9, 10, 11, 13, 14))
+    assert scheduler.blocks.tables["v"] == [0, 1, 2, 3]  # 6 tokens and 7 drafts, in blocks of 4
+    outputs = scheduler.update([chunk], [Sampled((7, 8, 12), ((), (), ()))])  # drafts 7, 8 held; 12 != 9
+    assert [(o.token_ids, o.text, o.finished, o.completion_tokens) for _, o in outputs] == [
+        ((7,), "h", False, 2),
+        ((8,), "i", False, 3),
+        ((12,), "m", False, 4),
+    ]
+    seq = chunk.seq
+    assert seq.output_ids == [6, 7, 8, 12] and seq.computed == 8 and seq.pending == 1
+    assert scheduler.blocks.tables["v"] == [0, 1, 2]  # 9 tokens (the next one's slot too): the last block went back
+    assert scheduler.blocks.free_blocks == 61
+    assert (scheduler.drafted, scheduler.accepted, scheduler.generated) == (7, 2, 4)
+
+
+def test_an_update_stops_a_verification_row_at_its_end_of_sequence() -> None:
+    """The tokens chosen after one that ends the request are dropped, and the request's blocks are freed."""
+    scheduler, chunk = _verifying((7, EOS, 9))
+    outputs = scheduler.update([chunk], [Sampled((7, EOS, 9, 10), ((), (), (), ()))])
+    assert [(o.token_ids, o.text, o.finish_reason) for _, o in outputs] == [((7,), "h", None), ((EOS,), "", "stop")]
+    assert chunk.seq.output_ids == [6, 7, EOS] and scheduler.running == [] and "v" not in scheduler.blocks.tables
+    assert (scheduler.drafted, scheduler.accepted, scheduler.finished) == (3, 1, 1)
