@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from squeeze.serve.http.request_schema import ChatMessage, refuse_unencodable
+from squeeze.serve.http.request_fields import refuse_unencodable
+from squeeze.serve.http.request_schema import ChatMessage
 from squeeze.serve.types import EngineClient, RequestError
 
 #: A text of more characters than this many per token of context is refused before it is tokenized.
