@@ -99,11 +99,11 @@ def serve_uvicorn_config(
     idle_timeout: float = SERVE_IDLE_TIMEOUT,
 ) -> Any:
     """The ``uvicorn.Config`` squeeze serve runs ``app`` under
-    (:func:`squeeze.serve.http.connection_limits.uvicorn_config`): a connection that sends no whole request head
+    (:func:`squeeze.serve.http.uvicorn_server.uvicorn_config`): a connection that sends no whole request head
     within ``idle_timeout`` seconds is closed (a body that does not follow its head within as long plus 1 s per
     64 KiB is answered 408 and closed), connections past ``max_connections``
     (default: the open-file limit less 64) are answered 503."""
-    from squeeze.serve.http.connection_limits import uvicorn_config
+    from squeeze.serve.http.uvicorn_server import uvicorn_config
 
     return uvicorn_config(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout
@@ -120,7 +120,7 @@ def serve_uvicorn_server(
     """The ``uvicorn.Server`` squeeze serve runs: :func:`serve_uvicorn_config`'s, on an event loop that logs
     failed accepts (out of open files) as one line per 10 s rather than a traceback per try. ConfigError when
     ``max_connections`` is more than the open-file limit less 64 allows."""
-    from squeeze.serve.http.connection_limits import uvicorn_server
+    from squeeze.serve.http.uvicorn_server import uvicorn_server
 
     config = serve_uvicorn_config(
         app, shutdown_grace=shutdown_grace, max_connections=max_connections, idle_timeout=idle_timeout

@@ -19,8 +19,8 @@ from squeeze.serve.http.connection_limits import (
     body_deadline,
     default_max_connections,
     default_max_request_bytes,
-    uvicorn_config,
 )
+from squeeze.serve.http.uvicorn_server import uvicorn_config
 
 TIMEOUT = 20.0
 PROMPT = "the cat sat"

@@ -56,7 +56,7 @@ def test_a_cap_below_one_is_refused_with_a_hint(value: int) -> None:
 
 
 def test_the_connection_config_refuses_it_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    from squeeze.serve.http.connection_limits import uvicorn_config
+    from squeeze.serve.http.uvicorn_server import uvicorn_config
 
     with_limits(monkeypatch, 256, 256)
     with pytest.raises(ConfigError, match="open-file limit"):
@@ -106,7 +106,7 @@ def test_other_loop_errors_go_to_the_previous_handler() -> None:
 
 
 def test_the_server_s_loop_limits_accept_errors() -> None:
-    from squeeze.serve.http.connection_limits import uvicorn_config, uvicorn_server
+    from squeeze.serve.http.uvicorn_server import uvicorn_config, uvicorn_server
 
     class App:
         async def __call__(self, scope, receive, send) -> None:
@@ -129,7 +129,7 @@ def test_the_server_s_loop_limits_accept_errors() -> None:
 
 CHILD = """
 import os, resource, sys
-from squeeze.serve.http.connection_limits import uvicorn_config, uvicorn_server
+from squeeze.serve.http.uvicorn_server import uvicorn_config, uvicorn_server
 
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
