@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates 
     from squeeze.compression.runner import CompressResult as CompressResult
     from squeeze.format.signature import SignatureInfo as SignatureInfo
     from squeeze.format.signature import SignResult as SignResult
-    from squeeze.runtime.generate import GenerationResult as GenerationResult
+    from squeeze.runtime.generation_result import GenerationResult as GenerationResult
 
 __all__ = [
     "parse_size",
