@@ -33,8 +33,8 @@ from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
 from squeeze.format.quant_config import EmbeddingsEntry, ModuleEntry, QuantizationConfig, RecipeSummary
 from squeeze.models.expert_params import UnroutedExpertsWarning, unrouted_message
-from squeeze.models.source import keep_dtype, source_dtype
 from squeeze.models.targets import embedding_modules
+from squeeze.models.weight_dtype import keep_dtype, source_dtype
 from squeeze.version import __version__
 
 

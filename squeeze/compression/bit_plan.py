@@ -40,8 +40,8 @@ from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.compression.quantize import quantize_module
 from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.format.atomic import atomic_write_text
-from squeeze.models.source import keep_dtype
 from squeeze.models.targets import matrix_fisher, target_matrix
+from squeeze.models.weight_dtype import keep_dtype
 
 PLAN_NAME = "bit_plan.json"
 _PLAN_VERSION = 1
