@@ -168,7 +168,7 @@ def test_rates_name_their_machine_and_a_plan_elsewhere_says_so(
 ) -> None:
     """plan_rates.json records the CPU model, ISA and cores it was measured on; a plan made on another machine
     keeps the times and says whose they are."""
-    from squeeze.compression import plan as plan_module
+    from squeeze.compression import plan_rates as plan_module
     from squeeze.compression.machine import Machine
 
     rates = load_rates("cpu")
