@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from squeeze.calibrate.block_walk import model_parts
-from squeeze.calibrate.expert_groups import group_bounds
+from squeeze.calibrate.expert_streaming import group_bounds
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression import bounded_preflight, expert_plan
 from squeeze.compression.plan_rates import PlanWork, RankPlan, Rates, load_rates, machine_note, rank_plan

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from squeeze import api
-from squeeze.calibrate.expert_groups import group_bounds
+from squeeze.calibrate.expert_streaming import group_bounds
 from squeeze.cli.app import app
 from squeeze.compression import bounded_preflight, expert_plan
 from squeeze.compression.plan import load_rates

@@ -27,7 +27,7 @@ from torch import nn
 from squeeze.calibrate.activation import blockwise_activation_sensitivity
 from squeeze.calibrate.block_walk import Combine
 from squeeze.calibrate.blockwise import blockwise_fisher
-from squeeze.calibrate.expert_groups import ExpertStreaming
+from squeeze.calibrate.expert_streaming import ExpertStreaming
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
 from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact
