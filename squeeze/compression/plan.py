@@ -120,20 +120,13 @@ def plan_compress(
     compute = parse_device(device)
     planned = _checked_model(model, recipe, seq_len, max_memory, compute)
     source, skeleton, targets, size = planned.source, planned.skeleton, planned.targets, planned.size
-    notes: list[str] = []
-    defaults = defaulted_size_keys(source, skeleton.config)
-    if defaults:  # transformers fills a size config.json leaves out (32 layers for Llama): say what was planned
-        notes.append(f"config.json does not name {describe_defaults(defaults)}: planned with transformers' defaults")
     params = _numel(skeleton)
     active = _active_parameters(skeleton, targets)
     host, gpu, groups_plan = _peaks(planned, seq_len, num_samples, max_memory, compute)
-    notes.extend(_notes(groups_plan, max_memory, gpu, ranks))
     expert_group = groups_plan.group if groups_plan is not None else None
     # with ranks, expert groups are dealt one by one (each rank's count is then of those units)
     sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group if ranks > 1 else None)
     rates = load_rates(compute.type if compute is not None else "cpu")
-    if (note := machine_note(rates)) is not None:
-        notes.append(note)
     work = PlanWork(
         host=host,
         gpu=gpu,
@@ -159,7 +152,7 @@ def plan_compress(
         device=str(compute) if compute is not None else None,
         rates=rates,
         ranks=tuple(rank_plan(rank, ranks, work, rates) for rank in range(ranks)),
-        notes=tuple(notes),
+        notes=tuple(_notes(planned, groups_plan, max_memory, gpu, ranks, rates)),
         expert_group=expert_group,
         experts=groups_plan.experts if groups_plan is not None else 0,
         minimum_bytes=groups_plan.minimum_bytes if groups_plan is not None and max_memory is not None else None,
@@ -215,9 +208,20 @@ def _peaks(
     return host, groups_plan.device_peak_bytes, groups_plan
 
 
-def _notes(groups: expert_plan.ExpertPlan | None, max_memory: int | None, gpu: int | None, ranks: int) -> list[str]:
-    """What the plan finds over budget, and the expert groups it chose."""
+def _notes(
+    planned: _Planned,
+    groups: expert_plan.ExpertPlan | None,
+    max_memory: int | None,
+    gpu: int | None,
+    ranks: int,
+    rates: Rates | None,
+) -> list[str]:
+    """What the plan assumed (sizes config.json leaves out), finds over budget, the expert groups it chose,
+    and whose machine its times are."""
     notes: list[str] = []
+    defaults = defaulted_size_keys(planned.source, planned.skeleton.config)
+    if defaults:  # transformers fills a size config.json leaves out (32 layers for Llama): say what was planned
+        notes.append(f"config.json does not name {describe_defaults(defaults)}: planned with transformers' defaults")
     if groups is not None and max_memory is not None and max_memory < groups.minimum_bytes:
         notes.append(
             f"--max-memory {max_memory / 1e9:.2f} GB is below this run's minimum of {groups.minimum_bytes / 1e9:.2f} GB"
@@ -237,6 +241,8 @@ def _notes(groups: expert_plan.ExpertPlan | None, max_memory: int | None, gpu: i
             )
     if gpu is not None and gpu > expert_plan.DEFAULT_DEVICE_BYTES:
         notes.append(f"one step needs {gpu / 1e9:.0f} GB on the GPU: more than an 80 GB H100 holds")
+    if (note := machine_note(rates)) is not None:
+        notes.append(note)
     return notes
 
 
