@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from squeeze.distribution.cache import artifact_cache_dir, latest_cached
-from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
+from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, Totals, default_workers
 from squeeze.distribution.http_client import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
 from squeeze.distribution.remote import (
     Source,
@@ -104,19 +104,8 @@ def pull_artifact(
     watch = TransferWatch(min_rate=min_rate, deadline=deadline)
     client = HttpClient(parsed.headers, timeout=timeout, watch=watch)
     try:
-        manifest_bytes, parsed = _fetch_manifest(client, parsed, retries)
-        shown = f"{MANIFEST_NAME} from {show_url(parsed.url_for(MANIFEST_NAME))}"
-        manifest = parse_manifest(manifest_bytes, shown)
-        if manifest.computed_root_digest() != manifest.root_digest:
-            raise IntegrityError(
-                f"{shown}: root digest does not match the manifest's content (edited after it was sealed)",
-                hint="the server holds a damaged or tampered manifest; nothing was downloaded",
-            )
-        manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
-        signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries, public_key is None)
-        signed_by = None
-        if public_key is not None:
-            signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
+        remote = _remote_manifest(client, parsed, retries, public_key)
+        manifest = remote.manifest
         if target is None:  # keyed by the source as named (a Hub pull is pinned to its commit by now)
             target = artifact_cache_dir(requested, manifest.root_digest)
         if _check_output(target, manifest) and _intact(target, progress):
@@ -128,23 +117,12 @@ def pull_artifact(
                 bytes_reused=manifest.total_size,
                 seconds=time.perf_counter() - started,
                 root_digest=manifest.root_digest,
-                signed_by=signed_by,
+                signed_by=remote.signed_by,
                 extra={"already_present": True, "workers": 0},
             )
         if _holds_manifest(target):  # a damaged copy of this artifact: its files resume the pull, re-hashed
             _set_aside_for_repair(target)
-        with Staging(target) as staging:
-            downloader = Downloader(client, parsed, manifest, staging, retries=retries, progress=progress)
-            pieces = downloader.plan()
-            count = workers if workers is not None else default_workers(len(pieces))
-            totals = downloader.run(pieces, count)
-            staging.write_small(MANIFEST_NAME, manifest_bytes)
-            keep = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
-            if signature is not None:
-                staging.write_small(SIGNATURE_NAME, signature)
-                keep.add(SIGNATURE_NAME)
-            staging.prune(keep)
-            staging.commit({entry.path: entry.size for entry in manifest.files})
+        totals, count = _download(client, remote, target, workers, progress, retries)
     finally:
         client.close()
     return PullResult(
@@ -155,9 +133,67 @@ def pull_artifact(
         bytes_reused=totals.reused,
         seconds=time.perf_counter() - started,
         root_digest=manifest.root_digest,
-        signed_by=signed_by,
+        signed_by=remote.signed_by,
         extra={"already_present": False, "workers": count},
     )
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """The source's manifest, parsed and its root digest checked, with its bytes, the signature (if any) and
+    who signed it (with a public key); ``source`` as the manifest fetch resolved it."""
+
+    source: Source
+    manifest: Manifest
+    manifest_bytes: bytes
+    signature: bytes | None
+    signed_by: str | None
+
+
+def _remote_manifest(
+    client: HttpClient, parsed: Source, retries: int, public_key: str | os.PathLike[str] | None
+) -> _Remote:
+    """The manifest and ``model.sig`` first, checked before any weight is fetched."""
+    manifest_bytes, parsed = _fetch_manifest(client, parsed, retries)
+    shown = f"{MANIFEST_NAME} from {show_url(parsed.url_for(MANIFEST_NAME))}"
+    manifest = parse_manifest(manifest_bytes, shown)
+    if manifest.computed_root_digest() != manifest.root_digest:
+        raise IntegrityError(
+            f"{shown}: root digest does not match the manifest's content (edited after it was sealed)",
+            hint="the server holds a damaged or tampered manifest; nothing was downloaded",
+        )
+    manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+    signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries, public_key is None)
+    signed_by = None
+    if public_key is not None:
+        signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
+    return _Remote(parsed, manifest, manifest_bytes, signature, signed_by)
+
+
+def _download(
+    client: HttpClient,
+    remote: _Remote,
+    target: Path,
+    workers: int | None,
+    progress: ProgressFn | None,
+    retries: int,
+) -> tuple[Totals, int]:
+    """Every listed file downloaded in parallel into ``target``'s staging directory, the manifest and signature
+    beside them, renamed to ``target`` once all verified: (the downloader's totals, the workers it ran)."""
+    manifest = remote.manifest
+    with Staging(target) as staging:
+        downloader = Downloader(client, remote.source, manifest, staging, retries=retries, progress=progress)
+        pieces = downloader.plan()
+        count = workers if workers is not None else default_workers(len(pieces))
+        totals = downloader.run(pieces, count)
+        staging.write_small(MANIFEST_NAME, remote.manifest_bytes)
+        keep = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+        if remote.signature is not None:
+            staging.write_small(SIGNATURE_NAME, remote.signature)
+            keep.add(SIGNATURE_NAME)
+        staging.prune(keep)
+        staging.commit({entry.path: entry.size for entry in manifest.files})
+    return totals, count
 
 
 def _resolve_output(output: Path) -> Path:
