@@ -10,7 +10,6 @@ another host or scheme, because what arrives is checked against the manifest wha
 from __future__ import annotations
 
 import http.client
-import re
 import socket
 import ssl
 import threading
@@ -18,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
+from squeeze.distribution.http_response import Wanted, body_extent
 from squeeze.distribution.watch import TransferWatch
 from squeeze.errors import IntegrityError, SqueezeError, TransferError
 from squeeze.format.paths import short_path
@@ -27,7 +27,6 @@ DEFAULT_TIMEOUT = 30.0
 _REDIRECTS = {301, 302, 303, 307, 308}
 #: Statuses worth another try on a fresh connection (the server is busy or restarting).
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class NotFound(TransferError):
@@ -209,7 +208,7 @@ class HttpClient:
         Raises NotFound (404 / 410), TransferError (network, other statuses, more than MAX_REDIRECTS redirects).
         """
         origin = urlsplit(url).netloc
-        wanted = _Wanted(start, length, total, limit)
+        wanted = Wanted(start, length, total, limit)
         current = url
         for _ in range(MAX_REDIRECTS + 1):
             key, target, headers = self._request_parts(current, origin, start, length)
@@ -272,11 +271,11 @@ class HttpClient:
         connection: http.client.HTTPConnection,
         response: http.client.HTTPResponse,
         url: str,
-        wanted: _Wanted,
+        wanted: Wanted,
         sock: socket.socket | None = None,
     ) -> Body:
         try:  # a refused response is closed with its connection
-            want, skip, to_eof, body_length = _body_extent(show_url(url), response, wanted)
+            want, skip, to_eof, body_length = body_extent(show_url(url), response, wanted)
         except SqueezeError:
             response.close()
             connection.close()
@@ -290,18 +289,7 @@ class HttpClient:
         return body
 
 
-@dataclass(frozen=True)
-class _Wanted:
-    """What a GET asks for: bytes from ``start``, ``length`` of them (None: to the end), of a file the manifest
-    lists at ``total`` bytes (None: unknown), a body without Content-Length read to at most ``limit`` + 1."""
-
-    start: int
-    length: int | None
-    total: int | None
-    limit: int | None
-
-
-def _status_error(url: str, status: int, reason: str, wanted: _Wanted) -> SqueezeError:
+def _status_error(url: str, status: int, reason: str, wanted: Wanted) -> SqueezeError:
     """The error for a status other than 200 / 206 or a redirect."""
     if status in (404, 410):
         return NotFound(f"{show_url(url)}: not found (HTTP {status})", url)
@@ -315,54 +303,6 @@ def _status_error(url: str, status: int, reason: str, wanted: _Wanted) -> Squeez
         hint="check the URL and your access to it" if status in (401, 403) else None,
         retryable=status in _RETRYABLE,
     )
-
-
-def _body_extent(shown: str, response: http.client.HTTPResponse, wanted: _Wanted) -> tuple[int, int, bool, int | None]:
-    """(bytes to read, bytes to discard first, read to the end, the declared Content-Length) of a 200 / 206
-    response to ``wanted``; a SqueezeError when the response is not what was asked for."""
-    start, length, total, limit = wanted.start, wanted.length, wanted.total, wanted.limit
-    encoding = (response.getheader("Content-Encoding") or "identity").lower()
-    if encoding != "identity":
-        raise TransferError(f"{shown}: the server sent {encoding}-encoded bytes", retryable=False)
-    declared = response.getheader("Content-Length")
-    body_length = int(declared) if declared and declared.isdigit() else None
-    skip = 0
-    if response.status == 206:
-        available = _range_span(shown, response, wanted, body_length)
-    else:  # 200: the whole file, whatever range was asked for
-        if total is not None and body_length is not None and body_length != total:
-            raise _size_error(shown, body_length, total)
-        skip = start
-        available = (body_length if body_length is not None else (total or 0)) - start
-    want = length if length is not None else available
-    to_eof = body_length is None and length is None and total is None
-    if to_eof:  # no Content-Length (chunked): read to the end, at most ``limit`` + 1 bytes
-        if limit is None:
-            raise TransferError(f"{shown}: the server sent no Content-Length", retryable=False)
-        want = limit + 1
-    return want, skip, to_eof, body_length
-
-
-def _range_span(shown: str, response: http.client.HTTPResponse, wanted: _Wanted, body_length: int | None) -> int:
-    """The bytes a 206 response holds, checked against the range asked for and the manifest's size."""
-    start = wanted.start
-    match = _CONTENT_RANGE.fullmatch((response.getheader("Content-Range") or "").strip())
-    if match is None or int(match[1]) != start:
-        raise TransferError(f"{shown}: the server answered another range than bytes {start}-")
-    if match[3] != "*" and wanted.total is not None and int(match[3]) != wanted.total:
-        raise _size_error(shown, int(match[3]), wanted.total)
-    span = int(match[2]) - start + 1
-    if wanted.length is not None and span != wanted.length:
-        raise TransferError(f"{shown}: the server answered another range than bytes {start}-")
-    if body_length is not None and body_length != span:
-        # a broken server, not a passing fault: asking again gets the same answer
-        raise TransferError(
-            f"{shown}: the server's Content-Length ({body_length}) disagrees with its Content-Range "
-            f"(bytes {start}-{match[2]}: {span} bytes)",
-            hint="the server sends malformed responses; report it to whoever runs it",
-            retryable=False,
-        )
-    return span
 
 
 def _request(
@@ -389,14 +329,6 @@ def _discard(body: Body, count: int) -> None:
     while body.remaining:
         body.readinto(buffer)
     body.remaining = wanted
-
-
-def _size_error(shown: str, found: int, expected: int) -> IntegrityError:
-    word = "more" if found > expected else "fewer"
-    return IntegrityError(
-        f"{shown}: the server sends {found} bytes, {word} than the {expected} the manifest lists",
-        hint="the server holds other bytes than its manifest says; nothing of this file was kept",
-    )
 
 
 def _describe(exc: BaseException) -> str:
