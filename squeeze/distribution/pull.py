@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from squeeze.distribution.cache import artifact_cache_dir, latest_cached
-from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, Totals, default_workers
+from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
 from squeeze.distribution.http_client import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
 from squeeze.distribution.pull_output import (
     ProgressFn,
@@ -114,13 +114,8 @@ def pull_artifact(
         if target is None:  # keyed by the source as named (a Hub pull is pinned to its commit by now)
             target = artifact_cache_dir(requested, manifest.root_digest)
         present = check_output(target, manifest) and intact(target, progress)
-        if present:
-            downloaded, reused, count = 0, manifest.total_size, 0
-        else:
-            if holds_manifest(target):  # a damaged copy of this artifact: its files resume the pull, re-hashed
-                set_aside_for_repair(target)
-            totals, count = _download(client, remote, target, workers, progress, retries)
-            downloaded, reused = totals.downloaded, totals.reused
+        done = (0, manifest.total_size, 0) if present else _download(client, remote, target, workers, progress, retries)
+        downloaded, reused, count = done
         seconds = time.perf_counter() - started
     finally:
         client.close()
@@ -176,9 +171,12 @@ def _download(
     workers: int | None,
     progress: ProgressFn | None,
     retries: int,
-) -> tuple[Totals, int]:
-    """Every listed file downloaded in parallel into ``target``'s staging directory, the manifest and signature
-    beside them, renamed to ``target`` once all verified: (the downloader's totals, the workers it ran)."""
+) -> tuple[int, int, int]:
+    """Every listed file downloaded in parallel into ``target``'s staging directory (a damaged earlier pull of
+    this artifact set aside there first: its files resume the pull, re-hashed), the manifest and signature beside
+    them, renamed to ``target`` once all verified: (bytes downloaded, bytes reused, the workers it ran)."""
+    if holds_manifest(target):
+        set_aside_for_repair(target)
     manifest = remote.manifest
     with Staging(target) as staging:
         downloader = Downloader(client, remote.source, manifest, staging, retries=retries, progress=progress)
@@ -192,7 +190,7 @@ def _download(
             keep.add(SIGNATURE_NAME)
         staging.prune(keep)
         staging.commit({entry.path: entry.size for entry in manifest.files})
-    return totals, count
+    return totals.downloaded, totals.reused, count
 
 
 def _fetch_manifest(client: HttpClient, source: Source, retries: int) -> tuple[bytes, Source]:
