@@ -84,7 +84,7 @@ def compress(
     computed on the host (unquantized tensors, calibration windows, rotary tables) is the same bits.
     """
     from squeeze.compression.job import needs_calibration
-    from squeeze.compression.runner import run_compress
+    from squeeze.compression.runner import RunOptions, run_compress
 
     if seed is not None:  # one rule for every seed (squeeze.limits.check_seed), before anything is read
         check_seed(seed, "seed (--seed)")
@@ -98,11 +98,7 @@ def compress(
             else load_calibration_spec(os.fspath(calibration), **extra)
         )
     effective_seed = seed if seed is not None else (spec.seed if spec is not None else 0)
-    return run_compress(
-        model,
-        output,
-        resolved,
-        spec,
+    options = RunOptions(
         seed=effective_seed,
         overwrite=overwrite,
         resume=resume,
@@ -112,6 +108,7 @@ def compress(
         max_memory=None if max_memory is None else parse_size(max_memory),
         device=device,
     )
+    return run_compress(model, output, resolved, spec, options)
 
 
 def plan_compress(
