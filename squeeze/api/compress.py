@@ -201,16 +201,14 @@ def calibrate_kv(
     was. One run per output at a time (LockError for a second). A signed artifact (``model.sig``) is refused
     before any work unless ``drop_signature``: the new artifact is then written unsigned (sign it again).
     """
-    from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
+    from squeeze.compression.calibrate_kv import KVRunOptions, default_calibration, run_calibrate_kv
 
     spec_arg = calibration if calibration is not None else default_calibration(target)
     overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
     spec = (
         spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(os.fspath(spec_arg), **overrides)
     )
-    return run_calibrate_kv(
-        target,
-        spec,
+    options = KVRunOptions(
         bits,
         output=output,
         sink_tokens=sink_tokens,
@@ -220,6 +218,7 @@ def calibrate_kv(
         drop_signature=drop_signature,
         progress=progress,
     )
+    return run_calibrate_kv(target, spec, options)
 
 
 def check_calibrate_kv_options(
