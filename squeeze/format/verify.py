@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from squeeze.errors import FormatError, SqueezeError
-from squeeze.format.hashing import ChunkPlan, HashedFile, ProgressFn, hash_files
+from squeeze.format.hashing import ChunkPlan, HashedFile, HashOptions, ProgressFn, hash_files
 from squeeze.format.manifest import (
     DEFAULT_CHUNK_BYTES,
     MANIFEST_NAME,
@@ -216,7 +216,8 @@ def verify_artifact(
         if (entry := expected[relative]).chunks and manifest.chunk_bytes is not None
     }
     total = sum(expected[p].size for p in to_hash)
-    hashed = _hash_listed(directory, to_hash, total, workers, progress, capture, plans=plans)
+    how = HashOptions(workers=workers, progress=progress, capture=capture, plans=plans)
+    hashed = _hash_listed(directory, to_hash, total, how)
     headers = report.headers
     for relative in to_hash:
         outcome = hashed[relative]
@@ -263,28 +264,11 @@ def _link_target(directory: Path, relative: str) -> str:
 
 
 def _hash_listed(
-    directory: Path,
-    paths: list[str],
-    total: int,
-    workers: int | None,
-    progress: ProgressFn | None,
-    capture: Callable[[str], bool] | None = None,
-    *,
-    chunk_bytes: int | None = None,
-    plans: dict[str, ChunkPlan] | None = None,
+    directory: Path, paths: list[str], total: int, how: HashOptions
 ) -> dict[str, HashedFile | BaseException]:
     root_fd = open_root(directory)
     try:
-        return hash_files(
-            root_fd,
-            paths,
-            total,
-            workers=workers,
-            progress=progress,
-            capture=capture,
-            chunk_bytes=chunk_bytes,
-            plans=plans,
-        )
+        return hash_files(root_fd, paths, total, how)
     finally:
         os.close(root_fd)
 
@@ -386,7 +370,8 @@ def seal_artifact(
     if partial:
         raise FormatError(f"cannot seal {shown}: unfinished temp file {short_path(partial[0])}")
     total = sum(i.st_size for i in files.values())
-    hashed = _hash_listed(directory, sorted(files), total, workers, progress, chunk_bytes=chunk_bytes)
+    how = HashOptions(workers=workers, progress=progress, chunk_bytes=chunk_bytes)
+    hashed = _hash_listed(directory, sorted(files), total, how)
     entries = []
     for relative, outcome in sorted(hashed.items()):
         if isinstance(outcome, BaseException):
