@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from squeeze.calibrate.block_walk import Combine, Materializer, Store, block_out
+
 # ExpertStreaming, expert_targets and grouped_experts are also re-exported (__all__) for blockwise's imports
 from squeeze.calibrate.expert_streaming import (
     ExpertStreaming,

@@ -355,13 +355,10 @@ class HashOptions:
 def hash_files(
     root_fd: int, paths: Iterable[str], total_bytes: int, how: HashOptions = HashOptions()
 ) -> dict[str, HashedFile | BaseException]:
-    """Hash ``paths`` in parallel threads; per path, the HashedFile or the exception that stopped it.
-
-    ``how.capture(path)`` selects the files whose bytes are kept, ``how.chunk_bytes`` asks for chunk digests
-    (sealing; see ``hash_file``). A path in ``how.plans`` is checked chunk by chunk instead, its chunks
-    spread over the same threads as the whole files: the first chunk that does not match its digest
-    (or a size change) is the file's IntegrityError, naming the chunk; its remaining chunks are skipped.
-    """
+    """Hash ``paths`` in parallel threads as ``how`` says; per path, the HashedFile or the exception that stopped
+    it. A path in ``how.plans`` has its chunks spread over the same threads as the whole files: the first chunk
+    that does not match its digest (or a size change) is the file's IntegrityError, naming the chunk; its
+    remaining chunks are skipped."""
     workers, progress, capture, chunk_bytes = how.workers, how.progress, how.capture, how.chunk_bytes
     paths = list(paths)
     plans = how.plans or {}

@@ -195,21 +195,7 @@ def verify_artifact(
     on_disk = _scan(directory, report)
     for path_on_disk in sorted(set(on_disk) - set(expected)):
         report.files.append(FileResult(path_on_disk, False, "extra file not listed in the manifest"))
-    to_hash: list[str] = []
-    already_failed = {result.path for result in report.files}  # symlinks and special files
-    for entry in manifest.files:
-        info = on_disk.get(entry.path)
-        if info is None and entry.path in already_failed:
-            continue
-        if info is None:
-            report.files.append(FileResult(entry.path, False, "missing"))
-        elif info.st_size != entry.size:
-            word = "truncated" if info.st_size < entry.size else "grown"
-            report.files.append(
-                FileResult(entry.path, False, f"{word}: {info.st_size} bytes, manifest says {entry.size}", info.st_size)
-            )
-        else:
-            to_hash.append(entry.path)
+    to_hash = _listed_at_size(manifest, on_disk, report)
     plans = {
         relative: ChunkPlan(entry.size, entry.sha256, manifest.chunk_bytes, entry.chunks)
         for relative in to_hash
@@ -232,6 +218,27 @@ def verify_artifact(
     report.files.sort(key=lambda r: r.path)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _listed_at_size(manifest: Manifest, on_disk: dict[str, os.stat_result], report: VerifyReport) -> list[str]:
+    """The listed files on disk at their listed size, to hash, in manifest order; a missing, truncated or grown
+    one is reported (one already reported by the scan, a symlink or special file, is passed over)."""
+    to_hash: list[str] = []
+    already_failed = {result.path for result in report.files}  # symlinks and special files
+    for entry in manifest.files:
+        info = on_disk.get(entry.path)
+        if info is None and entry.path in already_failed:
+            continue
+        if info is None:
+            report.files.append(FileResult(entry.path, False, "missing"))
+        elif info.st_size != entry.size:
+            word = "truncated" if info.st_size < entry.size else "grown"
+            report.files.append(
+                FileResult(entry.path, False, f"{word}: {info.st_size} bytes, manifest says {entry.size}", info.st_size)
+            )
+        else:
+            to_hash.append(entry.path)
+    return to_hash
 
 
 def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
