@@ -354,7 +354,7 @@ def main() -> None:
 
     from squeeze import api
     from squeeze.quant.kv_spec import KVSpec
-    from squeeze.runtime.quantized_cache import kv_spec_for
+    from squeeze.runtime.kv_selection import kv_spec_for
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -110,4 +110,4 @@ if TYPE_CHECKING:  # `X as X`: the result types, for type checkers (squeeze.api.
     from squeeze.compression.runner import CompressResult as CompressResult
     from squeeze.format.signature import SignatureInfo as SignatureInfo
     from squeeze.format.signature import SignResult as SignResult
-    from squeeze.runtime.generate import GenerationResult as GenerationResult
+    from squeeze.runtime.generation_result import GenerationResult as GenerationResult

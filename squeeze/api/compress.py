@@ -84,7 +84,7 @@ def compress(
     computed on the host (unquantized tensors, calibration windows, rotary tables) is the same bits.
     """
     from squeeze.compression.job import needs_calibration
-    from squeeze.compression.runner import run_compress
+    from squeeze.compression.runner import RunOptions, run_compress
 
     if seed is not None:  # one rule for every seed (squeeze.limits.check_seed), before anything is read
         check_seed(seed, "seed (--seed)")
@@ -98,11 +98,7 @@ def compress(
             else load_calibration_spec(os.fspath(calibration), **extra)
         )
     effective_seed = seed if seed is not None else (spec.seed if spec is not None else 0)
-    return run_compress(
-        model,
-        output,
-        resolved,
-        spec,
+    options = RunOptions(
         seed=effective_seed,
         overwrite=overwrite,
         resume=resume,
@@ -112,6 +108,7 @@ def compress(
         max_memory=None if max_memory is None else parse_size(max_memory),
         device=device,
     )
+    return run_compress(model, output, resolved, spec, options)
 
 
 def plan_compress(
@@ -204,16 +201,14 @@ def calibrate_kv(
     was. One run per output at a time (LockError for a second). A signed artifact (``model.sig``) is refused
     before any work unless ``drop_signature``: the new artifact is then written unsigned (sign it again).
     """
-    from squeeze.compression.calibrate_kv import default_calibration, run_calibrate_kv
+    from squeeze.compression.calibrate_kv import KVRunOptions, default_calibration, run_calibrate_kv
 
     spec_arg = calibration if calibration is not None else default_calibration(target)
     overrides = {k: v for k, v in dict(calibration_overrides or {}).items() if v is not None}
     spec = (
         spec_arg if isinstance(spec_arg, CalibrationSpec) else load_calibration_spec(os.fspath(spec_arg), **overrides)
     )
-    return run_calibrate_kv(
-        target,
-        spec,
+    options = KVRunOptions(
         bits,
         output=output,
         sink_tokens=sink_tokens,
@@ -223,6 +218,7 @@ def calibrate_kv(
         drop_signature=drop_signature,
         progress=progress,
     )
+    return run_calibrate_kv(target, spec, options)
 
 
 def check_calibrate_kv_options(

@@ -20,7 +20,7 @@ from squeeze.runtime.sampling_params import SamplingParams
 from squeeze.runtime.speculation import SpeculationOptions
 
 if TYPE_CHECKING:
-    from squeeze.runtime.generate import GenerationResult
+    from squeeze.runtime.generation_result import GenerationResult
     from squeeze.runtime.loader import LoadedModel
 
 

@@ -26,9 +26,10 @@ from squeeze.serve.types import EngineConfig
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (the CLI annotates with them); not loaded at run time
     from squeeze.compression.plan import CompressPlan as CompressPlan
     from squeeze.compression.runner import CompressResult as CompressResult
+    from squeeze.eval.compare import EvalResult as EvalResult
     from squeeze.format.signature import SignatureInfo as SignatureInfo
     from squeeze.format.signature import SignResult as SignResult
-    from squeeze.runtime.generate import GenerationResult as GenerationResult
+    from squeeze.runtime.generation_result import GenerationResult as GenerationResult
 
 __all__ = [
     "parse_size",

@@ -43,7 +43,8 @@ from squeeze.calibrate.block_walk import (
     resident,
     target_owners,
 )
-from squeeze.calibrate.expert_groups import ExpertStreaming, MoeBlockWalk, grouped_experts
+from squeeze.calibrate.expert_groups import MoeBlockWalk
+from squeeze.calibrate.expert_streaming import ExpertStreaming, grouped_experts
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.modes import eval_mode
 from squeeze.models.placement import to_device

@@ -228,36 +228,44 @@ def compress(
                 "--ranks plans a torchrun world and applies to --plan only",
                 hint="add --plan to see the needs of N ranks, or start the run itself with torchrun --nproc-per-node N",
             )
-        target = output or Path(f"{Path(model).stem}-{Path(recipe).stem}")
-        try:
-            with stage_progress(not json_out, STAGE_LABELS, lines=True) as progress:  # lines: a log's stderr
-                result = api.compress(
-                    model,
-                    target,
-                    recipe,
-                    calibration,
-                    seed=seed,
-                    overwrite=overwrite,
-                    resume=resume,
-                    restart=restart,
-                    force=force,
-                    overrides=overrides,
-                    calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
-                    progress=progress,
-                    max_memory=max_memory,
-                    device=device,
-                )
-        except Interrupted as exc:
-            flags = {f"--{name.replace('_', '-')}": options[name] for name in RESUME_OPTIONS}
-            flags["--output"] = target  # the default output, spelled out
-            exc.hint = _resume_hint(model, flags, overwrite=overwrite, resumable=exc.resumable)
-            raise
+        result = _run(model, recipe, calibration, options, overrides, json_out=json_out)
     if api.compress_world()[0] != 0:  # under torchrun rank 0 speaks for the world: one summary, one JSON
         return
     if json_out:
         print_json(result.to_dict())
         return
     _print_summary(result)
+
+
+def _run(
+    model: str, recipe: str, calibration: str | None, options: dict[str, Any], overrides: dict[str, Any], json_out: bool
+) -> support.CompressResult:
+    """The run itself (not --plan), with its stage progress on stderr; an interrupted run's error says how to
+    continue it."""
+    target = options["output"] or Path(f"{Path(model).stem}-{Path(recipe).stem}")
+    try:
+        with stage_progress(not json_out, STAGE_LABELS, lines=True) as progress:  # lines: a log's stderr
+            return api.compress(
+                model,
+                target,
+                recipe,
+                calibration,
+                seed=options["seed"],
+                overwrite=options["overwrite"],
+                resume=options["resume"],
+                restart=options["restart"],
+                force=options["force"],
+                overrides=overrides,
+                calibration_overrides={name: options[name] for name in CALIBRATION_KEYS},
+                progress=progress,
+                max_memory=options["max_memory"],
+                device=options["device"],
+            )
+    except Interrupted as exc:
+        flags = {f"--{name.replace('_', '-')}": options[name] for name in RESUME_OPTIONS}
+        flags["--output"] = target  # the default output, spelled out
+        exc.hint = _resume_hint(model, flags, overwrite=options["overwrite"], resumable=exc.resumable)
+        raise
 
 
 def _plan(

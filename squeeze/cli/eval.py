@@ -3,6 +3,7 @@ tasks on it (``--tasks``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -75,6 +76,7 @@ def eval_(
 ) -> None:
     """Perplexity, paper protocol: join, tokenize once, non-overlapping windows, exp(mean NLL); plus word perplexity.
     Or, with --tasks, lm-evaluation-harness tasks."""
+    task_options = _TaskOptions(include_path, limit, num_fewshot, batch_size)
     with cli_errors():
         if (text is None) == (tasks is None):
             raise ConfigError(
@@ -82,15 +84,14 @@ def eval_(
                 hint="squeeze eval MODEL --text wiki.test.txt, or squeeze eval MODEL --tasks hellaswag",
             )
         if tasks is None:
-            _refuse_task_options(include_path=include_path, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size)
+            _refuse_task_options(task_options)
+        load = support.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
+        kv_options = support.KVOptions(kv_bits, kv_dynamic)
     if tasks is not None:
-        options = (include_path, limit, num_fewshot, batch_size, kv_bits, kv_dynamic, json_out, public_key, activations)
-        _eval_tasks(model, tasks, *options)
+        _eval_tasks(model, tasks, task_options, load, kv_options, json_out)
         return
     assert text is not None  # checked above
     with cli_errors():
-        load = support.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
-        kv_options = support.KVOptions(kv_bits, kv_dynamic)
         labels = {"model": "Evaluating model (windows)", "baseline": "Evaluating baseline (windows)"}
         with stage_progress(not json_out, labels) as progress:
             result = api.evaluate(
@@ -114,6 +115,11 @@ def eval_(
     if json_out:
         print_json(result.to_dict())
         return
+    _print_perplexity(result, text, seq_len)
+
+
+def _print_perplexity(result: support.EvalResult, text: Path, seq_len: int) -> None:
+    """The perplexity table: the model (with its KV cache, when quantized), and the baseline when there is one."""
     table = Table(title=f"{text.name}: {result.result.n_windows} windows x {seq_len} tokens", title_justify="left")
     for column in ("model", "perplexity", "word perplexity"):
         table.add_column(column, justify="left" if column == "model" else "right")
@@ -130,12 +136,23 @@ def eval_(
     out_console.print(table)
 
 
-def _refuse_task_options(
-    *, include_path: Optional[Path], limit: Optional[int], num_fewshot: Optional[int], batch_size: int
-) -> None:
+@dataclass(frozen=True)
+class _TaskOptions:
+    """The lm-evaluation-harness options of ``squeeze eval`` (--include-path, --limit, --num-fewshot,
+    --batch-size): they apply with --tasks only."""
+
+    include_path: Optional[Path]
+    limit: Optional[int]
+    num_fewshot: Optional[int]
+    batch_size: int
+
+
+def _refuse_task_options(options: _TaskOptions) -> None:
     """ConfigError for --tasks options given without --tasks (they would be silently ignored)."""
-    given = {"--include-path": include_path, "--limit": limit, "--num-fewshot": num_fewshot}
-    stray = [flag for flag, value in given.items() if value is not None] + (["--batch-size"] if batch_size != 1 else [])
+    given = {"--include-path": options.include_path, "--limit": options.limit, "--num-fewshot": options.num_fewshot}
+    stray = [flag for flag, value in given.items() if value is not None] + (
+        ["--batch-size"] if options.batch_size != 1 else []
+    )
     if stray:
         raise ConfigError(
             f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to lm-evaluation-harness tasks only, "
@@ -147,29 +164,23 @@ def _refuse_task_options(
 def _eval_tasks(
     model: str,
     tasks: str,
-    include_path: Optional[Path],
-    limit: Optional[int],
-    num_fewshot: Optional[int],
-    batch_size: int,
-    kv_bits: Optional[int],
-    kv_dynamic: bool,
+    options: _TaskOptions,
+    load: support.LoadOptions,
+    kv: support.KVOptions,
     json_out: bool,
-    public_key: Optional[Path],
-    activations: str,
 ) -> None:
     """``squeeze eval MODEL --tasks NAMES``: lm-eval's results as a table (or JSON)."""
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     with cli_errors():
-        load = support.LoadOptions(public_key=public_key, activations=activations)  # type: ignore[arg-type]
         result = api.evaluate_tasks(
             model,
             names,
-            include_path=include_path,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            batch_size=batch_size,
+            include_path=options.include_path,
+            limit=options.limit,
+            num_fewshot=options.num_fewshot,
+            batch_size=options.batch_size,
             load=load,
-            kv=support.KVOptions(kv_bits, kv_dynamic),
+            kv=kv,
         )
     if json_out:
         print_json(result.to_dict())

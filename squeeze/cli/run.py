@@ -150,10 +150,7 @@ def run(
         )
         kv = support.KVOptions(kv_bits, kv_dynamic)
         speculation = support.SpeculationOptions.parse(speculate)
-        prompts = [prompt] if prompt is not None else []
-        if prompts_file is not None:
-            prompts += read_prompts_file(prompts_file)
-        prompts = api.check_prompts(prompts)
+        prompts = api.check_prompts(_prompts(prompt, prompts_file))
         if no_verify:
             err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
         stream = None if json_out else _write
@@ -164,22 +161,34 @@ def run(
         )
     ran = result.activations
     if json_out:
-        extra = {
-            "model": str(model),
-            "verified": not no_verify,
-            "signature_checked": public_key is not None,
-            "dense": dense,
-            "low_memory": low_memory,
-            "activations": load.activations,
-        }
-        print_json({**result.to_dict(), **extra})
-        _warn_activations(load.activations, ran, dense=dense)
-        return
-    _write("\n")
-    for i, text in enumerate(result.texts[1:], start=2):
-        _write(f"\n--- prompt {i} ---\n{text}\n")
+        print_json({**result.to_dict(), **_json_extra(model, load)})
+    else:
+        _write("\n")
+        for i, text in enumerate(result.texts[1:], start=2):
+            _write(f"\n--- prompt {i} ---\n{text}\n")
     _warn_activations(load.activations, ran, dense=dense)
-    _print_stats(result, verified=not no_verify)
+    if not json_out:
+        _print_stats(result, verified=not no_verify)
+
+
+def _prompts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    """PROMPT, then the lines of --prompts-file (unchecked: api.check_prompts checks them)."""
+    prompts = [prompt] if prompt is not None else []
+    if prompts_file is not None:
+        prompts += read_prompts_file(prompts_file)
+    return prompts
+
+
+def _json_extra(model: str, load: support.LoadOptions) -> dict[str, object]:
+    """What ``--json`` adds to the result: the artifact as named and how it was loaded."""
+    return {
+        "model": str(model),
+        "verified": load.verify,
+        "signature_checked": load.public_key is not None,
+        "dense": load.dense_cache,
+        "low_memory": load.low_memory,
+        "activations": load.activations,
+    }
 
 
 def _warn_activations(asked: str, ran: str, *, dense: bool) -> None:

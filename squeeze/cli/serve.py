@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -224,6 +225,7 @@ JsonOut = Annotated[
 
 
 def serve(
+    ctx: typer.Context,
     artifact: Artifact,
     host: Host = "127.0.0.1",
     port: Port = 8000,
@@ -257,37 +259,9 @@ def serve(
     Requests share the model through continuous batching over a paged KV cache (int8/int4 with --kv-bits).
     SIGINT or SIGTERM stops the server gracefully (exit 0).
     """
+    options = ctx.params  # every parameter by name, as parsed
     with cli_errors():
-        # every load option checked once, here: api.serve_engine and the loader take the object as it is
-        load = support.LoadOptions(
-            verify=not no_verify,
-            dense_cache=dense,
-            low_memory=low_memory,
-            public_key=public_key,
-            activations=activations,  # type: ignore[arg-type]  # checked when the options are built
-        )
-        config = engine_config(
-            kv_bits=kv_bits,
-            kv_dynamic=kv_dynamic,
-            kv_memory=kv_memory,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_batch_tokens=max_batch_tokens,
-            max_model_len=max_model_len,
-            max_queue=max_queue,
-            prefix_cache=not no_prefix_cache,
-            speculate=speculate,
-        )
-        check_server_options(
-            port=port,
-            shutdown_grace=shutdown_grace,
-            api_key=api_key,
-            max_connections=max_connections,
-            idle_timeout=idle_timeout,
-            threads=threads,
-        )
-        body_cap = request_bytes(max_request_bytes)
-        check_serve_dependencies()
+        load, config, body_cap = _checked(options)
         sock = bind_socket(host, port)  # before the model loads: a port in use fails at once
         if threads is not None:
             import torch
@@ -295,30 +269,11 @@ def serve(
             torch.set_num_threads(threads)  # the native kernels run torch.get_num_threads() threads too
         hint = contention_hint(threads)  # measured before loading adds to the load average; shown once it loaded
         try:
-            if no_verify:
-                err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
-            engine = api.serve_engine(artifact, config=config, load=load)
-            # only when given: api.create_serve_app stand-ins predate the option
-            app_options: dict[str, Any] = {"max_request_bytes": body_cap} if body_cap is not None else {}
-            app = api.create_serve_app(
-                engine,
-                api_key=api_key,
-                served_model_name=served_model_name,
-                shutdown_grace_seconds=shutdown_grace,
-                **app_options,
-            )
-            model = served_model_name or engine.model_name
-            info = startup_info(engine, url=url_of(sock), model=model, kv_dynamic=kv_dynamic, verified=not no_verify)
+            engine, app, info = _start(options, sock, load, config, body_cap)
         except BaseException:
             sock.close()
             raise
-        if hint is not None:  # after every refusal: an error stays the one line it is
-            err_console.print(f"Note: {hint}", style="yellow", soft_wrap=True, markup=False)
-        if json_out:
-            sys.stdout.write(json.dumps(info) + "\n")
-            sys.stdout.flush()
-        else:
-            err_console.print(startup_line(info, api_key=api_key is not None), soft_wrap=True, markup=False)
+        _announce(info, hint, json_out=json_out, api_key=api_key)
         try:
             started = run_server(
                 app, sock, shutdown_grace, engine=engine, max_connections=max_connections, idle_timeout=idle_timeout
@@ -328,6 +283,83 @@ def serve(
         if not started:
             err_console.print("[bold red]Error:[/] the server did not start: the engine failed (see the log above)")
             raise typer.Exit(1)
+
+
+def _checked(options: dict[str, Any]) -> tuple[support.LoadOptions, Any, int | None]:
+    """Every option checked before the socket is bound (each options object once, when built: api.serve_engine
+    and the loader take them as they are): (load options, engine config, --max-request-bytes or None)."""
+    load = support.LoadOptions(
+        verify=not options["no_verify"],
+        dense_cache=options["dense"],
+        low_memory=options["low_memory"],
+        public_key=options["public_key"],
+        activations=options["activations"],
+    )
+    config = engine_config(
+        kv_bits=options["kv_bits"],
+        kv_dynamic=options["kv_dynamic"],
+        kv_memory=options["kv_memory"],
+        block_size=options["block_size"],
+        max_num_seqs=options["max_num_seqs"],
+        max_batch_tokens=options["max_batch_tokens"],
+        max_model_len=options["max_model_len"],
+        max_queue=options["max_queue"],
+        prefix_cache=not options["no_prefix_cache"],
+        speculate=options["speculate"],
+    )
+    check_server_options(
+        port=options["port"],
+        shutdown_grace=options["shutdown_grace"],
+        api_key=options["api_key"],
+        max_connections=options["max_connections"],
+        idle_timeout=options["idle_timeout"],
+        threads=options["threads"],
+    )
+    body_cap = request_bytes(options["max_request_bytes"])
+    check_serve_dependencies()
+    return load, config, body_cap
+
+
+def _start(
+    options: dict[str, Any], sock: socket.socket, load: support.LoadOptions, config: Any, body_cap: int | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The engine loaded (verified unless --no-verify), its app, and the startup information."""
+    if options["no_verify"]:
+        err_console.print(UNVERIFIED_WARNING, style="yellow", soft_wrap=True, markup=False)
+    engine = api.serve_engine(options["artifact"], config=config, load=load)
+    served_model_name = options["served_model_name"]
+    app = _app(engine, options["api_key"], served_model_name, options["shutdown_grace"], body_cap)
+    model = served_model_name or engine.model_name
+    info = startup_info(
+        engine, url=url_of(sock), model=model, kv_dynamic=options["kv_dynamic"], verified=not options["no_verify"]
+    )
+    return engine, app, info
+
+
+def _app(
+    engine: Any, api_key: str | None, served_model_name: str | None, shutdown_grace: float, body_cap: int | None
+) -> Any:
+    """The OpenAI-compatible app over ``engine``; ``body_cap``: --max-request-bytes (None: from the context)."""
+    # only when given: api.create_serve_app stand-ins predate the option
+    app_options: dict[str, Any] = {"max_request_bytes": body_cap} if body_cap is not None else {}
+    return api.create_serve_app(
+        engine,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        shutdown_grace_seconds=shutdown_grace,
+        **app_options,
+    )
+
+
+def _announce(info: dict[str, Any], hint: str | None, *, json_out: bool, api_key: str | None) -> None:
+    """The load-average note, then the startup information: one JSON line on stdout, or a line on stderr."""
+    if hint is not None:  # after every refusal: an error stays the one line it is
+        err_console.print(f"Note: {hint}", style="yellow", soft_wrap=True, markup=False)
+    if json_out:
+        sys.stdout.write(json.dumps(info) + "\n")
+        sys.stdout.flush()
+    else:
+        err_console.print(startup_line(info, api_key=api_key is not None), soft_wrap=True, markup=False)
 
 
 __all__ = ["serve", "check_serve_dependencies", "engine_config", "bind_socket", "run_server"]

@@ -33,8 +33,8 @@ from squeeze.errors import ResumeError
 from squeeze.format.manifest import Provenance
 from squeeze.format.quant_config import EmbeddingsEntry, ModuleEntry, QuantizationConfig, RecipeSummary
 from squeeze.models.expert_params import UnroutedExpertsWarning, unrouted_message
-from squeeze.models.source import keep_dtype, source_dtype
 from squeeze.models.targets import embedding_modules
+from squeeze.models.weight_dtype import keep_dtype, source_dtype
 from squeeze.version import __version__
 
 
@@ -74,17 +74,10 @@ def write_artifact(
     with _discarded_on_error(staging):
         write_tensors(staging, tensors, job.recipe.output.max_shard_bytes)
         warn_unrouted(job)
-        write_metadata(
-            net,
-            job.tokenizer,
-            job.recipe,
-            job.modules,
-            job.storage_bits,
-            job.n_weights,
-            staging,
-            kept_dtype=kept,
-            embeddings=_embeddings_entry(job),
+        quant = quantization_config(
+            job.recipe, job.modules, job.storage_bits, job.n_weights, kept, embeddings=_embeddings_entry(job)
         )
+        write_metadata(net, job.tokenizer, job.recipe, quant, staging)
 
 
 def _embeddings_entry(job: CompressJob) -> EmbeddingsEntry | None:
@@ -184,21 +177,20 @@ def _load_group(job: CompressJob, index: int) -> tuple[dict[str, torch.Tensor], 
     return group
 
 
-def write_metadata(
-    net: nn.Module,
-    tokenizer: Any,
+def quantization_config(
     recipe: Recipe,
     quantized: Mapping[str, ModuleEntry],
     storage_bits: int,
     n_weights: int,
-    staging: Path,
-    *,
     kept_dtype: torch.dtype = torch.float32,
+    *,
     embeddings: EmbeddingsEntry | None = None,
-) -> None:
-    """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
+) -> QuantizationConfig:
+    """The artifact's ``quantization_config``: the recipe's summary, every quantized module's entry
+    (``quantized``), the bits per weight (``storage_bits / n_weights``), the unquantized tensors' dtype and the
+    quantized embeddings."""
     w = recipe.weights
-    quant = QuantizationConfig(
+    return QuantizationConfig(
         squeeze_version=__version__,
         method=w.method,
         modules=dict(quantized),
@@ -218,6 +210,10 @@ def write_metadata(
         # weights.embedding_bits: the loaders rebuild the embedding (and a tied head)
         embeddings=embeddings,
     )
+
+
+def write_metadata(net: nn.Module, tokenizer: Any, recipe: Recipe, quant: QuantizationConfig, staging: Path) -> None:
+    """config.json with the artifact's ``quantization_config``, then the generation config, tokenizer, recipe."""
     config = with_quantization(net.config.to_dict(), quant)  # type: ignore[union-attr, operator]
     write_config(staging, config)
     write_model_files(staging, net, tokenizer)

@@ -40,8 +40,8 @@ from squeeze.compression.job import CompressJob, timed, weight_format
 from squeeze.compression.quantize import quantize_module
 from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.format.atomic import atomic_write_text
-from squeeze.models.source import keep_dtype
 from squeeze.models.targets import matrix_fisher, target_matrix
+from squeeze.models.weight_dtype import keep_dtype
 
 PLAN_NAME = "bit_plan.json"
 _PLAN_VERSION = 1
@@ -98,25 +98,11 @@ def error_table(
     embeddings = embeddings or {}
     units = fused_units(list(weights))
     recipes = [planned_recipe(recipe, s) for s in settings]
-    formats = [weight_format(r) for r in recipes]
     bits: list[list[int]] = []
     errors: list[list[float]] = []
     total = len(units) + len(embeddings)
     for done, unit in enumerate(units):
-        unit_bits = [0] * len(settings)
-        unit_errors = [0.0] * len(settings)
-        for name in unit:
-            w = weights[name]
-            rows, cols = int(w.shape[0]), int(w.shape[1])
-            f = fisher.get(name)
-            sample = _sample_rows(rows, row_stride)
-            ws, fs = (w, f) if sample is None else (w[sample], f[sample] if f is not None else None)
-            scale = fs if fs is not None else torch.ones_like(ws)
-            up = rows / ws.shape[0]
-            for k, (uniform, fmt) in enumerate(zip(recipes, formats, strict=True)):
-                q = quantize(ws, fs, uniform)
-                unit_bits[k] += 8 * fmt.estimate_bytes(rows, cols, uniform.weights, w.element_size())
-                unit_errors[k] += up * float((scale * (ws - q.dequantize()).square_()).sum(dtype=torch.float64))
+        unit_bits, unit_errors = _unit_row(unit, weights, fisher, recipes, quantize, row_stride)
         bits.append(unit_bits)
         errors.append(unit_errors)
         if progress:
@@ -129,6 +115,33 @@ def error_table(
         if progress:
             progress(done, total)
     return ErrorTable(units=units, settings=settings, bits=bits, errors=errors, embeddings=tuple(embeddings))
+
+
+def _unit_row(
+    unit: tuple[str, ...],
+    weights: Mapping[str, torch.Tensor],
+    fisher: Mapping[str, torch.Tensor],
+    recipes: list[Recipe],
+    quantize: Callable[[torch.Tensor, torch.Tensor | None, Recipe], Any],
+    row_stride: int,
+) -> tuple[list[int], list[float]]:
+    """One fused unit's bits and Fisher-weighted squared error at each uniform recipe (see :func:`error_table`)."""
+    formats = [weight_format(r) for r in recipes]
+    unit_bits = [0] * len(recipes)
+    unit_errors = [0.0] * len(recipes)
+    for name in unit:
+        w = weights[name]
+        rows, cols = int(w.shape[0]), int(w.shape[1])
+        f = fisher.get(name)
+        sample = _sample_rows(rows, row_stride)
+        ws, fs = (w, f) if sample is None else (w[sample], f[sample] if f is not None else None)
+        scale = fs if fs is not None else torch.ones_like(ws)
+        up = rows / ws.shape[0]
+        for k, (uniform, fmt) in enumerate(zip(recipes, formats, strict=True)):
+            q = quantize(ws, fs, uniform)
+            unit_bits[k] += 8 * fmt.estimate_bytes(rows, cols, uniform.weights, w.element_size())
+            unit_errors[k] += up * float((scale * (ws - q.dequantize()).square_()).sum(dtype=torch.float64))
+    return unit_bits, unit_errors
 
 
 def _embedding_row(

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,21 +113,31 @@ def default_calibration(target: str | os.PathLike[str]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class KVRunOptions:
+    """What a calibrate-kv run writes, beside its target and calibration text (squeeze.api.calibrate_kv's keywords;
+    see there): the width, the sink and grid options, the output (None: in place), and what it may replace.
+    ``bits`` and ``sink_tokens`` are checked (and the sink defaulted) by :func:`run_calibrate_kv`."""
+
+    bits: KvChoice
+    output: str | os.PathLike[str] | None = None
+    sink_tokens: int | None = None
+    key_group: int | None = None
+    value_group: int | None = None
+    overwrite: bool = False
+    drop_signature: bool = False
+    progress: StageProgress | None = None
+
+
 def run_calibrate_kv(
-    target: str | os.PathLike[str],
-    calibration: CalibrationSpec,
-    bits: KvChoice,
-    *,
-    output: str | os.PathLike[str] | None = None,
-    sink_tokens: int | None = None,
-    key_group: int | None = None,
-    value_group: int | None = None,
-    overwrite: bool = False,
-    drop_signature: bool = False,
-    progress: StageProgress | None = None,
+    target: str | os.PathLike[str], calibration: CalibrationSpec, options: KVRunOptions
 ) -> CalibrateKVResult:
     """Calibrate KV scales for ``target`` (artifact or model) and write them; see squeeze.api.calibrate_kv."""
-    bits, sink_tokens = _check_options(bits, sink_tokens, key_group, value_group, calibration)
+    bits, sink_tokens = _check_options(
+        options.bits, options.sink_tokens, options.key_group, options.value_group, calibration
+    )
+    checked = replace(options, bits=bits, sink_tokens=sink_tokens)
+    output = options.output
     source = Path(os.path.realpath(os.fspath(target)))  # `current -> v3`: the artifact (and swap) is at v3
     out = output_path(output if output is not None else source)
     # one run per output at a time: a second one would swap its artifact over the first's, losing it
@@ -143,45 +153,24 @@ def run_calibrate_kv(
             hint="the directory that holds the output must be writable",
         ) from None
     try:
-        return _run_locked(
-            target,
-            calibration,
-            bits,
-            source,
-            out,
-            in_place=output is None,
-            sink_tokens=sink_tokens,
-            key_group=key_group,
-            value_group=value_group,
-            overwrite=overwrite,
-            drop_signature=drop_signature,
-            progress=progress,
-        )
+        return _run_locked(target, calibration, checked, source, out)
     finally:
         lock.release()
 
 
 def _run_locked(
-    target: str | os.PathLike[str],
-    calibration: CalibrationSpec,
-    bits: KvChoice,
-    source: Path,
-    out: Path,
-    *,
-    in_place: bool,
-    sink_tokens: int,
-    key_group: int | None,
-    value_group: int | None,
-    overwrite: bool,
-    drop_signature: bool,
-    progress: StageProgress | None,
+    target: str | os.PathLike[str], calibration: CalibrationSpec, options: KVRunOptions, source: Path, out: Path
 ) -> CalibrateKVResult:
+    """The run under the output's lock; ``options`` checked (``sink_tokens`` set)."""
     started = time.perf_counter()
+    bits, sink_tokens, overwrite, progress = options.bits, options.sink_tokens, options.overwrite, options.progress
+    key_group, value_group, in_place = options.key_group, options.value_group, options.output is None
+    assert sink_tokens is not None  # set by run_calibrate_kv's check
     timings: dict[str, float] = {}
     restore_aside(out)  # a fallback swap cut short by a kill: the old artifact goes back before anything
     inputs = _Inputs(target, source)
     _check_output(inputs, out, overwrite=overwrite, in_place=in_place)
-    drop = _check_signature(out, drop_signature)  # in place, or --output over a signed artifact
+    drop = _check_signature(out, options.drop_signature)  # in place, or --output over a signed artifact
 
     with timed(timings, "load"):
         _load(inputs)  # an artifact is verified first: IntegrityError before any work
@@ -397,4 +386,4 @@ def _provenance(
     )
 
 
-__all__ = ["CalibrateKVResult", "default_calibration", "run_calibrate_kv"]
+__all__ = ["CalibrateKVResult", "KVRunOptions", "default_calibration", "run_calibrate_kv"]

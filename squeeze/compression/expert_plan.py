@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from squeeze.calibrate.block_walk import model_parts
-from squeeze.calibrate.expert_groups import MIN_GROUP, group_bounds, streamable_experts
+from squeeze.calibrate.expert_streaming import MIN_GROUP, group_bounds, streamable_experts
 from squeeze.config import Recipe
 from squeeze.errors import ResourceError
 from squeeze.models.expert_params import ExpertWeight

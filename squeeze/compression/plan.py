@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from functools import cache
-from importlib import resources
 from typing import Any
 
 import torch
 from torch import nn
 
 from squeeze.calibrate.block_walk import model_parts
-from squeeze.calibrate.expert_groups import group_bounds
+from squeeze.calibrate.expert_streaming import group_bounds
 from squeeze.calibrate.hessian import hessian_bytes_bound
 from squeeze.compression import bounded_preflight, expert_plan
-from squeeze.compression.machine import Machine, this_machine
+from squeeze.compression.plan_rates import PlanWork, RankPlan, Rates, load_rates, machine_note, rank_plan
 from squeeze.compression.preflight import (
     BASE_PROCESS_BYTES,
+    SizeEstimate,
     check_context_length,
     check_device_options,
     estimate_peak_memory,
@@ -56,45 +55,6 @@ from squeeze.models.targets import find_targets, linear_targets
 MAX_PLAN_RANKS = 4096
 
 DEVICE_BASE_BYTES = expert_plan.DEVICE_BASE_BYTES
-
-
-@dataclass(frozen=True)
-class Rates:
-    """Per-unit costs of the stages on one machine (seconds), read from plan_rates.json."""
-
-    machine: str
-    cpu_model: str  # squeeze.compression.machine: the machine the rates were measured on
-    isa: str
-    cores: int
-    measured: str
-    command: str
-    startup_s: float  # the process (python, torch, transformers), the tokenizer and the calibration windows
-    load_s_per_source_byte: float
-    fisher_s_per_param_token: float
-    streaming_fisher_factor: float
-    kmeans_s_per_weight: float
-    write_s_per_artifact_byte: float
-    seal_s_per_artifact_byte: float
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """One rank's share: memory at its peak, what it computes, and its seconds per stage (None: no rate).
-    ``layer_groups``: the units of quantize work dealt to it (layer groups, or with expert groups a block's own
-    targets and each expert group: plan._work_units)."""
-
-    rank: int
-    host_peak_bytes: int
-    gpu_peak_bytes: int | None
-    windows: int
-    layer_groups: int
-    quantized_weights: int
-    seconds: dict[str, float | None]
-
-    @property
-    def total_seconds(self) -> float | None:
-        values = list(self.seconds.values())
-        return None if any(v is None for v in values) else float(sum(v for v in values if v is not None))
 
 
 @dataclass(frozen=True)
@@ -127,17 +87,16 @@ class CompressPlan:
         return data
 
 
-@cache
-def load_rates(device_type: str) -> Rates | None:
-    """The measured rates for ``device_type`` ("cpu", "cuda") from plan_rates.json; None when none were measured."""
-    text = resources.files("squeeze.compression").joinpath("plan_rates.json").read_text()
-    entry = json.loads(text).get(device_type)
-    return None if entry is None else Rates(**{k: v for k, v in entry.items() if not k.startswith("_")})
+@dataclass(frozen=True)
+class _Planned:
+    """The model a plan is made for, checked as the run would check it: its source, meta skeleton, recipe,
+    targets and exact artifact size."""
 
-
-def rates_machine(rates: Rates) -> Machine:
-    """The machine ``rates`` were measured on."""
-    return Machine(rates.cpu_model, rates.isa, rates.cores)
+    source: ModelSource
+    skeleton: nn.Module
+    recipe: Recipe
+    targets: dict[str, Any]
+    size: SizeEstimate
 
 
 def plan_compress(
@@ -159,6 +118,56 @@ def plan_compress(
             hint=f"pass --ranks 1 to {MAX_PLAN_RANKS} (the torchrun processes the run will start)",
         )
     compute = parse_device(device)
+    planned = _checked_model(model, recipe, seq_len, max_memory, compute)
+    source, skeleton, targets, size = planned.source, planned.skeleton, planned.targets, planned.size
+    params = _numel(skeleton)
+    active = _active_parameters(skeleton, targets)
+    host, gpu, groups_plan = _peaks(planned, seq_len, num_samples, max_memory, compute)
+    expert_group = groups_plan.group if groups_plan is not None else None
+    # with ranks, expert groups are dealt one by one (each rank's count is then of those units)
+    sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group if ranks > 1 else None)
+    rates = load_rates(compute.type if compute is not None else "cpu")
+    work = PlanWork(
+        host=host,
+        gpu=gpu,
+        group_sizes=tuple(sizes),
+        num_samples=num_samples,
+        seq_len=seq_len,
+        active=active,
+        source_bytes=_source_bytes(source, params),
+        artifact_bytes=size.total_bytes,
+        streamed=max_memory is not None,
+    )
+    return CompressPlan(
+        model=source.model_id,
+        recipe=recipe.name,
+        parameters=params,
+        active_parameters=active,
+        quantized_weights=size.n_quantized_weights,
+        artifact_bytes=size.total_bytes,
+        work_disk_bytes=_work_disk(planned, num_samples, seq_len, max_memory),
+        num_samples=num_samples,
+        seq_len=seq_len,
+        max_memory=max_memory,
+        device=str(compute) if compute is not None else None,
+        rates=rates,
+        ranks=tuple(rank_plan(rank, ranks, work, rates) for rank in range(ranks)),
+        notes=tuple(_notes(planned, groups_plan, max_memory, gpu, ranks, rates)),
+        expert_group=expert_group,
+        experts=groups_plan.experts if groups_plan is not None else 0,
+        minimum_bytes=groups_plan.minimum_bytes if groups_plan is not None and max_memory is not None else None,
+    )
+
+
+def _checked_model(
+    model: str | ModelSource,
+    recipe: Recipe,
+    seq_len: int | None,
+    max_memory: int | None,
+    compute: torch.device | None,
+) -> _Planned:
+    """The model on the meta device, refused as the run would refuse it (device options, context length, a
+    bounded run's streamability, a block walk on the GPU)."""
     check_device_options(compute, error_compensation=_uses_hessians(recipe), ranks=1)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     skeleton = meta_model(source)  # ModelError naming what transformers could not build
@@ -170,77 +179,49 @@ def plan_compress(
         bounded_preflight.check_streamable(source, recipe, skeleton, targets)
     elif compute is not None and seq_len is not None:
         model_parts(skeleton, option="--device")
-    size = estimate_size(skeleton, recipe, targets=targets)
-    notes: list[str] = []
-    defaults = defaulted_size_keys(source, skeleton.config)
-    if defaults:  # transformers fills a size config.json leaves out (32 layers for Llama): say what was planned
-        notes.append(f"config.json does not name {describe_defaults(defaults)}: planned with transformers' defaults")
-    params = _numel(skeleton)
-    active = _active_parameters(skeleton, targets)
+    return _Planned(source, skeleton, recipe, targets, estimate_size(skeleton, recipe, targets=targets))
+
+
+def _peaks(
+    planned: _Planned,
+    seq_len: int | None,
+    num_samples: int | None,
+    max_memory: int | None,
+    compute: torch.device | None,
+) -> tuple[int, int | None, expert_plan.ExpertPlan | None]:
+    """Host and GPU bytes at the peak (GPU: None without one), and the expert groups the run would pick."""
+    skeleton, recipe, targets, total = planned.skeleton, planned.recipe, planned.targets, planned.size.total_bytes
     cuda = compute is not None and compute.type == "cuda"
-    groups_plan = None
     if max_memory is not None:  # a MoE block's routed experts in groups sized to the budget (and an 80 GB GPU)
         device_bytes = expert_plan.DEFAULT_DEVICE_BYTES if cuda else None
         groups_plan = expert_plan.plan_expert_groups(
-            skeleton, recipe, targets, seq_len, size.total_bytes, max_memory, device_bytes
+            skeleton, recipe, targets, seq_len, total, max_memory, device_bytes
         )
-        host, gpu = groups_plan.peak_bytes, groups_plan.device_peak_bytes
-    else:
-        host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, size.total_bytes, compute)
-        gpu = None
-        if cuda:  # the experts in groups that fit an 80 GB GPU, as the run picks them for its device
-            groups_plan = expert_plan.plan_expert_groups(
-                skeleton, recipe, targets, seq_len, size.total_bytes, None, expert_plan.DEFAULT_DEVICE_BYTES
-            )
-            gpu = groups_plan.device_peak_bytes
-    notes.extend(_notes(groups_plan, max_memory, gpu, ranks))
-    expert_group = groups_plan.group if groups_plan is not None else None
-    # with ranks, expert groups are dealt one by one (each rank's count is then of those units)
-    sizes = _work_units(layer_groups(skeleton, targets), targets, expert_group if ranks > 1 else None)
-    rates = load_rates(compute.type if compute is not None else "cpu")
-    if rates is not None and (here := this_machine()).differs(rates_machine(rates)):
-        notes.append(
-            f"the times use rates measured on {rates_machine(rates).describe()}; this machine is {here.describe()}: "
-            "they are that machine's times (plan_rates.json's _refresh says how to measure this one's)"
-        )
-    work = _Work(
-        host=host,
-        gpu=gpu,
-        group_sizes=tuple(sizes),
-        num_samples=num_samples,
-        seq_len=seq_len,
-        active=active,
-        source_bytes=_source_bytes(source, params),
-        artifact_bytes=size.total_bytes,
-        streamed=max_memory is not None,
+        return groups_plan.peak_bytes, groups_plan.device_peak_bytes, groups_plan
+    host = _host_peak(skeleton, recipe, targets, seq_len, num_samples, total, compute)
+    if not cuda:
+        return host, None, None
+    # the experts in groups that fit an 80 GB GPU, as the run picks them for its device
+    groups_plan = expert_plan.plan_expert_groups(
+        skeleton, recipe, targets, seq_len, total, None, expert_plan.DEFAULT_DEVICE_BYTES
     )
-    plans = tuple(_rank_plan(rank, ranks, work, rates) for rank in range(ranks))
-    return CompressPlan(
-        model=source.model_id,
-        recipe=recipe.name,
-        parameters=params,
-        active_parameters=active,
-        quantized_weights=size.n_quantized_weights,
-        artifact_bytes=size.total_bytes,
-        work_disk_bytes=_work_disk(
-            skeleton, recipe, targets, (size.total_bytes, size.quantized_bytes), num_samples, seq_len, max_memory
-        ),
-        num_samples=num_samples,
-        seq_len=seq_len,
-        max_memory=max_memory,
-        device=str(compute) if compute is not None else None,
-        rates=rates,
-        ranks=plans,
-        notes=tuple(notes),
-        expert_group=groups_plan.group if groups_plan is not None else None,
-        experts=groups_plan.experts if groups_plan is not None else 0,
-        minimum_bytes=groups_plan.minimum_bytes if groups_plan is not None and max_memory is not None else None,
-    )
+    return host, groups_plan.device_peak_bytes, groups_plan
 
 
-def _notes(groups: expert_plan.ExpertPlan | None, max_memory: int | None, gpu: int | None, ranks: int) -> list[str]:
-    """What the plan finds over budget, and the expert groups it chose."""
+def _notes(
+    planned: _Planned,
+    groups: expert_plan.ExpertPlan | None,
+    max_memory: int | None,
+    gpu: int | None,
+    ranks: int,
+    rates: Rates | None,
+) -> list[str]:
+    """What the plan assumed (sizes config.json leaves out), finds over budget, the expert groups it chose,
+    and whose machine its times are."""
     notes: list[str] = []
+    defaults = defaulted_size_keys(planned.source, planned.skeleton.config)
+    if defaults:  # transformers fills a size config.json leaves out (32 layers for Llama): say what was planned
+        notes.append(f"config.json does not name {describe_defaults(defaults)}: planned with transformers' defaults")
     if groups is not None and max_memory is not None and max_memory < groups.minimum_bytes:
         notes.append(
             f"--max-memory {max_memory / 1e9:.2f} GB is below this run's minimum of {groups.minimum_bytes / 1e9:.2f} GB"
@@ -260,6 +241,8 @@ def _notes(groups: expert_plan.ExpertPlan | None, max_memory: int | None, gpu: i
             )
     if gpu is not None and gpu > expert_plan.DEFAULT_DEVICE_BYTES:
         notes.append(f"one step needs {gpu / 1e9:.0f} GB on the GPU: more than an 80 GB H100 holds")
+    if (note := machine_note(rates)) is not None:
+        notes.append(note)
     return notes
 
 
@@ -328,67 +311,17 @@ def _host_peak(
     return BASE_PROCESS_BYTES + params + max(params, fisher + boundaries)
 
 
-def _work_disk(
-    skeleton: nn.Module,
-    recipe: Recipe,
-    targets: dict[str, Any],
-    sizes: tuple[int, int],
-    num_samples: int | None,
-    seq_len: int | None,
-    max_memory: int | None,
-) -> int:
+def _work_disk(planned: _Planned, num_samples: int | None, seq_len: int | None, max_memory: int | None) -> int:
     """The work area at its peak: the staged artifact, the group checkpoints, the fp32 Fisher checkpoint, the
     input Hessians (error compensation) and a bounded run's spilled block boundaries."""
-    artifact_bytes, quantized_bytes = sizes
-    total = artifact_bytes + quantized_bytes
+    total = planned.size.total_bytes + planned.size.quantized_bytes
     if seq_len is not None:
-        total += sum(t.weight.numel() for t in targets.values()) * 4
-        if _uses_hessians(recipe):
-            total += hessian_bytes_bound(linear_targets(targets))
+        total += sum(t.weight.numel() for t in planned.targets.values()) * 4
+        if _uses_hessians(planned.recipe):
+            total += hessian_bytes_bound(linear_targets(planned.targets))
         if max_memory is not None:
-            total += bounded_preflight.spill_bytes(skeleton, num_samples or 1, seq_len)
+            total += bounded_preflight.spill_bytes(planned.skeleton, num_samples or 1, seq_len)
     return total
-
-
-@dataclass(frozen=True)
-class _Work:
-    """What every rank's share is cut from: the memory peaks, the layer groups' weights, the windows, sizes."""
-
-    host: int
-    gpu: int | None
-    group_sizes: tuple[int, ...]
-    num_samples: int | None
-    seq_len: int | None
-    active: int
-    source_bytes: int
-    artifact_bytes: int
-    streamed: bool
-
-
-def _rank_plan(rank: int, ranks: int, work: _Work, rates: Rates | None) -> RankPlan:
-    """Rank ``rank``'s windows (an even contiguous share), layer groups (round robin) and seconds per stage."""
-    windows = 0
-    if work.num_samples is not None:
-        windows = work.num_samples * (rank + 1) // ranks - work.num_samples * rank // ranks
-    owned = work.group_sizes[rank::ranks]
-    weights = sum(owned)
-    seconds: dict[str, float | None]
-    if rates is None:
-        seconds = dict.fromkeys(("startup", "load", "sensitivity", "quantize", "write", "seal"))
-    else:
-        fisher = work.active * windows * (work.seq_len or 0) * rates.fisher_s_per_param_token
-        if work.streamed:
-            fisher *= rates.streaming_fisher_factor
-        writes = rank == 0
-        seconds = {
-            "startup": rates.startup_s,
-            "load": work.source_bytes * rates.load_s_per_source_byte,
-            "sensitivity": fisher,
-            "quantize": weights * rates.kmeans_s_per_weight,
-            "write": work.artifact_bytes * rates.write_s_per_artifact_byte if writes else 0.0,
-            "seal": work.artifact_bytes * rates.seal_s_per_artifact_byte if writes else 0.0,
-        }
-    return RankPlan(rank, work.host, work.gpu, windows, len(owned), weights, seconds)
 
 
 def _source_bytes(source: ModelSource, params: int) -> int:

@@ -21,8 +21,9 @@ from squeeze.config import EMBEDDING_AUTO, Recipe
 from squeeze.errors import ConfigError, ModelError, ResourceError
 from squeeze.models.checkpoint_keys import check_checkpoint_keys
 from squeeze.models.config_bounds import check_config_sizes
-from squeeze.models.source import KEEP_DTYPES, ModelSource
+from squeeze.models.source import ModelSource
 from squeeze.models.targets import Target, find_targets, linear_targets, target_shape
+from squeeze.models.weight_dtype import KEEP_DTYPES
 from squeeze.quant.schemes import format_for_recipe
 from squeeze.system import available_memory_bytes
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from squeeze.calibrate.expert_groups import ExpertStreaming, group_bounds, view_slice
+from squeeze.calibrate.expert_streaming import ExpertStreaming, group_bounds, view_slice
 from squeeze.compression.bit_budget import planned_recipe, without_error_compensation
 from squeeze.compression.distributed import owns_group
 from squeeze.compression.embeddings import embedding_recipe

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -60,23 +61,32 @@ from squeeze.models.source import ModelSource, resolve_model
 from squeeze.models.targets import find_targets, linear_targets
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a compress run goes, beside what it compresses (squeeze.api.compress's keywords; see there): the seed,
+    what it may do to the output and its work area, the progress callback, the memory budget and the device.
+    Checked by :func:`run_compress` before anything is read."""
+
+    seed: int = 0
+    overwrite: bool = False
+    resume: bool = False
+    restart: bool = False
+    force: bool = False
+    progress: StageProgress | None = None
+    max_memory: int | None = None
+    device: str | torch.device | None = None
+
+
 def run_compress(
     model: str | ModelSource,
     output: str | os.PathLike[str],
     recipe: Recipe,
     calibration: CalibrationSpec | None,
-    *,
-    seed: int = 0,
-    overwrite: bool = False,
-    resume: bool = False,
-    restart: bool = False,
-    force: bool = False,
-    progress: StageProgress | None = None,
-    max_memory: int | None = None,
-    device: str | torch.device | None = None,
+    options: RunOptions = RunOptions(),
 ) -> CompressResult:
     """Compress ``model`` with ``recipe`` into the artifact directory ``output``. See squeeze.api.compress."""
     started = time.perf_counter()
+    device, resume, restart, progress = options.device, options.resume, options.restart, options.progress
     compute = check_device(device)  # --device: a malformed spec, no CUDA, an index past the last GPU
     output = output_path(output)  # absolute; `current -> v3` means v3; a path too long for the work area is refused
     if resume and restart:
@@ -93,16 +103,16 @@ def run_compress(
         calibration=_calibration_for(needs, calibration),
         work=WorkArea(output),
         target_names=(),
-        seed=seed,
-        overwrite=overwrite,
+        seed=options.seed,
+        overwrite=options.overwrite,
         restart=restart,
         progress=progress if world.is_main else None,
         started=started,
-        max_memory=max_memory,
+        max_memory=options.max_memory,
         world=world,
         device=compute,
     )
-    return _run(job, resume=resume, force=force)
+    return _run(job, resume=resume, force=options.force)
 
 
 def _run(job: CompressJob, *, resume: bool, force: bool) -> CompressResult:
@@ -254,4 +264,4 @@ def _run_locked(job: CompressJob) -> CompressResult:
     return job.result()
 
 
-__all__ = ["CompressResult", "StageProgress", "run_compress"]
+__all__ = ["CompressResult", "RunOptions", "StageProgress", "run_compress"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from squeeze.calibrate.activation import activation_sensitivity, blockwise_activation_sensitivity
 from squeeze.calibrate.blockwise import blockwise_fisher
-from squeeze.calibrate.expert_groups import ExpertStreaming
+from squeeze.calibrate.expert_streaming import ExpertStreaming
 from squeeze.calibrate.fisher import finish_sums, fisher_information, fisher_sums, new_sums
 from squeeze.calibrate.generated import sample_windows_from_model, start_token
 from squeeze.calibrate.hessian import input_hessians

@@ -10,7 +10,6 @@ another host or scheme, because what arrives is checked against the manifest wha
 from __future__ import annotations
 
 import http.client
-import re
 import socket
 import ssl
 import threading
@@ -18,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
+from squeeze.distribution.http_response import Wanted, body_extent
 from squeeze.distribution.watch import TransferWatch
 from squeeze.errors import IntegrityError, SqueezeError, TransferError
 from squeeze.format.paths import short_path
@@ -27,7 +27,6 @@ DEFAULT_TIMEOUT = 30.0
 _REDIRECTS = {301, 302, 303, 307, 308}
 #: Statuses worth another try on a fresh connection (the server is busy or restarting).
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class NotFound(TransferError):
@@ -209,20 +208,10 @@ class HttpClient:
         Raises NotFound (404 / 410), TransferError (network, other statuses, more than MAX_REDIRECTS redirects).
         """
         origin = urlsplit(url).netloc
+        wanted = Wanted(start, length, total, limit)
         current = url
         for _ in range(MAX_REDIRECTS + 1):
-            parts = urlsplit(current)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise TransferError(f"cannot download {show_url(current)}: only http:// and https:// URLs work")
-            key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
-            headers = {k: v for k, v in self.headers.items() if parts.netloc == origin or k.lower() != "authorization"}
-            wanted = length if length is not None else None
-            if start or wanted is not None:
-                end = "" if wanted is None else str(start + wanted - 1)
-                headers["Range"] = f"bytes={start}-{end}"
-            target = parts.path or "/"
-            if parts.query:
-                target += "?" + parts.query
+            key, target, headers = self._request_parts(current, origin, start, length)
             connection = self._connection(key)
             wait = self.wait_limit()
             connection.timeout = wait  # the connect, if it comes to one
@@ -248,26 +237,33 @@ class HttpClient:
                 current = urljoin(current, location)
                 continue
             if status in (200, 206):
-                return self._body(key, connection, response, current, start, length, total, limit, sock)
+                return self._body(key, connection, response, current, wanted, sock)
             response.close()
             connection.close()
-            if status in (404, 410):
-                raise NotFound(f"{show_url(current)}: not found (HTTP {status})", current)
-            if status == 416 and total is not None:  # asked for bytes the manifest lists: the server has fewer
-                raise IntegrityError(
-                    f"{show_url(current)}: the server has no bytes {start}- (HTTP 416), the manifest lists {total}",
-                    hint="the server holds other bytes than its manifest lists; nothing of this file was kept",
-                )
-            raise TransferError(
-                f"cannot download {show_url(current)}: HTTP {status} {response.reason}",
-                hint="check the URL and your access to it" if status in (401, 403) else None,
-                retryable=status in _RETRYABLE,
-            )
+            raise _status_error(current, status, response.reason, wanted)
         raise TransferError(
             f"{show_url(url)}: more than {MAX_REDIRECTS} redirects (the last to {show_url(current)})",
             hint="the server redirects in a loop or too deep: pull from the address it ends at, or report it",
             retryable=False,
         )
+
+    def _request_parts(
+        self, url: str, origin: str, start: int, length: int | None
+    ) -> tuple[tuple[str, str, int], str, dict[str, str]]:
+        """(connection key, request target, headers) of a GET of ``url``: the Authorization header only to
+        ``origin`` (the URL first asked for), a Range header from ``start`` for ``length`` bytes."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise TransferError(f"cannot download {show_url(url)}: only http:// and https:// URLs work")
+        key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+        headers = {k: v for k, v in self.headers.items() if parts.netloc == origin or k.lower() != "authorization"}
+        if start or length is not None:
+            end = "" if length is None else str(start + length - 1)
+            headers["Range"] = f"bytes={start}-{end}"
+        target = parts.path or "/"
+        if parts.query:
+            target += "?" + parts.query
+        return key, target, headers
 
     def _body(
         self,
@@ -275,56 +271,15 @@ class HttpClient:
         connection: http.client.HTTPConnection,
         response: http.client.HTTPResponse,
         url: str,
-        start: int,
-        length: int | None,
-        total: int | None,
-        limit: int | None,
+        wanted: Wanted,
         sock: socket.socket | None = None,
     ) -> Body:
-        shown = show_url(url)
-
-        def refuse(error: SqueezeError) -> SqueezeError:
+        try:  # a refused response is closed with its connection
+            want, skip, to_eof, body_length = body_extent(show_url(url), response, wanted)
+        except SqueezeError:
             response.close()
             connection.close()
-            return error
-
-        encoding = (response.getheader("Content-Encoding") or "identity").lower()
-        if encoding != "identity":
-            raise refuse(TransferError(f"{shown}: the server sent {encoding}-encoded bytes", retryable=False))
-        declared = response.getheader("Content-Length")
-        body_length = int(declared) if declared and declared.isdigit() else None
-        skip = 0
-        if response.status == 206:
-            match = _CONTENT_RANGE.fullmatch((response.getheader("Content-Range") or "").strip())
-            if match is None or int(match[1]) != start:
-                raise refuse(TransferError(f"{shown}: the server answered another range than bytes {start}-"))
-            if match[3] != "*" and total is not None and int(match[3]) != total:
-                raise refuse(_size_error(shown, int(match[3]), total))
-            span = int(match[2]) - start + 1
-            if length is not None and span != length:
-                raise refuse(TransferError(f"{shown}: the server answered another range than bytes {start}-"))
-            if body_length is not None and body_length != span:
-                # a broken server, not a passing fault: asking again gets the same answer
-                raise refuse(
-                    TransferError(
-                        f"{shown}: the server's Content-Length ({body_length}) disagrees with its Content-Range "
-                        f"(bytes {start}-{match[2]}: {span} bytes)",
-                        hint="the server sends malformed responses; report it to whoever runs it",
-                        retryable=False,
-                    )
-                )
-            available = span
-        else:  # 200: the whole file, whatever range was asked for
-            if total is not None and body_length is not None and body_length != total:
-                raise refuse(_size_error(shown, body_length, total))
-            skip = start
-            available = (body_length if body_length is not None else (total or 0)) - start
-        want = length if length is not None else available
-        to_eof = body_length is None and length is None and total is None
-        if to_eof:  # no Content-Length (chunked): read to the end, at most ``limit`` + 1 bytes
-            if limit is None:
-                raise refuse(TransferError(f"{shown}: the server sent no Content-Length", retryable=False))
-            want = limit + 1
+            raise
         body = Body(
             self, key, connection, response, url, want, dict(response.getheaders()), want, to_eof=to_eof, sock=sock
         )
@@ -332,6 +287,22 @@ class HttpClient:
         if skip:
             _discard(body, skip)
         return body
+
+
+def _status_error(url: str, status: int, reason: str, wanted: Wanted) -> SqueezeError:
+    """The error for a status other than 200 / 206 or a redirect."""
+    if status in (404, 410):
+        return NotFound(f"{show_url(url)}: not found (HTTP {status})", url)
+    if status == 416 and wanted.total is not None:  # asked for bytes the manifest lists: the server has fewer
+        return IntegrityError(
+            f"{show_url(url)}: the server has no bytes {wanted.start}- (HTTP 416), the manifest lists {wanted.total}",
+            hint="the server holds other bytes than its manifest lists; nothing of this file was kept",
+        )
+    return TransferError(
+        f"cannot download {show_url(url)}: HTTP {status} {reason}",
+        hint="check the URL and your access to it" if status in (401, 403) else None,
+        retryable=status in _RETRYABLE,
+    )
 
 
 def _request(
@@ -358,14 +329,6 @@ def _discard(body: Body, count: int) -> None:
     while body.remaining:
         body.readinto(buffer)
     body.remaining = wanted
-
-
-def _size_error(shown: str, found: int, expected: int) -> IntegrityError:
-    word = "more" if found > expected else "fewer"
-    return IntegrityError(
-        f"{shown}: the server sends {found} bytes, {word} than the {expected} the manifest lists",
-        hint="the server holds other bytes than its manifest says; nothing of this file was kept",
-    )
 
 
 def _describe(exc: BaseException) -> str:

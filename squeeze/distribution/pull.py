@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,14 @@ from typing import Any
 from squeeze.distribution.cache import artifact_cache_dir, latest_cached
 from squeeze.distribution.download import DEFAULT_RETRIES, Downloader, default_workers
 from squeeze.distribution.http_client import DEFAULT_TIMEOUT, HttpClient, NotFound, show_url
+from squeeze.distribution.pull_output import (
+    ProgressFn,
+    check_output,
+    holds_manifest,
+    intact,
+    resolve_output,
+    set_aside_for_repair,
+)
 from squeeze.distribution.remote import (
     Source,
     check_hub_allowed,
@@ -32,9 +39,7 @@ from squeeze.distribution.staging import Staging
 from squeeze.distribution.watch import TransferWatch
 from squeeze.errors import ConfigError, FormatError, IntegrityError, TransferError
 from squeeze.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SIGNATURE_NAME, Manifest, parse_manifest
-from squeeze.format.paths import short_path
 
-ProgressFn = Callable[[int, int], None]
 #: A real signature is a few hundred bytes per file; anything larger is refused unread.
 MAX_SIGNATURE_BYTES = 16 * 2**20
 
@@ -98,170 +103,94 @@ def pull_artifact(
         raise ConfigError(f"workers must be >= 1, found {workers}", hint="omit it for the default")
     parsed = requested = parse_source(source)
     check_hub_allowed(parsed)
-    target = _resolve_output(Path(output)) if output is not None else None
+    target = resolve_output(Path(output)) if output is not None else None
     if target is not None:
-        _check_output(target, None)
+        check_output(target, None)
     watch = TransferWatch(min_rate=min_rate, deadline=deadline)
     client = HttpClient(parsed.headers, timeout=timeout, watch=watch)
     try:
-        manifest_bytes, parsed = _fetch_manifest(client, parsed, retries)
-        shown = f"{MANIFEST_NAME} from {show_url(parsed.url_for(MANIFEST_NAME))}"
-        manifest = parse_manifest(manifest_bytes, shown)
-        if manifest.computed_root_digest() != manifest.root_digest:
-            raise IntegrityError(
-                f"{shown}: root digest does not match the manifest's content (edited after it was sealed)",
-                hint="the server holds a damaged or tampered manifest; nothing was downloaded",
-            )
-        manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
-        signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries, public_key is None)
-        signed_by = None
-        if public_key is not None:
-            signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
+        remote = _remote_manifest(client, parsed, retries, public_key)
+        manifest = remote.manifest
         if target is None:  # keyed by the source as named (a Hub pull is pinned to its commit by now)
             target = artifact_cache_dir(requested, manifest.root_digest)
-        if _check_output(target, manifest) and _intact(target, progress):
-            return PullResult(
-                source=source,
-                output=target,
-                files=len(manifest.files),
-                bytes_downloaded=0,
-                bytes_reused=manifest.total_size,
-                seconds=time.perf_counter() - started,
-                root_digest=manifest.root_digest,
-                signed_by=signed_by,
-                extra={"already_present": True, "workers": 0},
-            )
-        if _holds_manifest(target):  # a damaged copy of this artifact: its files resume the pull, re-hashed
-            _set_aside_for_repair(target)
-        with Staging(target) as staging:
-            downloader = Downloader(client, parsed, manifest, staging, retries=retries, progress=progress)
-            pieces = downloader.plan()
-            count = workers if workers is not None else default_workers(len(pieces))
-            totals = downloader.run(pieces, count)
-            staging.write_small(MANIFEST_NAME, manifest_bytes)
-            keep = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
-            if signature is not None:
-                staging.write_small(SIGNATURE_NAME, signature)
-                keep.add(SIGNATURE_NAME)
-            staging.prune(keep)
-            staging.commit({entry.path: entry.size for entry in manifest.files})
+        present = check_output(target, manifest) and intact(target, progress)
+        done = (0, manifest.total_size, 0) if present else _download(client, remote, target, workers, progress, retries)
+        downloaded, reused, count = done
+        seconds = time.perf_counter() - started
     finally:
         client.close()
     return PullResult(
         source=source,
         output=target,
         files=len(manifest.files),
-        bytes_downloaded=totals.downloaded,
-        bytes_reused=totals.reused,
-        seconds=time.perf_counter() - started,
+        bytes_downloaded=downloaded,
+        bytes_reused=reused,
+        seconds=seconds,
         root_digest=manifest.root_digest,
-        signed_by=signed_by,
-        extra={"already_present": False, "workers": count},
+        signed_by=remote.signed_by,
+        extra={"already_present": present, "workers": count},
     )
 
 
-def _resolve_output(output: Path) -> Path:
-    """``output`` made absolute, a symbolic link resolved to the directory it names (the staging directory and
-    the final rename happen beside that directory, not beside the link); ConfigError for a link to nothing
-    or to something other than a directory. Checked before any download."""
-    target = output.absolute()
-    if not target.is_symlink():
-        return target
-    resolved = Path(os.path.realpath(target))
-    if not resolved.is_dir():
-        what = "a directory that does not exist" if not resolved.exists() else "something that is not a directory"
-        raise ConfigError(
-            f"the output {short_path(target)} is a symbolic link to {what} ({short_path(resolved)})",
-            hint="pass a directory, or point the link at an empty directory",
+@dataclass(frozen=True)
+class _Remote:
+    """The source's manifest, parsed and its root digest checked, with its bytes, the signature (if any) and
+    who signed it (with a public key); ``source`` as the manifest fetch resolved it."""
+
+    source: Source
+    manifest: Manifest
+    manifest_bytes: bytes
+    signature: bytes | None
+    signed_by: str | None
+
+
+def _remote_manifest(
+    client: HttpClient, parsed: Source, retries: int, public_key: str | os.PathLike[str] | None
+) -> _Remote:
+    """The manifest and ``model.sig`` first, checked before any weight is fetched."""
+    manifest_bytes, parsed = _fetch_manifest(client, parsed, retries)
+    shown = f"{MANIFEST_NAME} from {show_url(parsed.url_for(MANIFEST_NAME))}"
+    manifest = parse_manifest(manifest_bytes, shown)
+    if manifest.computed_root_digest() != manifest.root_digest:
+        raise IntegrityError(
+            f"{shown}: root digest does not match the manifest's content (edited after it was sealed)",
+            hint="the server holds a damaged or tampered manifest; nothing was downloaded",
         )
-    return resolved
+    manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+    signature = _fetch_optional(client, parsed, SIGNATURE_NAME, MAX_SIGNATURE_BYTES, retries, public_key is None)
+    signed_by = None
+    if public_key is not None:
+        signed_by = _check_signature(signature, manifest, manifest_sha256, public_key, parsed)
+    return _Remote(parsed, manifest, manifest_bytes, signature, signed_by)
 
 
-def _intact(target: Path, progress: ProgressFn | None) -> bool:
-    """Whether every file of the complete-looking earlier pull in ``target`` still hashes as its manifest says
-    (a same-size corrupted file must not pass as "already present")."""
-    from squeeze.format.verify import verify_artifact
-
-    try:
-        return verify_artifact(target, progress=progress).ok
-    except FormatError:
-        return False
-
-
-def _holds_manifest(target: Path) -> bool:
-    return (target / MANIFEST_NAME).is_file()
-
-
-def _set_aside_for_repair(target: Path) -> None:
-    """Move a damaged earlier pull of the same artifact into its staging directory, where the downloader
-    keeps what re-hashes correctly and downloads the rest; the commit renames it back. ConfigError when an
-    older staging directory is in the way."""
-    from squeeze.distribution.staging import staging_path
-
-    staging = staging_path(target)
-    try:
-        os.rename(target, staging)
-    except OSError as exc:
-        raise ConfigError(
-            f"{short_path(target)} holds a damaged copy of this artifact, and it cannot be repaired: "
-            f"{short_path(staging)} is in the way ({exc.strerror})",
-            hint=f"delete {short_path(staging)} (an interrupted pull's files) and pull again",
-        ) from None
-
-
-def _check_output(target: Path, manifest: Manifest | None) -> bool:
-    """True when ``target`` already holds a complete pull of ``manifest`` (same root digest, every listed
-    file there with its size; the bytes are verified when the artifact loads). False when it is absent or
-    an empty directory. ConfigError when it holds anything else. With ``manifest`` None (before it is
-    fetched) only what no manifest can make right is refused."""
-    try:
-        if not target.is_dir():
-            if target.exists() or target.is_symlink():
-                raise ConfigError(
-                    f"the output {short_path(target)} exists and is not a directory", hint="pass a new directory"
-                )
-            return False
-        names = os.listdir(target)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read the output {short_path(target)}: {exc.strerror}",
-            hint="check its permissions, or pass another --output",
-        ) from None
-    if not names:
-        return False
-    if MANIFEST_NAME not in names:
-        raise ConfigError(
-            f"the output {short_path(target)} exists and is not empty",
-            hint="pull into a new or empty directory (or into the directory of an earlier pull of the same artifact)",
-        )
-    if manifest is None:
-        return False
-    from squeeze.format.verify import read_manifest
-
-    try:
-        local = read_manifest(target)
-    except FormatError as exc:
-        raise ConfigError(
-            f"the output {short_path(target)} holds an unreadable artifact: {exc.message}",
-            hint="pull into a new directory, or delete the old one first",
-        ) from None
-    if local.root_digest != manifest.root_digest:
-        raise ConfigError(
-            f"the output {short_path(target)} holds another artifact (root digest {local.root_digest[:16]}..., "
-            f"the source's is {manifest.root_digest[:16]}...)",
-            hint="pull into a new directory, or delete the old one first",
-        )
-    for entry in manifest.files:
-        try:
-            found = os.lstat(target / entry.path)
-        except OSError:
-            found = None
-        if found is None or found.st_size != entry.size:
-            raise ConfigError(
-                f"the output {short_path(target)} holds an incomplete copy of this artifact ({entry.path})",
-                hint="delete it and pull again",
-            )
-    return True
+def _download(
+    client: HttpClient,
+    remote: _Remote,
+    target: Path,
+    workers: int | None,
+    progress: ProgressFn | None,
+    retries: int,
+) -> tuple[int, int, int]:
+    """Every listed file downloaded in parallel into ``target``'s staging directory (a damaged earlier pull of
+    this artifact set aside there first: its files resume the pull, re-hashed), the manifest and signature beside
+    them, renamed to ``target`` once all verified: (bytes downloaded, bytes reused, the workers it ran)."""
+    if holds_manifest(target):
+        set_aside_for_repair(target)
+    manifest = remote.manifest
+    with Staging(target) as staging:
+        downloader = Downloader(client, remote.source, manifest, staging, retries=retries, progress=progress)
+        pieces = downloader.plan()
+        count = workers if workers is not None else default_workers(len(pieces))
+        totals = downloader.run(pieces, count)
+        staging.write_small(MANIFEST_NAME, remote.manifest_bytes)
+        keep = {entry.path for entry in manifest.files} | {MANIFEST_NAME}
+        if remote.signature is not None:
+            staging.write_small(SIGNATURE_NAME, remote.signature)
+            keep.add(SIGNATURE_NAME)
+        staging.prune(keep)
+        staging.commit({entry.path: entry.size for entry in manifest.files})
+    return totals.downloaded, totals.reused, count
 
 
 def _fetch_manifest(client: HttpClient, source: Source, retries: int) -> tuple[bytes, Source]:

@@ -29,7 +29,10 @@ from squeeze.format.paths import open_inside, open_root, read_inside, short_path
 from squeeze.version import __version__
 
 if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
     from squeeze.distribution.model_card import EvalRow
+    from squeeze.format.manifest import Manifest
 
 #: What became of the model card: written by this push; not written because the repo already has a README.md,
 #: or because the artifact lists one (uploaded as it is); or not asked for.
@@ -84,6 +87,55 @@ def push_artifact(
     :func:`squeeze.distribution.model_card.render_model_card` with ``base_model`` and ``evals`` (rows of
     ``squeeze eval --json`` reports).
     """
+    verified = _verified(path, repo_id)
+    card_bytes, outcome = _rendered_card(verified, repo_id, card, base_model, evals)
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token, library_name="squeeze", library_version=__version__)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+    parent = None
+    if card_bytes is not None:
+        from squeeze.distribution.model_card import CARD_NAME
+
+        info = api.model_info(repo_id, revision=revision)
+        if any(sibling.rfilename == CARD_NAME for sibling in info.siblings or ()):
+            card_bytes, outcome = None, "repo_has_one"
+        else:
+            parent, outcome = info.sha, "written"
+    message = commit_message or f"squeeze push: artifact {verified.manifest.root_digest[:16]}"
+    files, commit = _commit(api, repo_id, verified, card_bytes, revision, message, parent)
+    uploaded = (
+        verified.manifest.total_size
+        + len(verified.manifest_bytes)
+        + len(verified.signature or b"")
+        + len(card_bytes or b"")
+    )
+    return PushResult(
+        repo_id=repo_id,
+        revision=revision,
+        files=files,
+        bytes_uploaded=uploaded,
+        url=getattr(commit, "commit_url", None),
+        model_card=outcome,
+    )
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """An artifact that verified: its directory, manifest (and the manifest's bytes as verified), signature."""
+
+    directory: Path
+    manifest: Manifest
+    manifest_bytes: bytes
+    signature: bytes | None
+
+
+def _verified(path: str | os.PathLike[str], repo_id: str) -> _Verified:
+    """The artifact at ``path``, verified before anything is sent (ConfigError for a repo id that is not one,
+    IntegrityError for an artifact that does not verify or whose manifest changed meanwhile)."""
     from squeeze.distribution.remote import parse_source
     from squeeze.format.verify import verify_artifact
 
@@ -105,54 +157,57 @@ def push_artifact(
     signature = None
     if (directory / SIGNATURE_NAME).exists():
         signature = read_inside(directory, SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
+    return _Verified(directory, report.manifest, manifest_bytes, signature)
+
+
+def _rendered_card(
+    verified: _Verified, repo_id: str, card: bool, base_model: str | None, evals: Sequence[EvalRow]
+) -> tuple[bytes | None, CardOutcome]:
+    """The model card to add (None: none) and the outcome so far; rendered before anything is sent, so a bad
+    ``--base-model`` fails here."""
     from squeeze.distribution.model_card import CARD_NAME, render_model_card
 
-    outcome: CardOutcome = "off"
-    card_bytes = None
-    if card and CARD_NAME in report.manifest.entry_map():
-        outcome = "artifact_has_one"
-    elif card:  # rendered before anything is sent: a bad --base-model fails here
-        card_bytes = render_model_card(directory, repo_id, base_model=base_model, evals=evals).encode("utf-8")
+    if card and CARD_NAME in verified.manifest.entry_map():
+        return None, "artifact_has_one"
+    if card:
+        rendered = render_model_card(verified.directory, repo_id, base_model=base_model, evals=evals)
+        return rendered.encode("utf-8"), "off"
+    return None, "off"
 
-    from huggingface_hub import CommitOperationAdd, HfApi
 
-    api = HfApi(token=token, library_name="squeeze", library_version=__version__)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    if revision is not None:
-        api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-    parent = None
-    if card_bytes is not None:
-        info = api.model_info(repo_id, revision=revision)
-        if any(sibling.rfilename == CARD_NAME for sibling in info.siblings or ()):
-            card_bytes, outcome = None, "repo_has_one"
-        else:
-            parent, outcome = info.sha, "written"
-    root_fd = open_root(directory)
+def _commit(
+    api: HfApi,
+    repo_id: str,
+    verified: _Verified,
+    card_bytes: bytes | None,
+    revision: str | None,
+    message: str,
+    parent: str | None,
+) -> tuple[int, Any]:
+    """One Hub commit adding every listed file (opened through the hardened path), the manifest, the signature
+    and the card: (files in it, huggingface_hub's CommitInfo)."""
+    from huggingface_hub import CommitOperationAdd
+
+    from squeeze.distribution.model_card import CARD_NAME
+
+    root_fd = open_root(verified.directory)
     with contextlib.ExitStack() as stack:
         stack.callback(os.close, root_fd)
         operations = []
-        for entry in report.manifest.files:
+        for entry in verified.manifest.files:
             handle = stack.enter_context(os.fdopen(open_inside(root_fd, entry.path), "rb"))
             operations.append(CommitOperationAdd(path_in_repo=entry.path, path_or_fileobj=handle))
-        operations.append(CommitOperationAdd(path_in_repo=MANIFEST_NAME, path_or_fileobj=manifest_bytes))
-        if signature is not None:
-            operations.append(CommitOperationAdd(path_in_repo=SIGNATURE_NAME, path_or_fileobj=signature))
+        operations.append(CommitOperationAdd(path_in_repo=MANIFEST_NAME, path_or_fileobj=verified.manifest_bytes))
+        if verified.signature is not None:
+            operations.append(CommitOperationAdd(path_in_repo=SIGNATURE_NAME, path_or_fileobj=verified.signature))
         if card_bytes is not None:
             operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
         commit = api.create_commit(
             repo_id,
             operations,
-            commit_message=commit_message or f"squeeze push: artifact {report.manifest.root_digest[:16]}",
+            commit_message=message,
             revision=revision,
             repo_type="model",
             parent_commit=parent,
         )
-    uploaded = report.manifest.total_size + len(manifest_bytes) + len(signature or b"") + len(card_bytes or b"")
-    return PushResult(
-        repo_id=repo_id,
-        revision=revision,
-        files=len(operations),
-        bytes_uploaded=uploaded,
-        url=getattr(commit, "commit_url", None),
-        model_card=outcome,
-    )
+    return len(operations), commit

@@ -129,7 +129,7 @@ def open_target(target: EvalTarget, options: LoadOptions | None = None) -> tuple
 def kv_cache_factory(
     model: nn.Module, calibrated: KVSpec | None, kv: KVOptions
 ) -> tuple[CacheFactory | None, KVSpec | None]:
-    """The cache every window is scored through (None: no cache), per squeeze.runtime.quantized_cache.select_kv_spec."""
+    """The cache every window is scored through (None: no cache), per squeeze.runtime.kv_selection.select_kv_spec."""
     from squeeze.runtime.quantized_cache import SqueezeKVCache
 
     spec = kv.spec_for(model, calibrated)

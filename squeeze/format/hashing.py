@@ -339,26 +339,29 @@ class _ChunkedFile:
         )
 
 
-def hash_files(
-    root_fd: int,
-    paths: Iterable[str],
-    total_bytes: int,
-    *,
-    workers: int | None = None,
-    progress: ProgressFn | None = None,
-    capture: Callable[[str], bool] | None = None,
-    chunk_bytes: int | None = None,
-    plans: Mapping[str, ChunkPlan] | None = None,
-) -> dict[str, HashedFile | BaseException]:
-    """Hash ``paths`` in parallel threads; per path, the HashedFile or the exception that stopped it.
+@dataclass(frozen=True)
+class HashOptions:
+    """How :func:`hash_files` hashes: ``workers`` threads (None: the default for the work), ``progress(done,
+    total)`` over the bytes, ``capture(path)`` selects the files whose bytes are kept, ``chunk_bytes`` asks for
+    chunk digests (sealing; see ``hash_file``), and a path in ``plans`` is checked chunk by chunk instead."""
 
-    ``capture(path)`` selects the files whose bytes are kept, ``chunk_bytes`` asks for chunk digests
-    (sealing; see ``hash_file``). A path in ``plans`` is checked chunk by chunk instead, its chunks
-    spread over the same threads as the whole files: the first chunk that does not match its digest
-    (or a size change) is the file's IntegrityError, naming the chunk; its remaining chunks are skipped.
-    """
+    workers: int | None = None
+    progress: ProgressFn | None = None
+    capture: Callable[[str], bool] | None = None
+    chunk_bytes: int | None = None
+    plans: Mapping[str, ChunkPlan] | None = None
+
+
+def hash_files(
+    root_fd: int, paths: Iterable[str], total_bytes: int, how: HashOptions = HashOptions()
+) -> dict[str, HashedFile | BaseException]:
+    """Hash ``paths`` in parallel threads as ``how`` says; per path, the HashedFile or the exception that stopped
+    it. A path in ``how.plans`` has its chunks spread over the same threads as the whole files: the first chunk
+    that does not match its digest (or a size change) is the file's IntegrityError, naming the chunk; its
+    remaining chunks are skipped."""
+    workers, progress, capture, chunk_bytes = how.workers, how.progress, how.capture, how.chunk_bytes
     paths = list(paths)
-    plans = plans or {}
+    plans = how.plans or {}
     counter = ByteCounter(total_bytes, progress)
     # only passed when asked for: tests wrap hash_file with the plain signature
     options: dict[str, int] = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}

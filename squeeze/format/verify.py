@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from squeeze.errors import FormatError, SqueezeError
-from squeeze.format.hashing import ChunkPlan, HashedFile, ProgressFn, hash_files
+from squeeze.format.hashing import ChunkPlan, HashedFile, HashOptions, ProgressFn, hash_files
 from squeeze.format.manifest import (
     DEFAULT_CHUNK_BYTES,
     MANIFEST_NAME,
@@ -195,6 +195,34 @@ def verify_artifact(
     on_disk = _scan(directory, report)
     for path_on_disk in sorted(set(on_disk) - set(expected)):
         report.files.append(FileResult(path_on_disk, False, "extra file not listed in the manifest"))
+    to_hash = _listed_at_size(manifest, on_disk, report)
+    plans = {
+        relative: ChunkPlan(entry.size, entry.sha256, manifest.chunk_bytes, entry.chunks)
+        for relative in to_hash
+        if (entry := expected[relative]).chunks and manifest.chunk_bytes is not None
+    }
+    total = sum(expected[p].size for p in to_hash)
+    how = HashOptions(workers=workers, progress=progress, capture=capture, plans=plans)
+    hashed = _hash_listed(directory, to_hash, total, how)
+    headers = report.headers
+    for relative in to_hash:
+        outcome = hashed[relative]
+        report.files.append(_judge(expected[relative], outcome, headers))
+        if isinstance(outcome, HashedFile):
+            report.bytes_hashed += outcome.size
+            if outcome.data is not None:
+                report.captured[relative] = outcome
+    index = hashed.get(INDEX_NAME)
+    if isinstance(index, HashedFile):
+        _check_index(index, expected, headers, report)
+    report.files.sort(key=lambda r: r.path)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _listed_at_size(manifest: Manifest, on_disk: dict[str, os.stat_result], report: VerifyReport) -> list[str]:
+    """The listed files on disk at their listed size, to hash, in manifest order; a missing, truncated or grown
+    one is reported (one already reported by the scan, a symlink or special file, is passed over)."""
     to_hash: list[str] = []
     already_failed = {result.path for result in report.files}  # symlinks and special files
     for entry in manifest.files:
@@ -210,27 +238,7 @@ def verify_artifact(
             )
         else:
             to_hash.append(entry.path)
-    plans = {
-        relative: ChunkPlan(entry.size, entry.sha256, manifest.chunk_bytes, entry.chunks)
-        for relative in to_hash
-        if (entry := expected[relative]).chunks and manifest.chunk_bytes is not None
-    }
-    total = sum(expected[p].size for p in to_hash)
-    hashed = _hash_listed(directory, to_hash, total, workers, progress, capture, plans=plans)
-    headers = report.headers
-    for relative in to_hash:
-        outcome = hashed[relative]
-        report.files.append(_judge(expected[relative], outcome, headers))
-        if isinstance(outcome, HashedFile):
-            report.bytes_hashed += outcome.size
-            if outcome.data is not None:
-                report.captured[relative] = outcome
-    index = hashed.get(INDEX_NAME)
-    if isinstance(index, HashedFile):
-        _check_index(index, expected, headers, report)
-    report.files.sort(key=lambda r: r.path)
-    report.seconds = time.perf_counter() - started
-    return report
+    return to_hash
 
 
 def _scan(directory: Path, report: VerifyReport) -> dict[str, os.stat_result]:
@@ -263,28 +271,11 @@ def _link_target(directory: Path, relative: str) -> str:
 
 
 def _hash_listed(
-    directory: Path,
-    paths: list[str],
-    total: int,
-    workers: int | None,
-    progress: ProgressFn | None,
-    capture: Callable[[str], bool] | None = None,
-    *,
-    chunk_bytes: int | None = None,
-    plans: dict[str, ChunkPlan] | None = None,
+    directory: Path, paths: list[str], total: int, how: HashOptions
 ) -> dict[str, HashedFile | BaseException]:
     root_fd = open_root(directory)
     try:
-        return hash_files(
-            root_fd,
-            paths,
-            total,
-            workers=workers,
-            progress=progress,
-            capture=capture,
-            chunk_bytes=chunk_bytes,
-            plans=plans,
-        )
+        return hash_files(root_fd, paths, total, how)
     finally:
         os.close(root_fd)
 
@@ -386,7 +377,8 @@ def seal_artifact(
     if partial:
         raise FormatError(f"cannot seal {shown}: unfinished temp file {short_path(partial[0])}")
     total = sum(i.st_size for i in files.values())
-    hashed = _hash_listed(directory, sorted(files), total, workers, progress, chunk_bytes=chunk_bytes)
+    how = HashOptions(workers=workers, progress=progress, chunk_bytes=chunk_bytes)
+    hashed = _hash_listed(directory, sorted(files), total, how)
     entries = []
     for relative, outcome in sorted(hashed.items()):
         if isinstance(outcome, BaseException):

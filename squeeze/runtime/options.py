@@ -131,14 +131,14 @@ class KVOptions:
     def spec_for(self, model: nn.Module, calibrated: KVSpec | None) -> KVSpec | None:
         """The KV spec ``model`` runs with (None: an ordinary full-precision cache); ConfigError when these
         options need calibrated scales ``model`` lacks."""
-        from squeeze.runtime.quantized_cache import kv_spec_for
+        from squeeze.runtime.kv_selection import kv_spec_for
 
         return kv_spec_for(model, calibrated, self.kv_bits, dynamic=self.kv_dynamic, checked=True)
 
 
 def _check_kv(options: KVOptions) -> None:
     """What :class:`KVOptions` checks when built."""
-    from squeeze.runtime.quantized_cache import check_kv_options
+    from squeeze.runtime.kv_selection import check_kv_options
 
     check_kv_options(options.kv_bits, options.kv_dynamic)
 

@@ -191,7 +191,7 @@ def test_experts_streamed_in_groups_match_the_whole_block(family: str, size: int
     """A MoE block's routed experts streamed a group at a time (attention and router resident, each group's
     gradient taken with the others' outputs constant) give the whole model's Fisher bit for bit: resident (views
     of the fused parameters) and lazily read (only the group's rows read from the checkpoint, spilled)."""
-    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.calibrate.expert_streaming import ExpertStreaming
     from squeeze.models.targets import find_targets, target_at
 
     model = _tiny_moe(family)
@@ -218,7 +218,7 @@ def test_experts_streamed_in_groups_match_the_whole_block(family: str, size: int
 def test_activation_pass_with_experts_in_groups_matches(family: str) -> None:
     """The forward-only sensitivity sees the same hidden states with the experts run a group at a time."""
     from squeeze.calibrate.activation import activation_sensitivity, blockwise_activation_sensitivity
-    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.calibrate.expert_streaming import ExpertStreaming
     from squeeze.models.targets import find_targets
 
     model = _tiny_moe(family)
@@ -233,7 +233,7 @@ def test_activation_pass_with_experts_in_groups_matches(family: str) -> None:
 def test_expert_groups_are_balanced_and_never_single() -> None:
     """Groups of at most ``size`` experts, nearly equal, none of one expert (transformers' expert-parallel path
     miscounts a rank holding one expert), and a size below 2 is refused."""
-    from squeeze.calibrate.expert_groups import ExpertStreaming, group_bounds
+    from squeeze.calibrate.expert_streaming import ExpertStreaming, group_bounds
 
     assert group_bounds(4, 3) == [(0, 2), (2, 4)]
     assert group_bounds(384, 100) == [(0, 96), (96, 192), (192, 288), (288, 384)]
@@ -247,7 +247,7 @@ def test_expert_groups_combine_window_shares_in_rank_order() -> None:
     """Under torchrun each rank streams the same expert groups over its share of the windows; ``combine`` gets
     every group's float64 sums (the experts' per group, then the block's resident ones) in the same order on
     every rank, so adding rank 1's to rank 0's there gives the one-process bits."""
-    from squeeze.calibrate.expert_groups import ExpertStreaming
+    from squeeze.calibrate.expert_streaming import ExpertStreaming
     from squeeze.models.targets import find_targets
 
     model = _tiny_moe("qwen3_moe")

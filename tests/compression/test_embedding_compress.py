@@ -27,7 +27,8 @@ from squeeze.config import load_recipe
 from squeeze.errors import ConfigError, ModelError
 from squeeze.format.inspect import inspect_artifact
 from squeeze.integrations.vllm.artifact import check_quant_config, embedding_modules, parse_quant_config
-from squeeze.models.source import ModelSource, source_dtype
+from squeeze.models.source import ModelSource
+from squeeze.models.weight_dtype import source_dtype
 from squeeze.runtime.embedding import SqueezeEmbedding
 from squeeze.runtime.linear import SqueezeLinear
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from squeeze import api
-from squeeze.calibrate.expert_groups import group_bounds
+from squeeze.calibrate.expert_streaming import group_bounds
 from squeeze.cli.app import app
 from squeeze.compression import bounded_preflight, expert_plan
 from squeeze.compression.plan import load_rates
@@ -168,7 +168,7 @@ def test_rates_name_their_machine_and_a_plan_elsewhere_says_so(
 ) -> None:
     """plan_rates.json records the CPU model, ISA and cores it was measured on; a plan made on another machine
     keeps the times and says whose they are."""
-    from squeeze.compression import plan as plan_module
+    from squeeze.compression import plan_rates as plan_module
     from squeeze.compression.machine import Machine
 
     rates = load_rates("cpu")

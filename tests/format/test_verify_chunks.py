@@ -129,9 +129,9 @@ def test_chunk_digests_agree_with_whole_file_hashing(chunked):
     root = open_root(chunked)
     try:
         paths = [e.path for e in manifest.files]
-        plain = hashing.hash_files(root, paths, 0, chunk_bytes=CHUNK)
+        plain = hashing.hash_files(root, paths, 0, hashing.HashOptions(chunk_bytes=CHUNK))
         plans = {e.path: hashing.ChunkPlan(e.size, e.sha256, CHUNK, e.chunks) for e in manifest.files if e.chunks}
-        by_chunks = hashing.hash_files(root, paths, 0, plans=plans)
+        by_chunks = hashing.hash_files(root, paths, 0, hashing.HashOptions(plans=plans))
     finally:
         os.close(root)
     for path in paths:
@@ -256,7 +256,9 @@ def test_the_header_of_a_big_shard_spans_chunks_and_is_kept_alone(tmp_path, capt
     try:
         entry = next(e for e in read_manifest(tmp_path).files if e.path == shard.name)
         plan = hashing.ChunkPlan(entry.size, entry.sha256, CHUNK, entry.chunks)
-        by_chunks = hashing.hash_files(root, [shard.name], 0, plans={shard.name: plan}, workers=4)[shard.name]
+        by_chunks = hashing.hash_files(root, [shard.name], 0, hashing.HashOptions(plans={shard.name: plan}, workers=4))[
+            shard.name
+        ]
         whole = hashing.hash_files(root, [shard.name], 0)[shard.name]
     finally:
         os.close(root)

@@ -13,7 +13,8 @@ from squeeze.runtime.attention import native_run
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.fast_path import fast_forward, fast_path_supported
 from squeeze.runtime.kernels.cpu_attention import attention_kernels
-from squeeze.runtime.quantized_cache import SqueezeKVCache, kv_spec_for
+from squeeze.runtime.kv_selection import kv_spec_for
+from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
 
 

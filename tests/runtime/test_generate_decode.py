@@ -23,7 +23,8 @@ from transformers import (
 from squeeze.models.modes import cache_kwarg
 from squeeze.runtime.decode import DecodeOptions, decode, prefill
 from squeeze.runtime.generate import generate
-from squeeze.runtime.quantized_cache import SqueezeKVCache, kv_spec_for
+from squeeze.runtime.kv_selection import kv_spec_for
+from squeeze.runtime.quantized_cache import SqueezeKVCache
 from squeeze.runtime.sampling_params import SamplingParams
 
 PAD = 0

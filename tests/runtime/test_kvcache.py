@@ -24,7 +24,8 @@ from squeeze.quant.kv import (
     token_grid,
 )
 from squeeze.quant.kv_spec import KVSpec, LayerFP8, LayerKV
-from squeeze.runtime.quantized_cache import SqueezeKVCache, SqueezeKVLayer, kv_spec_for, select_kv_spec
+from squeeze.runtime.kv_selection import kv_spec_for, select_kv_spec
+from squeeze.runtime.quantized_cache import SqueezeKVCache, SqueezeKVLayer
 
 H, D = 2, 8
 

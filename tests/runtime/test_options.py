@@ -90,7 +90,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch, counts: Counter[str], module: Any
 
 def test_a_squeeze_run_checks_each_option_once(tiny_w4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from squeeze.cli.app import app
-    from squeeze.runtime import checks, quantized_cache
+    from squeeze.runtime import checks, kv_selection
 
     counts: Counter[str] = Counter()
     for module, name in (
@@ -98,7 +98,7 @@ def test_a_squeeze_run_checks_each_option_once(tiny_w4: Path, monkeypatch: pytes
         (options_module, "_check_load"),  # verify, dense / low memory, public key, device
         (options_module, "_check_kv"),
         (options_module, "check_activations"),
-        (quantized_cache, "check_kv_options"),
+        (kv_selection, "check_kv_options"),
         (checks, "resolve_device"),
         (checks, "_checked_prompts"),
     ):
@@ -111,7 +111,7 @@ def test_a_squeeze_run_checks_each_option_once(tiny_w4: Path, monkeypatch: pytes
         "squeeze.runtime.options._check_load": 1,
         "squeeze.runtime.options._check_kv": 1,
         "squeeze.runtime.options.check_activations": 1,
-        "squeeze.runtime.quantized_cache.check_kv_options": 1,
+        "squeeze.runtime.kv_selection.check_kv_options": 1,
         "squeeze.runtime.checks.resolve_device": 1,
         "squeeze.runtime.checks._checked_prompts": 1,
     }

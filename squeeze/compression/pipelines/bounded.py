@@ -27,7 +27,7 @@ from torch import nn
 from squeeze.calibrate.activation import blockwise_activation_sensitivity
 from squeeze.calibrate.block_walk import Combine
 from squeeze.calibrate.blockwise import blockwise_fisher
-from squeeze.calibrate.expert_groups import ExpertStreaming
+from squeeze.calibrate.expert_streaming import ExpertStreaming
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression import quantize
 from squeeze.compression.assemble import artifact_tensors, seal_stage, tensor_reader, write_artifact
@@ -42,8 +42,9 @@ from squeeze.compression.tuning_stage import tune_stage
 from squeeze.errors import ResumeError
 from squeeze.models.expert_params import ExpertWeight
 from squeeze.models.lazy import LazyModel
-from squeeze.models.source import keep_dtype, load_tokenizer, source_dtype
+from squeeze.models.source import load_tokenizer
 from squeeze.models.targets import target_at
+from squeeze.models.weight_dtype import keep_dtype, source_dtype
 
 
 def bounded_load_stage(job: CompressJob) -> None:
