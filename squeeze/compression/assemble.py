@@ -152,6 +152,8 @@ def artifact_tensors(
         job.modules[module_name] = spec
         job.n_weights += int(spec["out_features"]) * int(spec["in_features"])
         job.storage_bits += int(meta["storage_bits"][module_name])
+        if module_name in meta.get("lnq", {}):
+            job.lnq[module_name] = dict(meta["lnq"][module_name])
 
 
 def count_experts(job: CompressJob, meta: dict[str, Any]) -> None:
