@@ -73,6 +73,9 @@ DEFAULT_TARGETS = (
 #: Upper bounds of ``weights.tuning``: beyond them a run costs hours on one block and gains nothing measured.
 MAX_TUNING_STEPS = 100_000
 MAX_TUNING_LR = 1.0
+#: The most of a linear's codes ``weights.tuning.code_moves`` may move a step (PV-tuning moves at most 1%).
+MAX_CODE_MOVES = 0.05
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ class TuningConfig:
     tokens: int = 16384
     #: Seeds the order in which each block's windows are visited.
     seed: int = 0
+    #: The share of each linear's codes that may move to their nearest level after each step (PV-tuning: at
+    #: most 0.01); 0: the codes stay as quantized (only levels and norm gains train).
+    code_moves: float = field(default=0.0, metadata=OMIT_DEFAULT)
+    #: ``constant`` or ``cosine`` (the rate decays to 0 over ``steps``).
+    lr_schedule: Literal["constant", "cosine"] = field(default="constant", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         check_at_least(self.steps, 1, "weights.tuning.steps")
@@ -104,6 +112,13 @@ class TuningConfig:
             )
         check_at_least(self.tokens, 1, "weights.tuning.tokens")
         check_seed(self.seed, "weights.tuning.seed")
+        moves = self.code_moves
+        if isinstance(moves, bool) or not isinstance(moves, int | float) or not 0.0 <= moves <= MAX_CODE_MOVES:
+            raise ConfigError(
+                f"weights.tuning.code_moves must be a share in [0, {MAX_CODE_MOVES}], found {moves!r}",
+                hint="0.01 (PV-tuning's bound: 1% of a linear's codes a step), or 0 to keep the codes",
+            )
+        check_choice(self.lr_schedule, LR_SCHEDULES, "weights.tuning.lr_schedule")
 
 
 @dataclass(frozen=True)
