@@ -105,7 +105,8 @@ def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tu
 
 #: The option suffixes an -ec variant may end with, in this order: -seq (sequential Hessians: block i's from the
 #: outputs of the blocks above as already quantized, squeeze.calibrate.hessian.sequential_hessians), -rrR (R rounds
-#: of LUT refit and compensation, weights.refit_rounds), -gqG (output-weighted Hessians, G row groups), -dampX
+#: of LUT refit and compensation, weights.refit_rounds), -gqG (output-weighted Hessians, G row groups), -lnqR (R
+#: rounds of the refit against the Fisher-weighted loss, weights.lnq_rounds; also after a plain variant), -dampX
 #: (the dampening).
 _OPTIONS_RE = re.compile(r"(-seq)?(-rr[0-9]+)?(-gq[0-9]+)?(-lnq[0-9]+)?(-damp[0-9.]+)?$")
 
