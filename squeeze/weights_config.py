@@ -35,7 +35,21 @@ EMBEDDING_BITS = (4, 6, 8)
 EmbeddingAuto = Literal["auto"]
 EMBEDDING_AUTO: EmbeddingAuto = "auto"
 #: The WeightsConfig options that only error compensation reads (each must keep its default without it).
-ERROR_COMPENSATION_OPTIONS = ("damp", "refit_lut", "refit_rounds", "act_order", "generated_samples")
+ERROR_COMPENSATION_OPTIONS = (
+    "damp",
+    "refit_lut",
+    "refit_rounds",
+    "act_order",
+    "generated_samples",
+    "lnq_rounds",
+    "lnq_ridge",
+    "lnq_shrink",
+    "lnq_held_out",
+)
+#: The LUT refit against the loss (``weights.lnq_*``, squeeze.quant.lnq): its options beside ``lnq_rounds``.
+LNQ_OPTIONS = ("lnq_ridge", "lnq_shrink", "lnq_held_out")
+#: The most ridge ``weights.lnq_ridge`` may ask for: beyond it every level stays at its k-means value.
+MAX_LNQ_RIDGE = 100.0
 #: The most rounds ``weights.refit_rounds`` may ask for (each is one more compensation pass per linear).
 MAX_REFIT_ROUNDS = 8
 
@@ -44,6 +58,9 @@ MAX_REFIT_ROUNDS = 8
 #: Upper bounds of ``weights.tuning``: beyond them a run costs hours on one block and gains nothing measured.
 MAX_TUNING_STEPS = 100_000
 MAX_TUNING_LR = 1.0
+#: The most of a linear's codes ``weights.tuning.code_moves`` may move a step (PV-tuning moves at most 1%).
+MAX_CODE_MOVES = 0.05
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,11 @@ class TuningConfig:
     tokens: int = 16384
     #: Seeds the order in which each block's windows are visited.
     seed: int = 0
+    #: The share of each linear's codes that may move to their nearest level after each step (PV-tuning: at
+    #: most 0.01); 0: the codes stay as quantized (only levels and norm gains train).
+    code_moves: float = field(default=0.0, metadata=OMIT_DEFAULT)
+    #: ``constant`` or ``cosine`` (the rate decays to 0 over ``steps``).
+    lr_schedule: Literal["constant", "cosine"] = field(default="constant", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         check_at_least(self.steps, 1, "weights.tuning.steps")
@@ -75,6 +97,13 @@ class TuningConfig:
             )
         check_at_least(self.tokens, 1, "weights.tuning.tokens")
         check_seed(self.seed, "weights.tuning.seed")
+        moves = self.code_moves
+        if isinstance(moves, bool) or not isinstance(moves, int | float) or not 0.0 <= moves <= MAX_CODE_MOVES:
+            raise ConfigError(
+                f"weights.tuning.code_moves must be a share in [0, {MAX_CODE_MOVES}], found {moves!r}",
+                hint="0.01 (PV-tuning's bound: 1% of a linear's codes a step), or 0 to keep the codes",
+            )
+        check_choice(self.lr_schedule, LR_SCHEDULES, "weights.tuning.lr_schedule")
 
 
 @dataclass(frozen=True)
@@ -121,6 +150,18 @@ class WeightsConfig:
     #: compensation is not fitted to the calibration text's domain alone (squeeze.calibrate.generated;
     #: SmolLM2-135M w3-ec, WikiText-2: 50.2 with 8 of them, 47.9 with 32, 54.4 with sotu.txt alone). 0: none.
     generated_samples: int = 0
+    #: squeeze only, with error_compensation: rounds of the LUT refit against the loss (squeeze.quant.lnq): each
+    #: row's levels refitted in closed form and its codes re-chosen by coordinate descent under the diagonal
+    #: Fisher times the input correlation; each row keeps the iterate best on the Hessians of ``lnq_held_out``
+    #: calibration windows the fit never sees (never worse there than the compensated k-means pair). 0: off.
+    lnq_rounds: int = field(default=0, metadata=OMIT_DEFAULT)  # the lnq_* keys: omitted at default, hashes unchanged
+    #: with lnq_rounds: the ridge toward the k-means levels, in units of each level's Fisher mass.
+    lnq_ridge: float = field(default=0.1, metadata=OMIT_DEFAULT)
+    #: with lnq_rounds: the fit's input correlation shrunk this far toward the identity (1: the k-means objective).
+    lnq_shrink: float = field(default=0.1, metadata=OMIT_DEFAULT)
+    #: with lnq_rounds: the calibration windows held out (the last ones; neither the Fisher nor the fitted
+    #: Hessians see them) whose Hessians choose each row's iterate.
+    lnq_held_out: int = field(default=4, metadata=OMIT_DEFAULT)
     #: Module-name suffixes of the nn.Linear layers (and 3-D expert parameters) to quantize; default: every
     #: registered model family's projections (squeeze.models.families.default_targets). A recipe names targets
     #: only to change them: the resolved list is what recipe.yaml, hashes and fingerprints hold.
@@ -211,6 +252,7 @@ class WeightsConfig:
             )
         check_at_least(self.generated_samples, 0, "weights.generated_samples")
         self._check_refit_rounds()
+        self._check_lnq()
         if self.generated_samples > MAX_GENERATED_SAMPLES:
             raise ConfigError(
                 f"weights.generated_samples (--generated-samples) must be at most {MAX_GENERATED_SAMPLES}, found "
@@ -231,6 +273,38 @@ class WeightsConfig:
                 f"weights.refit_lut and weights.refit_rounds ({rounds}) both refit the LUT: give one of them",
                 hint="refit_rounds alternates refit and compensation and keeps the best; remove refit_lut",
             )
+
+    def _check_lnq(self) -> None:
+        rounds = check_at_least(self.lnq_rounds, 0, "weights.lnq_rounds")
+        if rounds > MAX_REFIT_ROUNDS:
+            raise ConfigError(
+                f"weights.lnq_rounds must be an integer from 0 to {MAX_REFIT_ROUNDS}, found {rounds!r}",
+                hint="2 to 4 rounds; each is one refit and one coordinate-descent sweep per linear",
+            )
+        defaults = WeightsConfig.__dataclass_fields__
+        changed = [name for name in LNQ_OPTIONS if getattr(self, name) != defaults[name].default]
+        if not rounds and changed:
+            raise ConfigError(
+                f"weights.{', weights.'.join(changed)}: used only with weights.lnq_rounds > 0",
+                hint=f"add lnq_rounds: 3, or remove {' / '.join(changed)}",
+            )
+        if rounds and (self.refit_rounds or self.refit_lut):
+            raise ConfigError(
+                "weights.lnq_rounds and weights.refit_rounds / refit_lut all refit the LUT: give one of them",
+                hint="lnq_rounds keeps the Fisher weighting and a held-out check; remove refit_rounds / refit_lut",
+            )
+        ridge, shrink = self.lnq_ridge, self.lnq_shrink
+        if isinstance(ridge, bool) or not isinstance(ridge, int | float) or not 0.0 <= ridge <= MAX_LNQ_RIDGE:
+            raise ConfigError(
+                f"weights.lnq_ridge must be a number in [0, {MAX_LNQ_RIDGE:g}], found {ridge!r}",
+                hint="0.1 (the default) pulls each level toward its k-means value with a tenth of its Fisher mass",
+            )
+        if isinstance(shrink, bool) or not isinstance(shrink, int | float) or not 0.0 <= shrink <= 1.0:
+            raise ConfigError(
+                f"weights.lnq_shrink must be a number in [0, 1], found {shrink!r}",
+                hint="0.1 (the default); 1 drops the input correlations (the k-means objective itself)",
+            )
+        check_at_least(self.lnq_held_out, 1, "weights.lnq_held_out", hint="4 windows (the default) or more")
 
     def _check_options_of_format(self) -> None:
         """Every option the chosen format does not use keeps its default (the format registry says which)."""

@@ -142,6 +142,65 @@ def test_refit_rounds_need_error_compensation_and_the_lut_format():
         load_recipe("rtn-w3", **{"weights.refit_rounds": 2})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"weights.lnq_rounds": -1}, "lnq_rounds must be >= 0"),
+        ({"weights.lnq_rounds": 9}, "lnq_rounds must be an integer from 0 to 8"),
+        ({"weights.lnq_rounds": 1.5}, "must be of type int"),
+        ({"weights.lnq_ridge": 0.5}, "lnq_ridge: used only with weights.lnq_rounds > 0"),
+        ({"weights.lnq_rounds": 2, "weights.lnq_ridge": -0.1}, r"lnq_ridge must be a number in \[0, 100\]"),
+        ({"weights.lnq_rounds": 2, "weights.lnq_ridge": float("nan")}, "lnq_ridge must be a number"),
+        ({"weights.lnq_rounds": 2, "weights.lnq_shrink": 1.5}, r"lnq_shrink must be a number in \[0, 1\]"),
+        ({"weights.lnq_rounds": 2, "weights.lnq_held_out": 0}, "lnq_held_out must be >= 1"),
+        ({"weights.lnq_rounds": 2, "weights.refit_rounds": 2}, "give one of them"),
+        ({"weights.lnq_rounds": 2, "weights.refit_lut": True}, "give one of them"),
+    ],
+)
+def test_lnq_knobs_are_validated_at_load_with_a_hint(overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_recipe("w3-ec", **overrides)
+    assert info.value.hint
+
+
+def test_lnq_needs_error_compensation_and_the_lut_format():
+    weights = load_recipe("w3-ec", **{"weights.lnq_rounds": 3, "weights.lnq_ridge": 0.5}).weights
+    assert (weights.lnq_rounds, weights.lnq_ridge, weights.lnq_shrink, weights.lnq_held_out) == (3, 0.5, 0.1, 4)
+    with pytest.raises(ConfigError, match="lnq_rounds: used only with weights.error_compensation"):
+        load_recipe("w3", **{"weights.lnq_rounds": 2})
+    with pytest.raises(ConfigError, match="applies to method squeeze"):
+        load_recipe("rtn-w3", **{"weights.lnq_rounds": 2})
+
+
+#: spec_hash of built-in recipes before the lnq_* keys existed (issue 51): keys added at their defaults must
+#: leave every older recipe, and so the artifacts built from it, byte-identical.
+OLD_HASHES = {
+    "w3": "cf45edc8876629c4544a310356e35045a079ada380671e533bf7dd64578b47fe",
+    "w3-ec": "0914cea6f4f932332d30e4f31097298f0b9f29006c5c58b3af9879033b4c3d74",
+    "w3-ec-tuned": "a8e18837b8e121ae0f95ff48a5c953f16bbb8140093e28bafb7902d070c29709",
+    "w4": "2bdc03f0628b0b8373f3962ac63b346fab01e47f159a0f71a2c45af440585fe8",
+    "w3-s045-ec": "042e51f0284629f1b51efe44143597b3cb52b55fd51681e1f3ed0289104fa1ef",
+    "b3.5": "a966b75c431590014f979ea05808d9d1f55a204692eeb646cf1f532e761aba9c",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_HASHES))
+def test_old_recipes_keep_their_hashes(name):
+    recipe = load_recipe(name)
+    assert recipe.spec_hash() == OLD_HASHES[name]
+    assert not any(key.startswith("lnq_") for key in recipe.to_dict()["weights"])
+
+
+def test_a_set_lnq_knob_is_part_of_the_plain_form_and_the_hash():
+    recipe = load_recipe("w3-ec", **{"weights.lnq_rounds": 3})
+    assert recipe.to_dict()["weights"]["lnq_rounds"] == 3
+    assert "lnq_ridge" not in recipe.to_dict()["weights"]  # still at its default
+    assert recipe.spec_hash() != OLD_HASHES["w3-ec"]
+    assert load_recipe("w3-ec", **{"weights.lnq_rounds": 3, "weights.lnq_shrink": 0.5}).spec_hash() != (
+        recipe.spec_hash()
+    )
+
+
 def test_wrong_types_and_literals():
     with pytest.raises(ConfigError, match="must be one of"):
         load_recipe("w4", **{"weights.method": "gptq"})

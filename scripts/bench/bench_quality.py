@@ -14,6 +14,9 @@ quantized (squeeze.calibrate.hessian.sequential_hessians; the calibration window
 trailing -rrR alternates R rounds of LUT refit and compensation, weights.refit_rounds; a trailing -dampX sets
 the dampening, default 0.01). --eval-text2 scores every method on a second held-out text too. --generated-samples N adds
 the inputs of N sequences the model samples itself to those Hessians (weights.generated_samples).
+A -lnqR suffix (before -dampX) refits each row's LUT and codes R rounds against the Fisher-weighted loss
+(squeeze.quant.lnq; --lnq-ridge, --lnq-shrink), keeping per row the iterate best on the Hessians of
+--held-out-windows calibration windows the fit did not see; the JSON row gets each layer's objective before / after.
 Variants ending in -activation weight the k-means by each input column's mean square over the same calibration
 windows instead of the Fisher (weights.sensitivity: activation; forward passes only, timed on its own).
 Writes JSON (--out) and prints a table.
@@ -28,6 +31,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +53,7 @@ from squeeze.eval.perplexity import perplexity_from_ids  # noqa: E402
 from squeeze.models.source import load_model, resolve_model  # noqa: E402
 from squeeze.models.targets import find_target_linears  # noqa: E402
 from squeeze.quant.schemes.lut import compensate_lut, quantize_lut  # noqa: E402
+from squeeze.quant.schemes.lut_lnq import DEFAULT_RIDGE, DEFAULT_SHRINK, refit_against_loss  # noqa: E402
 from squeeze.quant.schemes.rtn import rtn_quantize  # noqa: E402
 from squeeze.quant.sparse import select_sparse  # noqa: E402
 
@@ -100,9 +105,10 @@ def hqq_dequantize(weight: torch.Tensor, bits: int, group_size: int = 128) -> tu
 
 #: The option suffixes an -ec variant may end with, in this order: -seq (sequential Hessians: block i's from the
 #: outputs of the blocks above as already quantized, squeeze.calibrate.hessian.sequential_hessians), -rrR (R rounds
-#: of LUT refit and compensation, weights.refit_rounds), -gqG (output-weighted Hessians, G row groups), -dampX
+#: of LUT refit and compensation, weights.refit_rounds), -gqG (output-weighted Hessians, G row groups), -lnqR (R
+#: rounds of the refit against the Fisher-weighted loss, weights.lnq_rounds; also after a plain variant), -dampX
 #: (the dampening).
-_OPTIONS_RE = re.compile(r"(-seq)?(-rr[0-9]+)?(-gq[0-9]+)?(-damp[0-9.]+)?$")
+_OPTIONS_RE = re.compile(r"(-seq)?(-rr[0-9]+)?(-gq[0-9]+)?(-lnq[0-9]+)?(-damp[0-9.]+)?$")
 
 
 def _base_method(method: str) -> str:
@@ -120,6 +126,13 @@ def _refit_rounds(method: str) -> int:
     """R of an -ec variant's -rrR suffix (0 without one)."""
     match = _OPTIONS_RE.search(method)
     return int(match.group(2)[3:]) if match and match.group(2) else 0
+
+
+def _lnq_rounds(method: str) -> int:
+    """R of a -lnqR suffix: R rounds of the LUT refit against the Fisher-weighted loss (squeeze.quant.lnq),
+    the best per row kept by the objective on held-out calibration windows (0 without one)."""
+    match = _OPTIONS_RE.search(method)
+    return int(match.group(4)[4:]) if match and match.group(4) else 0
 
 
 def _sequential(method: str) -> bool:
@@ -168,6 +181,44 @@ def _with_generated(
     return {name: total.setdefault(id(h), h + weight * generated[name]) for name, h in hessians.items()}
 
 
+def _held_out_hessians(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    targets: dict[str, torch.nn.Linear],
+    args: argparse.Namespace,
+    cache: Path | None,
+) -> dict[str, torch.Tensor]:
+    """Input Hessians of ``--held-out-windows`` calibration windows drawn with seed 1, none overlapping the
+    Fisher pass's seed-0 windows (forward passes only); cached beside the Fisher (``-heldout{n}x{seq_len}``)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    n = args.held_out_windows
+    path = cache.with_name(f"{cache.stem}-heldout{n}x{args.seq_len}.safetensors") if cache is not None else None
+    if path is not None and path.is_file():
+        with safe_open(str(path), framework="pt") as handle:
+            alias = json.loads((handle.metadata() or {})["alias"])
+        stored = load_file(str(path))
+        print(f"held-out Hessians: loaded from {path}", flush=True)
+        return {name: stored[owner] for name, owner in alias.items()}
+    ids = tokenize_text(Path(args.calibration).read_text(encoding="utf-8"), tokenizer)
+    span = len(ids) - args.seq_len
+    fitted = torch.randint(0, span, (args.num_samples,), generator=torch.Generator().manual_seed(0))
+    candidates = torch.randint(0, span, (64 * n,), generator=torch.Generator().manual_seed(1))
+    free = [int(s) for s in candidates if bool(((s - fitted).abs() >= args.seq_len).all())][:n]
+    windows = torch.stack([ids[s : s + args.seq_len] for s in free])
+    t0 = time.perf_counter()
+    with input_hessians(targets) as acc, torch.no_grad():
+        for window in windows:
+            model(window[None, :])
+    result = acc.result()
+    print(f"held-out Hessians: {len(free)} x {args.seq_len} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+    if path is not None:
+        stored, alias = dedupe_hessians(result)
+        save_file(stored, str(path), metadata={"alias": json.dumps(alias)})
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -195,6 +246,14 @@ def main() -> None:
         type=int,
         default=0,
         help="-ec variants: add N model-sampled sequences of --seq-len tokens to the Hessians (seed 0)",
+    )
+    parser.add_argument("--lnq-ridge", type=float, default=DEFAULT_RIDGE, help="-lnqR: ridge toward k-means levels")
+    parser.add_argument("--lnq-shrink", type=float, default=DEFAULT_SHRINK, help="-lnqR: correlation shrinkage")
+    parser.add_argument(
+        "--held-out-windows",
+        type=int,
+        default=8,
+        help="-lnqR: calibration windows (seed 1, none overlapping the fitted ones) whose Hessians pick the iterate",
     )
     parser.add_argument(
         "--generated-weight",
@@ -230,7 +289,7 @@ def main() -> None:
     hessians: dict[str, torch.Tensor] = {}
     fisher_seconds = 0.0
     guided: dict[str, torch.Tensor] = {}
-    want_ec = any("-ec" in m for m in methods)
+    want_ec = any("-ec" in m or _lnq_rounds(m) for m in methods)
     groups = sorted({g for m in methods if (g := _guided_groups(m)) is not None})
     if len(groups) > 1:
         raise SystemExit(f"one -gqG group count per run, found {groups}")
@@ -303,6 +362,11 @@ def main() -> None:
             model, tokenizer, targets, hessians, args.generated_samples, args.seq_len, cache, args.generated_weight
         )
 
+    held_out: dict[str, torch.Tensor] = {}
+    if any(_lnq_rounds(m) for m in methods):
+        held_out = _held_out_hessians(model, tokenizer, targets, args, cache)
+    lnq_layers: dict[str, list[dict[str, Any]]] = {}
+
     def quantize(method: str, name: str, hessian: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """(dequantized weight, its exact bits) of target ``name`` by ``method``."""
         weight = originals[name]
@@ -329,6 +393,30 @@ def main() -> None:
                     act_order="-act" in method,
                     damp=_damp(method),
                     refit_rounds=_refit_rounds(method),
+                )
+            if _lnq_rounds(method):
+                assert hessian is not None
+                q, report = refit_against_loss(
+                    q,
+                    weight,
+                    None if f is None else f.masked_fill(mask, 0.0) if mask is not None else f,
+                    hessian,
+                    held_out[name],
+                    rounds=_lnq_rounds(method),
+                    ridge=args.lnq_ridge,
+                    shrink=args.lnq_shrink,
+                    mask=mask,
+                )
+                lnq_layers.setdefault(method, []).append(
+                    {
+                        "layer": name,
+                        "held_out_before": report.before,
+                        "held_out_after": report.after,
+                        "fit_before": report.fit_before,
+                        "fit_after": report.fit_after,
+                        "rows_changed": int((report.round > 0).sum()),
+                        "rows": int(report.round.numel()),
+                    }
                 )
             return q.dequantize(), q.storage_bits()
         if method in RTN:
@@ -396,6 +484,13 @@ def main() -> None:
             "quantize_seconds": quant_seconds,
             "eval_seconds": eval_seconds,
         }
+        if method in lnq_layers:
+            layers = lnq_layers[method]
+            row["lnq_layers"] = layers
+            row["lnq_held_out_ratio"] = sum(x["held_out_after"] for x in layers) / sum(
+                x["held_out_before"] for x in layers
+            )
+            print(f"{method}: held-out objective after / before, summed over layers: {row['lnq_held_out_ratio']:.4f}")
         rows.append(row)
         print(
             f"{method:14s} ppl {result.perplexity:9.3f}  "

@@ -145,6 +145,8 @@ def artifact_tensors(
         entry = job.modules[module_name] = ModuleEntry.from_dict(module_name, meta["specs"][module_name])
         job.n_weights += entry.n_weights
         job.storage_bits += int(meta["storage_bits"][module_name])
+        if module_name in meta.get("lnq", {}):
+            job.lnq[module_name] = dict(meta["lnq"][module_name])
 
 
 def count_experts(job: CompressJob, meta: dict[str, Any]) -> None:

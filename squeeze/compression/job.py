@@ -114,6 +114,9 @@ class CompressResult:
     #: Fisher; quantized with uniform weights); both 0 for a dense model, unrouted 0 without calibration
     experts: int = 0
     unrouted_experts: int = 0
+    #: weights.lnq_rounds: per linear, the refit's objective on the held-out and the fitted windows, before and
+    #: after (held_out_after <= held_out_before), and the share of rows whose LUT changed
+    lnq_layers: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +141,7 @@ class CompressResult:
             ),
             **({"device": self.device} if self.device else {}),
             **({"experts": self.experts, "unrouted_experts": self.unrouted_experts} if self.experts else {}),
+            **({"lnq_layers": self.lnq_layers} if self.lnq_layers else {}),
         }
 
 
@@ -191,6 +195,8 @@ class CompressJob:
     embeddings: dict[str, nn.Linear | nn.Embedding] = field(default_factory=dict)
     fisher: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity: name -> (out, in) fp32
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sensitivity (EC): name -> (in, in) fp32
+    # sensitivity, with weights.lnq_rounds: the held-out windows' Hessians, name -> (in, in) fp32
+    held_out_hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     bit_plan: dict[str, Setting] = field(default_factory=dict)  # plan (weights.target_bpw): name -> its setting
     groups: list[list[str]] = field(default_factory=list)  # quantize: target names by decoder block
     #: tune (weights.tuning): artifact tensor name -> the tuned tensor replacing the quantized (or kept) one
@@ -202,6 +208,8 @@ class CompressJob:
     modules: dict[str, ModuleEntry] = field(default_factory=dict)  # write: quantization_config.modules
     n_weights: int = 0  # write: quantized weights
     storage_bits: int = 0  # write: bits they take in the artifact
+    #: write, weights.lnq_rounds: each linear's held-out / fitted objective before and after the refit
+    lnq: dict[str, dict[str, float]] = field(default_factory=dict)
     original_bytes: int = 0  # write
     source_bytes: int = 0  # write
     manifest: Manifest | None = None  # seal
@@ -229,6 +237,7 @@ class CompressJob:
             peak_estimate_bytes=self.peak_estimate,
             expert_group=self.expert_group or 0,
             device=str(self.device) if self.device is not None else "",
+            lnq_layers=self.lnq,
         )
 
 

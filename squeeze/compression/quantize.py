@@ -32,18 +32,25 @@ def quantize_module(
     recipe: Recipe,
     timings: dict[str, float] | None = None,
     hessian: torch.Tensor | None = None,
+    held_out: torch.Tensor | None = None,
+    report: dict[str, float] | None = None,
 ) -> WeightFormat:
     """Quantize one (out, in) fp32 weight by the format ``recipe.weights`` selects.
 
     The format's named parts (e.g. "sparse" / "kmeans", "rtn", "ec") add their seconds to ``timings``.
     ``hessian``: fp32 (in, in) input Hessian, passed to formats that use one when the recipe's
-    ``weights.error_compensation`` is on.
+    ``weights.error_compensation`` is on; ``held_out``: the held-out windows' one (``weights.lnq_rounds``),
+    whose per-layer objectives before / after go into ``report``.
     """
     timings = {} if timings is None else timings
     fisher = fisher if recipe.weights.sensitivity != "uniform" else None
     fmt = weight_format(recipe)
     timer = lambda part: timed(timings, part)  # noqa: E731
     if fmt.uses_hessian and recipe.weights.error_compensation:
+        if recipe.weights.lnq_rounds:
+            return fmt.quantize(  # type: ignore[call-arg]
+                weight, fisher, recipe.weights, timer, hessian=hessian, held_out=held_out, lnq_report=report
+            )
         return fmt.quantize(weight, fisher, recipe.weights, timer, hessian=hessian)  # type: ignore[call-arg]
     return fmt.quantize(weight, fisher, recipe.weights, timer)
 
@@ -54,11 +61,13 @@ def _quantize_on(
     fisher: torch.Tensor | None,
     recipe: Recipe,
     hessian: torch.Tensor | None = None,
+    held_out: torch.Tensor | None = None,
+    report: dict[str, float] | None = None,
 ) -> WeightFormat:
     """quantize_module on the job's device (--device: k-means / sparse selection there)."""
     if job.device is not None:
         weight, fisher = to_device((weight, fisher), job.device)
-    return quantize_module(weight, fisher, recipe, job.timings, hessian)
+    return quantize_module(weight, fisher, recipe, job.timings, hessian, held_out, report)
 
 
 def _expert_groups(
@@ -107,6 +116,7 @@ def quantize_stage(job: CompressJob) -> None:
             for name in names:
                 job.fisher.pop(name, None)
                 job.hessians.pop(name, None)
+                job.held_out_hessians.pop(name, None)
         else:
             # --device cuda with a MoE block too large for the device: its experts' rows a group at a time (views)
             streaming = ExpertStreaming(job.expert_group) if job.expert_group is not None else None
@@ -118,6 +128,7 @@ def quantize_stage(job: CompressJob) -> None:
             job.progress("quantize", done, len(job.targets))
     job.fisher = {}  # every entry was used once; free the memory before the write stage
     job.hessians = {}
+    job.held_out_hessians = {}
 
 
 def quantize_group(
@@ -134,6 +145,7 @@ def quantize_group(
     for name in names:
         module = job.targets[name] if name in job.targets else job.embeddings[name]
         hessian = job.hessians.pop(name, None)
+        held_out = job.held_out_hessians.pop(name, None)
         # an embedding by weights.embedding_bits (auto: the width the budget planned for it); a linear (or expert
         # parameter) by a budget's setting for it
         setting = job.bit_plan.get(name)
@@ -158,7 +170,10 @@ def quantize_group(
                 spec_extra = {"experts": module.experts, "transposed": module.transposed}
             else:
                 weight = module.weight.detach().float()
-            qweight = _quantize_on(job, weight, fisher, recipe, hessian)
+            report: dict[str, float] = {}
+            qweight = _quantize_on(job, weight, fisher, recipe, hessian, held_out, report)
+            if report:  # weights.lnq_rounds: the layer's objectives, into the compress result (lnq_layers)
+                meta.setdefault("lnq", {})[name] = report
         parts = qweight.to_tensors(name)
         if job.device is not None:
             parts = {key: tensor.cpu() for key, tensor in parts.items()}

@@ -24,6 +24,8 @@ from squeeze.calibrate.hessian import input_hessians
 from squeeze.calibrate.windows import calibration_windows
 from squeeze.compression.distributed import broadcast_tensors, sum_in_rank_order, window_range
 from squeeze.compression.job import CompressJob, timed
+from squeeze.errors import CalibrationError
+from squeeze.models.modes import eval_mode, input_device
 from squeeze.models.source import load_tokenizer
 from squeeze.models.targets import linear_targets
 
@@ -34,6 +36,13 @@ def calibrate_stage(job: CompressJob) -> None:
     calibration = job.calibration
     if calibration is not None and not job.work.has_fisher():
         tokenizer = load_tokenizer(job.source)
+        held = _held_out_windows(job)
+        if held and calibration.num_samples <= held:
+            raise CalibrationError(
+                f"weights.lnq_rounds holds out the last {held} calibration windows (weights.lnq_held_out), and the "
+                f"calibration has {calibration.num_samples}: none would be left to fit",
+                hint=f"use --num-samples {4 * held} or more, or a smaller weights.lnq_held_out",
+            )
         job.windows = calibration_windows(calibration, tokenizer)
         if job.recipe.weights.generated_samples and job.needs.hessians:
             start_token(tokenizer)  # a tokenizer with nothing to start a sample from fails before the model loads
@@ -47,10 +56,14 @@ def sensitivity_stage(job: CompressJob) -> None:
     ec = job.needs.hessians
     with timed(job.timings, "checkpoint"):
         loaded = job.work.load_fisher([*job.targets, *job.embeddings])
-        hessians = job.work.load_hessians(list(linear_targets(job.targets))) if ec and loaded is not None else None
-    if loaded is not None and (hessians is not None or not ec):
+        names = list(linear_targets(job.targets))
+        hessians = job.work.load_hessians(names) if ec and loaded is not None else None
+        held = _held_out_windows(job)
+        held_out = job.work.load_hessians(names, held_out=True) if held and hessians is not None else None
+    if loaded is not None and (hessians is not None or not ec) and (held_out is not None or not held):
         job.fisher = loaded
         job.hessians = hessians or {}
+        job.held_out_hessians = held_out or {}
     else:
         if job.windows is None:  # the saved Fisher (or Hessians) was unreadable
             job.windows = calibration_windows(calibration, load_tokenizer(job.source))
@@ -58,12 +71,20 @@ def sensitivity_stage(job: CompressJob) -> None:
         report = (lambda done, total: progress("fisher", done, total)) if progress else None
         # the input Hessians (error compensation) accumulate by forward hooks during the Fisher pass itself
         # (expert parameters have no input of their own: no Hessian, they are quantized without compensation)
+        # weights.lnq_rounds: the last windows are held out, seen by neither the Fisher nor the fitted Hessians
+        fitted = job.windows[:-held] if held else job.windows
         with input_hessians(linear_targets(job.targets) if ec else {}) as accumulated:
-            job.fisher = _fisher(job, job.windows, report)  # the embeddings' gradients too, when quantized
+            job.fisher = _fisher(job, fitted, report)  # the embeddings' gradients too, when quantized
             if _samples_for_hessians(job):
                 _sample_for_hessians(job, calibration.seq_len)  # the same hooks add the sampled tokens' inputs
         job.hessians = accumulated.result() if ec else {}
+        if held:
+            with timed(job.timings, "held_out"), input_hessians(linear_targets(job.targets)) as held_acc:
+                _forward(job.loaded_model(), job.windows[-held:])
+            job.held_out_hessians = held_acc.result()
         with timed(job.timings, "checkpoint"):
+            if held:
+                job.work.save_hessians(job.held_out_hessians, held_out=True)
             if ec:  # first: a committed Fisher without its Hessians is recomputed, never half trusted
                 job.work.save_hessians(job.hessians)
             job.work.save_fisher(job.fisher)
@@ -144,6 +165,20 @@ def fisher_modules(job: CompressJob) -> dict[str, nn.Linear | nn.Embedding]:
     parameter as ``.weight``, all fisher_information reads, so its Fisher comes shaped like the parameter."""
     modules: dict[str, Any] = {**job.targets, **job.embeddings}
     return modules
+
+
+def _held_out_windows(job: CompressJob) -> int:
+    """Calibration windows held out for weights.lnq_rounds (0 without it or without error compensation)."""
+    weights = job.recipe.weights
+    return weights.lnq_held_out if weights.lnq_rounds and job.needs.hessians else 0
+
+
+def _forward(model: nn.Module, windows: torch.Tensor) -> None:
+    """Run ``model`` on each window (int64 (n, T)) without gradients, for the hooks of the caller's context."""
+    device = input_device(model)
+    with torch.no_grad(), eval_mode(model):
+        for window in windows:
+            model(window[None, :].to(device))
 
 
 def _samples_for_hessians(job: CompressJob) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from squeeze.config import TuningConfig
 from squeeze.errors import ConfigError
 from squeeze.models.modes import eval_mode
 from squeeze.models.source import keep_dtype, load_tokenizer
+from squeeze.quant.packing import pack_codes
 from squeeze.quant.schemes import WeightFormat, format_for_module, stored_roles
 from squeeze.quant.tuning import LevelsLinear, Outcome, TuningDivergedWarning, norm_gains, tune_block
 
@@ -177,13 +179,18 @@ def _tune_one(
             n_windows=n,
             options=tuning,
             seed=tuning.seed * 1_000_003 + i,
+            movers=list(levels.values()),
         )
     meta: dict[str, Any] = {"modules": names, **_record(outcome)}
     if outcome.status != "tuned":
         return {}, meta
     tensors: dict[str, torch.Tensor] = {}
     for name, module in levels.items():
-        tensors.update(weights[name].with_levels(module.levels.detach()).to_tensors(name))
+        weight = weights[name]
+        if tuning.code_moves:  # the codes may have moved (weights.tuning.code_moves): store the tuned ones
+            codes = module.codes.detach().to(device="cpu", dtype=torch.uint8)
+            weight = dataclasses.replace(weight, packed=pack_codes(codes, weight.bits))
+        tensors.update(weight.with_levels(module.levels.detach().cpu()).to_tensors(name))
     prefix = _block_prefix(job, block)
     for rel, gain in gains.items():
         tensors[f"{prefix}.{rel}"] = gain.detach().to(kept).cpu()
@@ -238,7 +245,8 @@ def _levels_block(
         original = candidate.get_submodule(rel)
         bias = getattr(original, "bias", None)
         if weight.tunable:
-            module: nn.Module = LevelsLinear(weight, bias, device)
+            # the original weight (the block is the source model's): what moved codes are nearest to
+            module: nn.Module = LevelsLinear(weight, bias, device, original=getattr(original, "weight", None))
             levels[name] = module  # type: ignore[assignment]
         else:
             assert isinstance(original, nn.Linear)

@@ -32,6 +32,8 @@ WORK_NAME = WORK_AREA_NAME  # the artifact format passes over it: see squeeze.fo
 _FINGERPRINT = "fingerprint.json"
 _FISHER = "fisher.safetensors"
 _HESSIAN = "hessian.safetensors"
+#: The held-out calibration windows' Hessians (weights.lnq_rounds: they choose each row's refit iterate).
+_HELD_OUT = "hessian-held-out.safetensors"
 _GROUPS = "groups"
 _TUNED = "tuned"  # weights.tuning: each layer group's tuned LUTs and norm gains, committed as its block is done
 _FISHER_GROUPS = "fisher-groups"  # --max-memory: the Fisher of each layer group, committed as its block is done
@@ -213,15 +215,17 @@ class WorkArea:
     def has_hessians(self) -> bool:
         return (self.root / _HESSIAN).is_file()
 
-    def save_hessians(self, hessians: dict[str, torch.Tensor]) -> None:
-        """Commit ``hessians`` (name -> float32 (in, in)); a tensor shared by several names is stored once."""
+    def save_hessians(self, hessians: dict[str, torch.Tensor], *, held_out: bool = False) -> None:
+        """Commit ``hessians`` (name -> float32 (in, in)); a tensor shared by several names is stored once.
+        ``held_out``: the held-out windows' set (weights.lnq_rounds), a file of its own."""
         stored, alias = dedupe_hessians(hessians)
-        _save_atomic(self.root / _HESSIAN, stored, {_META_KEY: json.dumps(alias, sort_keys=True)})
+        path = self.root / (_HELD_OUT if held_out else _HESSIAN)
+        _save_atomic(path, stored, {_META_KEY: json.dumps(alias, sort_keys=True)})
 
-    def load_hessians(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """The saved Hessians if they exist, read back, and cover exactly ``names`` (names that shared one tensor
-        share it again); else None (an unreadable file is removed)."""
-        path = self.root / _HESSIAN
+    def load_hessians(self, names: list[str], *, held_out: bool = False) -> dict[str, torch.Tensor] | None:
+        """The saved Hessians (``held_out``: the held-out set) if they exist, read back, and cover exactly
+        ``names`` (names that shared one tensor share it again); else None (an unreadable file is removed)."""
+        path = self.root / (_HELD_OUT if held_out else _HESSIAN)
         if not path.is_file():
             return None
         try:

@@ -6,8 +6,13 @@ of a level is the sum of the gradients of the weights that use it and the sparse
 then trains those levels and the block's norm gains to minimise the mean squared error between the block's
 output and a target (the original model's hidden state after this block) over calibration windows, one
 window a step; a held-out slice of the windows is scored every few steps, the best state kept, and the
-run stops early when that score stops improving. The codes, and so the artifact's format and the runtime,
-never change: only the levels and norm gains do.
+run stops early when that score stops improving. The artifact's format and the runtime never change.
+
+Codes that move (PV-tuning, Malinovskii et al. 2024): with ``code_moves`` > 0, after each step every weight
+whose nearest level (to its original value) is no longer the level its code points at is a candidate, and at
+most ``code_moves`` of a linear's codes (PV-tuning: <= 1% a step) move to their nearest level, those whose
+squared distance falls most first. Without it the codes stay as quantized. ``lr_schedule: cosine`` decays the
+learning rate to 0 over the steps (a constant rate kept moving the levels at the end of the short runs).
 
 Everything here is device-agnostic (the block's and the windows' device); the caller
 (squeeze.compression.tuning_stage) walks the blocks, keeps the hidden states and commits each block's result.
@@ -15,7 +20,7 @@ Everything here is device-agnostic (the block's and the windows' device); the ca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -46,6 +51,9 @@ class TuningOptions(Protocol):
     @property
     def lr(self) -> float: ...
 
+    # read with getattr (older option objects have neither): code_moves (float, 0: codes fixed) and
+    # lr_schedule ("constant" or "cosine")
+
 
 class TuningDivergedWarning(UserWarning):
     """A block's tuning loss became non-finite: the block keeps its quantized (compensated) values."""
@@ -59,8 +67,11 @@ class LevelsLinear(nn.Module):
     mask: Tensor | None
     sparse_values: Tensor | None
     bias: Tensor | None
+    original: Tensor | None
 
-    def __init__(self, weight: WeightFormat, bias: Tensor | None, device: torch.device) -> None:
+    def __init__(
+        self, weight: WeightFormat, bias: Tensor | None, device: torch.device, original: Tensor | None = None
+    ) -> None:
         super().__init__()
         if not weight.tunable:
             raise ValueError(f"the {weight.name!r} weight format has no levels to tune")
@@ -72,6 +83,32 @@ class LevelsLinear(nn.Module):
         self.register_buffer("mask", None if mask is None else mask.to(device))
         self.register_buffer("sparse_values", None if values is None else values.to(device, torch.float32))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device, torch.float32).clone())
+        # the weight the codes approximate (float32 (R, N)): what a moved code is nearest to; None: codes fixed
+        self.register_buffer("original", None if original is None else original.detach().to(device, torch.float32))
+
+    @torch.no_grad()
+    def move_codes(self, share: float) -> int:
+        """Move at most ``floor(share * R * N)`` codes (at least 1 when any is a candidate) to the level nearest
+        their original weight, among the codes not pointing at it already (sparse positions excluded), those
+        whose squared distance to their level falls most first. Returns how many moved. ValueError without
+        ``original``."""
+        if self.original is None:
+            raise ValueError("moving codes needs the original weight")
+        levels = self.levels.detach()
+        distance = (self.original[:, :, None] - levels[:, None, :]).pow(2)  # (R, N, K)
+        best = distance.argmin(dim=2)
+        gain = distance.gather(2, self.codes[:, :, None]).squeeze(2) - distance.gather(2, best[:, :, None]).squeeze(2)
+        if self.mask is not None:
+            gain = gain.masked_fill(self.mask, 0.0)
+        candidates = int((gain > 0).sum())
+        if not candidates:
+            return 0
+        limit = min(candidates, max(1, int(share * gain.numel())))
+        flat = gain.flatten()
+        chosen = flat.topk(limit).indices
+        codes = self.codes.flatten()
+        codes[chosen] = best.flatten()[chosen]
+        return limit
 
     @property
     def weight(self) -> Tensor:
@@ -137,23 +174,29 @@ def tune_block(
     n_windows: int,
     options: TuningOptions,
     seed: int,
+    movers: Sequence[LevelsLinear] = (),
 ) -> Outcome:
     """Adam on ``params`` (the levels of ``block``'s LevelsLinear modules and its norm gains, updated in place)
     minimising the MSE of ``block(inputs(w), **kwargs(w))`` against ``targets(w)`` (float (1, T, hidden)).
 
     One window a step, in an order drawn from ``seed``; every EVAL_EVERY steps the held-out windows are
     scored and the best state kept; PATIENCE scores without improvement stop the run. At the end ``params``
-    hold the best state; a non-finite loss restores the initial values (status ``refused``)."""
+    hold the best state; a non-finite loss restores the initial values (status ``refused``). ``movers``: the
+    LevelsLinear modules whose codes move after each step (``options.code_moves`` > 0; their codes are part of
+    the kept state); ``options.lr_schedule`` ``cosine``: the rate decays to 0 over ``options.steps``."""
     train, held = split_windows(n_windows)
-    initial = [p.detach().clone() for p in params]
+    share = float(getattr(options, "code_moves", 0.0))
+    movers = list(movers) if share > 0 else []
+    state = [*params, *(m.codes for m in movers)]  # what the best state and a restore cover
+    initial = [p.detach().clone() for p in state]
 
     def held_out() -> float:
         with torch.no_grad():
             return sum(float(_mse(block, inputs(w), kwargs(w), targets(w))) for w in held) / len(held)
 
-    def restore(state: list[Tensor]) -> None:
+    def restore(values: list[Tensor]) -> None:
         with torch.no_grad():
-            for p, value in zip(params, state, strict=True):
+            for p, value in zip(state, values, strict=True):
                 p.copy_(value)
 
     start = held_out()
@@ -162,6 +205,9 @@ def tune_block(
         return Outcome("refused", start, start, 0)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(params, lr=options.lr)
+    schedule = None
+    if getattr(options, "lr_schedule", "constant") == "cosine":
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=options.steps)
     order: list[int] = []
     every = min(EVAL_EVERY, options.steps)
     for step in range(1, options.steps + 1):
@@ -175,6 +221,10 @@ def tune_block(
             return Outcome("refused", start, float(loss.detach()), step)
         loss.backward()
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
+        for mover in movers:
+            mover.move_codes(share)
         if step % every and step != options.steps:
             continue
         score = held_out()
@@ -182,7 +232,7 @@ def tune_block(
             restore(initial)
             return Outcome("refused", start, score, step)
         if score < best:
-            best, best_state, stale = score, [p.detach().clone() for p in params], 0
+            best, best_state, stale = score, [p.detach().clone() for p in state], 0
         else:
             stale += 1
             if stale >= PATIENCE:

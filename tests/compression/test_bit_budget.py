@@ -131,10 +131,12 @@ def test_without_error_compensation_resets_every_option_of_it():
     """What an expert parameter and the plan's estimates are quantized with: a valid recipe with each
     error-compensation option at its default, whatever the recipe set."""
     common = {"damp": 0.1, "act_order": True, "generated_samples": 8}
-    # refit_lut and refit_rounds exclude each other: each is set in one of the two recipes
-    for refit in ({"refit_lut": True}, {"refit_rounds": 2}):
+    lnq = {"lnq_rounds": 2, "lnq_ridge": 0.5, "lnq_shrink": 0.3, "lnq_held_out": 2}
+    refits = {"refit_lut", "refit_rounds", *lnq}
+    # refit_lut, refit_rounds and lnq_rounds exclude each other: each is set in one of the recipes
+    for refit in ({"refit_lut": True}, {"refit_rounds": 2}, lnq):
         options = common | refit
-        assert set(options) | {"refit_lut", "refit_rounds"} == set(ERROR_COMPENSATION_OPTIONS)
+        assert set(options) | refits == set(ERROR_COMPENSATION_OPTIONS)
         recipe = load_recipe("w3-ec", **{f"weights.{k}": v for k, v in options.items()})
         assert all(getattr(recipe.weights, k) == v for k, v in options.items())
         plain = without_error_compensation(recipe).weights

@@ -19,7 +19,7 @@ from squeeze import api
 from squeeze.compression.job import needs_calibration
 from squeeze.compression.workarea import WORK_NAME, WorkArea
 from squeeze.config import load_recipe
-from squeeze.errors import ConfigError, Interrupted
+from squeeze.errors import CalibrationError, ConfigError, Interrupted
 from squeeze.format.manifest import MANIFEST_NAME
 
 CALIB = {"num_samples": 8, "seq_len": 128}  # error compensation needs enough tokens (4 x 64 makes w3 worse)
@@ -98,6 +98,46 @@ def test_refit_rounds_write_an_ordinary_artifact_whose_layers_fit_no_worse(
         math.isfinite(score)
         and score < 2 * api.evaluate(str(ec_artifact), text, seq_len=64, max_windows=8).result.perplexity
     )
+
+
+def test_lnq_rounds_write_an_ordinary_artifact_and_report_each_layers_held_out_objective(
+    ec_artifact, tmp_path, stories_dir, tinystories_file
+):
+    out = tmp_path / "w3-ec-lnq"
+    overrides = {"weights.lnq_rounds": 2, "weights.lnq_held_out": 2}
+    result = compress(stories_dir, tinystories_file, out, overrides=overrides)
+    assert api.verify_model_integrity(out).ok
+    recipe_text = (out / "recipe.yaml").read_text()
+    assert "lnq_rounds: 2" in recipe_text and "lnq_held_out: 2" in recipe_text and "lnq_ridge" not in recipe_text
+    assert sorted(files(out)) == sorted(files(ec_artifact))  # same tensors and files
+    layers = result.to_dict()["lnq_layers"]
+    assert len(layers) == result.quantized_modules
+    for report in layers.values():  # never worse on the held-out windows, and the refit changed something
+        assert report["held_out_after"] <= report["held_out_before"]
+    assert sum(r["held_out_after"] for r in layers.values()) < sum(r["held_out_before"] for r in layers.values())
+    assert any(r["rows_changed"] > 0 for r in layers.values())
+    text = str(tinystories_file)
+    score = api.evaluate(str(out), text, seq_len=64, max_windows=8).result.perplexity
+    assert math.isfinite(score)
+    assert "lnq_layers" not in compress_result_keys(ec_artifact)
+
+
+def compress_result_keys(artifact: Path) -> set[str]:
+    """Keys of the plain w3-ec run's result, rebuilt from its recipe (no lnq: no lnq_layers)."""
+    from squeeze.compression.job import CompressResult
+
+    return set(CompressResult(output=str(artifact), model="m", recipe="w3-ec", bits_per_weight=3, seconds=1).to_dict())
+
+
+def test_lnq_with_no_window_left_to_fit_is_refused_before_the_model_loads(tmp_path, stories_dir, tinystories_file):
+    with pytest.raises(CalibrationError, match="holds out the last 8 calibration windows") as info:
+        compress(
+            stories_dir,
+            tinystories_file,
+            tmp_path / "x",
+            overrides={"weights.lnq_rounds": 1, "weights.lnq_held_out": 8},
+        )
+    assert "--num-samples 32" in (info.value.hint or "")
 
 
 def test_resume_with_a_committed_hessian_gives_identical_bytes(

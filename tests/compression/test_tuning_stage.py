@@ -166,6 +166,10 @@ def test_a_diverging_block_keeps_its_quantized_values_and_warns(
         ({"weights.tuning": {"lr": 2.0}}, "lr"),
         ({"weights.tuning": {"tokens": 0}}, "tokens"),
         ({"weights.tuning": {"epochs": 3}}, "unknown key"),
+        ({"weights.tuning": {"code_moves": -0.01}}, r"code_moves must be a share in \[0, 0.05\]"),
+        ({"weights.tuning": {"code_moves": 0.5}}, "code_moves"),
+        ({"weights.tuning": {"code_moves": True}}, "code_moves"),
+        ({"weights.tuning": {"lr_schedule": "linear"}}, "lr_schedule"),
     ],
 )
 def test_bad_tuning_recipes_fail_at_validation(overrides: dict[str, Any], match: str) -> None:
@@ -176,6 +180,29 @@ def test_bad_tuning_recipes_fail_at_validation(overrides: dict[str, Any], match:
     with pytest.raises(ConfigError, match=match) as info:
         load_recipe(base, **overrides)
     assert "\n" not in info.value.message
+
+
+def test_code_moves_write_moved_codes_that_verify_and_evaluate(plain, tuned, tmp_path, stories_dir, tinystories_file):
+    """weights.tuning.code_moves: the artifact's codes are no longer a relabelling of the quantized ones in
+    some linear, the format and layout are the same, and the runtime reads it."""
+    from squeeze.quant.packing import unpack_codes
+
+    recipe = load_recipe("w3", **{"weights.tuning": {**TUNING, "code_moves": 0.01, "lr_schedule": "cosine"}})
+    out = tmp_path / "moved"
+    api.compress(str(stories_dir), out, recipe, str(tinystories_file), calibration_overrides=CALIB)
+    assert api.verify_model_integrity(out).ok
+    assert "code_moves: 0.01" in (out / "recipe.yaml").read_text()
+    got, base = tensors(out), tensors(plain)
+    assert {k: (v.dtype, v.shape) for k, v in got.items()} == {k: (v.dtype, v.shape) for k, v in base.items()}
+    modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
+    moved = []
+    for module, spec in modules.items():
+        codes = [unpack_codes(t[f"{module}.weight_packed"], 3, spec["in_features"]) for t in (got, base)]
+        if not _same_partition(*codes):
+            moved.append(module)
+    assert moved  # some codes moved to another level
+    score = api.evaluate(str(out), str(tinystories_file), seq_len=64, max_windows=4).result.perplexity
+    assert score == score and score < 1e4
 
 
 def test_untuned_recipes_keep_their_hash() -> None:

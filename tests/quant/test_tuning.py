@@ -148,3 +148,68 @@ def test_split_windows() -> None:
     assert split_windows(32) == (list(range(28)), [28, 29, 30, 31])
     with pytest.raises(ValueError):
         split_windows(0)
+
+
+def test_move_codes_respects_the_share_and_moves_the_largest_gains_to_the_nearest_level() -> None:
+    weight, q = _lut(sparse=True)
+    module = LevelsLinear(q, None, torch.device("cpu"), original=weight)
+    with torch.no_grad():  # levels moved as a step would: many codes are no longer nearest
+        module.levels.add_(0.4 * torch.randn(module.levels.shape, generator=torch.Generator().manual_seed(5)))
+    before = module.codes.clone()
+    levels = module.levels.detach()
+    distance = (weight[:, :, None] - levels[:, None, :]).pow(2)
+    nearest = distance.argmin(dim=2)
+    gain = distance.gather(2, before[:, :, None]).squeeze(2) - distance.gather(2, nearest[:, :, None]).squeeze(2)
+    mask = q.sparse.to_dense_mask_and_values()[0]  # type: ignore[union-attr]
+    gain = gain.masked_fill(mask, 0.0)
+    candidates = int((gain > 0).sum())
+    share = 0.02
+    cap = int(share * weight.numel())  # 9 of 480
+    assert candidates > cap
+    moved = module.move_codes(share)
+    changed = module.codes != before
+    assert moved == int(changed.sum()) == cap
+    assert torch.equal(module.codes[changed], nearest[changed])  # each moved code went to its nearest level
+    assert not bool((changed & mask).any())  # sparse positions never move
+    assert float(gain[changed].min()) >= float(gain[~changed].max())  # the largest gains first
+    # a share above what is left moves every remaining candidate, then nothing moves any more
+    assert module.move_codes(1.0) == candidates - cap
+    assert module.move_codes(1.0) == 0
+    assert torch.equal(module.codes.masked_fill(mask, 0), nearest.masked_fill(mask, 0))
+
+
+def test_moving_codes_needs_the_original_weight() -> None:
+    _w, q = _lut()
+    with pytest.raises(ValueError, match="original weight"):
+        LevelsLinear(q, None, torch.device("cpu")).move_codes(0.01)
+
+
+def _setup_movable(seed: int = 0) -> tuple[_Block, list[nn.Parameter], list[torch.Tensor], list[torch.Tensor]]:
+    block, params, xs, ys = _setup(seed)
+    torch.manual_seed(seed)
+    weight = torch.randn(16, 16) * 0.3  # _setup's weight (same seed, first draw)
+    proj = block.proj
+    movable = LevelsLinear(quantize_lut(weight, None, 2), None, torch.device("cpu"), original=weight)
+    block.proj = movable
+    params = [movable.levels, *norm_gains(block, {"proj": movable}).values()]
+    assert torch.equal(movable.codes, proj.codes)
+    return block, params, xs, ys
+
+
+def test_tuning_with_code_moves_moves_codes_keeps_the_best_state_and_beats_fixed_codes() -> None:
+    fixed, fixed_params, xs, ys = _setup_movable()
+    codes = fixed.proj.codes.clone()
+    fixed_out = _tune(fixed, fixed_params, xs, ys, lr_schedule="cosine")
+    assert torch.equal(fixed.proj.codes, codes)  # code_moves 0: the codes never move
+    block, params, _, _ = _setup_movable()
+    config = TuningConfig(steps=40, lr=1e-2, code_moves=0.01, lr_schedule="cosine")
+    outcome = tune_block(
+        block, params, xs.__getitem__, ys.__getitem__, lambda w: {}, len(xs), config, seed=3, movers=[block.proj]
+    )
+    assert outcome.status == "tuned" and outcome.best_loss < outcome.initial_loss
+    assert not torch.equal(block.proj.codes, codes)  # codes moved and the kept state has them
+    # the kept state is the best scored one: re-scoring the held-out window gives best_loss
+    with torch.no_grad():
+        held = float((block(xs[8]) - ys[8]).pow(2).mean())
+    assert held == pytest.approx(outcome.best_loss, rel=1e-5)
+    assert outcome.best_loss <= fixed_out.best_loss * 1.05  # type: ignore[attr-defined]

@@ -56,6 +56,10 @@ class LutWeight(WeightFormat):
             "refit_lut",
             "refit_rounds",
             "generated_samples",
+            "lnq_rounds",
+            "lnq_ridge",
+            "lnq_shrink",
+            "lnq_held_out",
         }
     )
     uses_fisher: ClassVar[bool] = True
@@ -151,9 +155,15 @@ class LutWeight(WeightFormat):
         timer: Timer = no_timer,
         *,
         hessian: Tensor | None = None,
+        held_out: Tensor | None = None,
+        lnq_report: dict[str, float] | None = None,
     ) -> LutWeight:
         """As the base; with ``options.error_compensation`` the codes are chosen against ``hessian`` (float
-        (N, N), the layer inputs' ``sum x x^T``; required then, ValueError without it): squeeze.quant.ec."""
+        (N, N), the layer inputs' ``sum x x^T``; required then, ValueError without it): squeeze.quant.ec. With
+        ``options.lnq_rounds`` the compensated pair is then refitted against the Fisher-weighted loss
+        (squeeze.quant.lnq), each row's iterate chosen on ``held_out`` (float (N, N), the held-out calibration
+        windows' ``sum x x^T``; required then); ``lnq_report`` (a dict) then gets the layer's held-out and
+        fitted objective before / after and the share of rows that changed."""
         mask = None
         if options.sensitive_fraction or options.outlier_fraction:
             with timer("sparse"):
@@ -165,7 +175,7 @@ class LutWeight(WeightFormat):
         if hessian is None:
             raise ValueError("error compensation needs the layer's input Hessian, found none")
         with timer("ec"):
-            return compensate_lut(
+            compensated = compensate_lut(
                 plain,
                 weight,
                 hessian,
@@ -175,6 +185,34 @@ class LutWeight(WeightFormat):
                 act_order=getattr(options, "act_order", False),
                 refit_rounds=getattr(options, "refit_rounds", 0),
             )
+        rounds = getattr(options, "lnq_rounds", 0)
+        if not rounds:
+            return compensated
+        if held_out is None:
+            raise ValueError("lnq_rounds needs the held-out windows' input Hessian, found none")
+        from squeeze.quant.schemes.lut_lnq import DEFAULT_RIDGE, DEFAULT_SHRINK, refit_against_loss  # imports us
+
+        with timer("lnq"):
+            refitted, report = refit_against_loss(
+                compensated,
+                weight,
+                None if fisher is None else fisher if mask is None else fisher.masked_fill(mask, 0.0),
+                hessian,
+                held_out,
+                rounds=rounds,
+                ridge=getattr(options, "lnq_ridge", DEFAULT_RIDGE),
+                shrink=getattr(options, "lnq_shrink", DEFAULT_SHRINK),
+                mask=mask,
+            )
+        if lnq_report is not None:
+            lnq_report.update(
+                held_out_before=report.before,
+                held_out_after=report.after,
+                fit_before=report.fit_before,
+                fit_after=report.fit_after,
+                rows_changed=float((report.round > 0).float().mean()),
+            )
+        return refitted
 
 
 @dataclass(frozen=True, kw_only=True)
