@@ -1,6 +1,6 @@
 """Speculative decoding in ``squeeze serve``: tokens/s with each drafter against ``--speculate off``, same box, one run.
 
-    python scripts/bench/bench_speculation.py ARTIFACT [--modes off,ngram:4,int8:3]
+    python scripts/bench/bench_speculation.py ARTIFACT [--modes off,ngram:12,int8:3]
         [--corpus ../shared/corpora/sotu.txt] [--requests 4] [--output-tokens 128] [--load-clients 16]
         [--load-requests 32] [--server-arg=--kv-bits=4] [--json OUT]
 
@@ -168,7 +168,7 @@ def run_mode(args: argparse.Namespace, mode: str, work: dict[str, tuple[list[Job
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--modes", default="off,ngram:4,int8:3")
+    parser.add_argument("--modes", default="off,ngram:12,int8:3")
     parser.add_argument("--corpus", type=Path, default=Path("../shared/corpora/sotu.txt"))
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--output-tokens", type=int, default=128)

@@ -41,12 +41,13 @@ DRAFTERS: tuple[Drafter, ...] = ("off", "ngram", "int8")
 MAX_DRAFT = 16
 #: Longest and shortest suffix the n-gram drafter looks up.
 NGRAM_MAX, NGRAM_MIN = 4, 2
-#: Query rows one step may add for verification across its batch: the per-row draft shrinks as rows grow
-#: (8: one row drafts up to 7, two rows 3 each, four rows 1, five or more none). A decode step of a few rows
-#: costs little more than one row (the weights are read once per step); beyond that the drafts' rows are real
-#: compute that a rejected draft wastes.
-VERIFY_ROWS = 8
-_EXAMPLE = "e.g. --speculate ngram:4, --speculate int8:3 or --speculate off"
+#: Query rows one step may verify across its batch: the per-row draft shrinks as rows grow (16: one row drafts
+#: up to 15, two rows 7 each, four rows 3, eight rows 1, nine or more none). A decode step of a few rows costs
+#: little more than one row (the weights are read once per step); beyond that the drafts' rows are real compute
+#: that a rejected draft wastes. Measured (docs/benchmarks/serving.md): with 8, ngram:8 gave 1.45x at one
+#: client; with 16, ngram:12 gave 1.65x, and 16 clients stayed at 1.0x either way.
+VERIFY_ROWS = 16
+_EXAMPLE = "e.g. --speculate ngram:12, --speculate int8:3 or --speculate off"
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class SpeculationOptions:
     Checked when built (ConfigError naming ``--speculate``); :meth:`parse` reads the CLI's ``KIND:K`` form."""
 
     drafter: Drafter = "off"
-    k: int = 4
+    k: int = 8
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -72,7 +73,7 @@ class SpeculationOptions:
 
     @classmethod
     def parse(cls, value: str | SpeculationOptions | None) -> SpeculationOptions:
-        """``"off"``, ``"ngram:K"``, ``"int8:K"`` (K defaults to 4), an options object, or None (off)."""
+        """``"off"``, ``"ngram:K"``, ``"int8:K"`` (K defaults to 8), an options object, or None (off)."""
         if value is None:
             return cls()
         if isinstance(value, SpeculationOptions):

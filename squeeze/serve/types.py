@@ -119,7 +119,7 @@ def _check_engine_config(config: EngineConfig) -> None:
     if not isinstance(config.speculation, SpeculationOptions):
         raise ConfigError(
             f"speculation must be a SpeculationOptions, found {type(config.speculation).__name__}",
-            hint="build it with SpeculationOptions.parse('ngram:4')",
+            hint="build it with SpeculationOptions.parse('ngram:12')",
         )
     if not isinstance(config.prefix_cache, bool):
         raise ConfigError(

@@ -120,15 +120,15 @@ def test_rejected_drafts_never_reach_the_prefix_cache(wide32_artifact: Path) -> 
 def test_many_rows_turn_speculation_off(wide32_artifact: Path) -> None:
     """Beyond a few decoding rows the drafts' rows would be real compute: none are drafted."""
     engine = _engine(wide32_artifact, "int8:4", kv_bits=16)
-    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(8)]
-    _generate(engine, [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, prompts)
-    # with eight rows decoding from the first step on, no step verifies drafts
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(9)]
+    _generate(engine, [SamplingParams(max_tokens=4, ignore_eos=True)] * 9, prompts)
+    # with nine rows decoding from the first step on, no step verifies drafts
     assert engine.stats().spec_draft_tokens_total == 0
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("off", "off"), ("ngram", "ngram:4"), ("ngram:2", "ngram:2"), ("int8:16", "int8:16")],
+    [("off", "off"), ("ngram", "ngram:8"), ("ngram:2", "ngram:2"), ("int8:16", "int8:16")],
 )
 def test_the_option_parses(text: str, expected: str) -> None:
     assert str(SpeculationOptions.parse(text)) == expected
