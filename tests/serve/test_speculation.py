@@ -178,3 +178,37 @@ def test_a_verification_row_gives_each_position_the_bits_of_decoding_it_alone(
         verify = ScheduledChunk(seq, len(fed), draft=tuple(fed[1:]))
         _, rows = together.runner.run_keeping([verify], [True])
     assert torch.equal(rows[0], torch.stack(alone))
+
+
+def test_verification_samples_the_target_distribution() -> None:
+    """Seeded statistics on a 4-token vocabulary: a verification row's first token is distributed as the
+    exact path's p0 (the draft changes nothing), the draft is kept with probability p0[draft] (rejection
+    sampling's acceptance for a one-token proposal), and the token after a kept draft follows p1."""
+    import torch
+
+    from squeeze.serve.engine.sampling import sample_step
+    from squeeze.serve.engine.scheduler import ScheduledChunk
+    from squeeze.serve.engine.sequence import Sequence
+
+    p0, p1 = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.stack([p0.log(), p1.log()])  # (1 + k, V), k = 1
+    seq = Sequence("s", [1, 2], SamplingParams(max_tokens=8, temperature=1.0, seed=0), order=1)
+    draft = 2
+    chunk = ScheduledChunk(seq, 2, draft=(draft,))
+    trials = 20_000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(trials):
+        (sampled,) = sample_step([chunk], logits[:1], {0: logits}, masks=None)  # type: ignore[arg-type]
+        assert sampled is not None
+        first[sampled.tokens[0]] += 1
+        if len(sampled.tokens) == 2:
+            assert sampled.tokens[0] == draft
+            second[sampled.tokens[1]] += 1
+
+    def close(counts: torch.Tensor, p: torch.Tensor) -> bool:  # every frequency within 5 standard deviations
+        n = counts.sum()
+        return bool(((counts / n - p).abs() <= 5 * (p * (1 - p) / n).sqrt()).all())
+
+    assert close(first, p0)
+    assert second.sum() == first[draft]  # a kept draft always yields the next position's token
+    assert close(second, p1)
