@@ -190,7 +190,7 @@ class LutWeight(WeightFormat):
             return compensated
         if held_out is None:
             raise ValueError("lnq_rounds needs the held-out windows' input Hessian, found none")
-        from squeeze.quant.schemes.lut_lnq import DEFAULT_RIDGE, DEFAULT_SHRINK, refit_against_loss  # imports us
+        from squeeze.quant.schemes.lut_lnq import DEFAULT_RIDGE, DEFAULT_SHRINK, layer_report, refit_against_loss
 
         with timer("lnq"):
             refitted, report = refit_against_loss(
@@ -205,13 +205,7 @@ class LutWeight(WeightFormat):
                 mask=mask,
             )
         if lnq_report is not None:
-            lnq_report.update(
-                held_out_before=report.before,
-                held_out_after=report.after,
-                fit_before=report.fit_before,
-                fit_after=report.fit_after,
-                rows_changed=float((report.round > 0).float().mean()),
-            )
+            lnq_report.update(layer_report(report))
         return refitted
 
 

@@ -5,14 +5,17 @@ the codes following them; rows that kept the starting pair keep its LUT bit for 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from squeeze.quant.lnq import LnqRefit, lnq_refit
 from squeeze.quant.packing import pack_codes
-from squeeze.quant.schemes.lut import LUT_DTYPE, Lut8Weight, LutWeight
 from squeeze.quant.schemes.lut_parts import affine_lut8
+
+if TYPE_CHECKING:  # lut.py imports this module when a recipe asks for the refit: no import back at run time
+    from squeeze.quant.schemes.lut import LutWeight
 
 #: Defaults of the recipe knobs (squeeze.weights_config): the ridge toward the k-means levels and the fit's
 #: shrinkage of the input correlation toward the identity (the k-means objective).
@@ -22,7 +25,7 @@ DEFAULT_SHRINK = 0.1
 
 def store_for(plain: LutWeight) -> object:
     """float32 (R, K) -> float32 (R, K): levels rounded as ``plain``'s format stores them."""
-    if isinstance(plain, Lut8Weight):
+    if _is_lut8(plain):
 
         def store8(levels: Tensor) -> Tensor:
             q, scale, zero = affine_lut8(levels.sort(dim=1).values)
@@ -34,7 +37,7 @@ def store_for(plain: LutWeight) -> object:
         return store8
 
     def store16(levels: Tensor) -> Tensor:
-        return levels.to(LUT_DTYPE).to(torch.float32)
+        return levels.to(plain.lut.dtype).to(torch.float32)
 
     return store16
 
@@ -76,18 +79,35 @@ def refit_against_loss(
     new = (result.round > 0)[:, None]  # (R, 1): rows whose pair changed
     codes = torch.where(new, codes, plain.codes().to(torch.int64))
     packed = pack_codes(codes.to(torch.uint8), plain.bits)
-    if isinstance(plain, Lut8Weight):
+    if _is_lut8(plain):
         q, scale, zero = affine_lut8(levels)
+        eight: Any = plain  # a Lut8Weight (lut.py is not imported here at run time)
         out: LutWeight = replace(
-            plain,
+            eight,
             packed=packed,
-            lut=torch.where(new, q, plain.lut),
-            lut_scale=torch.where(new, scale, plain.lut_scale),
-            lut_zero=torch.where(new, zero, plain.lut_zero),
+            lut=torch.where(new, q, eight.lut),
+            lut_scale=torch.where(new, scale, eight.lut_scale),
+            lut_zero=torch.where(new, zero, eight.lut_zero),
         )
     else:
-        out = replace(plain, packed=packed, lut=torch.where(new, levels.to(LUT_DTYPE), plain.lut))
+        out = replace(plain, packed=packed, lut=torch.where(new, levels.to(plain.lut.dtype), plain.lut))
     return out, result
 
 
-__all__ = ["DEFAULT_RIDGE", "DEFAULT_SHRINK", "refit_against_loss"]
+def _is_lut8(weight: LutWeight) -> bool:
+    """Whether ``weight`` is the 8-bit LUT format (its levels on a per-row affine grid: lut_scale / lut_zero)."""
+    return hasattr(weight, "lut_scale")
+
+
+def layer_report(report: LnqRefit) -> dict[str, float]:
+    """The layer's line of the compress report: held-out and fitted objective before / after, rows changed."""
+    return {
+        "held_out_before": report.before,
+        "held_out_after": report.after,
+        "fit_before": report.fit_before,
+        "fit_after": report.fit_after,
+        "rows_changed": float((report.round > 0).float().mean()),
+    }
+
+
+__all__ = ["DEFAULT_RIDGE", "DEFAULT_SHRINK", "layer_report", "refit_against_loss"]
