@@ -67,6 +67,9 @@ class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
         if len(self.connections) > self.guard.max_connections:
             transport.write(self.guard.busy)
             transport.close()
+            # out of the count at once: until connection_lost runs, uvicorn's own limit (limit_concurrency) would
+            # count this refused connection and answer the admitted ones' requests 503 (seen on a loaded machine)
+            self.connections.discard(self)
             return
         self._arm_head_timer()
 
