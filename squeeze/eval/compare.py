@@ -17,6 +17,7 @@ from squeeze.eval.perplexity import CacheFactory, PerplexityResult, perplexity
 from squeeze.models.source import ModelSource
 from squeeze.quant.kv_spec import KVSpec
 from squeeze.runtime.options import KVOptions, LoadOptions, load_and_kv
+from squeeze.runtime.stored_dtype import compute_dtype
 from squeeze.runtime.weight_paths import activation_precision, weight_paths
 
 
@@ -181,7 +182,7 @@ def evaluate(
             ran.append(activation_precision(weight_paths(net)))
         if with_kv:
             factory, chosen = kv_cache_factory(net, calibrated, kv)
-            full = str(getattr(net, "dtype", "float32")).removeprefix("torch.")
+            full = str(compute_dtype(net)).removeprefix("torch.")  # not net.dtype: a stored float16 embedding
             kv_used.append((chosen.bits, chosen.label) if chosen is not None else (16, full))
         report = (lambda done, total: progress(label, done, total)) if progress else None
         return perplexity(

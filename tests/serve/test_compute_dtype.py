@@ -51,6 +51,15 @@ def test_a_float16_embedding_does_not_make_the_model_compute_in_float16(half_ser
     assert result.kv_cache == "float32"  # squeeze run --json's report of an unquantized cache
 
 
+def test_eval_names_the_full_precision_cache_by_the_compute_dtype(half_serve_artifact: Path, tmp_path: Path) -> None:
+    """``squeeze eval``'s report named the 16-bit cache of a float16-embedding artifact "float16" (the first
+    parameter's dtype) while it computed and cached in float32."""
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little girl who liked to play in the park. " * 20)
+    result = api.evaluate(half_serve_artifact, text, seq_len=64, max_windows=2, kv_bits=16)
+    assert result.kv["kv_cache"] == "float32"
+
+
 def test_from_pretrained_records_the_dtype_it_loaded_in(half_serve_artifact: Path) -> None:
     from transformers import AutoModelForCausalLM
 
