@@ -93,6 +93,21 @@ def test_every_verb_of_the_api_package_is_exported_by_squeeze():
     assert callable(api.compress) and callable(squeeze.compress)  # the function, not the module api/compress.py
 
 
+def test_api_exports_every_support_name_and_each_name_once():
+    """squeeze.api's __all__ is the verbs followed by squeeze.api.support's __all__ (built from it, not copied):
+    every support name is exported as the same object, and no name is listed twice."""
+    from squeeze import api
+    from squeeze.api import support
+
+    assert {"EngineConfig", "SamplingParams", "parse_size", "VerifyReport"} <= set(support.__all__)
+    assert api.__all__[-len(support.__all__) :] == support.__all__ and api.__all__ is not support.__all__
+    assert len(set(api.__all__)) == len(api.__all__)
+    for name in api.__all__:
+        assert hasattr(api, name), name
+    for name in support.__all__:
+        assert getattr(api, name) is getattr(support, name), name
+
+
 def test_import_squeeze_registers_nothing_and_imports_no_heavy_library():
     import subprocess
     import sys

@@ -34,26 +34,12 @@ from squeeze.api.serve import (
     serve_uvicorn_config,
     serve_uvicorn_server,
 )
-from squeeze.api.support import (
-    ACTIVATIONS,
-    DEFAULT_ACTIVATIONS,
-    DEFAULT_SINK_TOKENS,
-    KV_FP8_E4M3,
-    MIN_SEQ_LEN,
-    SERVE_IDLE_TIMEOUT,
-    Activations,
-    ArtifactInfo,
-    EngineConfig,
-    KVOptions,
-    LoadOptions,
-    SamplingParams,
-    SpeculationOptions,
-    VerifyReport,
-    check_activations,
-    check_serve_max_connections,
-    parse_size,
-    short_path,
-)
+
+# Every name of squeeze.api.support: its __all__ is the one list of them, imported and re-exported from it. mypy
+# does not follow `*support.__all__`; it takes support's names as exported from `import __all__ as __all__` (which
+# binds support's list: the assignment below builds a new one, so support.__all__ is never changed).
+from squeeze.api.support import *  # noqa: F403
+from squeeze.api.support import __all__ as __all__
 
 __all__ = [
     # the verbs (squeeze/__init__ exports them too)
@@ -85,24 +71,7 @@ __all__ = [
     "evaluate",
     "evaluate_tasks",
     # squeeze.api.support: what a front end needs beyond the verbs
-    "parse_size",
-    "short_path",
-    "DEFAULT_SINK_TOKENS",
-    "MIN_SEQ_LEN",
-    "KV_FP8_E4M3",
-    "Activations",
-    "ACTIVATIONS",
-    "DEFAULT_ACTIVATIONS",
-    "check_activations",
-    "SamplingParams",
-    "SpeculationOptions",
-    "LoadOptions",
-    "KVOptions",
-    "EngineConfig",
-    "SERVE_IDLE_TIMEOUT",
-    "check_serve_max_connections",
-    "VerifyReport",
-    "ArtifactInfo",
+    *__all__,
 ]
 
 if TYPE_CHECKING:  # `X as X`: the result types, for type checkers (squeeze.api.support holds them too)
