@@ -18,6 +18,7 @@ round, the drafts every row accepted (the shortest run), so rows stay aligned as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,6 +76,17 @@ def verify_attention(
     return torch.cat(outputs, dim=1), None
 
 
+@functools.cache
+def _register_verify_attention() -> None:
+    """Register :data:`VERIFY_ATTENTION` (:func:`verify_attention`, with SDPA's mask) in transformers' global
+    attention registries: once per process, not on every verifying forward."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(VERIFY_ATTENTION, verify_attention)
+    AttentionMaskInterface.register(VERIFY_ATTENTION, sdpa_mask)
+
+
 @contextmanager
 def _verifying(model: nn.Module) -> Iterator[None]:
     """Within: a model on transformers' SDPA attends through :func:`verify_attention` (other implementations,
@@ -83,11 +95,7 @@ def _verifying(model: nn.Module) -> Iterator[None]:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(VERIFY_ATTENTION, verify_attention)
-    AttentionMaskInterface.register(VERIFY_ATTENTION, sdpa_mask)
+    _register_verify_attention()
     config._attn_implementation = VERIFY_ATTENTION
     try:
         yield

@@ -113,3 +113,34 @@ def test_a_verifying_forward_gives_each_position_the_bits_of_decoding_it_alone(l
             state = prefill(model, batch["input_ids"], batch["attention_mask"], together, extra)
             logits = _verify(model, state, fed[:, 0], fed[:, 1:])
     assert torch.equal(logits, torch.stack(alone, dim=1))
+
+
+def test_the_sdpa_verify_attention_is_registered_once_not_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entering the verifying context twice on an SDPA model registers the verify attention (and its mask) with
+    transformers once, and restores the model's attention implementation each time."""
+    from types import SimpleNamespace
+
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from squeeze.runtime import speculative_decode as sd
+
+    calls: list[tuple[str, str]] = []
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        register = interface.register  # the bound classmethod: the spy still registers
+
+        def spy(key: str, value: Any, register: Any = register, name: str = interface.__name__) -> None:
+            calls.append((name, key))
+            register(key, value)
+
+        monkeypatch.setattr(interface, "register", spy)
+    sd._register_verify_attention.cache_clear()
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    for _ in range(2):
+        with sd._verifying(model):  # type: ignore[arg-type]
+            assert model.config._attn_implementation == sd.VERIFY_ATTENTION
+        assert model.config._attn_implementation == "sdpa"
+    assert sorted(calls) == [
+        ("AttentionInterface", sd.VERIFY_ATTENTION),
+        ("AttentionMaskInterface", sd.VERIFY_ATTENTION),
+    ]
+    assert AttentionInterface._global_mapping[sd.VERIFY_ATTENTION] is sd.verify_attention
