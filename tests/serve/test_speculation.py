@@ -212,3 +212,32 @@ def test_verification_samples_the_target_distribution() -> None:
     assert close(first, p0)
     assert second.sum() == first[draft]  # a kept draft always yields the next position's token
     assert close(second, p1)
+
+
+def test_the_ngram_drafter_looks_each_row_up_once_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculator.room proposes each decoding row's n-gram draft (its length sizes the row's blocks); draft()
+    reuses that proposal, cut to the room the scheduler left the row, instead of looking the index up again."""
+    from squeeze.runtime.speculation import NgramIndex
+    from squeeze.serve.engine.scheduler import ScheduledChunk
+    from squeeze.serve.engine.sequence import Sequence
+    from squeeze.serve.engine.speculation import Speculator
+
+    calls: list[int] = []
+    propose = NgramIndex.propose
+
+    def spy(self: NgramIndex, k: int) -> list[int]:
+        calls.append(k)
+        return propose(self, k)
+
+    monkeypatch.setattr(NgramIndex, "propose", spy)
+    speculator = Speculator(SpeculationOptions.parse("ngram:4"), runner=None, max_model_len=64)  # type: ignore[arg-type]
+    seqs = [Sequence(f"s{i}", [1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(max_tokens=16), order=i) for i in range(2)]
+    for seq in seqs:
+        speculator.admit(seq)
+        seq.computed = seq.length - 1  # decoding: the newest token is pending
+    room = speculator.room(seqs)
+    assert room is not None and [room(seq) for seq in seqs] == [4, 4]
+    plan = [ScheduledChunk(seqs[0], 1, room=4), ScheduledChunk(seqs[1], 1, room=2)]  # the second row's room cut
+    drafted = speculator.draft(plan)
+    assert [(chunk.tokens, chunk.draft) for chunk in drafted] == [(5, (4, 5, 1, 2)), (3, (4, 5))]
+    assert calls == [4, 4]

@@ -35,6 +35,9 @@ class Speculator:
         self.draft_bytes = prepare_draft_forms(runner.model) if options.drafter == "int8" else 0
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of those, the ones kept
+        #: this step's n-gram proposal for each decoding row, by seq_id: made once by room() (its length sizes the
+        #: row's blocks) and cut to the row's room by draft()
+        self._proposals: dict[str, list[int]] = {}
 
     def admit(self, seq: Sequence) -> None:
         """Give a new sequence the n-gram drafter's index over its tokens (a constrained one drafts nothing)."""
@@ -44,7 +47,9 @@ class Speculator:
 
     def room(self, running: Iterable[Sequence]) -> Callable[[Sequence], int] | None:
         """How many draft tokens each decoding sequence may verify this step (None: speculation is off, or the
-        batch has too many decoding rows for drafts to pay)."""
+        batch has too many decoding rows for drafts to pay). Called once per step, before :meth:`draft`: the
+        n-gram drafter's proposals are kept for it."""
+        self._proposals = {}
         if not self.options.enabled:
             return None
         decoding = sum(seq.pending == 1 for seq in running)
@@ -57,7 +62,10 @@ class Speculator:
                 return 0
             left = min(seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.length)
             cap = max(0, min(k, left))
-            return len(seq.ngram.propose(cap)) if seq.ngram is not None and cap else cap
+            if seq.ngram is None or not cap:
+                return cap
+            proposal = self._proposals[seq.seq_id] = seq.ngram.propose(cap)
+            return len(proposal)
 
         return room
 
@@ -82,11 +90,13 @@ class Speculator:
     def _drafts(self, plan: list[ScheduledChunk]) -> dict[int, list[int]]:
         if self.options.drafter != "ngram":
             return self._draft_int8(plan)
-        drafts: dict[int, list[int]] = {}
-        for row, chunk in enumerate(plan):
-            if chunk.room and chunk.seq.ngram is not None:
-                drafts[row] = chunk.seq.ngram.propose(chunk.room)
-        return drafts
+        # room() proposed for every row it gave room; the scheduler may have cut a row's room (budget, free
+        # blocks), and a shorter proposal is the longer one's prefix (the same match, fewer tokens after it)
+        return {
+            row: self._proposals[chunk.seq.seq_id][: chunk.room]
+            for row, chunk in enumerate(plan)
+            if chunk.room and chunk.seq.ngram is not None
+        }
 
     def _draft_int8(self, plan: list[ScheduledChunk]) -> dict[int, list[int]]:
         """Greedy tokens of the W4A8 path (squeeze.runtime.linear.drafting) for the rows with draft room, one
