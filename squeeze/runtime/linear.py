@@ -113,7 +113,7 @@ class SqueezeLinear(QuantizedModule):
         if self._cpu is None or self._cpu.w8 is not None:  # no native path, or int8 already
             return 0
         if self._draft is None:
-            w8 = prepare_w8(self._qweight, self._cpu.keep[0])  # type: ignore[arg-type]  # keep[0]: the packed codes
+            w8 = prepare_w8(self._qweight, self._cpu.packed)  # type: ignore[arg-type]
             self._draft = dataclasses.replace(self._cpu, w8=w8) if w8 is not None else None
         return self._draft.w8.extra_bytes if self._draft is not None and self._draft.w8 is not None else 0
 

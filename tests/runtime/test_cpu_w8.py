@@ -21,7 +21,7 @@ from squeeze.runtime.kernels.reference import (
     quantize_groups_int8,
     w4a8_matmul_reference,
 )
-from squeeze.runtime.linear import SqueezeLinear
+from squeeze.runtime.linear import SqueezeLinear, drafting
 
 ROWS = 37  # not a multiple of the 4-row panels nor of the 16-row tasks
 BATCHES = (1, 2, 7, 8, 9, 16, 33, 200)
@@ -168,6 +168,29 @@ def test_squeeze_linear_takes_the_activations_option(kernels: CpuKernels) -> Non
         exact = SqueezeLinear(q)(x)  # the default: float32
     assert torch.equal(fast, w4a8_matmul_reference(x, q))
     assert torch.allclose(exact.double(), lut_matmul_reference(x.double(), q).double(), atol=1e-4)
+
+
+def test_the_draft_form_runs_the_int8_kernel_over_the_modules_own_codes(kernels: CpuKernels) -> None:
+    """SqueezeLinear.prepare_draft (speculative decoding's int8 drafter): inside drafting() a float32 module runs
+    the W4A8 form, bit for bit the reference, reading the packed codes of its buffer (no copy); outside it runs
+    float32 as before. Idempotent; a 2-bit weight has no draft form."""
+    q = lut_weight(4, 576, True, "float16")
+    module = SqueezeLinear(q)  # the default activations: float32
+    extra = module.prepare_draft()
+    assert extra > 0 and module.prepare_draft() == extra
+    prepared, draft = module._cpu, module._draft
+    assert prepared is not None and draft is not None and draft.w8 is not None and prepared.w8 is None
+    assert prepared.packed is prepared.keep[0] and torch.equal(prepared.packed, q.packed)
+    own = {t.data_ptr() for t in module.buffers()}
+    assert prepared.packed.data_ptr() in own and draft.w8.weight.packed == prepared.packed.data_ptr()
+    x = torch.randn(5, 576)
+    with torch.inference_mode():
+        with drafting():
+            drafted = module(x)
+        exact = module(x)
+    assert torch.equal(drafted, w4a8_matmul_reference(x, q)) and not torch.equal(drafted, exact)
+    assert torch.equal(exact, SqueezeLinear(q)(x))
+    assert SqueezeLinear(quantize_lut(torch.randn(16, 64), None, 2)).prepare_draft() == 0
 
 
 @pytest.mark.parametrize("bad", ["bf16", "INT8", None, 8])

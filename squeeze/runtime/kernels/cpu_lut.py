@@ -82,6 +82,13 @@ class CpuPreparedLut(PreparedWeight):
         else float32."""
         return "int8" if self.w8 is not None else ("bfloat16" if self.bf16 else "float32")
 
+    @property
+    def packed(self) -> Tensor:
+        """The packed codes ``weight`` reads, (R, ceil(N * bits / 8)) uint8 contiguous: ``keep[0]``, the module's
+        buffer itself (a copy only if that was not contiguous). An int8 form built from them
+        (:func:`.cpu_w8.prepare_w8`) keeps only their address: this form's ``keep`` holds them."""
+        return self.keep[0]
+
 
 def covers(qweight: object) -> bool:
     """True when the native kernels run this weight: a LUT format (fp16 or 8-bit LUT) on the CPU."""
@@ -106,7 +113,7 @@ def prepare_cpu(
     packed = qweight.packed.contiguous()  # (R, ceil(N * bits / 8)) uint8: the module's buffer, no copy
     lut, lut_kind, scale, zero = _lut_in_place(qweight)
     rows, n, bits = qweight.out_features, qweight.in_features, qweight.bits
-    keep: list[Tensor] = [t for t in (packed, lut, scale, zero) if t is not None]
+    keep: list[Tensor] = [t for t in (packed, lut, scale, zero) if t is not None]  # packed first: .packed
     sparse_ptrs: list[int | None] = [None, None, None, None]
     if qweight.sparse is not None and qweight.sparse.nnz:
         sparse = qweight.sparse
