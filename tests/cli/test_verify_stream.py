@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 from typer.testing import CliRunner
@@ -29,12 +28,10 @@ def test_a_huge_listing_is_streamed_not_tabled(monkeypatch) -> None:
         raise AssertionError("a 300k-row rich table")
 
     monkeypatch.setattr(verify_cli, "Table", no_table)
-    started = time.monotonic()
     tracemalloc.start()
     result = runner.invoke(app, ["verify", "/a/b"])
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert time.monotonic() - started < 30
     assert result.exit_code == 1, (result.stderr[-2000:], result.exception)
     lines = result.stdout.splitlines()
     assert sum(1 for line in lines if line.startswith("tok/part-")) == 300_000
