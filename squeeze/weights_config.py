@@ -106,6 +106,62 @@ class TuningConfig:
         check_choice(self.lr_schedule, LR_SCHEDULES, "weights.tuning.lr_schedule")
 
 
+#: Upper bounds of ``weights.distill``: the stage runs the whole model forward and backward once a step.
+MAX_DISTILL_STEPS = 100_000
+MAX_DISTILL_SAMPLES = MAX_GENERATED_SAMPLES
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """``weights.distill``: end-to-end distillation of the LUT values and norm gains after quantization (and
+    after ``weights.tuning`` when both are set): the whole compressed model trained to match the original's
+    next-token distribution (squeeze.quant.distill; the stage is squeeze.compression.distill_stage). Codes and
+    format never change."""
+
+    #: Adam steps, one window each (the whole model forward and backward; the early stop may end sooner).
+    steps: int = 128
+    #: Adam learning rate of the LUT values and the norm gains (the first step's, with the cosine schedule).
+    lr: float = 1e-4
+    #: Calibration tokens used at most (whole windows of the calibration's seq_len).
+    tokens: int = 16384
+    #: Sequences of the calibration's seq_len the original model samples itself (temperature 1) and that join the
+    #: calibration windows: text beyond the calibration's domain (LLM-QAT's data-free distillation).
+    generated_samples: int = 8
+    #: ``cosine`` (the rate decays to 0 over ``steps``) or ``constant``.
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    #: Steps between two scores of the held-out windows (an eighth of each source's windows, at least one each).
+    eval_every: int = 16
+    #: Scores without improvement after which the run stops.
+    patience: int = 3
+    #: Seeds the window order and the sampled sequences.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_at_least(self.steps, 1, "weights.distill.steps")
+        if self.steps > MAX_DISTILL_STEPS:
+            raise ConfigError(
+                f"weights.distill.steps must be at most {MAX_DISTILL_STEPS}, found {self.steps}",
+                hint="each step runs the whole model forward and backward on one window; 128 is the built-in's",
+            )
+        if not (math.isfinite(self.lr) and 0.0 < self.lr <= MAX_TUNING_LR):
+            raise ConfigError(
+                f"weights.distill.lr must be a number in (0, {MAX_TUNING_LR}], found {self.lr!r}",
+                hint="1e-4 (the default) moves a 3-bit LUT level by about 1% of its spacing per step on SmolLM2",
+            )
+        check_at_least(self.tokens, 1, "weights.distill.tokens")
+        check_at_least(self.generated_samples, 0, "weights.distill.generated_samples")
+        if self.generated_samples > MAX_DISTILL_SAMPLES:
+            raise ConfigError(
+                f"weights.distill.generated_samples must be at most {MAX_DISTILL_SAMPLES}, found "
+                f"{self.generated_samples}",
+                hint="8 sequences of 512 tokens take about a minute to sample on a 135M model",
+            )
+        check_choice(self.lr_schedule, LR_SCHEDULES, "weights.distill.lr_schedule")
+        check_at_least(self.eval_every, 1, "weights.distill.eval_every")
+        check_at_least(self.patience, 1, "weights.distill.patience")
+        check_seed(self.seed, "weights.distill.seed")
+
+
 @dataclass(frozen=True)
 class WeightsConfig:
     """How target linears are quantized."""
@@ -176,6 +232,9 @@ class WeightsConfig:
     #: Block-wise tuning of the LUT values and norm gains against the original blocks' outputs (TuningConfig);
     #: None: the quantized values are written as the quantizer left them.
     tuning: TuningConfig | None = field(default=None, metadata=OMIT_DEFAULT)
+    #: End-to-end distillation of the LUT values and norm gains against the original's logits (DistillConfig);
+    #: None: no such stage.
+    distill: DistillConfig | None = field(default=None, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         # squeeze.limits is the one table; a recipe read from YAML passes its Literal checks in from_dict too,
@@ -193,6 +252,7 @@ class WeightsConfig:
         self._check_error_compensation()
         self._check_embedding_bits()
         self._check_tuning()
+        self._check_distill()
         if not self.targets:
             raise ConfigError(
                 "weights.targets must name at least one module suffix, found an empty list",
@@ -234,6 +294,23 @@ class WeightsConfig:
             raise ConfigError(
                 f"weights.tuning runs after a Fisher sensitivity pass only, found sensitivity {self.sensitivity}",
                 hint="use --sensitivity fisher with a calibration text, or remove weights.tuning",
+            )
+
+    def _check_distill(self) -> None:
+        """Distillation trains LUT values on calibration windows: refused for a format without levels and for a
+        run without calibration text, as tuning is."""
+        if self.distill is None:
+            return
+        fmt = format_for_recipe(self)
+        if fmt is None or not fmt.tunable:
+            raise ConfigError(
+                f"weights.distill trains LUT values, and method {self.method} has none to train",
+                hint="use method: squeeze (e.g. recipe w3-ec-distill), or remove weights.distill",
+            )
+        if self.sensitivity != "fisher":
+            raise ConfigError(
+                f"weights.distill runs after a Fisher sensitivity pass only, found sensitivity {self.sensitivity}",
+                hint="use --sensitivity fisher with a calibration text, or remove weights.distill",
             )
 
     def _check_error_compensation(self) -> None:

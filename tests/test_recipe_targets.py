@@ -48,6 +48,10 @@ GOLDEN: dict[str, tuple[str, str]] = {
         "0914cea6f4f932332d30e4f31097298f0b9f29006c5c58b3af9879033b4c3d74",
         "14b3dbc6dddafaa871795e944caf911ef74ac4eb33921d476ced06752c471c9f",
     ),
+    "w3-ec-distill": (  # added after the list was dropped (issue 51 item 3): its values when it was added
+        "603377c91f42f3f90bb76e322a02459ef040c45dee97b9342f60076c6b7777c6",
+        "d3083b027cca7aff23faccf2621695d040b9032de6cfc3995ea7f2eef3f4d483",
+    ),
     "w3-ec-tuned": (
         "a8e18837b8e121ae0f95ff48a5c953f16bbb8140093e28bafb7902d070c29709",
         "7d8e0e32de5056a7e443bfb7fa339ecd7c8871247eec819911d19440c32f403b",

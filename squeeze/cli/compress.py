@@ -35,10 +35,11 @@ CALIBRATION_KEYS = ("num_samples", "seq_len")
 RESUME_OPTIONS = ("output", "recipe", "calibration", *CALIBRATION_KEYS, "seed", *RECIPE_KEYS, "max_memory", "device")
 STAGE_LABELS = {
     "fisher": "Fisher sensitivity (windows)",
-    "generate": "Sampling text for the Hessians (steps)",
+    "generate": "Sampling text from the model (steps)",
     "plan": "Planning bits per linear (units)",
     "quantize": "Quantizing (layers)",
     "tune": "Tuning LUT values and norms (blocks)",
+    "distill": "Distilling LUT values and norms (steps)",
 }
 
 

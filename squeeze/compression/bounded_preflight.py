@@ -31,7 +31,8 @@ def check_source(source: ModelSource) -> None:
 
 def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, targets: dict[str, Any]) -> None:
     """ConfigError for what ``--max-memory`` cannot stream: a GGUF source, error compensation, a
-    ``target_bpw`` budget (both need every layer at once), a model not shaped like Llama. Linears and MoE
+    ``target_bpw`` budget (both need every layer at once), end-to-end distillation (the whole model trains),
+    a model not shaped like Llama. Linears and MoE
     expert parameters (squeeze.models.expert_params) both stream with their decoder block."""
     weights = recipe.weights
     option = "--max-memory"
@@ -46,6 +47,11 @@ def check_streamable(source: ModelSource, recipe: Recipe, skeleton: nn.Module, t
         raise ConfigError(
             f"{option} does not stream error compensation (the input Hessians of every layer)",
             hint="use a recipe without error compensation, or drop --max-memory",
+        )
+    if weights.distill is not None:
+        raise ConfigError(
+            f"{option} does not stream weights.distill (it trains the whole model end to end, every block resident)",
+            hint="remove weights.distill (weights.tuning streams block by block), or drop --max-memory",
         )
     model_parts(skeleton)  # ConfigError for a model that is not lm_head(norm(blocks(embed(ids))))
 

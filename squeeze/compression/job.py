@@ -35,7 +35,7 @@ from squeeze.quant.schemes import WeightFormat, format_for_recipe
 
 #: progress(stage, done, total). Every stage of the pipeline reports (name, 0, 0) as it starts (run_stages);
 #: counted work then reports (name, done, total) with total > 0: "fisher", "generate", "plan", "quantize",
-#: "tune".
+#: "tune", "distill".
 StageProgress = Callable[[str, int, int], None]
 
 
@@ -117,6 +117,9 @@ class CompressResult:
     #: weights.lnq_rounds: per linear, the refit's objective on the held-out and the fitted windows, before and
     #: after (held_out_after <= held_out_before), and the share of rows whose LUT changed
     lnq_layers: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: weights.distill: its status ("distilled", "unchanged", "refused"), the held-out KL (nats a token) at the
+    #: start and at the kept state, the steps run and the windows it trained on
+    distill: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -142,6 +145,7 @@ class CompressResult:
             **({"device": self.device} if self.device else {}),
             **({"experts": self.experts, "unrouted_experts": self.unrouted_experts} if self.experts else {}),
             **({"lnq_layers": self.lnq_layers} if self.lnq_layers else {}),
+            **({"distill": self.distill} if self.distill else {}),
         }
 
 
@@ -210,6 +214,8 @@ class CompressJob:
     storage_bits: int = 0  # write: bits they take in the artifact
     #: write, weights.lnq_rounds: each linear's held-out / fitted objective before and after the refit
     lnq: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: distill (weights.distill): the stage's record (CompressResult.distill)
+    distill: dict[str, Any] = field(default_factory=dict)
     original_bytes: int = 0  # write
     source_bytes: int = 0  # write
     manifest: Manifest | None = None  # seal
@@ -238,6 +244,7 @@ class CompressJob:
             expert_group=self.expert_group or 0,
             device=str(self.device) if self.device is not None else "",
             lnq_layers=self.lnq,
+            distill=self.distill,
         )
 
 

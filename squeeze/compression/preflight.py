@@ -203,7 +203,18 @@ def estimate_peak_memory(
             fisher += hessian_bytes_bound(linear_targets(targets))
         activations = calibration_seq_len * 4 * (3 * vocab + layers * (12 * hidden + 4 * inter))
         working = max(working, fisher + activations)
+        if getattr(recipe.weights, "distill", None) is not None:
+            working = max(working, _distill_bytes(targets, calibration_seq_len, vocab, activations))
     return BASE_PROCESS_BYTES + params + max(params, working)
+
+
+def _distill_bytes(targets: dict[str, Target], seq_len: int, vocab: int, activations: int) -> int:
+    """weights.distill (squeeze.compression.distill_stage) beside the loaded model: each quantized weight's int64
+    code and its gathered float32 value kept for the backward, one window's activations twice (the teacher's
+    forward and the student's), and the held-out windows' cached target log-probabilities (at most 8 windows
+    held out for a run of the default 16384 calibration tokens plus 8 sampled sequences: 4 is typical)."""
+    weights = sum(m.weight.numel() for m in targets.values())
+    return weights * 12 + 2 * activations + 4 * seq_len * vocab * 4
 
 
 def check_budget(needed: int, max_memory: int, force: bool = False) -> None:

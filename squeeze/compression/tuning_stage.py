@@ -50,7 +50,7 @@ def tune_stage(job: CompressJob) -> None:
         return
     net = job.loaded_model()
     _embed, blocks, _norm, _head = model_parts(net)
-    plan = _block_groups(job, blocks)
+    plan = block_groups(job, blocks)
     with timed(job.timings, "checkpoint"):
         missing = [g for _b, g in plan if not job.work.has_tuned(g, job.groups[g])]
     if missing:
@@ -64,9 +64,9 @@ def tune_stage(job: CompressJob) -> None:
     _warn_refused(job, records)
 
 
-def _block_groups(job: CompressJob, blocks: nn.ModuleList) -> list[tuple[int, int]]:
+def block_groups(job: CompressJob, blocks: nn.ModuleList, option: str = "weights.tuning") -> list[tuple[int, int]]:
     """(block index, layer group index) of every block with quantized targets, in model order; ConfigError
-    for a target tuning cannot rebuild (a MoE expert parameter)."""
+    for a target ``option`` (tuning, distillation) cannot rebuild (a MoE expert parameter)."""
     block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
     plan: list[tuple[int, int]] = []
     for g, names in enumerate(job.groups):
@@ -76,8 +76,8 @@ def _block_groups(job: CompressJob, blocks: nn.ModuleList) -> list[tuple[int, in
         for name in names:
             if not isinstance(job.targets[name], nn.Linear):
                 raise ConfigError(
-                    f"weights.tuning tunes linears, and {name} is a MoE expert parameter",
-                    hint="remove weights.tuning for this model",
+                    f"{option} trains linears, and {name} is a MoE expert parameter",
+                    hint=f"remove {option} for this model",
                 )
         plan.append((owners.pop(), g))
     return plan
@@ -102,7 +102,7 @@ def _tune_blocks(
     n = len(windows)
     try:
         store = Store(spill)
-        with torch.inference_mode(False), eval_mode(net), _no_grad_flags(net):
+        with torch.inference_mode(False), eval_mode(net), no_grad_flags(net):
             embed, _blocks, norm, _head = model_parts(net)
             kwargs = prologue(net, windows, embed, blocks, norm, materialize, store, False)
             for w in range(n):
@@ -144,7 +144,7 @@ def _step_block(
             tensors, meta = _tune_one(job, block, group, store, kwargs, i, n, tuning, kept)
             with timed(job.timings, "checkpoint"):
                 job.work.save_tuned(group, tensors, meta)
-        quantized = _rebuilt(job, block, group, *_committed(job, group))
+        quantized, _levels = rebuilt_block(job, block, group, *_committed(job, group))
     with torch.no_grad():
         for w in range(n):
             store.put(f"q{i + 1}-{w}", _out(quantized(store.take(f"q{i}-{w}"), **kwargs[w])))
@@ -163,7 +163,7 @@ def _tune_one(
 ) -> Tuned:
     """Block ``i`` (group ``group``) tuned from its quantized weights: the tensors to store and the record."""
     names = job.groups[group]
-    weights = _quantized_weights(job, group)
+    weights = quantized_weights(job, group)
     candidate, levels = _levels_block(job, block, weights)
     gains = norm_gains(candidate, levels)
     params = [m.levels for m in levels.values()] + list(gains.values())
@@ -191,7 +191,7 @@ def _tune_one(
             codes = module.codes.detach().to(device="cpu", dtype=torch.uint8)
             weight = dataclasses.replace(weight, packed=pack_codes(codes, weight.bits))
         tensors.update(weight.with_levels(module.levels.detach().cpu()).to_tensors(name))
-    prefix = _block_prefix(job, block)
+    prefix = block_prefix(job, block)
     for rel, gain in gains.items():
         tensors[f"{prefix}.{rel}"] = gain.detach().to(kept).cpu()
     return tensors, meta
@@ -206,7 +206,7 @@ def _record(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def _quantized_weights(job: CompressJob, group: int) -> dict[str, WeightFormat]:
+def quantized_weights(job: CompressJob, group: int) -> dict[str, WeightFormat]:
     """Group ``group``'s quantized weights, rebuilt by their registered formats from its checkpoint."""
     names = job.groups[group]
     with timed(job.timings, "checkpoint"):
@@ -230,14 +230,15 @@ def _quantized_weights(job: CompressJob, group: int) -> dict[str, WeightFormat]:
 
 
 def _levels_block(
-    job: CompressJob, block: nn.Module, weights: dict[str, WeightFormat]
+    job: CompressJob, block: nn.Module, weights: dict[str, WeightFormat], *, originals: bool = True
 ) -> tuple[nn.Module, dict[str, LevelsLinear]]:
     """A copy of ``block`` whose quantized linears are LevelsLinear modules (a format without levels: its
-    dequantized weight, fixed); returns it and its LevelsLinear modules by target name."""
+    dequantized weight, fixed); returns it and its LevelsLinear modules by target name. ``originals``: each
+    LevelsLinear keeps its original weight (what moved codes are nearest to; 4 bytes a weight)."""
     candidate = copy.deepcopy(block)
     for p in candidate.parameters():
         p.requires_grad_(False)
-    prefix = _block_prefix(job, block)
+    prefix = block_prefix(job, block)
     device = next(iter(block.parameters())).device
     levels: dict[str, LevelsLinear] = {}
     for name, weight in weights.items():
@@ -246,7 +247,8 @@ def _levels_block(
         bias = getattr(original, "bias", None)
         if weight.tunable:
             # the original weight (the block is the source model's): what moved codes are nearest to
-            module: nn.Module = LevelsLinear(weight, bias, device, original=getattr(original, "weight", None))
+            kept = getattr(original, "weight", None) if originals else None
+            module: nn.Module = LevelsLinear(weight, bias, device, original=kept)
             levels[name] = module  # type: ignore[assignment]
         else:
             assert isinstance(original, nn.Linear)
@@ -257,10 +259,10 @@ def _levels_block(
     return candidate, levels
 
 
-def _rebuilt(job: CompressJob, block: nn.Module, group: int, tensors: dict[str, torch.Tensor], meta: dict) -> nn.Module:
-    """``block`` as the artifact will hold it: the group's weights with the committed tuned tensors replacing
-    theirs, the committed norm gains in place (a refused or unchanged block: as quantized)."""
-    weights = _quantized_weights(job, group)
+def tuned_weights(job: CompressJob, group: int, tensors: dict[str, torch.Tensor]) -> dict[str, WeightFormat]:
+    """Group ``group``'s quantized weights with the tuned tensors in ``tensors`` (a block's committed ones, or
+    every block's: names select) replacing theirs."""
+    weights = quantized_weights(job, group)
     for name in list(weights):
         if f"{name}.weight_packed" in tensors:
             spec = weights[name].module_spec()
@@ -269,14 +271,23 @@ def _rebuilt(job: CompressJob, block: nn.Module, group: int, tensors: dict[str, 
                 **{k: v for k, v in tensors.items() if k.startswith(name + ".")},
             }
             weights[name] = type(weights[name]).from_spec(merged, name, spec)
-    candidate, _levels = _levels_block(job, block, weights)
-    prefix = _block_prefix(job, block)
+    return weights
+
+
+def rebuilt_block(
+    job: CompressJob, block: nn.Module, group: int, tensors: dict[str, torch.Tensor], meta: dict | None = None
+) -> tuple[nn.Module, dict[str, LevelsLinear]]:
+    """``block`` as the artifact will hold it, and its LevelsLinear modules by target name: the group's weights
+    as :func:`tuned_weights` gives them, the tuned norm gains of ``tensors`` in place (a refused or unchanged
+    block: as quantized). ``meta`` is unused (a checkpoint's record rides along with its tensors)."""
+    candidate, levels = _levels_block(job, block, tuned_weights(job, group, tensors), originals=False)
+    prefix = block_prefix(job, block)
     with torch.no_grad():
         for rel, gain in norm_gains(candidate, {}).items():
             stored = tensors.get(f"{prefix}.{rel}")
             if stored is not None:
                 gain.copy_(stored.to(gain.dtype))
-    return candidate
+    return candidate, levels
 
 
 def _committed(job: CompressJob, group: int) -> Tuned:
@@ -292,7 +303,7 @@ def _committed(job: CompressJob, group: int) -> Tuned:
     return found
 
 
-def _block_prefix(job: CompressJob, block: nn.Module) -> str:
+def block_prefix(job: CompressJob, block: nn.Module) -> str:
     for name, module in job.loaded_model().named_modules():
         if module is block:
             return name
@@ -319,7 +330,7 @@ def resident(*_modules: nn.Module) -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def _no_grad_flags(net: nn.Module) -> Iterator[None]:
+def no_grad_flags(net: nn.Module) -> Iterator[None]:
     """No parameter of the model requires grad while the stage runs (only a tuned copy's levels and gains do);
     every flag is restored afterwards."""
     flags = [(p, p.requires_grad) for p in net.parameters()]
@@ -332,4 +343,13 @@ def _no_grad_flags(net: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-__all__ = ["tune_stage"]
+__all__ = [
+    "block_groups",
+    "block_prefix",
+    "no_grad_flags",
+    "quantized_weights",
+    "rebuilt_block",
+    "resident",
+    "tune_stage",
+    "tuned_weights",
+]

@@ -36,6 +36,7 @@ _HESSIAN = "hessian.safetensors"
 _HELD_OUT = "hessian-held-out.safetensors"
 _GROUPS = "groups"
 _TUNED = "tuned"  # weights.tuning: each layer group's tuned LUTs and norm gains, committed as its block is done
+_DISTILL = "distill"  # weights.distill: its sampled windows, its resumable state, its committed result
 _FISHER_GROUPS = "fisher-groups"  # --max-memory: the Fisher of each layer group, committed as its block is done
 _ACTIVATIONS = "activations"  # --max-memory: per-block hidden states spilled during the Fisher pass (scratch)
 _STAGING = "artifact"
@@ -292,6 +293,22 @@ class WorkArea:
         """A committed tuning of group ``index`` covering exactly ``modules``, or None (absent, or unreadable:
         it is removed)."""
         return _load_checkpoint(self.tuned_path(index), modules)
+
+    # -- end-to-end distillation (weights.distill)
+
+    def distill_path(self, part: str) -> Path:
+        """``part``: ``generated`` (the sampled windows), ``state`` (the loop's last checkpoint), ``result``."""
+        return self.root / _DISTILL / f"{part}.safetensors"
+
+    def save_distill(self, part: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Commit one part of the distillation: its tensors and its record (JSON in the header; ``modules`` names
+        what it covers, checked when it is read back)."""
+        (self.root / _DISTILL).mkdir(exist_ok=True)
+        _save_atomic(self.distill_path(part), tensors, {_META_KEY: json.dumps(meta, sort_keys=True)})
+
+    def load_distill(self, part: str, modules: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """A committed part covering exactly ``modules``, or None (absent, or unreadable: it is removed)."""
+        return _load_checkpoint(self.distill_path(part), modules)
 
     # -- publishing
 

@@ -74,7 +74,18 @@ def test_compress_logs_every_stage_and_json_stays_alone_on_stdout(
     stdout, logged = compress_cli(tiny_llama_dir, tiny_text_file, tmp_path / "a", "--json")
     assert json.loads(stdout)["output"] == str(tmp_path / "a")  # stdout: exactly the JSON, nothing else
     stages = [line.split("stage: ")[1] for line in logged if "stage: " in line]
-    expected = ["fingerprint", "calibrate", "load", "sensitivity", "plan", "quantize", "tune", "write", "seal"]
+    expected = [
+        "fingerprint",
+        "calibrate",
+        "load",
+        "sensitivity",
+        "plan",
+        "quantize",
+        "tune",
+        "distill",
+        "write",
+        "seal",
+    ]
     assert stages == [*expected, "publish"]
     fisher = [line for line in logged if "Fisher sensitivity (windows)" in line]
     assert [line.split()[4] for line in fisher] == ["1/4", "2/4", "3/4", "4/4"] and fisher[-1].endswith("done")

@@ -137,8 +137,8 @@ def test_a_diverging_block_keeps_its_quantized_values_and_warns(
 
     real_levels_block = tuning_stage._levels_block
 
-    def named(job: Any, block: Any, weights: Any) -> Any:
-        candidate, levels = real_levels_block(job, block, weights)
+    def named(job: Any, block: Any, weights: Any, **kwargs: Any) -> Any:
+        candidate, levels = real_levels_block(job, block, weights, **kwargs)
         candidate._tune_name = next(iter(weights))
         return candidate, levels
 

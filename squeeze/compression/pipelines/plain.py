@@ -7,6 +7,7 @@ from torch import nn
 
 from squeeze.compression.assemble import seal_stage, write_stage
 from squeeze.compression.bit_plan import plan_stage
+from squeeze.compression.distill_stage import distill_stage
 from squeeze.compression.embeddings import embedding_targets
 from squeeze.compression.job import CompressJob
 from squeeze.compression.pipelines.registry import Pipeline, register
@@ -41,6 +42,7 @@ PLAIN = register(
             ("plan", plan_stage),
             ("quantize", quantize_stage),
             ("tune", tune_stage),
+            ("distill", distill_stage),
             ("write", write_stage),
             ("seal", seal_stage),
             ("publish", publish_stage),

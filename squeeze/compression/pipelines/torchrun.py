@@ -33,6 +33,7 @@ PLACEMENT: dict[str, Callable[[Stage, str], Stage]] = {
     "plan": main_first,  # rank 0 commits the bits-per-weight plan, the others read it back
     "quantize": every_rank,  # each rank its own layer groups
     "tune": main_rank,  # every group committed, then rank 0 tunes block by block
+    "distill": main_rank,  # the whole model end to end, on rank 0
     "write": main_rank,
     "seal": main_rank,
     "publish": main_rank,
