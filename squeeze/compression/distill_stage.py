@@ -17,6 +17,7 @@ stage uses in place of the quantized tensors. The whole model is resident and th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -31,7 +32,7 @@ from squeeze.compression.tuning_stage import block_groups, no_grad_flags, rebuil
 from squeeze.config import DistillConfig
 from squeeze.models.modes import eval_mode
 from squeeze.models.source import keep_dtype, load_tokenizer
-from squeeze.quant.distill import DistillState, Outcome, distill, log_probs
+from squeeze.quant.distill import DistillState, distill, log_probs
 from squeeze.quant.tuning import LevelsLinear, TuningDivergedWarning, norm_gains, split_windows
 
 
@@ -101,7 +102,7 @@ def _distil(
             )
     meta: dict[str, Any] = {
         "modules": covered,
-        **_record(outcome),
+        **dataclasses.asdict(outcome),  # status, initial_loss, best_loss, steps
         "windows": len(text),
         "generated": len(generated),
         "held_out": len(held),
@@ -211,15 +212,6 @@ def _resumed(job: CompressJob, params: list[nn.Parameter], covered: list[str]) -
         done=bool(meta["done"]),
         **values,
     )
-
-
-def _record(outcome: Outcome) -> dict[str, Any]:
-    return {
-        "status": outcome.status,
-        "initial_loss": outcome.initial_loss,
-        "best_loss": outcome.best_loss,
-        "steps": outcome.steps,
-    }
 
 
 __all__ = ["distill_stage"]
