@@ -118,7 +118,8 @@ def _student(
     """The compressed model to train, its LevelsLinear modules by target name and its norm gains by artifact
     name. Parameters outside the norm gains are shared with ``net`` (deepcopy's memo), so only the gains and
     the rebuilt blocks take new memory."""
-    shared = {id(p): p for name, p in net.named_parameters() if name not in norm_gains(net, {})}
+    gains = norm_gains(net, {})
+    shared = {id(p): p for name, p in net.named_parameters() if name not in gains}
     student = copy.deepcopy(net, memo=dict(shared))
     _embed, originals, _norm, _head = model_parts(net)
     _embed, blocks, _norm, _head = model_parts(student)
