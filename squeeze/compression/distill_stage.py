@@ -33,6 +33,7 @@ from squeeze.config import DistillConfig
 from squeeze.models.modes import eval_mode
 from squeeze.models.source import keep_dtype, load_tokenizer
 from squeeze.quant.distill import DistillState, distill, log_probs
+from squeeze.quant.schemes import WeightFormat
 from squeeze.quant.tuning import LevelsLinear, TuningDivergedWarning, norm_gains, split_windows
 
 
@@ -74,14 +75,14 @@ def _distil(
     seq_len = text.shape[1]
     text = text[: max(1, min(len(text), config.tokens // seq_len))]
     generated = _generated(job, net, config, seq_len, tokenizer)
-    ids = torch.cat([text, generated]) if len(generated) else text
+    ids = torch.cat([text, generated])
     train, held = split_windows(len(text))
     if len(generated):
         extra_train, extra_held = split_windows(len(generated))
         train += [len(text) + w for w in extra_train]
         held += [len(text) + w for w in extra_held]
     with torch.inference_mode(False), eval_mode(net), no_grad_flags(net):
-        student, levels, gains = _student(job, net, plan)
+        student, weights, levels, gains = _student(job, net, plan)
         params = [m.levels for m in levels.values()] + list(gains.values())
         for p in params:
             p.requires_grad_(True)
@@ -109,40 +110,45 @@ def _distil(
     }
     if outcome.status != "distilled":
         return {}, meta
-    return _tensors(job, plan, levels, gains), meta
+    return _tensors(job, weights, levels, gains), meta
 
 
 def _student(
     job: CompressJob, net: nn.Module, plan: list[tuple[int, int]]
-) -> tuple[nn.Module, dict[str, LevelsLinear], dict[str, nn.Parameter]]:
-    """The compressed model to train, its LevelsLinear modules by target name and its norm gains by artifact
-    name. Parameters outside the norm gains are shared with ``net`` (deepcopy's memo), so only the gains and
-    the rebuilt blocks take new memory."""
+) -> tuple[nn.Module, dict[str, WeightFormat], dict[str, LevelsLinear], dict[str, nn.Parameter]]:
+    """The compressed model to train; the quantized (and tuned) weights it was built from and its LevelsLinear
+    modules, both by target name; its norm gains by artifact name. Parameters outside the norm gains are
+    shared with ``net`` (deepcopy's memo), so only the gains and the rebuilt blocks take new memory."""
     gains = norm_gains(net, {})
     shared = {id(p): p for name, p in net.named_parameters() if name not in gains}
     student = copy.deepcopy(net, memo=dict(shared))
     _embed, originals, _norm, _head = model_parts(net)
     _embed, blocks, _norm, _head = model_parts(student)
+    weights: dict[str, WeightFormat] = {}
     levels: dict[str, LevelsLinear] = {}
     for b, g in plan:
-        candidate, found = rebuilt_block(job, originals[b], g, job.tuned)
+        group = tuned_weights(job, g, job.tuned)
+        candidate, found = rebuilt_block(job, originals[b], group, job.tuned)
         blocks[b] = candidate
+        weights.update(group)
         levels.update(found)
     for p in student.parameters():
         p.requires_grad_(False)
     student.eval()
-    return student, levels, norm_gains(student, levels)
+    return student, weights, levels, norm_gains(student, levels)
 
 
 def _tensors(
-    job: CompressJob, plan: list[tuple[int, int]], levels: dict[str, LevelsLinear], gains: dict[str, nn.Parameter]
+    job: CompressJob,
+    weights: dict[str, WeightFormat],
+    levels: dict[str, LevelsLinear],
+    gains: dict[str, nn.Parameter],
 ) -> dict[str, torch.Tensor]:
-    """The trained values as the artifact stores them: each LUT by its format, norm gains in the kept dtype."""
+    """The trained values as the artifact stores them: each LUT by its format (``weights``, the student's
+    starting weights), norm gains in the kept dtype."""
     tensors: dict[str, torch.Tensor] = {}
-    for _b, g in plan:
-        for name, weight in tuned_weights(job, g, job.tuned).items():
-            if name in levels:
-                tensors.update(weight.with_levels(levels[name].levels.detach().cpu()).to_tensors(name))
+    for name, module in levels.items():
+        tensors.update(weights[name].with_levels(module.levels.detach().cpu()).to_tensors(name))
     kept = keep_dtype(job.source, job.recipe.output.keep_dtype)
     for name, gain in gains.items():
         tensors[name] = gain.detach().to(kept).cpu()

@@ -144,7 +144,8 @@ def _step_block(
             tensors, meta = _tune_one(job, block, group, store, kwargs, i, n, tuning, kept)
             with timed(job.timings, "checkpoint"):
                 job.work.save_tuned(group, tensors, meta)
-        quantized, _levels = rebuilt_block(job, block, group, *_committed(job, group))
+        tensors, _meta = _committed(job, group)
+        quantized, _levels = rebuilt_block(job, block, tuned_weights(job, group, tensors), tensors)
     with torch.no_grad():
         for w in range(n):
             store.put(f"q{i + 1}-{w}", _out(quantized(store.take(f"q{i}-{w}"), **kwargs[w])))
@@ -275,12 +276,13 @@ def tuned_weights(job: CompressJob, group: int, tensors: dict[str, torch.Tensor]
 
 
 def rebuilt_block(
-    job: CompressJob, block: nn.Module, group: int, tensors: dict[str, torch.Tensor], meta: dict | None = None
+    job: CompressJob, block: nn.Module, weights: dict[str, WeightFormat], tensors: dict[str, torch.Tensor]
 ) -> tuple[nn.Module, dict[str, LevelsLinear]]:
-    """``block`` as the artifact will hold it, and its LevelsLinear modules by target name: the group's weights
-    as :func:`tuned_weights` gives them, the tuned norm gains of ``tensors`` in place (a refused or unchanged
-    block: as quantized). ``meta`` is unused (a checkpoint's record rides along with its tensors)."""
-    candidate, levels = _levels_block(job, block, tuned_weights(job, group, tensors), originals=False)
+    """``block`` as the artifact will hold it, and its LevelsLinear modules by target name: ``weights`` (its
+    group's, as :func:`tuned_weights` gives them) in place of its linears, the tuned norm gains of ``tensors``
+    (a block's committed ones, or every block's: names select) in place of its gains (a refused or unchanged
+    block: as quantized)."""
+    candidate, levels = _levels_block(job, block, weights, originals=False)
     prefix = block_prefix(job, block)
     with torch.no_grad():
         for rel, gain in norm_gains(candidate, {}).items():

@@ -145,7 +145,7 @@ def distill(
         start = held_out()
         initial = [p.detach().clone() for p in params]
         state = DistillState(0, start, start, 0, initial, initial, initial, [], [])
-        if not _finite(start):
+        if not math.isfinite(start):
             return Outcome("refused", start, start, 0)
     else:
         copy_into(state.params)
@@ -159,7 +159,7 @@ def distill(
             target = teacher(ids)
         optimizer.zero_grad(set_to_none=True)
         loss = kl_to_teacher(student(ids), target)
-        if not _finite(float(loss.detach())):
+        if not math.isfinite(float(loss.detach())):
             copy_into(state.initial)
             return Outcome("refused", state.initial_loss, float(loss.detach()), step)
         loss.backward()
@@ -170,7 +170,7 @@ def distill(
         if step % options.eval_every and step != options.steps:
             continue
         score = held_out()
-        if not _finite(score):
+        if not math.isfinite(score):
             copy_into(state.initial)
             return Outcome("refused", state.initial_loss, score, step)
         if score < state.best_loss:
@@ -204,10 +204,6 @@ def _load_moments(optimizer: torch.optim.Adam, params: list[nn.Parameter], state
             "exp_avg": first.to(p.device, p.dtype).clone(),
             "exp_avg_sq": second.to(p.device, p.dtype).clone(),
         }
-
-
-def _finite(value: float) -> bool:
-    return math.isfinite(value)
 
 
 __all__ = [
