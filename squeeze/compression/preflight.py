@@ -25,6 +25,7 @@ from squeeze.models.source import ModelSource
 from squeeze.models.targets import Target, find_targets, linear_targets, target_shape
 from squeeze.models.weight_dtype import KEEP_DTYPES
 from squeeze.quant.schemes import format_for_recipe
+from squeeze.quant.tuning import split_windows
 from squeeze.system import available_memory_bytes
 
 #: Head-room on top of the estimate: tokenizer files, config, manifest, filesystem slack.
@@ -203,18 +204,25 @@ def estimate_peak_memory(
             fisher += hessian_bytes_bound(linear_targets(targets))
         activations = calibration_seq_len * 4 * (3 * vocab + layers * (12 * hidden + 4 * inter))
         working = max(working, fisher + activations)
-        if getattr(recipe.weights, "distill", None) is not None:
-            working = max(working, _distill_bytes(targets, calibration_seq_len, vocab, activations))
+        if (distill := getattr(recipe.weights, "distill", None)) is not None:
+            held = _distill_held_out(distill.tokens // calibration_seq_len, distill.generated_samples)
+            working = max(working, _distill_bytes(targets, calibration_seq_len, vocab, activations, held))
     return BASE_PROCESS_BYTES + params + max(params, working)
 
 
-def _distill_bytes(targets: dict[str, Target], seq_len: int, vocab: int, activations: int) -> int:
+def _distill_held_out(text_windows: int, generated: int) -> int:
+    """The windows weights.distill holds out at most: an eighth of the calibration windows it may use and of
+    its sampled sequences, each source split as the stage splits it (squeeze.quant.tuning.split_windows)."""
+    held = len(split_windows(max(1, text_windows))[1])
+    return held + (len(split_windows(generated)[1]) if generated else 0)
+
+
+def _distill_bytes(targets: dict[str, Target], seq_len: int, vocab: int, activations: int, held: int) -> int:
     """weights.distill (squeeze.compression.distill_stage) beside the loaded model: each quantized weight's int64
     code and its gathered float32 value kept for the backward, one window's activations twice (the teacher's
-    forward and the student's), and the held-out windows' cached target log-probabilities (at most 8 windows
-    held out for a run of the default 16384 calibration tokens plus 8 sampled sequences: 4 is typical)."""
+    forward and the student's), and the ``held`` held-out windows' cached target log-probabilities."""
     weights = sum(m.weight.numel() for m in targets.values())
-    return weights * 12 + 2 * activations + 4 * seq_len * vocab * 4
+    return weights * 12 + 2 * activations + held * seq_len * vocab * 4
 
 
 def check_budget(needed: int, max_memory: int, force: bool = False) -> None:

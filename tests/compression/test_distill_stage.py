@@ -149,3 +149,25 @@ def test_max_memory_refuses_distillation_before_any_work(tmp_path, stories_dir, 
     with pytest.raises(ConfigError, match="does not stream weights.distill"):
         compress(stories_dir, tinystories_file, tmp_path / "bounded", max_memory="64GB")
     assert not (tmp_path / "bounded" / WORK_NAME / "groups").exists()
+
+
+def test_the_peak_estimate_counts_the_student_and_every_held_out_target(tiny_llama_dir) -> None:
+    """preflight's plain estimate with weights.distill: the codes and gathered weights (12 bytes a quantized
+    weight), two windows' activations and one (seq_len, vocab) float32 target per held-out window, the count
+    split as the stage splits it (calibration windows and sampled sequences apart)."""
+    from squeeze.compression.preflight import estimate_peak_memory, meta_model
+    from squeeze.models.source import resolve_model
+
+    skeleton = meta_model(resolve_model(str(tiny_llama_dir)))
+    vocab = skeleton.config.vocab_size
+    seq_len = 512
+    one = load_recipe("w3", **{"weights.distill": {"tokens": 8 * seq_len, "generated_samples": 0}})
+    two = load_recipe("w3", **{"weights.distill": {"tokens": 16 * seq_len, "generated_samples": 8}})
+    four = load_recipe("w3", **{"weights.distill": {"tokens": 32 * seq_len, "generated_samples": 16}})
+    plain = estimate_peak_memory(skeleton, load_recipe("w3"), seq_len)
+    peaks = [estimate_peak_memory(skeleton, recipe, seq_len) for recipe in (one, two, four)]
+    assert plain < peaks[0]
+    per_window = seq_len * vocab * 4
+    # held out: 8 windows -> 1; 16 windows -> 2 and 8 sequences -> 1; 32 windows -> 4 and 16 sequences -> 2
+    assert peaks[1] - peaks[0] == 2 * per_window
+    assert peaks[2] - peaks[1] == 3 * per_window
